@@ -1,0 +1,122 @@
+// Communicator: one small interface over several real engines (MPI, c10d ProcessGroups such as
+// Gloo, NCCL, single process). Collectives run on flat contiguous tensors and follow NCCL's
+// in-place contract: for reduce_scatter/all_gather, rank r's shard is the slice [r*S, (r+1)*S).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace shardopt {
+
+enum class ReduceOp { Sum, Avg, Max, Min };
+const char* to_string(ReduceOp op);
+
+using Duration = std::chrono::milliseconds;
+// Default deadline of every collective (c10d's default is 30 minutes; shorter surfaces hangs sooner).
+inline constexpr Duration kDefaultTimeout = std::chrono::minutes(10);
+
+// Handle of an issued collective. wait() blocks until the result is in the output tensors.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until completion. Throws shardopt::Error{Timeout} naming the operation when it did not
+  // complete within `timeout` (zero: the communicator's timeout), or {Communication} when the
+  // engine failed. Calling wait() again after success returns at once.
+  void wait(Duration timeout = Duration::zero());
+  virtual bool is_completed() = 0;
+  // "all_reduce(1024 x float32, sum) on mpi": used in error messages.
+  const std::string& description() const { return description_; }
+
+ protected:
+  Work(std::string description, Duration default_timeout)
+      : description_(std::move(description)), default_timeout_(default_timeout) {}
+  // Returns false when `timeout` expired first; throws when the engine failed.
+  virtual bool wait_for(Duration timeout) = 0;
+  // Runs once after the engine finished, on the waiting thread (e.g. Avg emulation).
+  virtual void on_complete() {}
+
+ private:
+  std::string description_;
+  Duration default_timeout_;
+  bool done_ = false;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// What an engine can do natively; the rest is emulated (documented per engine).
+struct Capabilities {
+  bool native_avg = false;             // else Sum followed by a division on the output
+  bool native_reduce_scatter = true;   // else all_reduce of a scratch copy (2x traffic)
+  bool overlaps_caller = true;         // async work proceeds while the caller computes
+  bool cpu_tensors = true;
+  bool cuda_tensors = false;
+  bool can_time_out = true;            // a missing rank ends in an Error rather than a hang
+};
+
+// All calls are collective: every rank must make the same calls in the same order.
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  virtual std::string backend() const = 0;  // "mpi", "gloo", "nccl", "single", ...
+  virtual Capabilities capabilities() const = 0;
+  Duration timeout() const { return timeout_; }
+  void set_timeout(Duration timeout);
+
+  // In place on `tensor`. With async=false the call returns after completion.
+  WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum, bool async = false);
+  // input holds size()*S elements, output S; output may alias input[rank*S, (rank+1)*S).
+  // The rest of input is left unchanged.
+  WorkPtr reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                         ReduceOp op = ReduceOp::Sum, bool async = false);
+  // input holds S elements, output size()*S; input may alias output[rank*S, (rank+1)*S).
+  WorkPtr all_gather(const at::Tensor& input, const at::Tensor& output, bool async = false);
+  WorkPtr broadcast(const at::Tensor& tensor, int root, bool async = false);
+  void barrier();
+
+ protected:
+  Communicator(int rank, int size);
+  // Engines implement these on validated arguments (contiguous, same dtype/device, sizes checked).
+  // reduce ops reach them as Sum/Max/Min, and Avg only when capabilities().native_avg.
+  virtual WorkPtr do_all_reduce(const at::Tensor& tensor, ReduceOp op) = 0;
+  virtual WorkPtr do_reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                                    ReduceOp op) = 0;
+  virtual WorkPtr do_all_gather(const at::Tensor& input, const at::Tensor& output) = 0;
+  virtual WorkPtr do_broadcast(const at::Tensor& tensor, int root) = 0;
+  virtual void do_barrier() = 0;
+
+ private:
+  WorkPtr finish(WorkPtr work, const at::Tensor& result, ReduceOp requested, bool async);
+  int rank_;
+  int size_;
+  Duration timeout_ = kDefaultTimeout;
+};
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// A completed Work, for engines whose calls finish before they return.
+WorkPtr make_completed_work(std::string description);
+
+// One process, rank 0 of 1: collectives are copies or no-ops.
+CommunicatorPtr make_single_communicator();
+
+struct InitOptions {
+  // "" picks from the environment: mpirun/srun variables (OMPI_*, PMI_*, PMIX_*, SLURM_*) -> "mpi";
+  // RANK + WORLD_SIZE + MASTER_ADDR + MASTER_PORT (torchrun) -> "gloo" (or "nccl" with device
+  // "cuda"); otherwise "single". SHARDOPT_BACKEND in the environment overrides it too.
+  std::string backend;
+  std::string device = "cpu";
+  Duration timeout = kDefaultTimeout;
+};
+// Creates the communicator this process was launched for (see InitOptions::backend).
+CommunicatorPtr init_from_env(const InitOptions& options = {});
+
+// Describes a tensor for messages: "[4, 8] float32 cpu".
+std::string describe(const at::Tensor& tensor);
+
+}  // namespace shardopt

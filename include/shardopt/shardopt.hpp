@@ -1,0 +1,9 @@
+// Umbrella header: everything a trainer needs, nothing heavier than <ATen/core/Tensor.h>,
+// <torch/optim/optimizer.h> and fmt. Engine-specific factories live in mpi.hpp,
+// process_group.hpp and nccl.hpp.
+#pragma once
+
+#include "shardopt/comm.hpp"
+#include "shardopt/config.hpp"
+#include "shardopt/error.hpp"
+#include "shardopt/version.hpp"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the Debian packages shardopt needs, only those that are missing (apt-get update first).
+set -euo pipefail
+PACKAGES=(
+  build-essential cmake ninja-build lld ccache pkg-config
+  libtorch-dev python3-torch libopenblas0-openmp    # libtorch 1.13 CPU + an optimized BLAS
+  libopenmpi-dev openmpi-bin libgloo-dev             # engines
+  libfmt-dev nlohmann-json3-dev libcli11-dev         # formatting, JSON, CLI
+  libgtest-dev libgmock-dev libbenchmark-dev python3-pytest pybind11-dev
+  python3-matplotlib                                 # loss-curve and benchmark plots
+)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[setup] installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

@@ -1,0 +1,301 @@
+// Communicator front end: argument validation shared by every engine, Avg emulation, the
+// single-process engine and init_from_env().
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+
+#include "comm/engines.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/config.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "undefined tensor";
+  return fmt::format("[{}] {} {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()),
+                     t.device().str());
+}
+
+void Work::wait(Duration timeout) {
+  if (done_) return;
+  const Duration deadline = timeout > Duration::zero() ? timeout : default_timeout_;
+  SHARDOPT_CHECK(wait_for(deadline), Timeout,
+                 "comm: {} did not complete within {} ms; a rank may have died, hung, or not made "
+                 "the same call",
+                 description_, deadline.count());
+  on_complete();
+  done_ = true;
+}
+
+namespace {
+
+class CompletedWork final : public Work {
+ public:
+  explicit CompletedWork(std::string description) : Work(std::move(description), kDefaultTimeout) {}
+  bool is_completed() override { return true; }
+
+ protected:
+  bool wait_for(Duration) override { return true; }
+};
+
+// Sum on the engine, then a division by the world size once the result is in.
+class AvgWork final : public Work {
+ public:
+  AvgWork(WorkPtr inner, at::Tensor result, int world, Duration timeout)
+      : Work(inner->description(), timeout), inner_(std::move(inner)),
+        result_(std::move(result)), world_(world) {}
+  bool is_completed() override { return inner_->is_completed(); }
+
+ protected:
+  bool wait_for(Duration timeout) override {
+    inner_->wait(timeout);
+    return true;
+  }
+  void on_complete() override {
+    if (at::isIntegralType(result_.scalar_type(), /*includeBool=*/false)) {
+      result_.div_(world_, "trunc");
+    } else {
+      result_.div_(world_);
+    }
+  }
+
+ private:
+  WorkPtr inner_;
+  at::Tensor result_;
+  int world_;
+};
+
+bool supported_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kInt: case at::kLong: case at::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void check_tensor(const Communicator& comm, const char* op, const char* what, const at::Tensor& t) {
+  SHARDOPT_CHECK(t.defined(), InvalidArgument, "comm.{}: {} is an undefined tensor", op, what);
+  SHARDOPT_CHECK(t.is_contiguous(), InvalidArgument,
+                 "comm.{}: {} must be contiguous, got {} with strides [{}]", op, what, describe(t),
+                 fmt::join(t.strides(), ", "));
+  SHARDOPT_CHECK(supported_dtype(t.scalar_type()), InvalidArgument,
+                 "comm.{}: {} has unsupported dtype {}; expected one of float32, float64, "
+                 "float16, bfloat16, int32, int64, uint8",
+                 op, what, c10::toString(t.scalar_type()));
+  const auto caps = comm.capabilities();
+  SHARDOPT_CHECK(t.is_cpu() ? caps.cpu_tensors : (t.is_cuda() && caps.cuda_tensors),
+                 InvalidArgument, "comm.{}: {} is on {}, which the {} engine does not serve", op,
+                 what, t.device().str(), comm.backend());
+}
+
+void check_pair(const char* op, const at::Tensor& in, const at::Tensor& out) {
+  SHARDOPT_CHECK(in.scalar_type() == out.scalar_type(), InvalidArgument,
+                 "comm.{}: input and output dtypes differ, input {}, output {}", op, describe(in),
+                 describe(out));
+  SHARDOPT_CHECK(in.device() == out.device(), InvalidArgument,
+                 "comm.{}: input and output devices differ, input {}, output {}", op, describe(in),
+                 describe(out));
+}
+
+// `part` (S elements) may be exactly whole[rank*S, (rank+1)*S) or disjoint from `whole`.
+void check_alias(const char* op, const at::Tensor& whole, const at::Tensor& part, int rank) {
+  const auto* w0 = static_cast<const char*>(whole.data_ptr());
+  const auto* w1 = w0 + whole.nbytes();
+  const auto* p0 = static_cast<const char*>(part.data_ptr());
+  const auto* p1 = p0 + part.nbytes();
+  const bool disjoint = p1 <= w0 || w1 <= p0;
+  const bool own_slice = p0 == w0 + rank * part.nbytes();
+  SHARDOPT_CHECK(part.numel() == 0 || disjoint || own_slice, InvalidArgument,
+                 "comm.{}: the shard overlaps the full buffer but is not rank {}'s slice; "
+                 "it must be exactly [rank*S, (rank+1)*S) or not overlap at all",
+                 op, rank);
+}
+
+}  // namespace
+
+WorkPtr make_completed_work(std::string description) {
+  return std::make_shared<CompletedWork>(std::move(description));
+}
+
+Communicator::Communicator(int rank, int size) : rank_(rank), size_(size) {
+  SHARDOPT_CHECK(size >= 1 && rank >= 0 && rank < size, InvalidArgument,
+                 "comm: rank must lie in [0, size), got rank {} of size {}", rank, size);
+  set_error_rank(rank, size);
+}
+
+void Communicator::set_timeout(Duration timeout) {
+  SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
+                 "comm: timeout must be positive, got {} ms", timeout.count());
+  timeout_ = timeout;
+}
+
+WorkPtr Communicator::finish(WorkPtr work, const at::Tensor& result, ReduceOp requested,
+                             bool async) {
+  if (requested == ReduceOp::Avg && !capabilities().native_avg) {
+    work = std::make_shared<AvgWork>(std::move(work), result, size_, timeout_);
+  }
+  if (!async) work->wait();
+  return work;
+}
+
+static ReduceOp engine_op(ReduceOp op, const Capabilities& caps) {
+  return op == ReduceOp::Avg && !caps.native_avg ? ReduceOp::Sum : op;
+}
+
+WorkPtr Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op, bool async) {
+  check_tensor(*this, "all_reduce", "tensor", tensor);
+  return finish(do_all_reduce(tensor, engine_op(op, capabilities())), tensor, op, async);
+}
+
+WorkPtr Communicator::reduce_scatter(const at::Tensor& input, const at::Tensor& output,
+                                     ReduceOp op, bool async) {
+  check_tensor(*this, "reduce_scatter", "input", input);
+  check_tensor(*this, "reduce_scatter", "output", output);
+  check_pair("reduce_scatter", input, output);
+  SHARDOPT_CHECK(input.numel() == output.numel() * size_, InvalidArgument,
+                 "comm.reduce_scatter: input must hold world size x output elements, expected "
+                 "{} x {} = {}, got {} (input {}, output {})",
+                 size_, output.numel(), size_ * output.numel(), input.numel(), describe(input),
+                 describe(output));
+  check_alias("reduce_scatter", input, output, rank_);
+  return finish(do_reduce_scatter(input, output, engine_op(op, capabilities())), output, op,
+                async);
+}
+
+WorkPtr Communicator::all_gather(const at::Tensor& input, const at::Tensor& output, bool async) {
+  check_tensor(*this, "all_gather", "input", input);
+  check_tensor(*this, "all_gather", "output", output);
+  check_pair("all_gather", input, output);
+  SHARDOPT_CHECK(output.numel() == input.numel() * size_, InvalidArgument,
+                 "comm.all_gather: output must hold world size x input elements, expected "
+                 "{} x {} = {}, got {} (input {}, output {})",
+                 size_, input.numel(), size_ * input.numel(), output.numel(), describe(input),
+                 describe(output));
+  check_alias("all_gather", output, input, rank_);
+  return finish(do_all_gather(input, output), output, ReduceOp::Sum, async);
+}
+
+WorkPtr Communicator::broadcast(const at::Tensor& tensor, int root, bool async) {
+  check_tensor(*this, "broadcast", "tensor", tensor);
+  SHARDOPT_CHECK(root >= 0 && root < size_, InvalidArgument,
+                 "comm.broadcast: root must lie in [0, {}), got {}", size_, root);
+  return finish(do_broadcast(tensor, root), tensor, ReduceOp::Sum, async);
+}
+
+void Communicator::barrier() { do_barrier(); }
+
+namespace {
+
+class SingleCommunicator final : public Communicator {
+ public:
+  SingleCommunicator() : Communicator(0, 1) {}
+  std::string backend() const override { return "single"; }
+  Capabilities capabilities() const override {
+    Capabilities caps;
+    caps.native_avg = true;
+    caps.overlaps_caller = false;
+    caps.cuda_tensors = true;
+    return caps;
+  }
+
+ protected:
+  WorkPtr do_all_reduce(const at::Tensor&, ReduceOp) override { return done("all_reduce"); }
+  WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp) override {
+    if (in.data_ptr() != out.data_ptr()) out.copy_(in);
+    return done("reduce_scatter");
+  }
+  WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
+    if (in.data_ptr() != out.data_ptr()) out.copy_(in);
+    return done("all_gather");
+  }
+  WorkPtr do_broadcast(const at::Tensor&, int) override { return done("broadcast"); }
+  void do_barrier() override {}
+
+ private:
+  static WorkPtr done(const char* op) { return make_completed_work(fmt::format("{} on single", op)); }
+};
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
+}
+
+bool launched_by_mpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
+    if (!env(var).empty()) return true;
+  }
+  // srun sets SLURM_PROCID for every task; only a multi-task step is an MPI job.
+  return !env("SLURM_PROCID").empty() && !env("SLURM_NTASKS").empty() && env("SLURM_NTASKS") != "1";
+}
+
+int env_int(const char* name) {
+  const std::string v = env(name);
+  char* end = nullptr;
+  const long value = std::strtol(v.c_str(), &end, 10);
+  SHARDOPT_CHECK(!v.empty() && end && *end == '\0', InvalidArgument,
+                 "init_from_env: environment variable {} must be an integer, got '{}'", name, v);
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+CommunicatorPtr make_single_communicator() { return std::make_shared<SingleCommunicator>(); }
+
+CommunicatorPtr init_from_env(const InitOptions& options) {
+  std::string backend = options.backend.empty() ? env("SHARDOPT_BACKEND") : options.backend;
+  const bool torchrun = !env("RANK").empty() && !env("WORLD_SIZE").empty() &&
+                        !env("MASTER_ADDR").empty() && !env("MASTER_PORT").empty();
+  if (backend.empty()) {
+    if (launched_by_mpi()) {
+      backend = "mpi";
+    } else if (torchrun) {
+      backend = options.device == "cuda" ? "nccl" : "gloo";
+    } else {
+      backend = "single";
+    }
+  }
+  CommunicatorPtr comm;
+  if (backend == "single") {
+    comm = make_single_communicator();
+  } else if (backend == "mpi") {
+#if SHARDOPT_HAS_MPI
+    comm = detail::make_mpi_world_communicator(options.timeout);
+#else
+    SHARDOPT_FAIL(Unsupported, "init_from_env: backend 'mpi' requested, but this build of shardopt "
+                               "has no MPI (configure with SHARDOPT_WITH_MPI=ON)");
+#endif
+  } else if (backend == "gloo") {
+#if SHARDOPT_HAS_GLOO
+    SHARDOPT_CHECK(torchrun, InvalidArgument,
+                   "init_from_env: backend 'gloo' needs RANK, WORLD_SIZE, MASTER_ADDR and "
+                   "MASTER_PORT in the environment (torchrun sets them)");
+    comm = detail::make_gloo_tcp_communicator(env_int("RANK"), env_int("WORLD_SIZE"),
+                                              env("MASTER_ADDR"), env_int("MASTER_PORT"),
+                                              options.timeout);
+#else
+    SHARDOPT_FAIL(Unsupported, "init_from_env: backend 'gloo' requested, but this build of "
+                               "shardopt has no Gloo (configure with SHARDOPT_WITH_GLOO=ON)");
+#endif
+  } else {
+    SHARDOPT_FAIL(InvalidArgument,
+                  "init_from_env: unknown backend '{}'; expected one of single, mpi, gloo{}",
+                  backend, SHARDOPT_HAS_NCCL ? ", nccl (via make_nccl_communicator)" : "");
+  }
+  comm->set_timeout(options.timeout);
+  return comm;
+}
+
+}  // namespace shardopt

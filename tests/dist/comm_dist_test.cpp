@@ -1,0 +1,217 @@
+// Every engine's collectives against values each rank computes on its own, for every dtype and op,
+// in place and out of place, sync and with several async operations outstanding.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "shardopt/comm.hpp"
+#include "shardopt/error.hpp"
+#include "support/dist_env.hpp"
+
+namespace shardopt {
+namespace {
+
+const std::vector<at::ScalarType> kDtypes{at::kFloat, at::kDouble, at::kHalf,
+                                          at::kBFloat16, at::kInt, at::kLong};
+const std::vector<ReduceOp> kOps{ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min};
+
+// Small integers: exact in every dtype, sums included.
+at::Tensor values(int rank, int64_t numel) {
+  at::Tensor i = at::arange(numel, at::kLong);
+  return ((i * 3 + rank * 7) % 11 - 3).to(at::kDouble);
+}
+
+// What `op` over all ranks gives, computed locally in float64.
+at::Tensor expected_reduction(int world, int64_t numel, ReduceOp op, at::ScalarType dtype) {
+  at::Tensor acc = values(0, numel);
+  for (int r = 1; r < world; ++r) {
+    at::Tensor v = values(r, numel);
+    if (op == ReduceOp::Max) acc = at::maximum(acc, v);
+    else if (op == ReduceOp::Min) acc = at::minimum(acc, v);
+    else acc = acc + v;
+  }
+  if (op == ReduceOp::Avg) {
+    acc = at::isIntegralType(dtype, false) ? at::trunc(acc / world) : acc / world;
+  }
+  return acc;
+}
+
+double tolerance(at::ScalarType dtype) {
+  if (dtype == at::kHalf || dtype == at::kBFloat16) return 5e-2;
+  return at::isIntegralType(dtype, false) ? 0.0 : 1e-6;
+}
+
+double max_diff(const at::Tensor& got, const at::Tensor& want) {
+  return (got.to(at::kDouble) - want).abs().max().item<double>();
+}
+
+class CommTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  CommunicatorPtr comm() const { return test::communicator(GetParam()); }
+};
+
+TEST_P(CommTest, AllReduceEveryDtypeAndOp) {
+  auto c = comm();
+  for (auto dtype : kDtypes) {
+    for (auto op : kOps) {
+      for (int64_t numel : {1, 7, 1000}) {  // 7: not divisible by most world sizes
+        at::Tensor t = values(c->rank(), numel).to(dtype);
+        c->all_reduce(t, op);
+        EXPECT_LE(max_diff(t, expected_reduction(c->size(), numel, op, dtype)), tolerance(dtype))
+            << c10::toString(dtype) << " " << to_string(op) << " numel " << numel;
+      }
+    }
+  }
+}
+
+TEST_P(CommTest, ReduceScatterEveryDtypeAndOp) {
+  auto c = comm();
+  const int64_t shard = 37;
+  for (auto dtype : kDtypes) {
+    for (auto op : kOps) {
+      at::Tensor input = values(c->rank(), shard * c->size()).to(dtype);
+      at::Tensor want =
+          expected_reduction(c->size(), shard * c->size(), op, dtype).narrow(0, c->rank() * shard, shard);
+      at::Tensor out = at::empty({shard}, dtype);
+      at::Tensor before = input.clone();
+      c->reduce_scatter(input, out, op);
+      EXPECT_LE(max_diff(out, want), tolerance(dtype)) << c10::toString(dtype) << " " << to_string(op);
+      EXPECT_TRUE(input.equal(before)) << "reduce_scatter modified its input";
+      // In place: the output is this rank's slice of the input.
+      at::Tensor own = input.narrow(0, c->rank() * shard, shard);
+      c->reduce_scatter(input, own, op);
+      EXPECT_LE(max_diff(own, want), tolerance(dtype)) << "in place " << c10::toString(dtype);
+    }
+  }
+}
+
+TEST_P(CommTest, AllGatherEveryDtype) {
+  auto c = comm();
+  const int64_t shard = 29;
+  for (auto dtype : kDtypes) {
+    at::Tensor want = at::empty({shard * c->size()}, at::kDouble);
+    for (int r = 0; r < c->size(); ++r) want.narrow(0, r * shard, shard).copy_(values(r, shard));
+    at::Tensor out = at::zeros({shard * c->size()}, dtype);
+    c->all_gather(values(c->rank(), shard).to(dtype), out);
+    EXPECT_EQ(max_diff(out, want), 0.0) << c10::toString(dtype);
+    at::Tensor in_place = at::zeros({shard * c->size()}, dtype);
+    in_place.narrow(0, c->rank() * shard, shard).copy_(values(c->rank(), shard));
+    c->all_gather(in_place.narrow(0, c->rank() * shard, shard), in_place);
+    EXPECT_EQ(max_diff(in_place, want), 0.0) << "in place " << c10::toString(dtype);
+  }
+}
+
+TEST_P(CommTest, BroadcastFromEveryRoot) {
+  auto c = comm();
+  for (auto dtype : kDtypes) {
+    for (int root = 0; root < c->size(); ++root) {
+      at::Tensor t = values(c->rank(), 100).to(dtype);
+      c->broadcast(t, root);
+      EXPECT_EQ(max_diff(t, values(root, 100)), 0.0) << c10::toString(dtype) << " root " << root;
+    }
+  }
+}
+
+TEST_P(CommTest, SeveralAsyncOperationsOutstanding) {
+  auto c = comm();
+  const int64_t shard = 1 << 14;
+  std::vector<at::Tensor> sums, gathered, scattered;
+  std::vector<WorkPtr> works;
+  for (int k = 0; k < 4; ++k) {
+    sums.push_back(values(c->rank() + k, 1000).to(at::kFloat));
+    works.push_back(c->all_reduce(sums.back(), ReduceOp::Sum, /*async=*/true));
+    gathered.push_back(at::empty({shard * c->size()}, at::kFloat));
+    works.push_back(c->all_gather(at::full({shard}, float(c->rank() + k)), gathered.back(), true));
+    scattered.push_back(at::empty({shard}, at::kFloat));
+    works.push_back(c->reduce_scatter(at::full({shard * c->size()}, float(k)), scattered.back(),
+                                      ReduceOp::Avg, true));
+  }
+  for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->wait();  // reverse order
+  for (int k = 0; k < 4; ++k) {
+    at::Tensor want = values(k, 1000);
+    for (int r = 1; r < c->size(); ++r) want = want + values(r + k, 1000);
+    EXPECT_EQ(max_diff(sums[k], want), 0.0) << "all_reduce #" << k;
+    for (int r = 0; r < c->size(); ++r) {
+      EXPECT_TRUE(gathered[k].narrow(0, r * shard, shard).eq(float(r + k)).all().item<bool>());
+    }
+    EXPECT_TRUE(scattered[k].eq(float(k)).all().item<bool>()) << "reduce_scatter avg #" << k;
+  }
+}
+
+// Wrong arguments are caught before anything is sent, so every rank throws and nobody hangs.
+TEST_P(CommTest, BadArgumentsAreClearErrors) {
+  auto c = comm();
+  const int n = c->size();
+  auto expect_error = [](auto&& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { c->reduce_scatter(at::zeros({n * 4 + 1}), at::zeros({4})); },
+               "input must hold world size x output elements");
+  expect_error([&] { c->all_gather(at::zeros({4}), at::zeros({n * 4 + 2})); },
+               "output must hold world size x input elements");
+  expect_error([&] { c->all_reduce(at::zeros({4, 4}).t()); }, "must be contiguous");
+  expect_error([&] { c->all_gather(at::zeros({4}), at::zeros({n * 4}, at::kDouble)); },
+               "dtypes differ");
+  expect_error([&] { c->broadcast(at::zeros({4}), n); }, "root must lie in");
+  expect_error([&] { c->all_reduce(at::zeros({4}, at::kBool)); }, "unsupported dtype");
+  EXPECT_TRUE(test::all_ranks(true));  // everyone is still in step
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, CommTest, ::testing::ValuesIn(test::backends()),
+                         [](const auto& info) { return info.param; });
+
+// A rank that never makes the call: the ranks that wait get a Timeout naming the operation.
+TEST(CommTimeout, GlooMissingRankTimesOut) {
+  auto world = test::world();
+  if (world->size() == 1) GTEST_SKIP() << "needs a second rank";
+  auto gloo = test::fresh_gloo(std::chrono::milliseconds(1500));
+  if (!gloo) GTEST_SKIP() << "built without Gloo";
+  bool timed_out = world->rank() == 0;  // rank 0 plays the dead rank
+  if (world->rank() != 0) {
+    try {
+      gloo->all_reduce(at::ones({16}), ReduceOp::Sum, true)->wait(std::chrono::milliseconds(1500));
+    } catch (const Error& e) {
+      timed_out = e.kind() == ErrorKind::Timeout &&
+                  std::string(e.what()).find("all_reduce") != std::string::npos;
+      EXPECT_TRUE(timed_out) << e.what();
+    }
+  }
+  EXPECT_TRUE(test::all_ranks(timed_out));
+}
+
+// MPI cannot cancel, but the waiting ranks still get the error; the late rank then completes the
+// call (signalled over a second communicator), so the job ends cleanly.
+TEST(CommTimeout, MpiMissingRankTimesOutThenCompletes) {
+  auto world = test::world();
+  if (world->size() == 1) GTEST_SKIP() << "needs a second rank";
+  InitOptions init;
+  init.backend = "mpi";
+  auto late = init_from_env(init);  // a second duplicate of MPI_COMM_WORLD
+  at::Tensor t = at::ones({16});
+  bool ok = true;
+  if (world->rank() != 0) {
+    auto work = late->all_reduce(t, ReduceOp::Sum, true);
+    try {
+      work->wait(std::chrono::milliseconds(300));
+      ok = false;
+    } catch (const Error& e) {
+      ok = e.kind() == ErrorKind::Timeout &&
+           std::string(e.what()).find("all_reduce") != std::string::npos;
+    }
+    world->barrier();  // tells rank 0 we have timed out
+    work->wait();
+  } else {
+    world->barrier();
+    late->all_reduce(t, ReduceOp::Sum);
+  }
+  ok = ok && t.eq(float(world->size())).all().item<bool>();
+  EXPECT_TRUE(test::all_ranks(ok));
+}
+
+}  // namespace
+}  // namespace shardopt

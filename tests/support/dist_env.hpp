@@ -1,0 +1,24 @@
+// The multi-rank test environment: the MPI world every dist test runs in, the engines under test,
+// and all_ranks(), which agrees on a condition before anyone asserts (an ASSERT that returns on
+// one rank before a collective would hang the others).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "shardopt/comm.hpp"
+
+namespace shardopt::test {
+
+// MPI_COMM_WORLD's communicator (set up by the dist main).
+CommunicatorPtr world();
+// "mpi" or "gloo": one cached communicator per engine, all over the same processes.
+CommunicatorPtr communicator(const std::string& backend);
+// The engines this build can test.
+std::vector<std::string> backends();
+// A fresh Gloo group with its own store, for tests that leave it broken (timeouts).
+CommunicatorPtr fresh_gloo(Duration timeout);
+// True when `ok` holds on every rank. Collective: call it on all ranks.
+bool all_ranks(bool ok);
+
+}  // namespace shardopt::test

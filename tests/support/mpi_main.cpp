@@ -1,0 +1,94 @@
+// gtest main for tests launched by mpirun: one printer (rank 0), one thread per rank, and a
+// process exit code that is the same on every rank (a failure anywhere fails everywhere).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+
+#include "shardopt/config.hpp"
+#include "shardopt/process_group.hpp"
+#include "support/dist_env.hpp"
+
+namespace shardopt::test {
+namespace {
+CommunicatorPtr g_world;
+std::map<std::string, CommunicatorPtr> g_engines;
+int g_gloo_groups = 0;
+
+// Rank 0 creates a fresh directory for a FileStore and tells the others its name.
+std::string shared_store_path() {
+  std::string path(256, '\0');
+  if (g_world->rank() == 0) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-test-XXXXXX";
+    char* dir = mkdtemp(templ.data());
+    if (!dir) throw std::runtime_error("mkdtemp failed");
+    path.replace(0, templ.size(), templ);
+  }
+  at::Tensor bytes = at::from_blob(path.data(), {256}, at::kByte);
+  g_world->broadcast(bytes, 0);
+  return std::string(path.c_str()) + "/store" + std::to_string(g_gloo_groups++);
+}
+}  // namespace
+
+CommunicatorPtr world() { return g_world; }
+
+std::vector<std::string> backends() {
+  std::vector<std::string> out{"mpi"};
+#if SHARDOPT_HAS_GLOO
+  out.push_back("gloo");
+#endif
+  return out;
+}
+
+CommunicatorPtr fresh_gloo(Duration timeout) {
+#if SHARDOPT_HAS_GLOO
+  GlooOptions options;
+  options.rank = g_world->rank();
+  options.size = g_world->size();
+  options.store = "file:" + shared_store_path();
+  options.timeout = timeout;
+  return make_gloo_communicator(options);
+#else
+  (void)timeout;
+  return nullptr;
+#endif
+}
+
+CommunicatorPtr communicator(const std::string& backend) {
+  if (backend == "mpi") return g_world;
+  auto& slot = g_engines[backend];
+  if (!slot) slot = fresh_gloo(std::chrono::seconds(120));
+  return slot;
+}
+
+bool all_ranks(bool ok) {
+  at::Tensor flag = at::full({1}, ok ? 1 : 0, at::kInt);
+  g_world->all_reduce(flag, ReduceOp::Min);
+  return flag.item<int>() == 1;
+}
+
+}  // namespace shardopt::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  at::set_num_threads(1);
+  shardopt::InitOptions init;
+  init.backend = "mpi";
+  init.timeout = std::chrono::seconds(120);
+  shardopt::test::g_world = shardopt::init_from_env(init);
+  if (shardopt::test::g_world->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  const bool ok = shardopt::test::all_ranks(rc == 0);
+  if (shardopt::test::g_world->rank() == 0 && !ok && rc == 0) {
+    std::fprintf(stderr, "[dist] a test failed on another rank\n");
+  }
+  shardopt::test::g_engines.clear();
+  shardopt::test::g_world.reset();
+  return ok ? 0 : 1;
+}

@@ -6,4 +6,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/optimizer.hpp"
+#include "shardopt/options.hpp"
+#include "shardopt/rules.hpp"
 #include "shardopt/version.hpp"

@@ -1,0 +1,110 @@
+// DistributedOptimizer: the drop-in ZeRO optimizer (stages 0-3) for libtorch trainers.
+//
+//   auto comm = shardopt::init_from_env();
+//   shardopt::ZeroOptions zo;  zo.stage = 2;
+//   shardopt::DistributedOptimizer opt(model->named_parameters(),
+//                                      shardopt::AdamW(1e-4).weight_decay(0.01), comm, zo);
+//   for (...) { opt.zero_grad(); auto loss = model->forward(x); opt.backward(loss); opt.step(); }
+//
+// Every rank feeds its own slice of the global batch (loss = mean over that slice); after step()
+// every rank holds what one process training on the whole batch with the same torch optimizer
+// would hold. Model parameters become views into flat buffers owned by the optimizer, so the
+// optimizer must outlive the training loop's use of them. All methods are collective unless noted.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shardopt/comm.hpp"
+#include "shardopt/options.hpp"
+#include "shardopt/rules.hpp"
+
+namespace shardopt {
+
+struct NamedParameter {
+  std::string name;
+  at::Tensor tensor;
+};
+
+// A parameter group: its parameters and overrides of the optimizer's rule (torch's param groups).
+struct ParamGroup {
+  std::vector<NamedParameter> params;
+  std::optional<double> lr;
+  std::optional<double> weight_decay;
+};
+
+// BERT's usual split: parameters whose name matches `no_decay` (biases, LayerNorm) get weight
+// decay 0; the rest keep the rule's. Parameters keep their named_parameters() order.
+std::vector<ParamGroup> weight_decay_groups(
+    const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
+    const std::function<bool(const std::string& name)>& no_decay);
+
+// Any torch optimizer over this rank's shard: called once with the shard's flat tensors (each
+// with .grad set before every step). Its state is sharded like the native rules' state.
+using ShardOptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> shard)>;
+
+// What the last step() did.
+struct StepStats {
+  int64_t step = 0;              // optimizer steps taken so far (skipped ones not counted)
+  double grad_norm = -1.0;       // global L2 norm before clipping; -1 when not computed
+  bool clipped = false;
+  bool skipped = false;          // non-finite gradients under loss scaling: no update anywhere
+  double loss_scale = 1.0;
+  double reduce_wait_s = 0.0;    // waiting for gradient reductions after backward
+  double update_s = 0.0;         // the local optimizer update
+  double gather_s = 0.0;         // all-gathering updated parameters
+  double step_s = 0.0;           // the whole step() call
+  int64_t comm_elements = 0;     // elements this rank sent into collectives since the last step
+};
+
+// Bytes this rank holds for the model state, by category (the DESIGN.md memory model).
+struct MemoryReport {
+  int64_t param_bytes = 0;            // model parameters (full or sharded, compute dtype)
+  int64_t grad_bytes = 0;             // gradients kept between backward and step
+  int64_t optimizer_state_bytes = 0;  // optimizer state (+ fp32 master weights when mixed)
+  int64_t buffer_bytes = 0;           // bounded communication buffers (buckets, gathered units)
+  int64_t total() const { return param_bytes + grad_bytes + optimizer_state_bytes + buffer_bytes; }
+};
+
+namespace detail {
+class Engine;
+}
+
+class DistributedOptimizer : public torch::optim::Optimizer {
+ public:
+  DistributedOptimizer(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
+                       Rule rule, CommunicatorPtr comm, ZeroOptions options = {});
+  DistributedOptimizer(std::vector<ParamGroup> groups, Rule rule, CommunicatorPtr comm,
+                       ZeroOptions options = {});
+  DistributedOptimizer(std::vector<ParamGroup> groups, ShardOptimizerFactory factory,
+                       CommunicatorPtr comm, ZeroOptions options = {});
+  ~DistributedOptimizer() override;
+
+  // Finishes the gradient reduction, clips, updates the local shard and gathers parameters.
+  // The closure, when given, is called first (under grad mode) and its loss returned.
+  at::Tensor step(LossClosure closure = nullptr) override;
+  // Clears gradients (in place for stages 0-1; shards for stage 2). Hides the base's.
+  void zero_grad();
+  // loss.backward() plus micro-step bookkeeping (and loss scaling with fp16).
+  void backward(const at::Tensor& loss);
+
+  const StepStats& last_step() const;
+  MemoryReport memory() const;
+  const ZeroOptions& options() const;
+  const CommunicatorPtr& communicator() const;
+  // Number of (deduplicated, trainable) parameters and their padded total in the flat layout.
+  int64_t numel() const;
+  int64_t padded_numel() const;
+
+ private:
+  std::unique_ptr<detail::Engine> engine_;
+};
+
+}  // namespace shardopt

@@ -1,0 +1,46 @@
+// ZeroOptions: how DistributedOptimizer shards, communicates and steps. Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "shardopt/comm.hpp"
+
+namespace shardopt {
+
+enum class Precision { FP32, FP16, BF16 };
+enum class Offload { None, CPU };
+const char* to_string(Precision precision);
+// "fp32" | "fp16" | "bf16"; throws Error{InvalidArgument} otherwise.
+Precision parse_precision(const std::string& text);
+
+struct ZeroOptions {
+  // 0: DDP-equivalent (all-reduce, full optimizer everywhere); 1: optimizer state sharded;
+  // 2: + gradients sharded during backward; 3: + parameters sharded, gathered per unit.
+  int stage = 2;
+  // Gradients are reduced in buckets of about this many bytes (one parameter never splits).
+  int64_t bucket_bytes = int64_t{16} << 20;
+  // Start each bucket's reduction from the backward hooks as soon as it is complete.
+  bool overlap_comm = true;
+  // backward() calls per step(); gradients are averaged over them (one big batch). Stages 0-1
+  // communicate once per step (full gradients kept between micro-steps); stage 2 reduces every
+  // micro-step into its gradient shard, so memory stays at 1/N.
+  int grad_accumulation_steps = 1;
+  // Global gradient-norm clipping across all shards; 0 disables it.
+  double max_grad_norm = 0.0;
+  Precision precision = Precision::FP32;
+  Offload offload = Offload::None;
+  // Rank 0's initial parameters are copied to every rank at construction, as DDP does.
+  bool broadcast_initial_params = true;
+  // Shard boundaries are aligned to this many bytes (SIMD, NCCL).
+  int64_t align_bytes = 64;
+  // Stage 3: how many units ahead to gather during forward.
+  int prefetch = 1;
+  // Deadline of every collective the optimizer waits on.
+  Duration timeout = kDefaultTimeout;
+
+  // Throws Error{InvalidArgument} naming the first invalid field and its valid range.
+  void validate() const;
+};
+
+}  // namespace shardopt

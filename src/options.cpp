@@ -1,0 +1,58 @@
+// ZeroOptions validation, precision names, and the rule helpers shared by the optimizer and the
+// bindings.
+#include "shardopt/options.hpp"
+
+#include "shardopt/error.hpp"
+#include "shardopt/rules.hpp"
+
+namespace shardopt {
+
+const char* to_string(Precision precision) {
+  switch (precision) {
+    case Precision::FP32: return "fp32";
+    case Precision::FP16: return "fp16";
+    case Precision::BF16: return "bf16";
+  }
+  return "?";
+}
+
+Precision parse_precision(const std::string& text) {
+  if (text == "fp32") return Precision::FP32;
+  if (text == "fp16") return Precision::FP16;
+  if (text == "bf16") return Precision::BF16;
+  SHARDOPT_FAIL(InvalidArgument, "options: precision must be one of fp32, fp16, bf16, got '{}'",
+                text);
+}
+
+void ZeroOptions::validate() const {
+  SHARDOPT_CHECK(stage >= 0 && stage <= 3, InvalidArgument,
+                 "options: stage must be 0, 1, 2 or 3, got {}", stage);
+  SHARDOPT_CHECK(bucket_bytes > 0, InvalidArgument,
+                 "options: bucket_bytes must be positive, got {}", bucket_bytes);
+  SHARDOPT_CHECK(grad_accumulation_steps >= 1, InvalidArgument,
+                 "options: grad_accumulation_steps must be at least 1, got {}",
+                 grad_accumulation_steps);
+  SHARDOPT_CHECK(max_grad_norm >= 0.0, InvalidArgument,
+                 "options: max_grad_norm must be >= 0 (0 disables clipping), got {}", max_grad_norm);
+  SHARDOPT_CHECK(align_bytes > 0 && (align_bytes & (align_bytes - 1)) == 0, InvalidArgument,
+                 "options: align_bytes must be a positive power of two, got {}", align_bytes);
+  SHARDOPT_CHECK(prefetch >= 0, InvalidArgument, "options: prefetch must be >= 0, got {}",
+                 prefetch);
+  SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
+                 "options: timeout must be positive, got {} ms", timeout.count());
+}
+
+const char* rule_name(const Rule& rule) {
+  return std::visit([](const auto& r) { return std::decay_t<decltype(r)>::kName; }, rule);
+}
+double rule_lr(const Rule& rule) {
+  return std::visit([](const auto& r) { return r.lr(); }, rule);
+}
+void set_rule_lr(Rule& rule, double lr) {
+  std::visit([lr](auto& r) { r.lr(lr); }, rule);
+}
+void set_rule_weight_decay(Rule& rule, double weight_decay) {
+  std::visit([weight_decay](auto& r) { r.weight_decay(weight_decay); }, rule);
+}
+
+}  // namespace shardopt

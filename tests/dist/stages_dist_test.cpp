@@ -322,6 +322,38 @@ std::vector<Case> parity_cases() {
 INSTANTIATE_TEST_SUITE_P(Stages, StageParity, ::testing::ValuesIn(parity_cases()),
                          [](const auto& info) { return case_name(info.param); });
 
+// Any torch optimizer runs over the shard through a factory; its state is sharded too.
+TEST(StageFactory, TorchAdamWOverTheShardMatches) {
+  auto comm = test::world();
+  for (int stage : {0, 1, 2}) {
+    Case c{stage, "adamw"};
+    const auto reference = train_reference(c);
+    TinyNet net;
+    ZeroOptions zo;
+    zo.stage = stage;
+    zo.bucket_bytes = 64;
+    DistributedOptimizer opt(net.groups(false), [](std::vector<at::Tensor> shard) {
+      auto a = std::get<AdamW>(make_rule("adamw"));
+      return std::make_unique<torch::optim::AdamW>(shard, torch::optim::AdamWOptions(a.lr())
+          .betas({a.beta1(), a.beta2()}).eps(a.eps()).weight_decay(a.weight_decay()));
+    }, comm, zo);
+    const int64_t per_rank = kBatch / comm->size();
+    for (int64_t s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      auto [x, y] = batch(s, 0);
+      opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
+                            y.narrow(0, comm->rank() * per_rank, per_rank)));
+      opt.step();
+    }
+    std::map<std::string, at::Tensor> got;
+    for (auto& [name, t] : net.named) got[name] = t.detach();
+    std::string worst;
+    const double diff = max_abs_diff(got, reference, &worst);
+    EXPECT_LE(diff, 1e-6) << "stage " << stage << ", worst " << worst;
+    EXPECT_TRUE(test::all_ranks(diff <= 1e-6));
+  }
+}
+
 // memory() is the DESIGN.md model with padding: K = 8 bytes of AdamW state per element.
 TEST(StageMemory, MatchesTheModel) {
   auto comm = test::world();

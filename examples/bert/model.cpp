@@ -1,0 +1,202 @@
+// BERT encoder, pooler, MLM and NSP heads (see model.hpp for names and the tied decoder).
+#include "model.hpp"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace bert {
+
+namespace F = torch::nn::functional;
+using torch::nn::Module;
+
+BertConfig BertConfig::preset(const std::string& name) {
+  BertConfig c;
+  c.name = name;
+  auto set = [&](int64_t layers, int64_t hidden, int64_t heads, int64_t inter) {
+    c.num_layers = layers, c.hidden_size = hidden, c.num_heads = heads;
+    c.intermediate_size = inter;
+  };
+  if (name == "tiny") set(2, 128, 2, 512);
+  else if (name == "mini") set(4, 256, 4, 1024);
+  else if (name == "small") set(4, 512, 8, 2048);
+  else if (name == "base") set(12, 768, 12, 3072);
+  else if (name == "large") set(24, 1024, 16, 4096);
+  else throw std::invalid_argument("unknown BERT preset '" + name +
+                                   "'; expected tiny, mini, small, base or large");
+  return c;
+}
+
+std::vector<std::string> BertConfig::preset_names() {
+  return {"tiny", "mini", "small", "base", "large"};
+}
+
+void BertConfig::validate() const {
+  auto need = [](bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("BertConfig: " + what);
+  };
+  need(vocab_size > 0, "vocab_size must be > 0");
+  need(hidden_size > 0 && num_heads > 0 && hidden_size % num_heads == 0,
+       "hidden_size (" + std::to_string(hidden_size) + ") must be a multiple of num_heads (" +
+           std::to_string(num_heads) + ")");
+  need(num_layers > 0 && intermediate_size > 0, "num_layers and intermediate_size must be > 0");
+  need(max_position_embeddings > 0 && type_vocab_size > 0,
+       "max_position_embeddings and type_vocab_size must be > 0");
+  need(hidden_dropout >= 0 && hidden_dropout < 1 && attention_dropout >= 0 &&
+           attention_dropout < 1,
+       "dropout probabilities must be in [0, 1)");
+}
+
+BertInputs to_inputs(const Batch& b) {
+  auto make = [](const std::vector<int64_t>& v, std::vector<int64_t> shape) {
+    return torch::from_blob(const_cast<int64_t*>(v.data()), shape, torch::kLong).clone();
+  };
+  BertInputs in;
+  in.input_ids = make(b.input_ids, {b.rows, b.seq_length});
+  in.token_type_ids = make(b.token_type_ids, {b.rows, b.seq_length});
+  in.attention_mask = make(b.attention_mask, {b.rows, b.seq_length});
+  in.masked_positions = make(b.masked_positions, {b.rows, b.max_predictions});
+  in.masked_labels = make(b.masked_labels, {b.rows, b.max_predictions});
+  in.nsp_labels = make(b.nsp_labels, {b.rows});
+  return in;
+}
+
+// ---- encoder layer ----------------------------------------------------------------------------
+
+BertLayerImpl::BertLayerImpl(const BertConfig& c)
+    : heads_(c.num_heads), head_dim_(c.hidden_size / c.num_heads) {
+  const int64_t h = c.hidden_size;
+  auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(c.layer_norm_eps)); };
+  // Plain modules only to reproduce the reference parameter names.
+  auto attention = register_module("attention", std::make_shared<Module>());
+  auto self = attention->register_module("self", std::make_shared<Module>());
+  query_ = self->register_module("query", torch::nn::Linear(h, h));
+  key_ = self->register_module("key", torch::nn::Linear(h, h));
+  value_ = self->register_module("value", torch::nn::Linear(h, h));
+  auto attention_output = attention->register_module("output", std::make_shared<Module>());
+  attn_dense_ = attention_output->register_module("dense", torch::nn::Linear(h, h));
+  attn_norm_ = attention_output->register_module("LayerNorm", ln());
+  auto intermediate = register_module("intermediate", std::make_shared<Module>());
+  intermediate_ = intermediate->register_module("dense", torch::nn::Linear(h, c.intermediate_size));
+  auto output = register_module("output", std::make_shared<Module>());
+  output_ = output->register_module("dense", torch::nn::Linear(c.intermediate_size, h));
+  output_norm_ = output->register_module("LayerNorm", ln());
+  attn_dropout_ = register_module("attention_dropout", torch::nn::Dropout(c.attention_dropout));
+  hidden_dropout_ = register_module("hidden_dropout", torch::nn::Dropout(c.hidden_dropout));
+}
+
+at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bias) {
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
+  auto split = [&](const at::Tensor& t) {  // [B, T, H] -> [B, heads, T, head_dim]
+    return t.view({B, T, heads_, head_dim_}).transpose(1, 2);
+  };
+  const auto q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
+  auto scores = torch::matmul(q, k.transpose(-1, -2)) * (1.0 / std::sqrt(double(head_dim_)));
+  auto probs = attn_dropout_(torch::softmax(scores + mask_bias, -1));
+  auto context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
+  auto attended = attn_norm_(hidden_dropout_(attn_dense_(context)) + x);
+  auto inner = torch::gelu(intermediate_(attended));
+  return output_norm_(hidden_dropout_(output_(inner)) + attended);
+}
+
+// ---- the whole model --------------------------------------------------------------------------
+
+BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c) {
+  c.validate();
+  const int64_t h = c.hidden_size;
+  auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(c.layer_norm_eps)); };
+  auto bert = register_module("bert", std::make_shared<Module>());
+  auto embeddings = bert->register_module("embeddings", std::make_shared<Module>());
+  word_embeddings_ = embeddings->register_module("word_embeddings", torch::nn::Embedding(c.vocab_size, h));
+  position_embeddings_ = embeddings->register_module(
+      "position_embeddings", torch::nn::Embedding(c.max_position_embeddings, h));
+  token_type_embeddings_ = embeddings->register_module(
+      "token_type_embeddings", torch::nn::Embedding(c.type_vocab_size, h));
+  embeddings_norm_ = embeddings->register_module("LayerNorm", ln());
+  embeddings_dropout_ = embeddings->register_module("dropout", torch::nn::Dropout(c.hidden_dropout));
+
+  auto encoder = bert->register_module("encoder", std::make_shared<Module>());
+  auto list = encoder->register_module("layer", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    layers_.emplace_back(c);
+    list->push_back(layers_.back());
+  }
+  auto pooler = bert->register_module("pooler", std::make_shared<Module>());
+  pooler_ = pooler->register_module("dense", torch::nn::Linear(h, h));
+
+  auto cls = register_module("cls", std::make_shared<Module>());
+  auto predictions = cls->register_module("predictions", std::make_shared<Module>());
+  // Note [Tied MLM decoder]: no decoder weight here; forward() uses word_embeddings_->weight.
+  decoder_bias_ = predictions->register_parameter("bias", torch::zeros({c.vocab_size}));
+  auto transform = predictions->register_module("transform", std::make_shared<Module>());
+  transform_ = transform->register_module("dense", torch::nn::Linear(h, h));
+  transform_norm_ = transform->register_module("LayerNorm", ln());
+  seq_relationship_ = cls->register_module("seq_relationship", torch::nn::Linear(h, 2));
+  init_weights();
+}
+
+// BERT's initialisation: N(0, initializer_range) weights, zero biases, LayerNorm (1, 0).
+void BertForPreTrainingImpl::init_weights() {
+  torch::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    const std::string& name = p.key();
+    auto ends_with = [&](const std::string& s) {
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (ends_with("LayerNorm.weight")) p.value().fill_(1.0);
+    else if (ends_with("bias")) p.value().zero_();
+    else p.value().normal_(0.0, config_.initializer_range);
+  }
+}
+
+int64_t BertForPreTrainingImpl::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tensor& input_ids,
+                                                                 const at::Tensor& token_type_ids,
+                                                                 const at::Tensor& attention_mask) {
+  const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  if (T > config_.max_position_embeddings) {
+    throw std::invalid_argument("BERT: sequence length " + std::to_string(T) +
+                                " exceeds max_position_embeddings " +
+                                std::to_string(config_.max_position_embeddings));
+  }
+  const auto positions = torch::arange(T, input_ids.options()).unsqueeze(0);
+  auto x = word_embeddings_(input_ids) + position_embeddings_(positions) +
+           token_type_embeddings_(token_type_ids);
+  x = embeddings_dropout_(embeddings_norm_(x));
+  // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation).
+  const auto mask_bias =
+      ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
+  for (auto& layer : layers_) x = layer->forward(x, mask_bias);
+  auto pooled = torch::tanh(pooler_(x.select(1, 0)));
+  return {x, pooled};
+}
+
+BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
+  auto [sequence, pooled] = encode(in.input_ids, in.token_type_ids, in.attention_mask);
+  const int64_t B = sequence.size(0), T = sequence.size(1), H = sequence.size(2);
+  BertOutputs out;
+  // MLM head only at the real masked positions (Google's gather_indexes, padding dropped).
+  const auto labels = in.masked_labels.reshape({-1});
+  const auto valid = labels.ne(-100).nonzero().squeeze(1);
+  const auto rows = (in.masked_positions +
+                     torch::arange(B, in.masked_positions.options()).unsqueeze(1) * T)
+                        .reshape({-1})
+                        .index_select(0, valid);
+  auto h = sequence.reshape({B * T, H}).index_select(0, rows);
+  h = transform_norm_(torch::gelu(transform_(h)));
+  out.mlm_logits = F::linear(h, word_embeddings_->weight, decoder_bias_);
+  out.mlm_labels = labels.index_select(0, valid);
+  out.nsp_logits = seq_relationship_(pooled);
+  out.mlm_loss = F::cross_entropy(out.mlm_logits.to(torch::kFloat), out.mlm_labels);
+  out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
+  out.loss = out.mlm_loss + out.nsp_loss;
+  return out;
+}
+
+}  // namespace bert

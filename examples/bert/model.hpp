@@ -1,0 +1,117 @@
+// BERT for pretraining (Devlin et al. 2019) in libtorch: embeddings, post-LN encoder, pooler,
+// masked-LM head and next-sentence head. Parameter names follow Hugging Face's
+// BertForPreTraining ("bert.encoder.layer.0.attention.self.query.weight", "cls.predictions.bias").
+//
+// Note [Tied MLM decoder]: the MLM decoder has no weight of its own. Its logits are
+// F::linear(h, bert.embeddings.word_embeddings.weight, cls.predictions.bias), so the tied matrix is
+// one parameter, counted once by parameters() and sharded once by the optimizer; only the bias
+// (cls.predictions.bias) belongs to the head.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+#include <vector>
+
+#include "data.hpp"
+
+namespace bert {
+
+struct BertConfig {
+  std::string name = "base";
+  int64_t vocab_size = 30522;
+  int64_t hidden_size = 768;
+  int64_t num_layers = 12;
+  int64_t num_heads = 12;
+  int64_t intermediate_size = 3072;
+  int64_t max_position_embeddings = 512;
+  int64_t type_vocab_size = 2;
+  double hidden_dropout = 0.1;
+  double attention_dropout = 0.1;
+  double layer_norm_eps = 1e-12;
+  double initializer_range = 0.02;
+
+  // tiny 2/128/2/512, mini 4/256/4/1024, small 4/512/8/2048, base 12/768/12/3072,
+  // large 24/1024/16/4096 (layers/hidden/heads/intermediate); vocab 30522, 512 positions.
+  // Throws std::invalid_argument for other names.
+  static BertConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();
+  // Throws std::invalid_argument naming the first inconsistent field.
+  void validate() const;
+};
+
+// Tensors of one batch (int64, on the model's device). masked_labels is -100 where padded.
+struct BertInputs {
+  at::Tensor input_ids, token_type_ids, attention_mask;  // [B, T]
+  at::Tensor masked_positions, masked_labels;            // [B, P]
+  at::Tensor nsp_labels;                                 // [B]
+};
+// Copies a loader batch into tensors (no copy of the data beyond one from_blob clone each).
+BertInputs to_inputs(const Batch& batch);
+
+struct BertOutputs {
+  at::Tensor loss;        // mlm_loss + nsp_loss (fp32 scalar)
+  at::Tensor mlm_loss;    // mean cross-entropy over the masked positions
+  at::Tensor nsp_loss;    // mean cross-entropy over the rows
+  at::Tensor mlm_logits;  // [M, vocab] for the M real (non-padding) masked positions
+  at::Tensor mlm_labels;  // [M]
+  at::Tensor nsp_logits;  // [B, 2]
+};
+
+class BertLayerImpl : public torch::nn::Module {
+ public:
+  explicit BertLayerImpl(const BertConfig& config);
+  // x: [B, T, H]; mask_bias: [B, 1, 1, T], 0 for tokens and a large negative for padding.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& mask_bias);
+
+ private:
+  int64_t heads_, head_dim_;
+  torch::nn::Linear query_{nullptr}, key_{nullptr}, value_{nullptr}, attn_dense_{nullptr};
+  torch::nn::LayerNorm attn_norm_{nullptr};
+  torch::nn::Linear intermediate_{nullptr}, output_{nullptr};
+  torch::nn::LayerNorm output_norm_{nullptr};
+  torch::nn::Dropout attn_dropout_{nullptr}, hidden_dropout_{nullptr};
+};
+TORCH_MODULE(BertLayer);
+
+class BertForPreTrainingImpl : public torch::nn::Module {
+ public:
+  explicit BertForPreTrainingImpl(const BertConfig& config);
+  const BertConfig& config() const { return config_; }
+
+  // Encoder output [B, T, H] and pooled [CLS] state [B, H].
+  std::pair<at::Tensor, at::Tensor> encode(const at::Tensor& input_ids,
+                                           const at::Tensor& token_type_ids,
+                                           const at::Tensor& attention_mask);
+  // Logits and losses (losses computed in fp32 whatever the parameters' dtype).
+  BertOutputs forward(const BertInputs& inputs);
+
+  const at::Tensor& word_embeddings() const { return word_embeddings_->weight; }
+  // The encoder layers, in order (the natural stage-3 units).
+  std::vector<BertLayer> layers() const { return layers_; }
+  // Parameters counted once each (the tied decoder is the word embedding matrix).
+  int64_t num_parameters() const;
+
+ private:
+  void init_weights();
+  BertConfig config_;
+  torch::nn::Embedding word_embeddings_{nullptr}, position_embeddings_{nullptr},
+      token_type_embeddings_{nullptr};
+  torch::nn::LayerNorm embeddings_norm_{nullptr};
+  torch::nn::Dropout embeddings_dropout_{nullptr};
+  std::vector<BertLayer> layers_;
+  torch::nn::Linear pooler_{nullptr};
+  torch::nn::Linear transform_{nullptr};
+  torch::nn::LayerNorm transform_norm_{nullptr};
+  at::Tensor decoder_bias_;  // cls.predictions.bias; the decoder weight is word_embeddings_
+  torch::nn::Linear seq_relationship_{nullptr};
+};
+TORCH_MODULE(BertForPreTraining);
+
+}  // namespace bert

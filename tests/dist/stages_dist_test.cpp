@@ -402,6 +402,7 @@ TEST(StageValidation, MismatchedModelsAreNamedOnEveryRank) {
     named = e.kind() == ErrorKind::Mismatch && what.find("fc1") != std::string::npos &&
             what.find("rank 1") != std::string::npos;
     EXPECT_TRUE(named) << what;
+    if (comm->rank() == 0) std::printf("%s\n", what.c_str());  // the message users see
   }
   EXPECT_TRUE(test::all_ranks(named));
 }

@@ -56,16 +56,19 @@ struct TinyNet {
     at::Tensor logits = at::matmul(h, p["embed.weight"].t());
     return at::nll_loss(at::log_softmax(logits, 1), y);
   }
-  // Two groups: weights (default rule) and biases (no weight decay, their own lr).
+  // Three groups: weights (default rule); biases (no weight decay, their own lr); and tiny.bias
+  // alone, a group of one element (fewer than the ranks: most ranks own only padding of it).
   std::vector<ParamGroup> groups(bool split) {
-    std::vector<ParamGroup> out(split ? 2 : 1);
+    std::vector<ParamGroup> out(split ? 3 : 1);
     for (auto& [name, t] : named) {
       const bool bias = name.find("bias") != std::string::npos;
-      out[split && bias ? 1 : 0].params.push_back({name, t});
+      const int g = !split ? 0 : name == "tiny.bias" ? 2 : bias ? 1 : 0;
+      out[g].params.push_back({name, t});
     }
     if (split) {
       out[1].weight_decay = 0.0;
       out[1].lr = 0.02;
+      out[2].lr = 0.03;
     }
     return out;
   }

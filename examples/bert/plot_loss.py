@@ -9,14 +9,28 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def smooth(values, window=20):
+    """Trailing moving average (the first points average what exists)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def main(metrics_path, png_path):
     rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
     if not rows:
         sys.exit(f"plot_loss.py: {metrics_path} holds no steps")
     steps = [r["step"] for r in rows]
     fig, (ax, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, label in (("loss", "total"), ("mlm_loss", "MLM"), ("nsp_loss", "NSP")):
-        ax.plot(steps, [r[key] for r in rows], label=label, linewidth=1.2)
+    for key, label, color in (("loss", "total", "C0"), ("mlm_loss", "MLM", "C1"),
+                              ("nsp_loss", "NSP", "C2")):
+        values = [r[key] for r in rows]
+        ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+        ax.plot(steps, smooth(values), color=color, label=f"{label} (20-step mean)", linewidth=1.6)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy")
     ax.set_title("BERT pretraining loss")
@@ -27,12 +41,15 @@ def main(metrics_path, png_path):
     lines, labels = ax.get_legend_handles_labels()
     lines2, labels2 = lr_ax.get_legend_handles_labels()
     ax.legend(lines + lines2, labels + labels2, loc="upper right")
-    ax_acc.plot(steps, [r["mlm_acc"] for r in rows], label="MLM accuracy")
-    ax_acc.plot(steps, [r["nsp_acc"] for r in rows], label="NSP accuracy")
+    for key, label, color in (("mlm_acc", "MLM accuracy", "C1"), ("nsp_acc", "NSP accuracy", "C2")):
+        values = [r[key] for r in rows]
+        ax_acc.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+        ax_acc.plot(steps, smooth(values), color=color, label=f"{label} (20-step mean)")
     ax_acc.set_xlabel("step")
     ax_acc.set_ylim(0, 1)
     ax_acc.grid(alpha=0.3)
-    ax_acc.legend(loc="lower right")
+    ax_acc.set_title("accuracy on the masked / NSP labels")
+    ax_acc.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
 

@@ -66,7 +66,7 @@ struct Args {
   std::string golden;        // "step loss" lines to compare against
   double golden_tol = 0.05;  // absolute
   std::string write_golden;
-  std::string bucket_mb = "";
+  double bucket_mb = 0;  // 0: the library's default
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -104,6 +104,15 @@ struct Prepared {
   std::vector<std::string> notes;  // what was built or reused, for the log
 };
 
+std::vector<std::string> corpus_files(const Args& a) {
+  std::vector<std::string> files;
+  for (const auto& c : a.corpus) {
+    auto more = bert::list_corpus_files(c);
+    files.insert(files.end(), more.begin(), more.end());
+  }
+  return files;
+}
+
 uint64_t corpus_key(const std::vector<std::string>& files) {
   uint64_t h = bert::fnv1a("corpus-v1", 9);
   for (const auto& f : files) {
@@ -115,15 +124,23 @@ uint64_t corpus_key(const std::vector<std::string>& files) {
   return h;
 }
 
+bert::PretrainOptions pretrain_options(const Args& a) {
+  bert::PretrainOptions po;
+  po.max_seq_length = a.max_seq_length;
+  po.max_predictions_per_seq = a.max_predictions;
+  po.masked_lm_prob = a.masked_lm_prob;
+  po.short_seq_prob = a.short_seq_prob;
+  po.dupe_factor = a.dupe_factor;
+  po.whole_word_mask = a.whole_word_mask;
+  po.seed = a.seed;
+  return po;
+}
+
 Prepared prepare(const Args& a) {
   Prepared p;
   const fs::path cache = fs::path(a.out) / "cache";
   fs::create_directories(cache);
-  std::vector<std::string> files;
-  for (const auto& c : a.corpus) {
-    auto more = bert::list_corpus_files(c);
-    files.insert(files.end(), more.begin(), more.end());
-  }
+  const std::vector<std::string> files = corpus_files(a);
   const uint64_t ckey = corpus_key(files);
   const auto format = bert::parse_corpus_format(a.corpus_format);
 
@@ -143,19 +160,16 @@ Prepared prepare(const Args& a) {
       vo.vocab_size = a.vocab_size;
       const bert::Vocab v = bert::build_vocab(texts, vo);
       v.save(p.vocab_path);
-      p.notes.push_back(fmt::format("vocab: {} (built, {} tokens from {} files, {:.1f} s)",
-                                    p.vocab_path, v.size(), files.size(), seconds_since(t0)));
+      p.notes.push_back(fmt::format(
+          "vocab: {} (built, {} tokens from {} files, {:.1f} s{})", p.vocab_path, v.size(),
+          files.size(), seconds_since(t0),
+          v.size() < a.vocab_size ? fmt::format("; {} requested, but no pair of pieces occurs "
+                                                "twice more in this corpus", a.vocab_size)
+                                  : ""));
     }
   }
   const std::string vocab_text = bert::read_file(p.vocab_path);
-  bert::PretrainOptions po;
-  po.max_seq_length = a.max_seq_length;
-  po.max_predictions_per_seq = a.max_predictions;
-  po.masked_lm_prob = a.masked_lm_prob;
-  po.short_seq_prob = a.short_seq_prob;
-  po.dupe_factor = a.dupe_factor;
-  po.whole_word_mask = a.whole_word_mask;
-  po.seed = a.seed;
+  const bert::PretrainOptions po = pretrain_options(a);
   uint64_t dkey = bert::fnv1a(vocab_text.data(), vocab_text.size(), ckey);
   const std::string params =
       fmt::format("v{} L{} P{} m{} s{} d{} w{} seed{} fmt{}", bert::kDataVersion, po.max_seq_length,
@@ -215,6 +229,32 @@ Prepared prepare_on_rank0(const Args& a, shardopt::Communicator& comm) {
   return p;
 }
 
+int build_vocab_command(const Args& a, const std::string& output) {
+  const auto t0 = Clock::now();
+  std::vector<std::string> texts;
+  for (const auto& f : corpus_files(a)) texts.push_back(bert::read_file(f));
+  bert::VocabBuildOptions vo;
+  vo.vocab_size = a.vocab_size;
+  const bert::Vocab v = bert::build_vocab(texts, vo);
+  v.save(output);
+  fmt::print("[bert] {}: {} tokens (requested {}) from {} files in {:.1f} s\n", output, v.size(),
+             a.vocab_size, texts.size(), seconds_since(t0));
+  return 0;
+}
+
+int create_data_command(const Args& a, const std::string& output) {
+  if (a.vocab.empty()) throw std::runtime_error("create-data needs --vocab");
+  const auto t0 = Clock::now();
+  bert::Tokenizer tok(bert::Vocab::load(a.vocab));
+  const auto docs = bert::load_documents(corpus_files(a), tok, bert::parse_corpus_format(a.corpus_format));
+  const auto instances = bert::create_instances(docs, tok.vocab(), pretrain_options(a));
+  bert::write_pretraining_file(output, instances, pretrain_options(a), tok.vocab().size(),
+                               tok.vocab().pad_id(), 0);
+  fmt::print("[bert] {}: {} documents -> {} instances in {:.1f} s\n", output, docs.size(),
+             instances.size(), seconds_since(t0));
+  return 0;
+}
+
 // ---- training ---------------------------------------------------------------------------------
 
 int run(const Args& a) {
@@ -262,7 +302,7 @@ int run(const Args& a) {
   zo.grad_accumulation_steps = a.grad_accum;
   zo.max_grad_norm = a.max_grad_norm;
   zo.precision = precision;
-  if (!a.bucket_mb.empty()) zo.bucket_bytes = static_cast<int64_t>(std::stod(a.bucket_mb) * (1 << 20));
+  if (a.bucket_mb > 0) zo.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   // BERT: no weight decay on biases and LayerNorm.
   auto groups = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
@@ -511,7 +551,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", a.threads, "torch threads per rank")->check(CLI::PositiveNumber);
   app.add_option("--log-every", a.log_every, "steps between progress lines when not on a tty")
       ->check(CLI::PositiveNumber);
-  app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB (default: the library's)");
+  app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB (0: the library's default)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--progress", a.progress, "tty: one line rewritten with \\r; lines: a line every "
                  "--log-every steps; auto: tty when stdout is a terminal")
       ->check(CLI::IsMember({"auto", "tty", "lines"}));
@@ -523,8 +564,20 @@ int main(int argc, char** argv) {
   app.add_option("--golden-tol", a.golden_tol, "largest absolute loss difference to the golden file")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--write-golden", a.write_golden, "write the per-step losses as a golden file");
+  // Data preparation alone, one process (the trainer does both itself when their files are absent).
+  app.fallthrough();
+  std::string output;
+  auto* build_vocab = app.add_subcommand(
+      "build-vocab", "learn a WordPiece vocab.txt of --vocab-size tokens from --corpus, then exit");
+  build_vocab->add_option("--output,-o", output, "vocab.txt to write")->required();
+  auto* create_data = app.add_subcommand(
+      "create-data", "write the pretraining data file of --corpus with --vocab and the masking "
+                     "options, then exit");
+  create_data->add_option("--output,-o", output, "data file to write")->required();
   CLI11_PARSE(app, argc, argv);
   try {
+    if (build_vocab->parsed()) return build_vocab_command(a, output);
+    if (create_data->parsed()) return create_data_command(a, output);
     return run(a);
   } catch (const std::exception& e) {
     std::fflush(stdout);

@@ -236,7 +236,8 @@ struct ShardedRun {
   std::map<std::string, at::Tensor> params;
   MemoryReport memory;
   int64_t padded_numel = 0;
-  int64_t comm_per_step = -1;  // elements counted in the last step
+  int64_t comm_per_step = -1;  // elements the counting communicator saw in the last step
+  int64_t reported_comm = -1;  // what the optimizer's last_step() says it sent
 };
 
 ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
@@ -253,16 +254,17 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   const int64_t per_rank = kBatch / comm->size();
   ShardedRun run;
   for (int64_t s = 0; s < kSteps; ++s) {
+    // Counted by the wrapper around the engine over the whole step: reductions start in backward.
+    const int64_t before = counting->elements;
     opt.zero_grad();
     for (int m = 0; m < c.accumulation; ++m) {
       auto [x, y] = batch(s, m);
       opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
                             y.narrow(0, comm->rank() * per_rank, per_rank)));
     }
-    const int64_t before = counting->elements;
     opt.step();
-    (void)before;
-    run.comm_per_step = opt.last_step().comm_elements;
+    run.comm_per_step = counting->elements - before;
+    run.reported_comm = opt.last_step().comm_elements;
   }
   for (auto& [name, t] : net.named) run.params[name] = t.detach().clone();
   run.memory = opt.memory();
@@ -389,6 +391,7 @@ TEST(StageCommunication, TwoPsiPerStep) {
       const int64_t reduce = (stage == 2 ? accumulation : 1) * run.padded_numel;
       EXPECT_EQ(run.comm_per_step, reduce + run.padded_numel)
           << "stage " << stage << " accumulation " << accumulation;
+      EXPECT_EQ(run.reported_comm, run.comm_per_step) << "last_step().comm_elements";
     }
   }
 }

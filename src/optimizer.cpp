@@ -1,5 +1,5 @@
 // DistributedOptimizer: flat buffers, gradient reduction from autograd hooks, the sharded update
-// and the parameter gather, for ZeRO stages 0-2.
+// and the parameter gather, for ZeRO stages 0-3.
 //
 // Note [Flat layout]
 // Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
@@ -17,6 +17,9 @@
 //   stage 2: no full gradient buffer: a hook copies each fresh .grad into a pooled bucket buffer
 //            and frees it; a complete bucket is reduce-scattered and folded into the gradient
 //            shard. Only the shard (and at most a few bucket buffers) live on.
+//   stage 3: gradients as stage 2; parameters live as a shard buffer (the update's target). Each
+//            bucket has a full buffer whose storage exists only while its unit is gathered; the
+//            model's parameters stay views into it (see Note [Stage 3 units]).
 // Reductions are sums; the division by world * micro-steps happens once, on the reduced values.
 #include "shardopt/optimizer.hpp"
 
@@ -34,6 +37,7 @@
 
 #include "shardopt/detail/partition.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/units.hpp"
 
 namespace shardopt {
 
@@ -169,7 +173,21 @@ struct RuleStep {
   }
 };
 
-class Engine {
+// Note [Stage 3 units]
+// Buckets never span units (shardopt/units.hpp). Unit u is gathered by allocating storage for its
+// buckets' full buffers and all-gathering each bucket's shards into them; it is released by
+// freeing that storage (StorageImpl::reset), so the model's parameters keep their shape and
+// autograd identity but hold no bytes. Autograd saved the parameters themselves (or views of
+// them), which share the StorageImpl, so gathering again before a unit's backward makes them
+// valid again. Forward: Units::run enters (gather; prefetch the next units of the last pass's
+// order) and exits (release). Backward: a hook on the unit's outputs gathers it (prefetching the
+// unit that backward reaches next); once every parameter of the unit has its gradient (stage 2's
+// bucket path reduce-scatters them), the unit is released. The root unit (parameters in no unit
+// or in two, e.g. tied embeddings) stays gathered like a stage-2 parameter and is re-gathered by
+// step(). Collectives are issued in the same order on every rank because forward and backward
+// visit units in the same order everywhere (as DDP assumes of its buckets).
+
+class Engine final : public UnitRuntime {
  public:
   Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
          ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options)
@@ -179,9 +197,6 @@ class Engine {
     options_.validate();
     rank_ = comm_->rank();
     world_ = comm_->size();
-    SHARDOPT_CHECK(options_.stage <= 2, Unsupported,
-                   "optimizer: stage {} is not available in this build yet; use stage 0, 1 or 2",
-                   options_.stage);
     SHARDOPT_CHECK(options_.precision == Precision::FP32, Unsupported,
                    "optimizer: precision {} is not available in this build yet; use fp32",
                    to_string(options_.precision));
@@ -189,13 +204,30 @@ class Engine {
     verify_same_model();
     build_layout();
     if (options_.broadcast_initial_params && world_ > 1) {
-      comm_->broadcast(param_flat_, 0, true)->wait(options_.timeout);
+      std::vector<WorkPtr> works;
+      if (stage3()) {
+        for (auto& full : full_) works.push_back(comm_->broadcast(full, 0, true));
+      } else {
+        works.push_back(comm_->broadcast(param_flat_, 0, true));
+      }
+      for (auto& w : works) w->wait(options_.timeout);
     }
+    if (stage3()) shard_parameters();
     build_segments();
     attach_hooks();
+    if (stage3() && unit_plan_) unit_plan_->attach(this);
   }
 
-  ~Engine() {
+  ~Engine() override {
+    if (unit_plan_) unit_plan_->detach(this);
+    for (auto& u : units_) {
+      for (auto& w : u.works) {
+        try {
+          w->wait(options_.timeout);
+        } catch (...) {
+        }
+      }
+    }
     // Outstanding collectives write into our buffers: let them land before the buffers go.
     for (auto& b : buckets_) {
       if (b.work) {
@@ -260,7 +292,7 @@ class Engine {
     }
     if (grad_shard_.defined()) grad_shard_.zero_();
     for (auto& p : params_) {
-      if (options_.stage == 2) p.tensor.mutable_grad().reset();
+      if (options_.stage >= 2) p.tensor.mutable_grad().reset();
     }
     for (auto& b : buckets_) b.launched_micro = -1;
     micro_steps_ = 0;
@@ -275,7 +307,8 @@ class Engine {
 
   MemoryReport memory() const {
     MemoryReport m;
-    m.param_bytes = param_flat_.defined() ? static_cast<int64_t>(param_flat_.nbytes()) : 0;
+    m.param_bytes = static_cast<int64_t>(stage3() ? param_shard_.nbytes() : param_flat_.nbytes());
+    for (const auto& full : full_) m.buffer_bytes += full.storage().nbytes();  // gathered units
     if (grad_flat_.defined()) m.grad_bytes += grad_flat_.nbytes();
     if (grad_shard_.defined()) m.grad_bytes += grad_shard_.nbytes();
     for (const auto& s : state_) m.optimizer_state_bytes += s.nbytes();
@@ -288,11 +321,52 @@ class Engine {
   int64_t numel() const { return layout_.numel; }
   int64_t padded_numel() const { return layout_.padded_numel; }
 
+  // Stage 3: gathers every unit now (e.g. to read or save the whole model); each is released
+  // again when the next forward leaves it, or by the next step().
+  void gather_full_parameters() {
+    if (!stage3()) return;
+    for (int u = 0; u < root_unit_; ++u) {
+      if (!units_[u].gathered) launch_gather(u);
+    }
+    for (int u = 0; u < root_unit_; ++u) ensure_gathered(u);
+  }
+
+  // ---- UnitRuntime (stage 3): called by Units::run and the output hooks ---------------------
+
+  void enter(int unit) override {
+    if (forward_order_.size() > 4 * units_.size() + 16) {  // forwards without backward (eval)
+      previous_order_ = std::move(forward_order_);
+      forward_order_.clear();
+    }
+    forward_order_.push_back(unit);
+    if (unit != root_unit_) ensure_gathered(unit);
+    // Prefetch what came next in the last pass (declaration order on the first pass).
+    const size_t k = forward_order_.size() - 1;
+    for (int i = 1; i <= options_.prefetch; ++i) {
+      int next = -1;
+      if (k + i < previous_order_.size()) {
+        next = previous_order_[k + i];
+      } else if (previous_order_.empty()) {
+        next = unit + i;
+      }
+      if (next >= 0 && next < root_unit_ && !units_[next].gathered) launch_gather(next);
+    }
+  }
+
+  void exit(int unit) override {
+    if (unit != root_unit_) release(unit);
+  }
+
+  void mark_for_backward(int unit, const at::Tensor& output) override {
+    output.register_hook([this, unit](const at::Tensor&) { before_backward(unit); });
+  }
+
  private:
   struct Param {
     std::string name;
     at::Tensor tensor;
     int group = 0;
+    int unit = 0;       // stage 3: its unit (root_unit_ when in none)
     int64_t order = 0;  // position in named_parameters order
     at::Tensor grad_view;  // stages 0-1: its slice of the flat gradient buffer
     std::shared_ptr<torch::autograd::Node> accumulator;
@@ -305,6 +379,15 @@ class Engine {
     int launched_micro = -1;
     WorkPtr work;
     int buffer = -1;        // stage 2: pool index while filling or in flight
+  };
+  // Stage 3: one unit's buckets and whether their full buffers hold storage.
+  struct UnitState {
+    std::vector<int> buckets;
+    int params = 0;           // trainable parameters in it
+    bool gathered = false;    // storage allocated (and filled once `works` complete)
+    std::vector<WorkPtr> works;  // all-gathers in flight
+    int pending = 0;          // parameters whose gradient has not arrived in this pass
+    int64_t ready_pass = -1;
   };
   // One contiguous run the local update covers: a bucket (stage 0) or its owned slice.
   struct Segment {
@@ -368,10 +451,36 @@ class Engine {
     SHARDOPT_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble,
                    InvalidArgument, "optimizer: parameters must be float32 or float64, '{}' is {}",
                    params_.front().name, describe(first));
-    // Layout order: by group, then reverse registration order (see Note [Flat layout]).
+    if (stage3()) assign_units();
+    // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout]).
     std::stable_sort(params_.begin(), params_.end(), [](const Param& a, const Param& b) {
-      return a.group != b.group ? a.group < b.group : a.order > b.order;
+      if (a.group != b.group) return a.group < b.group;
+      if (a.unit != b.unit) return a.unit < b.unit;
+      return a.order > b.order;
     });
+  }
+
+  bool stage3() const { return options_.stage == 3; }
+
+  // Each parameter's unit: the first unit declaring it; declared by two units, or by none, it
+  // belongs to the root unit.
+  void assign_units() {
+    unit_plan_ = options_.units;
+    root_unit_ = unit_plan_ ? unit_plan_->size() : 0;
+    std::unordered_map<const c10::TensorImpl*, int> unit_of;
+    for (int u = 0; u < root_unit_; ++u) {
+      for (const auto& t : unit_plan_->parameters(u)) {
+        auto [it, fresh] = unit_of.emplace(t.unsafeGetTensorImpl(), u);
+        if (!fresh && it->second != u) it->second = root_unit_;  // shared by two units
+      }
+    }
+    units_.resize(root_unit_ + 1);
+    for (auto& p : params_) {
+      auto it = unit_of.find(p.tensor.unsafeGetTensorImpl());
+      p.unit = it == unit_of.end() ? root_unit_ : it->second;
+      ++units_[p.unit].params;
+    }
+    units_[root_unit_].gathered = true;
   }
 
   int param_group_of(const std::string& name) const {
@@ -387,7 +496,8 @@ class Engine {
     if (world_ == 1) return;
     std::vector<std::string> desc;
     for (const auto& p : params_) {
-      desc.push_back(fmt::format("'{}' {} (group {})", p.name, describe(p.tensor), p.group));
+      desc.push_back(fmt::format("'{}' {} (group {}{})", p.name, describe(p.tensor), p.group,
+                                 stage3() ? fmt::format(", unit {}", p.unit) : std::string()));
     }
     at::Tensor count = at::full({1}, static_cast<int64_t>(desc.size()), at::kLong);
     at::Tensor counts = at::empty({world_}, at::kLong);
@@ -434,35 +544,62 @@ class Engine {
 
   void build_layout() {
     std::vector<int64_t> numels;
-    std::vector<int> groups;
+    std::vector<int> groups, units;
     for (const auto& p : params_) {
       numels.push_back(p.tensor.numel());
       groups.push_back(p.group);
+      if (stage3()) units.push_back(p.unit);
     }
     const auto& proto = params_.front().tensor;
     const int64_t elem = static_cast<int64_t>(proto.element_size());
     layout_ = make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
-                          std::max<int64_t>(1, options_.bucket_bytes / elem));
-    const auto opts = proto.options().requires_grad(false);
-    param_flat_ = at::zeros({layout_.padded_numel}, opts);
+                          std::max<int64_t>(1, options_.bucket_bytes / elem), units);
+    tensor_options_ = proto.options().requires_grad(false);
+    const auto& opts = tensor_options_;
+    if (stage3()) {
+      param_shard_ = at::zeros({layout_.shard_numel}, opts);
+      for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+        full_.push_back(at::zeros({layout_.buckets[b].padded}, opts));
+        units_[layout_.buckets[b].unit].buckets.push_back(static_cast<int>(b));
+      }
+    } else {
+      param_flat_ = at::zeros({layout_.padded_numel}, opts);
+    }
     if (options_.stage <= 1) grad_flat_ = at::zeros({layout_.padded_numel}, opts);
-    if (options_.stage == 2) grad_shard_ = at::zeros({layout_.shard_numel}, opts);
+    if (options_.stage >= 2) grad_shard_ = at::zeros({layout_.shard_numel}, opts);
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
       const auto& slot = layout_.slots[i];
-      const int64_t at0 = layout_.buckets[slot.bucket].flat_offset + slot.offset;
-      at::Tensor view = param_flat_.narrow(0, at0, slot.numel).view(p.tensor.sizes());
+      const auto& bl = layout_.buckets[slot.bucket];
+      at::Tensor view = stage3()
+          ? full_[slot.bucket].narrow(0, slot.offset, slot.numel).view(p.tensor.sizes())
+          : param_flat_.narrow(0, bl.flat_offset + slot.offset, slot.numel).view(p.tensor.sizes());
       view.copy_(p.tensor);
       p.tensor.set_data(view);  // same TensorImpl (autograd identity), our storage
       if (grad_flat_.defined()) {
-        p.grad_view = grad_flat_.narrow(0, at0, slot.numel).view(p.tensor.sizes());
+        p.grad_view = grad_flat_.narrow(0, bl.flat_offset + slot.offset, slot.numel)
+                          .view(p.tensor.sizes());
         p.tensor.mutable_grad() = p.grad_view;
       } else {
         p.tensor.mutable_grad().reset();
       }
     }
     buckets_.resize(layout_.buckets.size());
+  }
+
+  // Stage 3, after the initial broadcast: keep this rank's slice of every bucket and free every
+  // unit but the root.
+  void shard_parameters() {
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+      const auto& bl = layout_.buckets[b];
+      param_shard_.narrow(0, bl.shard_offset, bl.shard)
+          .copy_(full_[b].narrow(0, rank_ * bl.shard, bl.shard));
+    }
+    for (int u = 0; u < root_unit_; ++u) {
+      units_[u].gathered = true;
+      release(u);
+    }
   }
 
   void build_segments() {
@@ -475,8 +612,9 @@ class Engine {
       s.bucket_begin = sharded ? rank_ * bl.shard : 0;
       const int64_t len = sharded ? bl.shard : bl.padded;
       s.state_offset = sharded ? bl.shard_offset : bl.flat_offset;
-      s.param = param_flat_.narrow(0, bl.flat_offset + s.bucket_begin, len);
-      s.grad = options_.stage == 2 ? grad_shard_.narrow(0, bl.shard_offset, len)
+      s.param = stage3() ? param_shard_.narrow(0, bl.shard_offset, len)
+                         : param_flat_.narrow(0, bl.flat_offset + s.bucket_begin, len);
+      s.grad = options_.stage >= 2 ? grad_shard_.narrow(0, bl.shard_offset, len)
                                    : grad_flat_.narrow(0, bl.flat_offset + s.bucket_begin, len);
       segments_.push_back(s);
     }
@@ -491,7 +629,7 @@ class Engine {
       SHARDOPT_CHECK(inner_ != nullptr, InvalidArgument, "optimizer: the factory returned null");
     } else {
       const int n = state_count(default_rule_);
-      for (int k = 0; k < n; ++k) state_.push_back(at::zeros({state_numel}, param_flat_.options()));
+      for (int k = 0; k < n; ++k) state_.push_back(at::zeros({state_numel}, tensor_options_));
       if (auto* ada = std::get_if<Adagrad>(&default_rule_)) {
         state_[0].fill_(ada->initial_accumulator_value());
       }
@@ -521,17 +659,21 @@ class Engine {
     }
   }
 
+  // First event of a backward pass: arrange for on_backward_end when autograd finishes.
+  void begin_backward_pass() {
+    if (in_backward_) return;
+    in_backward_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] {
+      if (in_backward_) on_backward_end();
+    });
+  }
+
   void on_grad_ready(int index) {
-    if (!in_backward_) {
-      in_backward_ = true;
-      torch::autograd::Engine::get_default_engine().queue_callback([this] {
-        if (in_backward_) on_backward_end();
-      });
-    }
+    begin_backward_pass();
     auto& p = params_[index];
     const auto& slot = layout_.slots[index];
     auto& b = buckets_[slot.bucket];
-    SHARDOPT_CHECK(b.launched_micro < 0 || options_.stage == 2, InvalidArgument,
+    SHARDOPT_CHECK(b.launched_micro < 0 || options_.stage >= 2, InvalidArgument,
                    "optimizer: gradient of '{}' arrived after its bucket was reduced; call "
                    "backward() at most grad_accumulation_steps ({}) times per step()",
                    p.name, options_.grad_accumulation_steps);
@@ -563,10 +705,19 @@ class Engine {
     if (--b.pending == 0 && options_.overlap_comm && reduces_this_micro_step()) {
       launch(slot.bucket);
     }
+    if (stage3() && p.unit != root_unit_) {
+      // Every parameter of the unit has its gradient: its backward is over, free it.
+      auto& u = units_[p.unit];
+      if (u.ready_pass != passes_) {
+        u.ready_pass = passes_;
+        u.pending = u.params;
+      }
+      if (--u.pending == 0) release(p.unit);
+    }
   }
 
   bool reduces_this_micro_step() const {
-    return options_.stage == 2 || micro_steps_ + 1 >= options_.grad_accumulation_steps;
+    return options_.stage >= 2 || micro_steps_ + 1 >= options_.grad_accumulation_steps;
   }
 
   // End of one backward pass: reduce what is still pending (buckets with unused parameters,
@@ -574,6 +725,12 @@ class Engine {
   void on_backward_end() {
     in_backward_ = false;
     ++passes_;
+    if (stage3()) {
+      // Units whose parameters got no gradient (or a prefetch nobody used) are freed here.
+      for (int u = 0; u < root_unit_; ++u) release(u);
+      previous_order_ = std::move(forward_order_);
+      forward_order_.clear();
+    }
     if (reduces_this_micro_step()) {
       for (size_t b = 0; b < buckets_.size(); ++b) {
         if (buckets_[b].launched_micro != micro_steps_) launch(static_cast<int>(b));
@@ -598,7 +755,7 @@ class Engine {
       index = free_buffers_.back();
       free_buffers_.pop_back();
     } else {
-      pool_.push_back(at::empty({numel}, param_flat_.options()));
+      pool_.push_back(at::empty({numel}, tensor_options_));
       index = static_cast<int>(pool_.size()) - 1;
     }
     b.buffer = index;
@@ -644,7 +801,7 @@ class Engine {
     if (!b.work) return;
     b.work->wait(options_.timeout);
     b.work.reset();
-    if (options_.stage == 2) {
+    if (options_.stage >= 2) {
       const auto& bl = layout_.buckets[bucket];
       grad_shard_.narrow(0, bl.shard_offset, bl.shard)
           .add_(pool_[b.buffer].narrow(0, rank_ * bl.shard, bl.shard));
@@ -778,6 +935,13 @@ class Engine {
 
   void gather() {
     if (options_.stage == 0) return;
+    if (stage3()) {
+      // Non-root units gather on demand; one gathered by hand holds stale values now.
+      for (int u = 0; u < root_unit_; ++u) release(u);
+      launch_gather(root_unit_);
+      ensure_gathered(root_unit_);
+      return;
+    }
     std::vector<WorkPtr> works;
     for (const auto& bl : layout_.buckets) {
       at::Tensor range = param_flat_.narrow(0, bl.flat_offset, bl.padded);
@@ -785,6 +949,57 @@ class Engine {
       comm_elements_ += bl.padded;
     }
     for (auto& w : works) w->wait(options_.timeout);
+  }
+
+  // ---- stage 3: gathering and releasing units (see Note [Stage 3 units]) --------------------
+
+  // Allocates the unit's full buffers and starts all-gathering its shards into them.
+  void launch_gather(int unit) {
+    auto& u = units_[unit];
+    for (int b : u.buckets) {
+      const auto& bl = layout_.buckets[b];
+      at::Tensor& full = full_[b];
+      auto* storage = full.storage().unsafeGetStorageImpl();
+      if (storage->nbytes() == 0) {
+        const size_t nbytes = static_cast<size_t>(full.numel()) * full.element_size();
+        storage->set_data_ptr_noswap(c10::GetAllocator(full.device().type())->allocate(nbytes));
+        storage->set_nbytes(nbytes);
+      }
+      u.works.push_back(
+          comm_->all_gather(param_shard_.narrow(0, bl.shard_offset, bl.shard), full, true));
+      comm_elements_ += bl.padded;
+    }
+    u.gathered = true;
+  }
+
+  void ensure_gathered(int unit) {
+    auto& u = units_[unit];
+    if (!u.gathered) launch_gather(unit);
+    for (auto& w : u.works) w->wait(options_.timeout);
+    u.works.clear();
+  }
+
+  // Frees the unit's full storage (the parameters keep their shape, not their bytes).
+  void release(int unit) {
+    auto& u = units_[unit];
+    if (!u.gathered) return;
+    for (auto& w : u.works) w->wait(options_.timeout);  // never free under a collective
+    u.works.clear();
+    for (int b : u.buckets) full_[b].storage().unsafeGetStorageImpl()->reset();
+    u.gathered = false;
+  }
+
+  // Backward reached the unit's outputs: its parameters are needed again; prefetch the unit
+  // backward reaches next (the one before it in this pass's forward order).
+  void before_backward(int unit) {
+    begin_backward_pass();
+    if (unit == root_unit_) return;
+    ensure_gathered(unit);
+    auto it = std::find(forward_order_.rbegin(), forward_order_.rend(), unit);
+    for (int i = 0; i < options_.prefetch && it != forward_order_.rend(); ++i) {
+      if (++it == forward_order_.rend()) break;
+      if (*it != root_unit_ && !units_[*it].gathered) launch_gather(*it);
+    }
   }
 
  public:
@@ -804,9 +1019,17 @@ class Engine {
   FlatLayout layout_;
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;
-  at::Tensor param_flat_;
+  at::TensorOptions tensor_options_;  // of the parameters (and every buffer we allocate)
+  at::Tensor param_flat_;  // stages 0-2: every parameter, the model's storage
+  at::Tensor param_shard_;  // stage 3: this rank's slice of every bucket
+  std::vector<at::Tensor> full_;  // stage 3: per bucket, storage only while its unit is gathered
+  std::vector<UnitState> units_;  // stage 3: declared units, then the root unit
+  int root_unit_ = 0;
+  UnitsPtr unit_plan_;
+  std::vector<int> forward_order_;   // units entered in this pass
+  std::vector<int> previous_order_;  // ... and in the last pass (prefetch order)
   at::Tensor grad_flat_;   // stages 0-1
-  at::Tensor grad_shard_;  // stage 2
+  at::Tensor grad_shard_;  // stages 2-3
   std::vector<at::Tensor> pool_;  // stage 2 bucket buffers
   std::vector<int> free_buffers_;
   std::deque<int> in_flight_;
@@ -878,5 +1101,6 @@ const ZeroOptions& DistributedOptimizer::options() const { return engine_->optio
 const CommunicatorPtr& DistributedOptimizer::communicator() const { return engine_->communicator(); }
 int64_t DistributedOptimizer::numel() const { return engine_->numel(); }
 int64_t DistributedOptimizer::padded_numel() const { return engine_->padded_numel(); }
+void DistributedOptimizer::gather_full_parameters() { engine_->gather_full_parameters(); }
 
 }  // namespace shardopt

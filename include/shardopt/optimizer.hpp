@@ -102,6 +102,10 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Number of (deduplicated, trainable) parameters and their padded total in the flat layout.
   int64_t numel() const;
   int64_t padded_numel() const;
+  // Stage 3: gathers every unit's parameters (e.g. to evaluate or save the whole model outside
+  // Units::run); each is freed again when the next forward leaves it or by the next step().
+  // No-op for stages 0-2, whose parameters are always whole.
+  void gather_full_parameters();
 
  private:
   std::unique_ptr<detail::Engine> engine_;

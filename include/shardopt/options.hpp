@@ -2,11 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "shardopt/comm.hpp"
 
 namespace shardopt {
+
+class Units;  // shardopt/units.hpp
 
 enum class Precision { FP32, FP16, BF16 };
 enum class Offload { None, CPU };
@@ -34,7 +37,12 @@ struct ZeroOptions {
   bool broadcast_initial_params = true;
   // Shard boundaries are aligned to this many bytes (SIMD, NCCL).
   int64_t align_bytes = 64;
-  // Stage 3: how many units ahead to gather during forward.
+  // Stage 3: the units whose parameters are gathered together (shardopt/units.hpp); the model
+  // calls units->run(i, ...) around each. Without units every parameter is in the root unit,
+  // which stays gathered (stage 2's parameter memory).
+  std::shared_ptr<Units> units;
+  // Stage 3: how many units ahead to gather asynchronously (forward and backward); 0 gathers
+  // each unit only when it is needed.
   int prefetch = 1;
   // Deadline of every collective the optimizer waits on.
   Duration timeout = kDefaultTimeout;

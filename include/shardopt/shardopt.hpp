@@ -9,4 +9,5 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/options.hpp"
 #include "shardopt/rules.hpp"
+#include "shardopt/units.hpp"
 #include "shardopt/version.hpp"

@@ -1,7 +1,7 @@
-// Stages 0-2 against a single-process torch optimizer on the whole global batch: each rank feeds
+// Stages 0-3 against a single-process torch optimizer on the whole global batch: each rank feeds
 // its slice, and after 10 steps every parameter must match within 1e-6 (fp32). The model has a
-// tied weight, a frozen parameter, one that never gets a gradient, and a 1-element group (fewer
-// elements than ranks).
+// tied weight, a frozen parameter, one that never gets a gradient, a 1-element group (fewer
+// elements than ranks) and two stage-3 units (fc1, fc2; the rest is the root unit).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/types.h>
@@ -14,8 +14,10 @@
 
 #include <map>
 
+#include "shardopt/detail/partition.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/optimizer.hpp"
+#include "shardopt/units.hpp"
 #include "support/counting_communicator.hpp"
 #include "support/dist_env.hpp"
 
@@ -29,6 +31,7 @@ constexpr int64_t kVocab = 11, kDim = 6, kHidden = 7, kBatch = 12, kSteps = 10;
 struct TinyNet {
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::map<std::string, at::Tensor> by_name;
+  UnitsPtr units = std::make_shared<Units>();
 
   explicit TinyNet(bool wider_fc1 = false) {
     at::manual_seed(1234);
@@ -41,6 +44,8 @@ struct TinyNet {
     add("unused.weight", at::randn({3}));
     add("tiny.bias", at::randn({1}));
     named.emplace_back("decoder.weight", by_name["embed.weight"]);  // tied
+    units->add("fc1", {by_name["fc1.weight"], by_name["fc1.bias"]});
+    units->add("fc2", {by_name["fc2.weight"], by_name["fc2.bias"]});
   }
   void add(const std::string& name, at::Tensor t, bool trainable = true) {
     t = t.contiguous().set_requires_grad(trainable);
@@ -50,9 +55,12 @@ struct TinyNet {
   at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
     auto& p = by_name;
     at::Tensor h = at::embedding(p["embed.weight"], x);
-    h = at::tanh(at::matmul(h, p["fc1.weight"].narrow(1, 0, kHidden)) +
-                 p["fc1.bias"].narrow(0, 0, kHidden));
-    h = at::matmul(h, p["fc2.weight"]) + p["fc2.bias"] + p["frozen.scale"] + p["tiny.bias"];
+    h = units->run(0, [&] {
+      return at::tanh(at::matmul(h, p["fc1.weight"].narrow(1, 0, kHidden)) +
+                      p["fc1.bias"].narrow(0, 0, kHidden));
+    });
+    h = units->run(1, [&] { return at::matmul(h, p["fc2.weight"]) + p["fc2.bias"]; });
+    h = h + p["frozen.scale"] + p["tiny.bias"];
     at::Tensor logits = at::matmul(h, p["embed.weight"].t());
     return at::nll_loss(at::log_softmax(logits, 1), y);
   }
@@ -249,6 +257,7 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   zo.overlap_comm = c.overlap;
   zo.bucket_bytes = c.bucket_bytes;
   zo.timeout = std::chrono::seconds(60);
+  zo.units = net.units;  // used by stage 3, ignored by the others
   auto counting = std::make_shared<test::CountingCommunicator>(comm);
   DistributedOptimizer opt(net.groups(c.split_groups), make_rule(c.rule), counting, zo);
   const int64_t per_rank = kBatch / comm->size();
@@ -266,8 +275,9 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
     run.comm_per_step = counting->elements - before;
     run.reported_comm = opt.last_step().comm_elements;
   }
-  for (auto& [name, t] : net.named) run.params[name] = t.detach().clone();
   run.memory = opt.memory();
+  opt.gather_full_parameters();  // stage 3: units hold no storage between steps
+  for (auto& [name, t] : net.named) run.params[name] = t.detach().clone();
   run.padded_numel = opt.padded_numel();
   return run;
 }
@@ -309,7 +319,7 @@ TEST_P(StageParity, MatchesSingleProcessTorch) {
 
 std::vector<Case> parity_cases() {
   std::vector<Case> cases;
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     for (const char* rule : {"adamw", "sgd", "lamb"}) cases.push_back({stage, rule});
     for (const char* rule : {"adam", "nesterov", "adagrad", "rmsprop"}) cases.push_back({stage, rule});
     cases.push_back({stage, "adamw", 4});                             // accumulation
@@ -330,13 +340,14 @@ INSTANTIATE_TEST_SUITE_P(Stages, StageParity, ::testing::ValuesIn(parity_cases()
 // Any torch optimizer runs over the shard through a factory; its state is sharded too.
 TEST(StageFactory, TorchAdamWOverTheShardMatches) {
   auto comm = test::world();
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     Case c{stage, "adamw"};
     const auto reference = train_reference(c);
     TinyNet net;
     ZeroOptions zo;
     zo.stage = stage;
     zo.bucket_bytes = 64;
+    zo.units = net.units;
     DistributedOptimizer opt(net.groups(false), [](std::vector<at::Tensor> shard) {
       auto a = std::get<AdamW>(make_rule("adamw"));
       return std::make_unique<torch::optim::AdamW>(shard, torch::optim::AdamWOptions(a.lr())
@@ -350,6 +361,7 @@ TEST(StageFactory, TorchAdamWOverTheShardMatches) {
                             y.narrow(0, comm->rank() * per_rank, per_rank)));
       opt.step();
     }
+    opt.gather_full_parameters();
     std::map<std::string, at::Tensor> got;
     for (auto& [name, t] : net.named) got[name] = t.detach();
     std::string worst;
@@ -359,20 +371,33 @@ TEST(StageFactory, TorchAdamWOverTheShardMatches) {
   }
 }
 
+// Padded elements of TinyNet's root unit in stage 3 with 64-byte buckets and alignment (16
+// floats): tiny.bias + unused.weight (1 + 3) share a bucket, embed.weight (66) has its own; each
+// bucket is padded to a multiple of 16 * N.
+int64_t tiny_root_padded(int64_t n) {
+  return detail::round_up(4, 16 * n) + detail::round_up(kVocab * kDim, 16 * n);
+}
+
 // memory() is the DESIGN.md model with padding: K = 8 bytes of AdamW state per element.
 TEST(StageMemory, MatchesTheModel) {
   auto comm = test::world();
   const int64_t n = comm->size();
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     const ShardedRun run = train_sharded({stage, "adamw"}, comm);
     const int64_t psi = run.padded_numel;
     const MemoryReport& m = run.memory;
-    EXPECT_EQ(m.param_bytes, 4 * psi) << "stage " << stage;
-    EXPECT_EQ(m.grad_bytes, stage == 2 ? 4 * psi / n : 4 * psi) << "stage " << stage;
+    EXPECT_EQ(m.param_bytes, stage == 3 ? 4 * psi / n : 4 * psi) << "stage " << stage;
+    EXPECT_EQ(m.grad_bytes, stage >= 2 ? 4 * psi / n : 4 * psi) << "stage " << stage;
     EXPECT_EQ(m.optimizer_state_bytes, stage == 0 ? 8 * psi : 8 * psi / n) << "stage " << stage;
     if (stage == 2) {
       EXPECT_GT(m.buffer_bytes, 0);
       EXPECT_LE(m.buffer_bytes, 2 * 4 * psi);  // at most two buckets (here: tiny ones)
+    } else if (stage == 3) {
+      // Between steps: the root unit's full buffers plus at most two gradient buckets, each
+      // as large as the largest bucket (embed.weight's).
+      const int64_t root = 4 * tiny_root_padded(n);
+      EXPECT_GE(m.buffer_bytes, root);
+      EXPECT_LE(m.buffer_bytes, root + 2 * 4 * detail::round_up(kVocab * kDim, 16 * n));
     } else {
       EXPECT_EQ(m.buffer_bytes, 0);
     }
@@ -380,16 +405,26 @@ TEST(StageMemory, MatchesTheModel) {
 }
 
 // Stages 0-2 move 2 * padded elements per step and rank (reduce-scatter + all-gather, or an
-// all-reduce counted as both).
-TEST(StageCommunication, TwoPsiPerStep) {
+// all-reduce counted as both). Stage 3 moves 3 * padded: per micro-step, an all-gather of every
+// unit in forward and again in backward and a reduce-scatter; except that the root unit stays
+// gathered through forward and backward, so it is all-gathered once, by step().
+TEST(StageCommunication, TwoPsiPerStepThreeForStage3) {
   auto comm = test::world();
-  for (int stage : {0, 1, 2}) {
+  const int64_t n = comm->size();
+  for (int stage : {0, 1, 2, 3}) {
     for (int accumulation : {1, 4}) {
       Case c{stage, "adamw", accumulation};
       const ShardedRun run = train_sharded(c, comm);
-      // Stage 2 reduces every micro-step; stages 0-1 once per step.
-      const int64_t reduce = (stage == 2 ? accumulation : 1) * run.padded_numel;
-      EXPECT_EQ(run.comm_per_step, reduce + run.padded_numel)
+      const int64_t psi = run.padded_numel;
+      int64_t expected = 0;
+      if (stage == 3) {
+        const int64_t root = tiny_root_padded(n);
+        expected = accumulation * (2 * (psi - root) + psi) + root;
+      } else {
+        // Stage 2 reduces every micro-step; stages 0-1 once per step.
+        expected = (stage == 2 ? accumulation : 1) * psi + psi;
+      }
+      EXPECT_EQ(run.comm_per_step, expected)
           << "stage " << stage << " accumulation " << accumulation;
       EXPECT_EQ(run.reported_comm, run.comm_per_step) << "last_step().comm_elements";
     }

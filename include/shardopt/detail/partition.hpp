@@ -30,6 +30,7 @@ inline ShardRange intersect(ShardRange a, ShardRange b) {
 
 struct BucketLayout {
   int group = 0;
+  int unit = 0;              // stage 3: the unit whose parameters it holds
   int64_t flat_offset = 0;   // start in the full flat buffer
   int64_t numel = 0;         // parameters' elements
   int64_t padded = 0;        // numel rounded up to a multiple of world * align
@@ -53,10 +54,12 @@ inline int64_t round_up(int64_t x, int64_t multiple) {
 }
 
 // Packs parameters, in the given order, greedily into buckets of at most `bucket_numel`
-// elements (a larger parameter gets a bucket of its own); a bucket never spans two groups.
-// `numels[i]` and `groups[i]` describe parameter i. Empty shards are allowed (world > numel).
+// elements (a larger parameter gets a bucket of its own); a bucket never spans two groups, nor
+// two units when `units` is given. `numels[i]`, `groups[i]` (and `units[i]`) describe parameter
+// i. Empty shards are allowed (world > numel).
 inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vector<int>& groups,
-                              int world, int64_t align_numel, int64_t bucket_numel) {
+                              int world, int64_t align_numel, int64_t bucket_numel,
+                              const std::vector<int>& units = {}) {
   FlatLayout layout;
   layout.slots.resize(numels.size());
   const int64_t quantum = static_cast<int64_t>(world) * std::max<int64_t>(1, align_numel);
@@ -72,7 +75,9 @@ inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vec
   BucketLayout open;
   bool has_open = false;
   for (size_t i = 0; i < numels.size(); ++i) {
-    const bool fits = has_open && open.group == groups[i] && open.numel + numels[i] <= bucket_numel;
+    const int unit = units.empty() ? 0 : units[i];
+    const bool fits = has_open && open.group == groups[i] && open.unit == unit &&
+                      open.numel + numels[i] <= bucket_numel;
     if (has_open && !fits) {
       close(open);
       has_open = false;
@@ -80,6 +85,7 @@ inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vec
     if (!has_open) {
       open = BucketLayout{};
       open.group = groups[i];
+      open.unit = unit;
       has_open = true;
     }
     layout.slots[i] = ParamSlot{static_cast<int>(layout.buckets.size()), open.numel, numels[i]};

@@ -1,0 +1,107 @@
+// Units: the groups of parameters that ZeRO stage 3 gathers together (usually one per layer).
+//
+//   // in the model: one Units object, one declaration per layer, one run() per layer call
+//   units = std::make_shared<shardopt::Units>();
+//   for (size_t i = 0; i < layers.size(); ++i) units->add(fmt::format("layer{}", i), layers[i]);
+//   ...
+//   x = units->run(i, [&] { return layers[i]->forward(x, mask); });
+//
+//   // in the trainer: hand the same object to the optimizer
+//   zo.stage = 3;  zo.units = model->units;
+//
+// With stage 3, run() all-gathers the unit's parameters before `fn` (prefetching the units that
+// come next), frees the full storage after it, and gathers it again when backward reaches the
+// unit. Without a stage-3 optimizer attached, run() just calls `fn`, so the model code is the
+// same for every stage. Parameters not declared in any unit, or declared in two (tied weights
+// used by two units), form the root unit, which stays gathered like a stage-2 parameter.
+//
+// Between steps, the parameters of non-root units have no storage (their data pointer is null):
+// read them only inside run(), or after DistributedOptimizer::gather_full_parameters().
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace shardopt {
+
+// What run() calls into; implemented by the stage-3 optimizer.
+class UnitRuntime {
+ public:
+  virtual ~UnitRuntime() = default;
+  virtual void enter(int unit) = 0;  // the unit's parameters must be gathered now
+  virtual void exit(int unit) = 0;   // the unit's forward is over
+  // Arranges for the unit to be gathered again when backward reaches `output`.
+  virtual void mark_for_backward(int unit, const at::Tensor& output) = 0;
+};
+
+class Units {
+ public:
+  // Declares a unit gathered as one; returns its index for run().
+  int add(std::string name, std::vector<at::Tensor> parameters);
+  // Any module or module holder: its parameters, recursively.
+  template <typename Module>
+  int add_module(std::string name, const Module& module) {
+    return add(std::move(name), module->parameters(/*recurse=*/true));
+  }
+
+  // Calls fn() with unit `index`'s parameters gathered; returns what fn returns (a tensor, a
+  // vector or tuple of tensors, or anything else, which is passed through).
+  template <typename Fn>
+  auto run(int index, Fn&& fn) -> decltype(fn()) {
+    check_index(index);
+    if (runtime_ == nullptr) return fn();
+    Scope scope(*this, index);
+    auto out = fn();
+    mark(index, out);
+    return out;
+  }
+
+  int size() const { return static_cast<int>(units_.size()); }
+  const std::string& name(int index) const;
+  const std::vector<at::Tensor>& parameters(int index) const;
+
+  // For the optimizer: attach (stage 3) and detach the runtime. One optimizer at a time.
+  void attach(UnitRuntime* runtime);
+  void detach(const UnitRuntime* runtime);
+
+ private:
+  struct Unit {
+    std::string name;
+    std::vector<at::Tensor> parameters;
+  };
+  struct Scope {
+    Scope(Units& units, int index) : units(units), index(index) { units.runtime_->enter(index); }
+    ~Scope() {
+      if (units.runtime_ != nullptr) units.runtime_->exit(index);
+    }
+    Units& units;
+    int index;
+  };
+
+  void check_index(int index) const;
+  void mark(int index, const at::Tensor& t) {
+    if (t.defined() && t.requires_grad()) runtime_->mark_for_backward(index, t);
+  }
+  void mark(int index, const std::vector<at::Tensor>& ts) {
+    for (const auto& t : ts) mark(index, t);
+  }
+  template <typename... Ts>
+  void mark(int index, const std::tuple<Ts...>& ts) {
+    std::apply([&](const auto&... t) { (mark(index, t), ...); }, ts);
+  }
+  template <typename T>
+  void mark(int, const T&) {}  // not a tensor: nothing to hook
+
+  std::vector<Unit> units_;
+  UnitRuntime* runtime_ = nullptr;
+};
+
+using UnitsPtr = std::shared_ptr<Units>;
+
+}  // namespace shardopt

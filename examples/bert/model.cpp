@@ -121,6 +121,7 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c)
   for (int64_t i = 0; i < c.num_layers; ++i) {
     layers_.emplace_back(c);
     list->push_back(layers_.back());
+    units_->add_module("layer" + std::to_string(i), layers_.back());
   }
   auto pooler = bert->register_module("pooler", std::make_shared<Module>());
   pooler_ = pooler->register_module("dense", torch::nn::Linear(h, h));
@@ -172,7 +173,9 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation).
   const auto mask_bias =
       ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
-  for (auto& layer : layers_) x = layer->forward(x, mask_bias);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    x = units_->run(static_cast<int>(i), [&] { return layers_[i]->forward(x, mask_bias); });
+  }
   auto pooled = torch::tanh(pooler_(x.select(1, 0)));
   return {x, pooled};
 }

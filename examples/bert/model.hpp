@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "data.hpp"
+#include "shardopt/units.hpp"
 
 namespace bert {
 
@@ -95,6 +96,9 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   const at::Tensor& word_embeddings() const { return word_embeddings_->weight; }
   // The encoder layers, in order (the natural stage-3 units).
   std::vector<BertLayer> layers() const { return layers_; }
+  // One ZeRO stage-3 unit per encoder layer (embeddings and heads form the root unit, which the
+  // tied decoder needs anyway): hand it to the optimizer as ZeroOptions::units.
+  const shardopt::UnitsPtr& units() const { return units_; }
   // Parameters counted once each (the tied decoder is the word embedding matrix).
   int64_t num_parameters() const;
 
@@ -106,6 +110,7 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   torch::nn::LayerNorm embeddings_norm_{nullptr};
   torch::nn::Dropout embeddings_dropout_{nullptr};
   std::vector<BertLayer> layers_;
+  shardopt::UnitsPtr units_ = std::make_shared<shardopt::Units>();
   torch::nn::Linear pooler_{nullptr};
   torch::nn::Linear transform_{nullptr};
   torch::nn::LayerNorm transform_norm_{nullptr};

@@ -11,6 +11,7 @@
 #include <map>
 
 #include "model.hpp"
+#include "shardopt/memory_tracker.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/dist_env.hpp"
 
@@ -153,5 +154,77 @@ INSTANTIATE_TEST_SUITE_P(Bert, BertStages,
                          [](const auto& info) {
                            return info.param.rule + (info.param.clip > 0 ? "_clip" : "");
                          });
+
+// Stage 3's peak, measured by the allocator-level tracker over whole training steps (forward,
+// backward, step): at most the model state shards (P + G + K) * Psi / N, plus the gathered root
+// unit and gradient bucket buffers (memory().buffer_bytes), plus two of the largest unit with
+// its gradients (the one running, whose gradients appear before they are reduced, and the one
+// prefetched), plus a stated allowance for activations and the update's temporaries, which this
+// model keeps small (2 tokens per rank, wide layers). With 8 layers, a unit left gathered would
+// break the bound. Stage 2 on the same model must peak higher once N > 1.
+struct PeakRun {
+  int64_t peak = 0;
+  int64_t shards = 0;   // (P + G + K) * Psi / N as memory() reports it
+  int64_t buffers = 0;  // root unit + gradient buckets
+  int64_t largest_unit = 0;
+};
+
+PeakRun measure_peak(int stage, const CommunicatorPtr& comm) {
+  ScopedMemoryTracking tracking;  // before the model: every tensor counts
+  bert::BertConfig config = tiny_config();
+  config.hidden_size = 128;
+  config.intermediate_size = 512;
+  config.num_layers = 8;
+  torch::manual_seed(7);
+  bert::BertForPreTraining model(config);
+  ZeroOptions zo;
+  zo.stage = stage;
+  zo.units = model->units();
+  zo.bucket_bytes = 256 << 10;
+  DistributedOptimizer opt(model->named_parameters(), AdamW(1e-3), comm, zo);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  bert::BertInputs in;
+  in.input_ids = at::randint(5, 40, {1, 2}, gen, at::kLong);
+  in.token_type_ids = at::zeros({1, 2}, at::kLong);
+  in.attention_mask = at::ones({1, 2}, at::kLong);
+  in.masked_positions = at::ones({1, 1}, at::kLong);
+  in.masked_labels = at::randint(5, 40, {1, 1}, gen, at::kLong);
+  in.nsp_labels = at::zeros({1}, at::kLong);
+  tracking.tracker().reset_peak();
+  for (int s = 0; s < 3; ++s) {
+    opt.zero_grad();
+    opt.backward(model->forward(in).loss);
+    opt.step();
+  }
+  PeakRun run;
+  run.peak = tracking.tracker().peak_bytes();
+  const MemoryReport m = opt.memory();
+  run.shards = m.param_bytes + m.grad_bytes + m.optimizer_state_bytes;
+  run.buffers = m.buffer_bytes;
+  for (int u = 0; u < model->units()->size(); ++u) {
+    int64_t bytes = 0;
+    for (const auto& t : model->units()->parameters(u)) bytes += 2 * t.numel() * 4;  // P + G
+    run.largest_unit = std::max(run.largest_unit, bytes);
+  }
+  return run;
+}
+
+TEST(BertStage3Memory, PeakWithinShardsPlusTwoUnitsPlusBuffers) {
+  auto comm = test::world();
+  const PeakRun s3 = measure_peak(3, comm);
+  const PeakRun s2 = measure_peak(2, comm);
+  constexpr int64_t kAllowance = 512 << 10;  // activations, update temporaries, padding
+  const int64_t bound = s3.shards + s3.buffers + 2 * s3.largest_unit + kAllowance;
+  if (comm->rank() == 0) {
+    std::printf("[stage3 memory] N=%d peak %.3f MB <= bound %.3f MB (shards %.3f, root+buckets "
+                "%.3f, 2 x unit (P+G) %.3f, allowance %.3f); stage 2 peak %.3f MB\n",
+                comm->size(), s3.peak / 1e6, bound / 1e6, s3.shards / 1e6, s3.buffers / 1e6,
+                2 * s3.largest_unit / 1e6, kAllowance / 1e6, s2.peak / 1e6);
+  }
+  EXPECT_LE(s3.peak, bound);
+  // Stage 2 holds every unit's parameters; stage 3 its shard of them and two gathered units.
+  if (comm->size() > 1) EXPECT_GT(s2.peak, s3.peak);
+  EXPECT_TRUE(test::all_ranks(s3.peak <= bound));
+}
 
 }  // namespace

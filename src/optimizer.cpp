@@ -33,6 +33,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <optional>
 #include <unordered_map>
 
 #include "shardopt/detail/partition.hpp"
@@ -197,22 +198,11 @@ class Engine final : public UnitRuntime {
     options_.validate();
     rank_ = comm_->rank();
     world_ = comm_->size();
-    SHARDOPT_CHECK(options_.precision == Precision::FP32, Unsupported,
-                   "optimizer: precision {} is not available in this build yet; use fp32",
-                   to_string(options_.precision));
+    if (options_.precision == Precision::FP16) scaler_.emplace(options_.loss_scale);
     collect(std::move(groups));
     verify_same_model();
     build_layout();
-    if (options_.broadcast_initial_params && world_ > 1) {
-      std::vector<WorkPtr> works;
-      if (stage3()) {
-        for (auto& full : full_) works.push_back(comm_->broadcast(full, 0, true));
-      } else {
-        works.push_back(comm_->broadcast(param_flat_, 0, true));
-      }
-      for (auto& w : works) w->wait(options_.timeout);
-    }
-    if (stage3()) shard_parameters();
+    if (stage3()) release_all_but_root();
     build_segments();
     attach_hooks();
     if (stage3() && unit_plan_) unit_plan_->attach(this);
@@ -259,6 +249,19 @@ class Engine final : public UnitRuntime {
       finish_reduction();
       stats_.reduce_wait_s = seconds_since(t);
     }
+    if (scaler_) {
+      stats_.loss_scale = scaler_->scale();
+      if (scaler_->update(any_rank_non_finite())) {
+        // fp16 overflow somewhere: no update on any rank; the scaler has backed off.
+        stats_.skipped = true;
+        stats_.step = steps_;
+        micro_steps_ = 0;
+        stats_.comm_elements = comm_elements_;
+        comm_elements_ = 0;
+        stats_.step_s = seconds_since(t0);
+        return loss;
+      }
+    }
     {
       RECORD_FUNCTION("shardopt::clip", std::vector<c10::IValue>());
       clip();
@@ -267,6 +270,9 @@ class Engine final : public UnitRuntime {
       RECORD_FUNCTION("shardopt::update", std::vector<c10::IValue>());
       const auto t = Clock::now();
       update();
+      if (separate_master_) {
+        for (auto& s : segments_) s.low.copy_(s.param);  // master -> model dtype/device
+      }
       stats_.update_s = seconds_since(t);
     }
     {
@@ -292,14 +298,18 @@ class Engine final : public UnitRuntime {
     }
     if (grad_shard_.defined()) grad_shard_.zero_();
     for (auto& p : params_) {
-      if (options_.stage >= 2) p.tensor.mutable_grad().reset();
+      if (bucket_grads_) p.tensor.mutable_grad().reset();
     }
     for (auto& b : buckets_) b.launched_micro = -1;
     micro_steps_ = 0;
   }
 
   void backward(const at::Tensor& loss) {
-    loss.backward();
+    if (scaler_) {
+      (loss * scaler_->scale()).backward();
+    } else {
+      loss.backward();
+    }
     if (in_backward_) on_backward_end();  // no final callback ran (no hook fired)
   }
 
@@ -312,6 +322,7 @@ class Engine final : public UnitRuntime {
     if (grad_flat_.defined()) m.grad_bytes += grad_flat_.nbytes();
     if (grad_shard_.defined()) m.grad_bytes += grad_shard_.nbytes();
     for (const auto& s : state_) m.optimizer_state_bytes += s.nbytes();
+    if (separate_master_) m.optimizer_state_bytes += master_.nbytes();
     for (const auto& b : pool_) m.buffer_bytes += b.nbytes();
     return m;
   }
@@ -395,8 +406,9 @@ class Engine final : public UnitRuntime {
     int group = 0;
     int64_t bucket_begin = 0;  // first element, in bucket coordinates
     int64_t state_offset = 0;
-    at::Tensor param;
+    at::Tensor param;  // the update's target: master weights, or the model's own storage
     at::Tensor grad;
+    at::Tensor low;    // separate master: the model's storage to cast the result into
   };
 
   // ---- construction ------------------------------------------------------------------------
@@ -448,9 +460,19 @@ class Engine final : public UnitRuntime {
                      "but '{}' is {}", p.name, describe(p.tensor), params_.front().name,
                      describe(first));
     }
-    SHARDOPT_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble,
-                   InvalidArgument, "optimizer: parameters must be float32 or float64, '{}' is {}",
+    const bool compute_typed = mixed() && first.scalar_type() == compute_dtype();
+    SHARDOPT_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble ||
+                       compute_typed,
+                   InvalidArgument,
+                   "optimizer: parameters must be float32 or float64{}, '{}' is {}",
+                   mixed() ? fmt::format(" (or {} with precision {})", c10::toString(compute_dtype()),
+                                         to_string(options_.precision))
+                           : std::string(),
                    params_.front().name, describe(first));
+    SHARDOPT_CHECK(!mixed() || first.scalar_type() != at::kDouble, InvalidArgument,
+                   "optimizer: precision {} needs float32 parameters (the master copy is fp32), "
+                   "'{}' is {}", to_string(options_.precision), params_.front().name,
+                   describe(first));
     if (stage3()) assign_units();
     // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout]).
     std::stable_sort(params_.begin(), params_.end(), [](const Param& a, const Param& b) {
@@ -554,20 +576,53 @@ class Engine final : public UnitRuntime {
     const int64_t elem = static_cast<int64_t>(proto.element_size());
     layout_ = make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
                           std::max<int64_t>(1, options_.bucket_bytes / elem), units);
-    tensor_options_ = proto.options().requires_grad(false);
-    const auto& opts = tensor_options_;
+    // Where everything lives (Note [Mixed precision] in shardopt/precision.hpp): the model's
+    // parameters in the compute dtype on their device; master weights, optimizer state and
+    // reduced gradients in fp32 (mixed) on the host (offload) or next to the parameters.
+    const auto base = proto.options().requires_grad(false);
+    model_options_ = base.dtype(mixed() ? compute_dtype() : proto.scalar_type());
+    master_options_ = base.dtype(mixed() ? at::kFloat : proto.scalar_type());
+    if (options_.offload == Offload::CPU) {
+      master_options_ = master_options_.device(at::kCPU).pinned_memory(!proto.is_cpu());
+    }
+    separate_master_ = mixed() || master_options_.device() != model_options_.device();
+    bucket_grads_ = options_.stage >= 2 || mixed() || options_.offload != Offload::None;
+    reduce_options_ = model_options_.dtype(mixed() && options_.reduce_in_fp32
+                                               ? at::kFloat : model_options_.dtype().toScalarType());
+
+    // Initial values, full and in master precision: rank 0's reach every rank (as DDP does),
+    // then become the model's storage and the master shard.
+    at::NoGradGuard no_grad;
+    at::Tensor initial = at::zeros({layout_.padded_numel}, base.dtype(master_options_.dtype()));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& slot = layout_.slots[i];
+      initial.narrow(0, layout_.buckets[slot.bucket].flat_offset + slot.offset, slot.numel)
+          .copy_(params_[i].tensor.reshape(-1));
+    }
+    if (options_.broadcast_initial_params && world_ > 1) {
+      comm_->broadcast(initial, 0, true)->wait(options_.timeout);
+    }
     if (stage3()) {
-      param_shard_ = at::zeros({layout_.shard_numel}, opts);
+      param_shard_ = owned_slices(initial, model_options_);
       for (size_t b = 0; b < layout_.buckets.size(); ++b) {
-        full_.push_back(at::zeros({layout_.buckets[b].padded}, opts));
-        units_[layout_.buckets[b].unit].buckets.push_back(static_cast<int>(b));
+        const auto& bl = layout_.buckets[b];
+        full_.push_back(initial.narrow(0, bl.flat_offset, bl.padded).to(model_options_, false, true));
+        units_[bl.unit].buckets.push_back(static_cast<int>(b));
       }
     } else {
-      param_flat_ = at::zeros({layout_.padded_numel}, opts);
+      param_flat_ = initial.to(model_options_);  // no copy when nothing changes
     }
-    if (options_.stage <= 1) grad_flat_ = at::zeros({layout_.padded_numel}, opts);
-    if (options_.stage >= 2) grad_shard_ = at::zeros({layout_.shard_numel}, opts);
-    at::NoGradGuard no_grad;
+    if (separate_master_) {
+      master_ = options_.stage == 0 ? initial.to(master_options_, false, true)
+                                    : owned_slices(initial, master_options_);
+    }
+    initial.reset();
+    if (!bucket_grads_) grad_flat_ = at::zeros({layout_.padded_numel}, model_options_);
+    if (bucket_grads_) {
+      // Reduced gradients: the owned slices (stage 0: everything), in master precision.
+      grad_shard_ = at::zeros(
+          {options_.stage == 0 ? layout_.padded_numel : layout_.shard_numel}, master_options_);
+    }
     for (size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
       const auto& slot = layout_.slots[i];
@@ -575,7 +630,6 @@ class Engine final : public UnitRuntime {
       at::Tensor view = stage3()
           ? full_[slot.bucket].narrow(0, slot.offset, slot.numel).view(p.tensor.sizes())
           : param_flat_.narrow(0, bl.flat_offset + slot.offset, slot.numel).view(p.tensor.sizes());
-      view.copy_(p.tensor);
       p.tensor.set_data(view);  // same TensorImpl (autograd identity), our storage
       if (grad_flat_.defined()) {
         p.grad_view = grad_flat_.narrow(0, bl.flat_offset + slot.offset, slot.numel)
@@ -588,14 +642,18 @@ class Engine final : public UnitRuntime {
     buckets_.resize(layout_.buckets.size());
   }
 
-  // Stage 3, after the initial broadcast: keep this rank's slice of every bucket and free every
-  // unit but the root.
-  void shard_parameters() {
-    for (size_t b = 0; b < layout_.buckets.size(); ++b) {
-      const auto& bl = layout_.buckets[b];
-      param_shard_.narrow(0, bl.shard_offset, bl.shard)
-          .copy_(full_[b].narrow(0, rank_ * bl.shard, bl.shard));
+  // This rank's slice of every bucket of a full-length flat tensor, packed as a shard buffer.
+  at::Tensor owned_slices(const at::Tensor& flat, const at::TensorOptions& options) const {
+    at::Tensor out = at::empty({layout_.shard_numel}, options);
+    for (const auto& bl : layout_.buckets) {
+      out.narrow(0, bl.shard_offset, bl.shard)
+          .copy_(flat.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard));
     }
+    return out;
+  }
+
+  // Stage 3 after construction: every unit but the root gives its full storage back.
+  void release_all_but_root() {
     for (int u = 0; u < root_unit_; ++u) {
       units_[u].gathered = true;
       release(u);
@@ -612,10 +670,16 @@ class Engine final : public UnitRuntime {
       s.bucket_begin = sharded ? rank_ * bl.shard : 0;
       const int64_t len = sharded ? bl.shard : bl.padded;
       s.state_offset = sharded ? bl.shard_offset : bl.flat_offset;
-      s.param = stage3() ? param_shard_.narrow(0, bl.shard_offset, len)
-                         : param_flat_.narrow(0, bl.flat_offset + s.bucket_begin, len);
-      s.grad = options_.stage >= 2 ? grad_shard_.narrow(0, bl.shard_offset, len)
-                                   : grad_flat_.narrow(0, bl.flat_offset + s.bucket_begin, len);
+      at::Tensor model = stage3() ? param_shard_.narrow(0, bl.shard_offset, len)
+                                  : param_flat_.narrow(0, bl.flat_offset + s.bucket_begin, len);
+      if (separate_master_) {
+        s.param = master_.narrow(0, s.state_offset, len);
+        s.low = model;
+      } else {
+        s.param = model;
+      }
+      s.grad = bucket_grads_ ? grad_shard_.narrow(0, s.state_offset, len)
+                             : grad_flat_.narrow(0, bl.flat_offset + s.bucket_begin, len);
       segments_.push_back(s);
     }
     const int64_t state_numel = sharded ? layout_.shard_numel : layout_.padded_numel;
@@ -629,7 +693,7 @@ class Engine final : public UnitRuntime {
       SHARDOPT_CHECK(inner_ != nullptr, InvalidArgument, "optimizer: the factory returned null");
     } else {
       const int n = state_count(default_rule_);
-      for (int k = 0; k < n; ++k) state_.push_back(at::zeros({state_numel}, tensor_options_));
+      for (int k = 0; k < n; ++k) state_.push_back(at::zeros({state_numel}, master_options_));
       if (auto* ada = std::get_if<Adagrad>(&default_rule_)) {
         state_[0].fill_(ada->initial_accumulator_value());
       }
@@ -673,7 +737,7 @@ class Engine final : public UnitRuntime {
     auto& p = params_[index];
     const auto& slot = layout_.slots[index];
     auto& b = buckets_[slot.bucket];
-    SHARDOPT_CHECK(b.launched_micro < 0 || options_.stage >= 2, InvalidArgument,
+    SHARDOPT_CHECK(b.launched_micro < 0 || bucket_grads_, InvalidArgument,
                    "optimizer: gradient of '{}' arrived after its bucket was reduced; call "
                    "backward() at most grad_accumulation_steps ({}) times per step()",
                    p.name, options_.grad_accumulation_steps);
@@ -686,7 +750,7 @@ class Engine final : public UnitRuntime {
     if (b.work && b.launched_micro != micro_steps_) complete(slot.bucket);
     p.ready_pass = passes_;
     at::Tensor& grad = p.tensor.mutable_grad();
-    if (options_.stage <= 1) {
+    if (!bucket_grads_) {
       // Autograd accumulated in place unless someone replaced .grad: fold it back in.
       if (grad.defined() && !grad.is_same(p.grad_view) &&
           grad.data_ptr() != p.grad_view.data_ptr()) {
@@ -717,7 +781,7 @@ class Engine final : public UnitRuntime {
   }
 
   bool reduces_this_micro_step() const {
-    return options_.stage >= 2 || micro_steps_ + 1 >= options_.grad_accumulation_steps;
+    return bucket_grads_ || micro_steps_ + 1 >= options_.grad_accumulation_steps;
   }
 
   // End of one backward pass: reduce what is still pending (buckets with unused parameters,
@@ -755,7 +819,7 @@ class Engine final : public UnitRuntime {
       index = free_buffers_.back();
       free_buffers_.pop_back();
     } else {
-      pool_.push_back(at::empty({numel}, tensor_options_));
+      pool_.push_back(at::empty({numel}, reduce_options_));
       index = static_cast<int>(pool_.size()) - 1;
     }
     b.buffer = index;
@@ -774,37 +838,38 @@ class Engine final : public UnitRuntime {
     auto& b = buckets_[bucket];
     const auto& bl = layout_.buckets[bucket];
     b.launched_micro = micro_steps_;
+    at::Tensor range;
+    if (bucket_grads_) {
+      range = pool_[acquire_buffer(bucket)].narrow(0, 0, bl.padded);
+      in_flight_.push_back(bucket);
+    } else {
+      range = grad_flat_.narrow(0, bl.flat_offset, bl.padded);
+    }
     if (options_.stage == 0) {
-      at::Tensor range = grad_flat_.narrow(0, bl.flat_offset, bl.padded);
       b.work = comm_->all_reduce(range, ReduceOp::Sum, true);
       comm_elements_ += 2 * bl.padded;
-    } else if (options_.stage == 1) {
-      at::Tensor range = grad_flat_.narrow(0, bl.flat_offset, bl.padded);
-      b.work = comm_->reduce_scatter(range, range.narrow(0, rank_ * bl.shard, bl.shard),
-                                     ReduceOp::Sum, true);
-      comm_elements_ += bl.padded;
     } else {
-      const int buf = acquire_buffer(bucket);
-      at::Tensor range = pool_[buf].narrow(0, 0, bl.padded);
       b.work = comm_->reduce_scatter(range, range.narrow(0, rank_ * bl.shard, bl.shard),
                                      ReduceOp::Sum, true);
       comm_elements_ += bl.padded;
-      in_flight_.push_back(bucket);
     }
     if (!options_.overlap_comm) complete(bucket);
   }
 
-  // Waits for a bucket's reduction; stage 2 folds the result into the gradient shard and
-  // returns the buffer to the pool.
+  // Waits for a bucket's reduction; the bucket path folds the result into the reduced gradients
+  // (fp32 and on the host where the master weights are) and returns the buffer to the pool.
   void complete(int bucket) {
     auto& b = buckets_[bucket];
     if (!b.work) return;
     b.work->wait(options_.timeout);
     b.work.reset();
-    if (options_.stage >= 2) {
+    if (bucket_grads_) {
       const auto& bl = layout_.buckets[bucket];
-      grad_shard_.narrow(0, bl.shard_offset, bl.shard)
-          .add_(pool_[b.buffer].narrow(0, rank_ * bl.shard, bl.shard));
+      const bool whole = options_.stage == 0;
+      at::Tensor reduced = pool_[b.buffer].narrow(0, whole ? 0 : rank_ * bl.shard,
+                                                  whole ? bl.padded : bl.shard);
+      grad_shard_.narrow(0, whole ? bl.flat_offset : bl.shard_offset, reduced.numel())
+          .add_(reduced.to(grad_shard_.device()));
       free_buffers_.push_back(b.buffer);
       b.buffer = -1;
       in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), bucket));
@@ -819,11 +884,16 @@ class Engine final : public UnitRuntime {
                                              [](const Bucket& b) { return b.launched_micro < 0; });
     if (nothing_reduced) {
       // step() without backward() through our hooks (e.g. gradients set by hand): reduce now.
-      if (options_.stage <= 1) {
-        for (auto& p : params_) {
-          at::Tensor& g = p.tensor.mutable_grad();
+      for (size_t i = 0; i < params_.size(); ++i) {
+        auto& p = params_[i];
+        at::Tensor& g = p.tensor.mutable_grad();
+        if (!bucket_grads_) {
           if (g.defined() && g.data_ptr() != p.grad_view.data_ptr()) p.grad_view.copy_(g);
           g = p.grad_view;
+        } else if (g.defined()) {
+          const auto& slot = layout_.slots[i];
+          pool_[acquire_buffer(slot.bucket)].narrow(0, slot.offset, slot.numel).copy_(g.reshape(-1));
+          g.reset();
         }
       }
       micro_steps_ = std::max(micro_steps_, 1);
@@ -831,7 +901,9 @@ class Engine final : public UnitRuntime {
     }
     for (size_t b = 0; b < buckets_.size(); ++b) complete(static_cast<int>(b));
     for (auto& b : buckets_) b.launched_micro = -1;
-    const double scale = 1.0 / (static_cast<double>(world_) * std::max(1, micro_steps_));
+    const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+    const double scale =
+        1.0 / (static_cast<double>(world_) * std::max(1, micro_steps_) * loss_scale);
     for (auto& s : segments_) s.grad.mul_(scale);
   }
 
@@ -854,8 +926,17 @@ class Engine final : public UnitRuntime {
     }
   }
 
-  void all_reduce_small(at::Tensor& t) {
-    comm_->all_reduce(t, ReduceOp::Sum, true)->wait(options_.timeout);
+  void all_reduce_small(at::Tensor& t, ReduceOp op = ReduceOp::Sum) {
+    comm_->all_reduce(t, op, true)->wait(options_.timeout);
+  }
+
+  // fp16: whether any rank holds a non-finite reduced gradient (each checks its own shards).
+  bool any_rank_non_finite() {
+    bool bad = false;
+    for (auto& s : segments_) bad = bad || !s.grad.isfinite().all().item<bool>();
+    at::Tensor flag = at::full({1}, bad ? 1.0f : 0.0f, at::kFloat);
+    if (world_ > 1) all_reduce_small(flag, ReduceOp::Max);
+    return flag.item<float>() > 0;
   }
 
   void update() {
@@ -1019,7 +1100,19 @@ class Engine final : public UnitRuntime {
   FlatLayout layout_;
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;
-  at::TensorOptions tensor_options_;  // of the parameters (and every buffer we allocate)
+  bool mixed() const { return options_.precision != Precision::FP32; }
+  at::ScalarType compute_dtype() const {
+    return options_.precision == Precision::BF16 ? at::kBFloat16
+           : options_.precision == Precision::FP16 ? at::kHalf : at::kFloat;
+  }
+
+  at::TensorOptions model_options_;   // the model's parameters: compute dtype, their device
+  at::TensorOptions master_options_;  // master weights, state, reduced gradients
+  at::TensorOptions reduce_options_;  // bucket buffers: the dtype gradients are reduced in
+  bool separate_master_ = false;  // mixed precision or offload: the update targets master_
+  bool bucket_grads_ = false;     // gradients leave autograd per bucket (stages 2-3, mixed, offload)
+  std::optional<LossScaler> scaler_;  // fp16
+  at::Tensor master_;      // separate master weights: stage 0 full, else this rank's shard
   at::Tensor param_flat_;  // stages 0-2: every parameter, the model's storage
   at::Tensor param_shard_;  // stage 3: this rank's slice of every bucket
   std::vector<at::Tensor> full_;  // stage 3: per bucket, storage only while its unit is gathered
@@ -1028,8 +1121,8 @@ class Engine final : public UnitRuntime {
   UnitsPtr unit_plan_;
   std::vector<int> forward_order_;   // units entered in this pass
   std::vector<int> previous_order_;  // ... and in the last pass (prefetch order)
-  at::Tensor grad_flat_;   // stages 0-1
-  at::Tensor grad_shard_;  // stages 2-3
+  at::Tensor grad_flat_;   // stages 0-1 in fp32 without offload: the params' .grad are views
+  at::Tensor grad_shard_;  // bucket path: reduced gradients (stage 0: full length)
   std::vector<at::Tensor> pool_;  // stage 2 bucket buffers
   std::vector<int> free_buffers_;
   std::deque<int> in_flight_;

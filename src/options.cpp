@@ -40,6 +40,7 @@ void ZeroOptions::validate() const {
                  prefetch);
   SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
                  "options: timeout must be positive, got {} ms", timeout.count());
+  loss_scale.validate();
 }
 
 const char* rule_name(const Rule& rule) {

@@ -6,14 +6,13 @@
 #include <string>
 
 #include "shardopt/comm.hpp"
+#include "shardopt/precision.hpp"
 
 namespace shardopt {
 
 class Units;  // shardopt/units.hpp
 
-enum class Precision { FP32, FP16, BF16 };
 enum class Offload { None, CPU };
-const char* to_string(Precision precision);
 // "fp32" | "fp16" | "bf16"; throws Error{InvalidArgument} otherwise.
 Precision parse_precision(const std::string& text);
 
@@ -31,7 +30,13 @@ struct ZeroOptions {
   int grad_accumulation_steps = 1;
   // Global gradient-norm clipping across all shards; 0 disables it.
   double max_grad_norm = 0.0;
+  // fp16 / bf16: parameters in that dtype, fp32 master weights (see shardopt/precision.hpp).
   Precision precision = Precision::FP32;
+  // Mixed precision: reduce gradients in fp32 (exact sums) or in the compute dtype (half the
+  // bytes on the wire).
+  bool reduce_in_fp32 = true;
+  // fp16 only: dynamic loss scaling.
+  LossScaleOptions loss_scale;
   Offload offload = Offload::None;
   // Rank 0's initial parameters are copied to every rank at construction, as DDP does.
   bool broadcast_initial_params = true;

@@ -292,9 +292,14 @@ int run(const Args& a) {
   }
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
   bert::BertForPreTraining model(config);
+  // The optimizer casts the parameters to the compute dtype itself and keeps the fp32 master
+  // copy of these fp32 initial values.
   const auto precision = shardopt::parse_precision(a.precision);
-  if (precision == shardopt::Precision::BF16) model->to(torch::kBFloat16);
-  if (precision == shardopt::Precision::FP16) model->to(torch::kHalf);
+  if (precision == shardopt::Precision::FP16) {
+    throw std::runtime_error(
+        "--precision fp16 needs a GPU: libtorch's CPU kernels have no fp16 matrix products "
+        "(\"addmm_impl_cpu_\" not implemented for 'Half'); use --precision bf16 on CPU");
+  }
   model->train();
 
   shardopt::ZeroOptions zo;

@@ -45,7 +45,8 @@ if(SHARDOPT_WITH_CUDA_KERNELS)
                         CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
   target_include_directories(shardopt_cuda_kernels
     PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
-  # Errors are shardopt::Error: whoever links this also links shardopt (error.cpp).
-  target_link_libraries(shardopt_cuda_kernels PUBLIC CUDA::cudart fmt::fmt)
+  # It calls into libshardopt (errors, the shared coefficients): link-only, so nvcc never sees
+  # torch's compile flags.
+  target_link_libraries(shardopt_cuda_kernels PUBLIC CUDA::cudart fmt::fmt INTERFACE shardopt)
   message(STATUS "shardopt: CUDA kernels for architectures ${CMAKE_CUDA_ARCHITECTURES}")
 endif()

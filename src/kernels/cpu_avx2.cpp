@@ -20,6 +20,14 @@ struct Avx2Isa {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F div_by_const(F a, float, double inv_c) {
+    const __m256d inv = _mm256_set1_pd(inv_c);
+    const __m128 lo =
+        _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(a)), inv));
+    const __m128 hi =
+        _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)), inv));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+  }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F max(F a, F b) {
     return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));

@@ -20,6 +20,15 @@ struct Avx512Isa {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F div_by_const(F a, float, double inv_c) {
+    const __m512d inv = _mm512_set1_pd(inv_c);
+    const __m256 lo =
+        _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(a)), inv));
+    const __m256 hi = _mm512_cvtpd_ps(_mm512_mul_pd(
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))), inv));
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+  }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F max(F a, F b) {
     const __mmask16 unordered = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);

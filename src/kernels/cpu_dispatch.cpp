@@ -29,6 +29,7 @@ AdamCoeffs adam_coeffs(const AdamHyper& h) {
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1 - h.beta2);
   c.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
+  c.inv_sqrt_bias_correction2 = 1.0 / static_cast<double>(c.sqrt_bias_correction2);
   c.eps = static_cast<float>(h.eps);
   c.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
   return c;

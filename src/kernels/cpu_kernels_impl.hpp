@@ -3,6 +3,7 @@
 // namespace): an AVX-512 instantiation must never be merged into, or picked by, another TU.
 //
 // V provides: kWidth, F (register), load/store (unaligned), set1, add, mul, div, sqrt,
+// div_by_const(x, c, 1/double(c)) = RN(x / c) for x >= 0 (Note [Division by a constant]),
 // fma(a, b, c) = a*b + c rounded once, max (NaN in either -> all-ones NaN, else a > b ? a : b, as
 // maxps), store_bf16/store_fp16 (round to nearest even, NaN canonicalised), and a double
 // accumulator Acc with acc_zero/acc_sq/acc_sum. The last partial vector runs through the same
@@ -92,7 +93,9 @@ inline void adam_vec(const AdamCoeffs& c, float* pp, const float* gp, float* mp,
     s = V::max(v, V::load(vmaxp));
     V::store(vmaxp, s);
   }
-  const F denom = V::add(V::div(V::sqrt(s), V::set1(c.sqrt_bias_correction2)), V::set1(c.eps));
+  const F scaled = V::div_by_const(V::sqrt(s), c.sqrt_bias_correction2,
+                                   c.inv_sqrt_bias_correction2);  // Note [Division by a constant]
+  const F denom = V::add(scaled, V::set1(c.eps));
   p = V::add(p, V::div(V::mul(V::set1(c.neg_step_size), m), denom));
   V::store(pp, p);
   store_low<V, kLow>(lowp, p);

@@ -18,6 +18,7 @@ struct ScalarIsa {
   static F mul(F a, F b) { return a * b; }
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return std::sqrt(a); }
+  static F div_by_const(F a, float c, double) { return a / c; }  // the reference divides
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
   static F max(F a, F b) {
     if (a != a || b != b) return bits_float(0xFFFFFFFFu);  // as the vector or-with-unordered

@@ -248,6 +248,32 @@ TEST_P(KernelIsa, AdamMatchesScalarReferenceBitwise) {
   EXPECT_EQ(configs, 5 * 16 * 3 * 3 * 3);
 }
 
+// The vector kernels divide by sqrt(bias_correction2) through a double reciprocal (Note [Division
+// by a constant] in cpu_kernels.hpp): second moments spread over the whole float range, for
+// several betas and steps, must still give the scalar reference's bits.
+TEST_P(KernelIsa, AdamDenominatorOverTheWholeFloatRange) {
+  const int64_t n = 1 << 18;
+  std::mt19937 rng(11);
+  std::vector<float> v0(n), m0 = normal(n, 1.0f, 12), p0 = normal(n, 1.0f, 13);
+  for (auto& x : v0) {
+    const uint32_t u = rng() % 0x7F800000u;  // every finite non-negative float, 0 included
+    std::memcpy(&x, &u, sizeof x);
+  }
+  const std::vector<float> g(n, 0.0f);  // v' = v * beta2: the spread survives the update
+  for (double beta2 : {0.999, 0.95, 0.9999}) {
+    for (int64_t step : {1, 2, 10, 1000, 100000}) {
+      AdamHyper h;
+      h.beta2 = beta2, h.step = step, h.weight_decay = 0.01;
+      std::vector<float> p = p0, m = m0, v = v0, rp = p0, rm = m0, rv = v0;
+      raw::adam(isa(), h, {p.data(), g.data(), m.data(), v.data(), nullptr, {}, n});
+      ref_adam(h, rp.data(), g.data(), rm.data(), rv.data(), nullptr, {}, n);
+      SCOPED_TRACE("beta2 " + std::to_string(beta2) + " step " + std::to_string(step));
+      EXPECT_SAME_BITS(p.data(), rp.data(), n, "param");
+      if (HasFailure()) return;
+    }
+  }
+}
+
 TEST_P(KernelIsa, SgdMatchesScalarReferenceBitwise) {
   std::vector<SgdHyper> hypers(5);
   hypers[0].lr = 0.1;

@@ -1,0 +1,232 @@
+// Fused CPU AdamW (src/kernels) against torch::optim::AdamW over the same tensors and against a
+// STREAM triad measured in the same binary, on 100M fp32 parameters by default. After the
+// Google Benchmark output it prints a markdown table with the ratios from this run (medians
+// when --benchmark_repetitions > 1), the one bench/RESULTS.md records.
+//
+//   build/bench/kernels_bench --benchmark_repetitions=5 [--numel=100000000]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <torch/optim/adamw.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/fused.hpp"
+
+namespace {
+
+namespace k = shardopt::detail::kernels;
+
+int64_t g_numel = 100'000'000;
+constexpr double kAdamBytes = 28;     // read p, g, m, v; write p, m, v (fp32)
+constexpr double kAdamLowBytes = 30;  // + the bf16 copy
+constexpr double kTriadBytes = 12;    // STREAM's count: read b, c; write a
+
+// One set of pre-faulted buffers shared by every benchmark (first touch is slow, DESIGN.md).
+struct Data {
+  at::Tensor p, g, m, v, low, triad_a;
+  std::unique_ptr<torch::optim::AdamW> torch_opt;
+};
+Data& data() {
+  static Data d = [] {
+    Data d;
+    at::manual_seed(0);
+    d.p = at::randn({g_numel});
+    d.g = at::randn({g_numel}).mul_(1e-2);
+    d.m = at::zeros({g_numel});
+    d.v = at::zeros({g_numel});
+    d.low = at::zeros({g_numel}, at::kBFloat16);
+    d.triad_a = at::zeros({g_numel});
+    d.p.set_requires_grad(true);
+    d.p.mutable_grad() = d.g;  // torch sees the same parameter and gradient
+    d.torch_opt = std::make_unique<torch::optim::AdamW>(
+        std::vector<at::Tensor>{d.p}, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+    d.torch_opt->step();  // allocates and touches torch's own state outside the timings
+    return d;
+  }();
+  return d;
+}
+
+k::AdamHyper hyper(int64_t step) {
+  k::AdamHyper h;
+  h.lr = 1e-4, h.weight_decay = 0.01, h.step = step;
+  return h;
+}
+
+void set_counters(benchmark::State& state, double bytes_per_param) {
+  const double n = static_cast<double>(state.iterations()) * static_cast<double>(g_numel);
+  state.counters["param/s"] = benchmark::Counter(n, benchmark::Counter::kIsRate);
+  state.counters["B/s"] = benchmark::Counter(n * bytes_per_param, benchmark::Counter::kIsRate);
+}
+
+const k::CpuIsa kIsas[] = {k::CpuIsa::Auto, k::CpuIsa::Scalar, k::CpuIsa::Avx2, k::CpuIsa::Avx512};
+
+// args: threads, isa (index into kIsas), bf16 copy (0/1)
+void BM_FusedAdamW(benchmark::State& state) {
+  const k::CpuIsa isa = kIsas[state.range(1)];
+  if (!k::cpu_isa_supported(isa)) {
+    state.SkipWithError("this CPU lacks the instruction set");
+    return;
+  }
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  Data& d = data();
+  const bool low = state.range(2) != 0;
+  const k::AdamSegment s{d.p.data_ptr<float>(),
+                         d.g.data_ptr<float>(),
+                         d.m.data_ptr<float>(),
+                         d.v.data_ptr<float>(),
+                         nullptr,
+                         {low ? k::LowPrecision::BFloat16 : k::LowPrecision::None,
+                          low ? static_cast<uint16_t*>(d.low.data_ptr()) : nullptr},
+                         g_numel};
+  int64_t step = 0;
+  for (auto _ : state) k::fused_adam(hyper(++step), s, isa);
+  set_counters(state, low ? kAdamLowBytes : kAdamBytes);
+  state.SetLabel(k::to_string(k::resolve_cpu_isa(isa)));
+}
+
+void BM_TorchAdamW(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  Data& d = data();
+  for (auto _ : state) d.torch_opt->step();
+  set_counters(state, kAdamBytes);  // the bytes a fused pass needs, for comparison
+}
+
+// STREAM triad a = b + s*c over g_numel floats, the same threads and chunking as the kernels.
+void BM_Triad(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  Data& d = data();
+  float* a = d.triad_a.data_ptr<float>();
+  const float* b = d.g.data_ptr<float>();
+  const float* c = d.v.data_ptr<float>();
+  const float scalar = 3.0f;
+  for (auto _ : state) {
+    at::parallel_for(0, g_numel, k::kChunkNumel, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) a[i] = b[i] + scalar * c[i];
+    });
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, kTriadBytes);
+}
+
+// Wall-clock time: the work runs on at::parallel_for's threads, not the benchmark thread.
+void setup(benchmark::internal::Benchmark* b) { b->UseRealTime()->Unit(benchmark::kMillisecond); }
+
+void register_benchmarks() {
+  const int max_threads = static_cast<int>(std::thread::hardware_concurrency());
+  std::vector<int64_t> threads = {1};
+  if (max_threads > 1) threads.push_back(max_threads);
+  for (int64_t t : threads) {
+    setup(benchmark::RegisterBenchmark("triad", BM_Triad)->Arg(t)->ArgName("threads"));
+    setup(benchmark::RegisterBenchmark("fused_adamw", BM_FusedAdamW)
+              ->Args({t, 0, 0})
+              ->Args({t, 0, 1})
+              ->ArgNames({"threads", "isa", "bf16"}));
+    setup(benchmark::RegisterBenchmark("torch_adamw", BM_TorchAdamW)->Arg(t)->ArgName("threads"));
+  }
+  // Every instruction set on one thread (isa: 1 scalar, 2 avx2, 3 avx512).
+  for (int64_t isa = 1; isa <= 3; ++isa) {
+    setup(benchmark::RegisterBenchmark("fused_adamw", BM_FusedAdamW)
+              ->Args({1, isa, 0})
+              ->ArgNames({"threads", "isa", "bf16"}));
+  }
+}
+
+// Console output as usual, plus the ratio table at the end.
+class TableReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      if (r.error_occurred) continue;
+      const bool median = r.aggregate_name == "median";
+      if (!r.aggregate_name.empty() && !median) continue;
+      Entry& e = results_[r.run_name.function_name + "/" + r.run_name.args];
+      if (median || !e.median) {
+        e.median = median;
+        e.params = r.counters.at("param/s").value;
+        e.bytes = r.counters.at("B/s").value;
+        e.label = r.report_label;
+      }
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+
+  void Finalize() override {
+    ConsoleReporter::Finalize();
+    std::printf(
+        "\n| threads | fused AdamW Gparam/s | fused GB/s (28 B/param) | torch AdamW "
+        "Gparam/s | fused / torch | triad GB/s (12 B/elem) | fused GB/s / triad GB/s |"
+        " fused + bf16 copy Gparam/s |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int t = 1; t <= 64; ++t) {
+      const std::string ts = std::to_string(t);
+      const Entry* fused = find("fused_adamw/threads:" + ts + "/isa:0/bf16:0");
+      const Entry* low = find("fused_adamw/threads:" + ts + "/isa:0/bf16:1");
+      const Entry* torch = find("torch_adamw/threads:" + ts);
+      const Entry* triad = find("triad/threads:" + ts);
+      if (fused == nullptr || torch == nullptr || triad == nullptr) continue;
+      std::printf("| %d | %.3f (%s) | %.1f | %.3f | %.1fx | %.1f | %.0f%% | %s |\n", t,
+                  fused->params / 1e9, fused->label.c_str(), fused->bytes / 1e9,
+                  torch->params / 1e9, fused->params / torch->params, triad->bytes / 1e9,
+                  100 * fused->bytes / triad->bytes, low ? fmt(low->params / 1e9).c_str() : "-");
+    }
+    std::printf("\n| instruction set (1 thread) | Gparam/s | GB/s |\n|---|---:|---:|\n");
+    for (int isa = 1; isa <= 3; ++isa) {
+      const Entry* e = find("fused_adamw/threads:1/isa:" + std::to_string(isa) + "/bf16:0");
+      if (e != nullptr) {
+        std::printf("| %s | %.3f | %.1f |\n", e->label.c_str(), e->params / 1e9, e->bytes / 1e9);
+      }
+    }
+    std::printf("\nnumel %lld; %s\n", static_cast<long long>(g_numel),
+                any_median_ ? "medians over repetitions" : "single runs");
+  }
+
+ private:
+  struct Entry {
+    bool median = false;
+    double params = 0, bytes = 0;
+    std::string label;
+  };
+  const Entry* find(const std::string& key) {
+    auto it = results_.find(key);
+    if (it == results_.end()) return nullptr;
+    any_median_ = any_median_ || it->second.median;
+    return &it->second;
+  }
+  static std::string fmt(double x) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3f", x);
+    return buf;
+  }
+  std::map<std::string, Entry> results_;
+  bool any_median_ = false;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--numel=", 8) == 0) {
+      g_numel = std::atoll(argv[i] + 8);
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  int n_args = static_cast<int>(args.size());
+  benchmark::Initialize(&n_args, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n_args, args.data())) return 1;
+  register_benchmarks();
+  benchmark::AddCustomContext("numel", std::to_string(g_numel));
+  benchmark::AddCustomContext("auto_isa", k::to_string(k::resolve_cpu_isa(k::CpuIsa::Auto)));
+  TableReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  return 0;
+}

@@ -39,6 +39,7 @@
 #include "shardopt/detail/partition.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/units.hpp"
+#include "kernels/fused.hpp"
 
 namespace shardopt {
 
@@ -271,7 +272,9 @@ class Engine final : public UnitRuntime {
       const auto t = Clock::now();
       update();
       if (separate_master_) {
-        for (auto& s : segments_) s.low.copy_(s.param);  // master -> model dtype/device
+        for (auto& s : segments_) {
+          if (!s.low_done) s.low.copy_(s.param);  // master -> model dtype/device
+        }
       }
       stats_.update_s = seconds_since(t);
     }
@@ -409,6 +412,7 @@ class Engine final : public UnitRuntime {
     at::Tensor param;  // the update's target: master weights, or the model's own storage
     at::Tensor grad;
     at::Tensor low;    // separate master: the model's storage to cast the result into
+    bool low_done = false;  // this step's update already wrote `low` (fused kernels)
   };
 
   // ---- construction ------------------------------------------------------------------------
@@ -953,8 +957,104 @@ class Engine final : public UnitRuntime {
       const Rule& rule = current_rule(s.group);
       std::vector<at::Tensor> st;
       for (auto& full : state_) st.push_back(full.narrow(0, s.state_offset, s.param.numel()));
-      std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
+      s.low_done = fused_step(rule, step, s, st);
+      if (!s.low_done) {
+        std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
+      }
     }
+  }
+
+  // ---- fused kernels (src/kernels): one pass over a segment, same arithmetic as RuleStep -----
+
+  bool fusable(const Segment& s) const {
+    return options_.fused_update && s.param.is_cpu() && s.param.scalar_type() == at::kFloat &&
+           s.grad.is_cpu() && s.grad.scalar_type() == at::kFloat;
+  }
+
+  // The compute-dtype copy a kernel writes in the same pass, from element `begin` of a segment.
+  kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin = 0) const {
+    kernels::LowPrecisionOut out;
+    if (!separate_master_ || !s.low.is_cpu()) return out;
+    const auto dtype = s.low.scalar_type();
+    if (dtype != at::kBFloat16 && dtype != at::kHalf) return out;
+    out.kind = dtype == at::kBFloat16 ? kernels::LowPrecision::BFloat16
+                                      : kernels::LowPrecision::Float16;
+    out.data = reinterpret_cast<uint16_t*>(s.low.data_ptr()) + begin;
+    return out;
+  }
+
+  // Steps the segment with a fused kernel when one exists for the rule; returns whether it did
+  // (and then also wrote the compute-dtype copy, when there is one on the host).
+  bool fused_step(const Rule& rule, int64_t step, Segment& s, std::vector<at::Tensor>& st) {
+    if (!fusable(s)) return false;
+    const auto low = low_out(s);
+    if (low.kind == kernels::LowPrecision::None && separate_master_) return false;
+    float* param = s.param.data_ptr<float>();
+    const float* grad = s.grad.data_ptr<float>();
+    const int64_t n = s.param.numel();
+    auto adam = [&](const auto& r, bool decoupled) {
+      kernels::AdamHyper h;
+      h.lr = r.lr(), h.beta1 = r.beta1(), h.beta2 = r.beta2(), h.eps = r.eps();
+      h.weight_decay = r.weight_decay(), h.decoupled = decoupled, h.amsgrad = r.amsgrad();
+      h.step = step;
+      kernels::fused_adam(h, {param, grad, st[0].data_ptr<float>(), st[1].data_ptr<float>(),
+                              r.amsgrad() ? st[2].data_ptr<float>() : nullptr, low, n});
+      return true;
+    };
+    if (const auto* r = std::get_if<AdamW>(&rule)) return adam(*r, true);
+    if (const auto* r = std::get_if<Adam>(&rule)) return adam(*r, false);
+    if (const auto* r = std::get_if<SGD>(&rule)) {
+      kernels::SgdHyper h;
+      h.lr = r->lr(), h.momentum = r->momentum(), h.dampening = r->dampening();
+      h.weight_decay = r->weight_decay(), h.nesterov = r->nesterov(), h.step = step;
+      kernels::fused_sgd(h, {param, grad, r->momentum() != 0 ? st[0].data_ptr<float>() : nullptr,
+                             low, n});
+      return true;
+    }
+    return false;  // Adagrad, RMSprop: torch's ops (RuleStep)
+  }
+
+  // LAMB with the fused phases, per parameter piece (the trust ratio is per parameter).
+  bool fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
+    for (const auto& s : segments_) {
+      if (!fusable(s) || (separate_master_ && low_out(s).kind == kernels::LowPrecision::None)) {
+        return false;
+      }
+    }
+    auto hyper = [&](const Segment& s) {
+      const auto& r = std::get<Lamb>(current_rule(s.group));
+      kernels::LambHyper h;
+      h.lr = r.lr(), h.beta1 = r.beta1(), h.beta2 = r.beta2(), h.eps = r.eps();
+      h.weight_decay = r.weight_decay(), h.step = step;
+      return h;
+    };
+    auto piece = [&](Segment& s, int64_t begin, int64_t len, bool with_low) {
+      const int64_t at0 = s.state_offset + begin;
+      return kernels::LambSegment{s.param.data_ptr<float>() + begin,
+                                  s.grad.data_ptr<float>() + begin,
+                                  state_[0].data_ptr<float>() + at0,
+                                  state_[1].data_ptr<float>() + at0,
+                                  with_low ? low_out(s, begin) : kernels::LowPrecisionOut{}, len};
+    };
+    for (auto& s : segments_) {
+      const auto h = hyper(s);
+      for_each_param_piece(s, [&](int index, int64_t begin, int64_t len) {
+        const auto norms = kernels::fused_lamb_phase1(h, piece(s, begin, len, false));
+        acc[2 * index] += norms.param_sq;
+        acc[2 * index + 1] += norms.update_sq;
+      });
+    }
+    if (options_.stage >= 1) all_reduce_small(sums);
+    for (auto& s : segments_) {
+      const auto h = hyper(s);
+      for_each_param_piece(s, [&](int index, int64_t begin, int64_t len) {
+        const double w = std::sqrt(acc[2 * index]), u = std::sqrt(acc[2 * index + 1]);
+        kernels::fused_lamb_phase2(h, (w > 0 && u > 0) ? w / u : 1.0, piece(s, begin, len, true));
+      });
+      // Padding between parameters keeps a zero compute-dtype copy; nothing else to write.
+      s.low_done = true;
+    }
+    return true;
   }
 
   // The rule of group g as the torch param group holds it now (LR schedulers write there).
@@ -970,6 +1070,8 @@ class Engine final : public UnitRuntime {
     const int64_t np = static_cast<int64_t>(params_.size());
     at::Tensor sums = at::zeros({2 * np}, at::kDouble);
     auto* acc = sums.data_ptr<double>();
+    if (fused_lamb(step, acc, sums)) return;
+    for (auto& s : segments_) s.low_done = false;
     std::vector<at::Tensor> updates;
     for (auto& s : segments_) {
       const auto& r = std::get<Lamb>(current_rule(s.group));

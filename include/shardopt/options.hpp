@@ -37,6 +37,10 @@ struct ZeroOptions {
   bool reduce_in_fp32 = true;
   // fp16 only: dynamic loss scaling.
   LossScaleOptions loss_scale;
+  // Update with the fused one-pass CPU kernels (src/kernels: AVX-512/AVX2/scalar, threaded) where
+  // they exist (Adam, AdamW, SGD, LAMB on fp32 host shards); false runs torch's ops (RuleStep).
+  // Both give the same numbers (tested to 1e-6 against torch::optim).
+  bool fused_update = true;
   Offload offload = Offload::None;
   // Rank 0's initial parameters are copied to every rank at construction, as DDP does.
   bool broadcast_initial_params = true;

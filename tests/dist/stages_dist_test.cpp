@@ -105,6 +105,7 @@ struct Case {
   bool offload = false;
   Precision precision = Precision::FP32;
   bool reduce_in_fp32 = true;
+  bool fused = true;  // the fused kernels where they exist; false: torch's ops
 };
 
 std::string case_name(const Case& c) {
@@ -114,7 +115,7 @@ std::string case_name(const Case& c) {
                      c.overlap ? "" : "_sync", c.bucket_bytes, c.backend,
                      c.offload ? "_offload" : "",
                      c.precision != Precision::FP32 ? std::string("_") + to_string(c.precision) : "",
-                     c.reduce_in_fp32 ? "" : "_lowreduce");
+                     c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused");
 }
 
 Rule make_rule(const std::string& name) {
@@ -273,6 +274,7 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   zo.offload = c.offload ? Offload::CPU : Offload::None;
   zo.precision = c.precision;
   zo.reduce_in_fp32 = c.reduce_in_fp32;
+  zo.fused_update = c.fused;
   zo.loss_scale.initial_scale = 1024;
   net.upcast = c.precision != Precision::FP32;
   auto counting = std::make_shared<test::CountingCommunicator>(comm);
@@ -352,6 +354,12 @@ std::vector<Case> parity_cases() {
     // the same path runs; the master weights are the parameters' own storage).
     cases.push_back({stage, "adamw", 2, 0.05, true, true, 64, "mpi", true});
     cases.push_back({stage, "sgd", 1, 0.0, false, true, 64, "mpi", true});
+    // torch's own ops instead of the fused kernels (RuleStep; Adagrad and RMSprop always).
+    for (const char* rule : {"adamw", "sgd", "lamb", "adam"}) {
+      Case c{stage, rule};
+      c.fused = false;
+      cases.push_back(c);
+    }
   }
   return cases;
 }

@@ -33,6 +33,7 @@
 #include <unordered_map>
 
 #include "shardopt/detail/partition.hpp"
+#include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt {
@@ -169,7 +170,7 @@ struct RuleStep {
   }
 };
 
-class Engine {
+class Engine : public ShardAccess {
  public:
   Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
          ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options)
@@ -287,6 +288,58 @@ class Engine {
   const CommunicatorPtr& communicator() const { return comm_; }
   int64_t numel() const { return layout_.numel; }
   int64_t padded_numel() const { return layout_.padded_numel; }
+
+  // ---- checkpoint access (detail::ShardAccess, used by src/checkpoint.cpp) -------------------
+  const FlatLayout& layout() const override { return layout_; }
+  const ZeroOptions& zero_options() const override { return options_; }
+  const CommunicatorPtr& comm() const override { return comm_; }
+  const std::string& param_name(int index) const override { return params_[index].name; }
+  int64_t param_order(int index) const override { return params_[index].order; }
+  std::vector<int64_t> param_shape(int index) const override {
+    return params_[index].tensor.sizes().vec();
+  }
+  at::ScalarType master_dtype() const override { return param_flat_.scalar_type(); }
+  bool has_factory_optimizer() const override { return inner_ != nullptr; }
+  int state_buffer_count() const override { return static_cast<int>(state_.size()); }
+  at::Tensor owned_param_slice(int bucket) override {
+    const auto& bl = layout_.buckets[bucket];
+    return param_flat_.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard);
+  }
+  // Stage 0 keeps full-length state (a bucket at its flat_offset); stages 1-2 only the shard.
+  at::Tensor owned_state_slice(int state, int bucket) override {
+    const auto& bl = layout_.buckets[bucket];
+    const int64_t at0 = options_.stage == 0 ? bl.flat_offset + rank_ * bl.shard : bl.shard_offset;
+    return state_[state].narrow(0, at0, bl.shard);
+  }
+  int64_t step_count() const override { return steps_; }
+  void set_step_count(int64_t steps) override {
+    steps_ = steps;
+    stats_ = StepStats{};
+    stats_.step = steps_;
+  }
+  int group_count() const override { return static_cast<int>(owner_.param_groups().size()); }
+  Rule group_rule(int group) const override { return current_rule(group); }
+  void set_group_rule(int group, const Rule& rule) override {
+    static_cast<GroupOptions&>(owner_.param_groups()[group].options()).rule = rule;
+  }
+  void after_load() override {
+    at::NoGradGuard no_grad;
+    std::vector<WorkPtr> works;
+    for (const auto& bl : layout_.buckets) {
+      auto gather_bucket = [&](const at::Tensor& full) {
+        at::Tensor range = full.narrow(0, bl.flat_offset, bl.padded);
+        works.push_back(
+            comm_->all_gather(range.narrow(0, rank_ * bl.shard, bl.shard), range, true));
+      };
+      gather_bucket(param_flat_);
+      if (options_.stage == 0) {
+        for (auto& s : state_) gather_bucket(s);
+      }
+    }
+    for (auto& w : works) w->wait(options_.timeout);
+    zero_grad();
+  }
+  // ---- end of checkpoint access ---------------------------------------------------------------
 
  private:
   struct Param {
@@ -868,6 +921,10 @@ DistributedOptimizer::DistributedOptimizer(std::vector<ParamGroup> groups,
 }
 
 DistributedOptimizer::~DistributedOptimizer() = default;
+
+namespace detail {
+ShardAccess& shard_access(DistributedOptimizer& optimizer) { return *optimizer.engine_; }
+}  // namespace detail
 
 at::Tensor DistributedOptimizer::step(LossClosure closure) { return engine_->step(closure); }
 void DistributedOptimizer::zero_grad() { engine_->zero_grad(); }

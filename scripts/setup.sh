@@ -5,7 +5,7 @@ PACKAGES=(
   build-essential cmake ninja-build lld ccache pkg-config
   libtorch-dev python3-torch libopenblas0-openmp    # libtorch 1.13 CPU + an optimized BLAS
   libopenmpi-dev openmpi-bin libgloo-dev             # engines
-  libfmt-dev nlohmann-json3-dev libcli11-dev         # formatting, JSON, CLI
+  libfmt-dev nlohmann-json3-dev libcli11-dev zlib1g-dev  # formatting, JSON, CLI, CRC-32
   libgtest-dev libgmock-dev libbenchmark-dev python3-pytest pybind11-dev
   python3-matplotlib                                 # loss-curve and benchmark plots
 )

@@ -37,6 +37,7 @@
 #include <unordered_map>
 
 #include "shardopt/detail/partition.hpp"
+#include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/units.hpp"
 #include "kernels/fused.hpp"
@@ -189,7 +190,7 @@ struct RuleStep {
 // step(). Collectives are issued in the same order on every rank because forward and backward
 // visit units in the same order everywhere (as DDP assumes of its buckets).
 
-class Engine final : public UnitRuntime {
+class Engine final : public UnitRuntime, public ShardAccess {
  public:
   Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
          ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options)
@@ -374,6 +375,79 @@ class Engine final : public UnitRuntime {
   void mark_for_backward(int unit, const at::Tensor& output) override {
     output.register_hook([this, unit](const at::Tensor&) { before_backward(unit); });
   }
+  // ---- checkpoint access (detail::ShardAccess, used by src/checkpoint.cpp) -------------------
+  const FlatLayout& layout() const override { return layout_; }
+  const ZeroOptions& zero_options() const override { return options_; }
+  const CommunicatorPtr& comm() const override { return comm_; }
+  const std::string& param_name(int index) const override { return params_[index].name; }
+  int64_t param_order(int index) const override { return params_[index].order; }
+  std::vector<int64_t> param_shape(int index) const override {
+    return params_[index].tensor.sizes().vec();
+  }
+  at::ScalarType master_dtype() const override {
+    return master_options_.dtype().toScalarType();
+  }
+  bool has_factory_optimizer() const override { return inner_ != nullptr; }
+  int state_buffer_count() const override { return static_cast<int>(state_.size()); }
+  // The master weights: fp32 copy (mixed precision, offload), stage 3's shard, or the model's
+  // flat buffer.
+  at::Tensor owned_param_slice(int bucket) override {
+    const auto& bl = layout_.buckets[bucket];
+    if (separate_master_) {
+      return master_.narrow(
+          0, options_.stage == 0 ? bl.flat_offset + rank_ * bl.shard : bl.shard_offset, bl.shard);
+    }
+    if (stage3()) return param_shard_.narrow(0, bl.shard_offset, bl.shard);
+    return param_flat_.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard);
+  }
+  // Stage 0 keeps full-length state (a bucket at its flat_offset); stages 1-2 only the shard.
+  at::Tensor owned_state_slice(int state, int bucket) override {
+    const auto& bl = layout_.buckets[bucket];
+    const int64_t at0 = options_.stage == 0 ? bl.flat_offset + rank_ * bl.shard : bl.shard_offset;
+    return state_[state].narrow(0, at0, bl.shard);
+  }
+  int64_t step_count() const override { return steps_; }
+  void set_step_count(int64_t steps) override {
+    steps_ = steps;
+    stats_ = StepStats{};
+    stats_.step = steps_;
+  }
+  int group_count() const override { return static_cast<int>(owner_.param_groups().size()); }
+  Rule group_rule(int group) const override { return current_rule(group); }
+  void set_group_rule(int group, const Rule& rule) override {
+    static_cast<GroupOptions&>(owner_.param_groups()[group].options()).rule = rule;
+  }
+  std::optional<LossScaler::State> loss_scaler_state() const override {
+    if (!scaler_) return std::nullopt;
+    return scaler_->state();
+  }
+  void set_loss_scaler_state(const LossScaler::State& state) override {
+    if (scaler_) scaler_->set_state(state);
+  }
+  void after_load() override {
+    at::NoGradGuard no_grad;
+    if (options_.stage == 0) {
+      // Every rank holds everything at stage 0: assemble the full master weights and state.
+      std::vector<WorkPtr> works;
+      for (const auto& bl : layout_.buckets) {
+        auto gather_bucket = [&](const at::Tensor& full) {
+          at::Tensor range = full.narrow(0, bl.flat_offset, bl.padded);
+          works.push_back(
+              comm_->all_gather(range.narrow(0, rank_ * bl.shard, bl.shard), range, true));
+        };
+        gather_bucket(separate_master_ ? master_ : param_flat_);
+        for (auto& s : state_) gather_bucket(s);
+      }
+      for (auto& w : works) w->wait(options_.timeout);
+    }
+    if (separate_master_) {
+      for (auto& s : segments_) s.low.copy_(s.param);  // master -> model dtype
+    }
+    gather();  // stages 1-2: parameters; stage 3: frees stale units, gathers the root
+    comm_elements_ = 0;
+    zero_grad();
+  }
+  // ---- end of checkpoint access ---------------------------------------------------------------
 
  private:
   struct Param {
@@ -1286,6 +1360,10 @@ DistributedOptimizer::DistributedOptimizer(std::vector<ParamGroup> groups,
 }
 
 DistributedOptimizer::~DistributedOptimizer() = default;
+
+namespace detail {
+ShardAccess& shard_access(DistributedOptimizer& optimizer) { return *optimizer.engine_; }
+}  // namespace detail
 
 at::Tensor DistributedOptimizer::step(LossClosure closure) { return engine_->step(closure); }
 void DistributedOptimizer::zero_grad() { engine_->zero_grad(); }

@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "checkpointing.hpp"
 #include "data.hpp"
 #include "model.hpp"
 #include "shardopt/optimizer.hpp"
@@ -49,6 +50,8 @@ struct Args {
   double max_grad_norm = 1.0;
   int64_t checkpoint_every = 0;
   std::string resume;
+  bool resume_requested = false;  // --resume given (its value may be empty: OUT/checkpoint)
+  int64_t stop_after = 0;
   std::string out = "out/bert";
   uint64_t seed = 42;
   int32_t max_seq_length = 128;
@@ -258,10 +261,6 @@ int create_data_command(const Args& a, const std::string& output) {
 // ---- training ---------------------------------------------------------------------------------
 
 int run(const Args& a) {
-  if (a.checkpoint_every > 0 || !a.resume.empty()) {
-    throw std::runtime_error(
-        "--checkpoint-every/--resume are not yet supported: checkpoints land with issue 6");
-  }
   auto comm = shardopt::init_from_env();
   const int rank = comm->rank(), world = comm->size();
   at::set_num_threads(a.threads);
@@ -334,7 +333,7 @@ int run(const Args& a) {
   std::ofstream metrics;
   const fs::path metrics_path = fs::path(a.out) / "metrics.jsonl";
   if (lead) {
-    metrics.open(metrics_path, std::ios::trunc);
+    metrics.open(metrics_path, a.resume_requested ? std::ios::app : std::ios::trunc);
     if (!metrics) throw std::runtime_error("cannot write " + metrics_path.string());
   }
   // mpirun hands ranks a pseudo-terminal even when its own output is a pipe: --progress decides.
@@ -344,7 +343,51 @@ int run(const Args& a) {
   int64_t tokens_total = 0;
   nlohmann::json last;
 
-  for (int64_t step = 0; step < a.steps; ++step) {
+  // ---- checkpoints: --resume restores, --checkpoint-every saves (atomically, into OUT/checkpoint)
+  const fs::path checkpoint_dir = fs::path(a.out) / "checkpoint";
+  const nlohmann::json schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps},
+                                   {"lr", a.lr}, {"seed", a.seed}, {"batch-size", a.batch_size},
+                                   {"grad-accum", a.grad_accum}, {"ranks", world}};
+  bert::RunState run_state;
+  if (a.resume_requested) {
+    const std::string from = a.resume.empty() ? checkpoint_dir.string() : a.resume;
+    const auto t0 = Clock::now();
+    const auto notes = bert::restore_run_state(shardopt::load_checkpoint(opt, from), schedule,
+                                               &run_state);
+    losses = run_state.losses;
+    train_s = run_state.train_s;
+    tokens_total = run_state.tokens;
+    if (lead) {
+      fmt::print("[bert] resumed from {} at step {} ({:.1f} s)\n", from, run_state.step,
+                 seconds_since(t0));
+      for (const auto& n : notes) fmt::print("[bert] note: {}\n", n);
+      bert::truncate_metrics(metrics_path, run_state.step);
+      metrics.close();
+      metrics.open(metrics_path, std::ios::app);
+    }
+  }
+  const int64_t start_step = run_state.step;
+  int64_t data_position = run_state.data_position;
+  int64_t last_saved = -1;
+  auto maybe_checkpoint = [&](int64_t done) {
+    if (a.checkpoint_every <= 0 || done <= start_step || done % a.checkpoint_every != 0 ||
+        done == last_saved) {
+      return;
+    }
+    const auto t0 = Clock::now();
+    bert::RunState s{done, data_position, losses, train_s, tokens_total};
+    shardopt::save_checkpoint(opt, checkpoint_dir.string(), bert::make_trainer_state(s, schedule));
+    last_saved = done;
+    if (lead) {
+      fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", tty ? "\r\033[K" : "", done,
+                 checkpoint_dir.string(), seconds_since(t0));
+    }
+  };
+
+  int64_t step = start_step;
+  for (; step < a.steps; ++step) {
+    maybe_checkpoint(step);
+    if (a.stop_after > 0 && step - start_step >= a.stop_after) break;
     const auto t0 = Clock::now();
     const double lr = lr_at(a, step);
     for (auto& g : opt.param_groups()) g.options().set_lr(lr);
@@ -353,7 +396,7 @@ int run(const Args& a) {
     // Local sums: loss, mlm_loss, nsp_loss, mlm correct, mlm count, nsp correct, rows, tokens.
     std::array<double, 8> sums{};
     for (int micro = 0; micro < a.grad_accum; ++micro) {
-      const bert::Batch batch = loader.batch(step * a.grad_accum + micro);
+      const bert::Batch batch = loader.batch(data_position++);
       const auto tf = Clock::now();
       const bert::BertInputs inputs = bert::to_inputs(batch);
       const bert::BertOutputs out = model->forward(inputs);
@@ -437,6 +480,7 @@ int run(const Args& a) {
       std::fflush(stdout);
     }
   }
+  maybe_checkpoint(step);
   if (tty) fmt::print("\n");
 
   int rc = 0;
@@ -464,11 +508,13 @@ int run(const Args& a) {
     std::ofstream(fs::path(a.out) / "summary.json") << summary.dump(2) << '\n';
     fmt::print("[bert] done: {} steps in {} ({} wall), loss {:.3f} -> {:.3f} (mean of first/last {}), "
                "MLM loss {:.3f}, MLM acc {:.3f}, NSP acc {:.2f}\n",
-               a.steps, human_time(train_s), human_time(seconds_since(t_start)), first, final_, k,
+               step, human_time(train_s), human_time(seconds_since(t_start)), first, final_, k,
                last.value("mlm_loss", 0.0), last.value("mlm_acc", 0.0), last.value("nsp_acc", 0.0));
     fmt::print("[bert] metrics: {}\n[bert] loss plot: {}\n[bert] summary: {}\n", metrics_path.string(),
                plot_note, (fs::path(a.out) / "summary.json").string());
-    fmt::print("[bert] checkpoint: none (checkpoints land with issue 6)\n");
+    fmt::print("[bert] checkpoint: {}\n",
+               last_saved >= 0 ? fmt::format("{} (step {})", checkpoint_dir.string(), last_saved)
+                               : std::string("none written (--checkpoint-every N saves one)"));
     if (!a.write_golden.empty()) {
       std::ofstream g(a.write_golden, std::ios::trunc);
       for (size_t i = 0; i < losses.size(); ++i) g << fmt::format("{} {:.6f}\n", i + 1, losses[i]);
@@ -540,9 +586,16 @@ int main(int argc, char** argv) {
                  "LayerNorm)")->check(CLI::NonNegativeNumber);
   app.add_option("--max-grad-norm", a.max_grad_norm, "global gradient clipping, 0 disables")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (not yet "
-                 "supported)");
-  app.add_option("--resume", a.resume, "checkpoint directory to resume from (not yet supported)");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "save a checkpoint into OUT/checkpoint "
+                 "every N steps (atomically: the previous one stays until the new one is complete)")
+      ->check(CLI::NonNegativeNumber);
+  auto* resume = app.add_option("--resume", a.resume, "continue from a checkpoint: optimizer, "
+                                "step, data position, RNG and LR schedule (default directory: "
+                                "OUT/checkpoint)")
+                     ->expected(0, 1);
+  app.add_option("--stop-after", a.stop_after, "stop after N steps of this run, as if preempted "
+                 "(the LR schedule still spans --steps; --resume continues)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--out", a.out, "output directory (metrics.jsonl, loss.png, summary.json, cache/)");
   app.add_option("--seed", a.seed, "seed of the data, the model and the batch order");
   app.add_option("--max-seq-length", a.max_seq_length)->check(CLI::Range(8, 512));
@@ -581,6 +634,7 @@ int main(int argc, char** argv) {
                      "options, then exit");
   create_data->add_option("--output,-o", output, "data file to write")->required();
   CLI11_PARSE(app, argc, argv);
+  a.resume_requested = resume->count() > 0;
   try {
     if (build_vocab->parsed()) return build_vocab_command(a, output);
     if (create_data->parsed()) return create_data_command(a, output);

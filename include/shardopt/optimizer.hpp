@@ -73,9 +73,12 @@ struct MemoryReport {
   int64_t total() const { return param_bytes + grad_bytes + optimizer_state_bytes + buffer_bytes; }
 };
 
+class DistributedOptimizer;
 namespace detail {
 class Engine;
-}
+class ShardAccess;
+ShardAccess& shard_access(DistributedOptimizer& optimizer);
+}  // namespace detail
 
 class DistributedOptimizer : public torch::optim::Optimizer {
  public:
@@ -107,7 +110,14 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // No-op for stages 0-2, whose parameters are always whole.
   void gather_full_parameters();
 
+  // Sharded, atomic checkpoint of parameters and optimizer state into directory `dir`; loads on
+  // any world size and stage. Shorthands of shardopt::save_checkpoint / load_checkpoint
+  // (shardopt/checkpoint.hpp, which also stores trainer state). Collective.
+  void save_checkpoint(const std::string& dir);
+  void load_checkpoint(const std::string& dir);
+
  private:
+  friend detail::ShardAccess& detail::shard_access(DistributedOptimizer& optimizer);
   std::unique_ptr<detail::Engine> engine_;
 };
 

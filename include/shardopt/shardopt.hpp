@@ -3,6 +3,7 @@
 // process_group.hpp and nccl.hpp.
 #pragma once
 
+#include "shardopt/checkpoint.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"

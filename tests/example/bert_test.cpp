@@ -1,17 +1,21 @@
-// The BERT example's unit tests: tokenizer, pretraining data, model (shapes, tied decoder, size).
+// The BERT example's unit tests: tokenizer, pretraining data, model (shapes, tied decoder, size);
+// and BertTrainer.*, which runs the trainer under mpirun (its own CTest entry, bert_resume_np2).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "data.hpp"
 #include "model.hpp"
+#include "shardopt/checkpoint.hpp"
 #include "tokenizer.hpp"
 
 namespace bert {
@@ -548,6 +552,77 @@ TEST(BertModel, PublishedParameterCounts) {
   const double large_n = static_cast<double>(one->num_parameters() + 23 * per_layer);
   EXPECT_NEAR(large_n, 340e6, 6e6) << "BERT-large: " << large_n;
 }
+
+// ---- the trainer: resume continues the same trajectory --------------------------------------
+
+#if defined(BERT_PRETRAIN_EXE) && defined(BERT_MPIEXEC)
+int run_command(const std::string& cmd) {
+  std::printf("[ RUN      ] %s\n", cmd.c_str());
+  std::fflush(stdout);
+  return std::system(cmd.c_str());
+}
+
+// "loss" of every metrics.jsonl line, by step (JSON keeps every bit of a double).
+std::map<int64_t, double> losses_of(const std::string& metrics) {
+  std::map<int64_t, double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    out[j.at("step").get<int64_t>()] = j.at("loss").get<double>();
+  }
+  return out;
+}
+
+// 8 steps on 2 ranks (ZeRO stage 2, dropout on) with checkpoints every 4, uninterrupted; versus
+// 4 steps that stop as if preempted, then --resume for the rest. Steps 5-8 must have the same
+// losses bitwise, and the final checkpoints the same parameters and optimizer state.
+TEST(BertTrainer, ResumeContinuesTheSameTrajectory) {
+  namespace fs = std::filesystem;
+  const fs::path work = temp_path("resume");
+  fs::remove_all(work);
+  fs::create_directories(work);
+  const std::string exe = BERT_PRETRAIN_EXE, corpus = BERT_TEST_CORPUS;
+  const std::string vocab = (work / "vocab.txt").string(), data = (work / "data.bin").string();
+  ASSERT_EQ(run_command(exe + " build-vocab --corpus " + corpus + " --vocab-size 2000 -o " + vocab +
+                        " > /dev/null"), 0);
+  ASSERT_EQ(run_command(exe + " create-data --corpus " + corpus + " --vocab " + vocab +
+                        " --max-seq-length 64 --dupe-factor 2 -o " + data + " > /dev/null"), 0);
+  const std::string train = std::string(BERT_MPIEXEC) +
+      " --allow-run-as-root --oversubscribe --bind-to none -np 2 " + exe +
+      " --preset tiny --stage 2 --steps 8 --warmup-steps 2 --lr 2e-3 --batch-size 4"
+      " --max-seq-length 64 --vocab " + vocab + " --data " + data +
+      " --no-plot --progress lines --log-every 4 --checkpoint-every 4";
+  const std::string whole = (work / "whole").string(), parts = (work / "parts").string();
+  ASSERT_EQ(run_command(train + " --out " + whole), 0);
+  ASSERT_EQ(run_command(train + " --out " + parts + " --stop-after 4"), 0);
+  EXPECT_EQ(shardopt::read_checkpoint_info(parts + "/checkpoint").step, 4);
+  ASSERT_EQ(run_command(train + " --out " + parts + " --resume"), 0);
+
+  const auto expected = losses_of(whole + "/metrics.jsonl");
+  const auto resumed = losses_of(parts + "/metrics.jsonl");
+  ASSERT_EQ(expected.size(), 8u);
+  ASSERT_EQ(resumed.size(), 8u);
+  for (int64_t step = 1; step <= 8; ++step) {
+    EXPECT_EQ(resumed.at(step), expected.at(step)) << "step " << step;  // bitwise
+  }
+  EXPECT_NE(expected.at(8), expected.at(4));  // it trained on
+
+  const auto a = shardopt::read_full_state(whole + "/checkpoint", true);
+  const auto b = shardopt::read_full_state(parts + "/checkpoint", true);
+  EXPECT_EQ(a.step, 8);
+  EXPECT_EQ(b.step, 8);
+  ASSERT_EQ(a.params.size(), b.params.size());
+  for (const auto& item : a.params) {
+    EXPECT_TRUE(item.value().equal(b.params[item.key()])) << item.key();
+    for (const auto& [state, dict] : a.optimizer_state) {
+      EXPECT_TRUE(dict[item.key()].equal(b.optimizer_state.at(state)[item.key()]))
+          << state << " of " << item.key();
+    }
+  }
+  if (!HasFailure()) fs::remove_all(work);
+}
+#endif
 
 }  // namespace
 }  // namespace bert

@@ -1,0 +1,93 @@
+// The trainer's side of --checkpoint-every / --resume: what besides the optimizer a run needs to
+// continue the same trajectory (step, data-loader position, LR schedule inputs, losses so far,
+// and every rank's torch CPU generator, which drives dropout), stored in shardopt's atomic
+// checkpoint as TrainerState. Header-only; included by train.cpp.
+#pragma once
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "shardopt/checkpoint.hpp"
+
+namespace bert {
+
+struct RunState {
+  int64_t step = 0;           // optimizer steps completed
+  int64_t data_position = 0;  // next global batch index of the BatchLoader
+  std::vector<double> losses;
+  double train_s = 0;
+  int64_t tokens = 0;
+};
+
+inline at::Tensor cpu_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+inline void set_cpu_rng_state(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+// `schedule`: the options the LR schedule and the data order depend on, compared on resume.
+inline shardopt::TrainerState make_trainer_state(const RunState& s,
+                                                 const nlohmann::json& schedule) {
+  nlohmann::json j = {{"step", s.step},     {"data_position", s.data_position},
+                      {"losses", s.losses}, {"train_s", s.train_s},
+                      {"tokens", s.tokens}, {"schedule", schedule}};
+  return {j.dump(), {{"torch_cpu_rng", cpu_rng_state()}}};
+}
+
+// Restores the run state and this rank's generator; returns notes for the log (e.g. schedule
+// options that differ from the checkpoint's).
+inline std::vector<std::string> restore_run_state(const shardopt::TrainerState& t,
+                                                  const nlohmann::json& schedule, RunState* s) {
+  const auto j = nlohmann::json::parse(t.json);
+  s->step = j.at("step").get<int64_t>();
+  s->data_position = j.at("data_position").get<int64_t>();
+  s->losses = j.at("losses").get<std::vector<double>>();
+  s->train_s = j.at("train_s").get<double>();
+  s->tokens = j.at("tokens").get<int64_t>();
+  std::vector<std::string> notes;
+  for (const auto& [key, value] : schedule.items()) {
+    const auto saved = j.at("schedule").value(key, nlohmann::json());
+    if (saved != value) {
+      notes.push_back("--" + key + " was " + saved.dump() + " in the checkpointed run, now " +
+                      value.dump() + ": the run does not continue the same trajectory");
+    }
+  }
+  auto rng = t.tensors.find("torch_cpu_rng");
+  if (rng != t.tensors.end()) {
+    set_cpu_rng_state(rng->second);
+  } else {
+    notes.push_back("the checkpoint holds no generator state for this rank (was it in the "
+                    "checkpointed run?): its dropout RNG starts fresh");
+  }
+  return notes;
+}
+
+// Keeps the metrics lines of steps <= `step` (a crashed run may have logged steps past its last
+// checkpoint).
+inline void truncate_metrics(const std::filesystem::path& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::ostringstream kept;
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded() && j.value("step", int64_t{0}) <= step) kept << line << '\n';
+  }
+  in.close();
+  std::ofstream(path, std::ios::trunc) << kept.str();
+}
+
+}  // namespace bert

@@ -1,0 +1,136 @@
+// Sharded checkpoints of a DistributedOptimizer: every rank writes its shard of the fp32 master
+// parameters and optimizer state, rank 0 a JSON manifest keyed by parameter name; loading works
+// on any world size and stage (resharding), and consolidation writes one full state dict.
+//
+//   shardopt::save_checkpoint(opt, "out/checkpoint", {R"({"step": 100})", {{"rng", rng}}});
+//   auto trainer = shardopt::load_checkpoint(opt, "out/checkpoint");   // trainer.json, .tensors
+//   shardopt::consolidate_checkpoint("out/checkpoint", "model.pt");   // torch.load() -> {name: t}
+//
+// Note [Atomic checkpoints]
+// A save writes everything into the sibling directory `.<name>.tmp`, fsyncs every file and the
+// directory, and only when all ranks succeeded makes it visible with one rename: an exchange with
+// the previous `<name>` (renameat2 RENAME_EXCHANGE), after which the old one is deleted. A crash
+// at any point leaves the previous checkpoint complete and loadable; a leftover `.<name>.tmp` is
+// never read and is removed by the next save. All ranks must see the same filesystem.
+//
+// Note [Agreement before state changes]
+// Save and load run every fallible step first (files, checksums, model checks), then all ranks
+// exchange their outcome; if any rank failed, every rank throws an Error of the failing rank's
+// kind and message, and no rank has changed its optimizer. Only then is the state replaced.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/ordered_dict.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "shardopt/optimizer.hpp"
+
+namespace shardopt {
+
+// Format of the manifest and shard files this build writes; it reads this version only.
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// The trainer's own state, stored in the same atomic checkpoint: `json` (a JSON object as text)
+// from rank 0, and per-rank tensors (e.g. the torch CPU generator state), saved by every rank.
+struct TrainerState {
+  std::string json = "{}";
+  std::map<std::string, at::Tensor> tensors;
+};
+
+struct SaveOptions {
+  // Tests only: this rank throws right after its shard file is written and synced, as if the
+  // process died there; the partial temporary directory is left behind like after a real crash.
+  int simulate_crash_after_shard_on_rank = -1;
+};
+
+struct LoadOptions {
+  // Restore each param group's hyper-parameters (lr, betas, ...) as saved, as torch's
+  // load_state_dict does; false keeps the current ones.
+  bool restore_hyperparameters = true;
+};
+
+// Writes a checkpoint of `optimizer` (and `trainer`) into directory `dir`, atomically (see Note
+// [Atomic checkpoints]); an existing checkpoint there is replaced only once the new one is
+// complete. Collective: call on all ranks with the same `dir`. Throws Error{Checkpoint} when the
+// directory cannot be written, Error{Unsupported} for factory-built (ShardOptimizerFactory)
+// optimizers, whose state lives inside the torch optimizer.
+void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
+                     const TrainerState& trainer = {}, const SaveOptions& options = {});
+
+// Restores parameters, optimizer state, step count and (optionally) hyper-parameters from `dir`,
+// whatever world size and stage wrote it; returns the trainer state (`json` on every rank,
+// `tensors` saved by this rank number, empty for ranks the saving run did not have). Gradients
+// are cleared. Collective. On any rank's failure every rank throws (see Note [Agreement before
+// state changes]): Error{Checkpoint} for a missing manifest or shard file, a checksum mismatch or
+// an unknown format version; Error{Mismatch} when the checkpoint is of another model (parameter
+// names or shapes) or optimizer (rule, state buffers, parameter groups).
+TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
+                             const LoadOptions& options = {});
+
+// What a checkpoint's manifest says (one process, not collective).
+struct CheckpointParam {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;  // "float32", ...
+  int group = 0;
+};
+struct CheckpointInfo {
+  std::string dir;
+  int format_version = 0;
+  int world_size = 0;
+  int stage = 0;
+  std::string precision;
+  int64_t step = 0;
+  std::string rule;                      // "adamw", ...
+  std::vector<std::string> state_names;  // "exp_avg", "exp_avg_sq", ...
+  std::vector<CheckpointParam> params;   // layout order
+  std::string trainer_json;
+  std::string manifest_json;  // the whole manifest
+};
+CheckpointInfo read_checkpoint_info(const std::string& dir);
+
+// The full fp32 parameters by name, and optionally the full optimizer state, assembled from all
+// shards of `dir` (checksums verified). One process, not collective.
+struct FullState {
+  torch::OrderedDict<std::string, at::Tensor> params;
+  // state name ("exp_avg", ...) -> parameter name -> tensor of the parameter's shape.
+  std::map<std::string, torch::OrderedDict<std::string, at::Tensor>> optimizer_state;
+  int64_t step = 0;
+  std::string rule;
+  std::string hyperparameters_json;  // per param group, as in the manifest
+};
+FullState read_full_state(const std::string& dir, bool with_optimizer_state = false);
+
+struct ConsolidateOptions {
+  // Also write the full optimizer state here: {"format", "step", "rule", "param_groups" (JSON
+  // text), "state": {param name: {state name: tensor}}}.
+  std::string optimizer_state_out;
+};
+
+// Writes the full fp32 state dict {name: tensor} of checkpoint `dir` to file `out` in torch's
+// zip/pickle format: `torch::pickle_load` in C++ and `torch.load` in Python read it. The write is
+// atomic (temporary file + rename). One process, not collective (shardopt-consolidate CLI).
+void consolidate_checkpoint(const std::string& dir, const std::string& out,
+                            const ConsolidateOptions& options = {});
+
+// The reverse: starts a sharded run from a full state. Every optimizer parameter must be present
+// with its shape (Error{Mismatch} otherwise); other entries (buffers, tied aliases, frozen
+// parameters) are ignored and their names returned. When `state.optimizer_state` is not empty,
+// the step count and every state buffer are restored too (the rule must match); otherwise the
+// optimizer state is left as it is. Collective; every rank passes the same values.
+std::vector<std::string> load_full_state(DistributedOptimizer& optimizer, const FullState& state);
+// Parameters only, e.g. a model's named_parameters() or a pickle-loaded {name: tensor}.
+std::vector<std::string> load_full_state_dict(
+    DistributedOptimizer& optimizer, const torch::OrderedDict<std::string, at::Tensor>& params);
+// From files: `model_file` as consolidate_checkpoint or Python's torch.save(model.state_dict())
+// writes; `optimizer_file` (optional) as ConsolidateOptions::optimizer_state_out writes. Every
+// rank reads the files; Error{Checkpoint} names a file that cannot be read.
+std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
+                                              const std::string& model_file,
+                                              const std::string& optimizer_file = "");
+
+}  // namespace shardopt

@@ -1,0 +1,535 @@
+// Checkpoints in one process (size-1 communicator): bitwise resume for every stage and rule, the
+// manifest, consolidation read back with pickle_load, full state dicts, every documented error,
+// the simulated crash, and the resharding index maths for many world sizes.
+#include "shardopt/checkpoint.hpp"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "shardopt/detail/shard_plan.hpp"
+#include "shardopt/error.hpp"
+#include "support/checkpoint_model.hpp"
+
+namespace shardopt {
+namespace {
+
+namespace fs = std::filesystem;
+using test::ckpt_rule;
+using test::ckpt_train;
+using test::CkptNet;
+
+// A fresh directory under TMPDIR, removed with the test.
+class TempDir {
+ public:
+  TempDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-ckpt-XXXXXX";
+    path_ = mkdtemp(templ.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+ZeroOptions zero(int stage) {
+  ZeroOptions zo;
+  zo.stage = stage;
+  zo.bucket_bytes = 64;  // several buckets: pieces split across them
+  return zo;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Runs `fn`, expecting shardopt::Error of `kind` whose message contains every needle.
+template <typename Fn>
+void expect_error(Fn&& fn, ErrorKind kind, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error of kind " << to_string(kind);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    for (const auto& n : needles) {
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "missing '" << n << "' in: " << e.what();
+    }
+  }
+}
+
+// ---- resume ---------------------------------------------------------------------------------
+
+struct ResumeCase {
+  int stage;
+  std::string rule;
+};
+
+class CheckpointResume : public ::testing::TestWithParam<ResumeCase> {};
+
+// Train 3 steps, save, train 3 more; a fresh optimizer loading the checkpoint and training the
+// same 3 steps must end bitwise equal (parameters, and the step count through bias correction).
+TEST_P(CheckpointResume, ContinuesBitwise) {
+  const auto& c = GetParam();
+  TempDir tmp;
+  auto comm = make_single_communicator();
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule(c.rule), comm, zero(c.stage));
+  ckpt_train(opt, net, 0, 3);
+  opt.save_checkpoint(tmp / "ckpt");
+  ckpt_train(opt, net, 3, 6);
+  const auto expected = net.snapshot();
+
+  CkptNet fresh;
+  DistributedOptimizer resumed(fresh.groups(), ckpt_rule(c.rule), comm, zero(c.stage));
+  for (auto& g : resumed.param_groups()) g.options().set_lr(123.0);  // restored from the file
+  resumed.load_checkpoint(tmp / "ckpt");
+  EXPECT_EQ(resumed.last_step().step, 3);
+  EXPECT_DOUBLE_EQ(resumed.param_groups()[1].options().get_lr(), 0.02);
+  ckpt_train(resumed, fresh, 3, 6);
+  std::string worst;
+  EXPECT_TRUE(test::ckpt_bitwise_equal(fresh.snapshot(), expected, &worst)) << worst;
+  EXPECT_GT(test::ckpt_max_diff(expected, CkptNet().snapshot(), &worst), 1e-3);  // it trained
+}
+
+std::vector<ResumeCase> resume_cases() {
+  std::vector<ResumeCase> out;
+  for (int stage : {0, 1, 2}) {
+    for (const char* rule : {"adamw", "adam", "sgd", "adagrad", "rmsprop", "lamb"}) {
+      out.push_back({stage, rule});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, CheckpointResume, ::testing::ValuesIn(resume_cases()),
+                         [](const auto& info) {
+                           return "stage" + std::to_string(info.param.stage) + "_" +
+                                  info.param.rule;
+                         });
+
+// A checkpoint written at one stage resumes at another (same values; the format is uniform).
+TEST(Checkpoint, ResumesAcrossStages) {
+  TempDir tmp;
+  auto comm = make_single_communicator();
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
+  ckpt_train(opt, net, 0, 3);
+  opt.save_checkpoint(tmp / "ckpt");
+  ckpt_train(opt, net, 3, 6);
+  const auto expected = net.snapshot();
+  for (int stage : {0, 1}) {
+    CkptNet fresh;
+    ZeroOptions zo = zero(stage);
+    zo.bucket_bytes = 1 << 20;  // other buckets than the writer's
+    DistributedOptimizer resumed(fresh.groups(), ckpt_rule("adamw"), comm, zo);
+    resumed.load_checkpoint(tmp / "ckpt");
+    ckpt_train(resumed, fresh, 3, 6);
+    std::string worst;
+    EXPECT_LE(test::ckpt_max_diff(fresh.snapshot(), expected, &worst), 1e-6)
+        << "stage " << stage << ", worst " << worst;
+  }
+}
+
+// ---- manifest and trainer state --------------------------------------------------------------
+
+TEST(Checkpoint, ManifestNamesEveryParameterAndFile) {
+  TempDir tmp;
+  auto comm = make_single_communicator();
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
+  ckpt_train(opt, net, 0, 2);
+  at::Tensor rng = at::arange(10, at::kByte);
+  save_checkpoint(opt, tmp / "ckpt", {R"({"step": 2, "epoch": {"pos": 7}})", {{"rng", rng}}});
+
+  const CheckpointInfo info = read_checkpoint_info(tmp / "ckpt");
+  EXPECT_EQ(info.format_version, kCheckpointFormatVersion);
+  EXPECT_EQ(info.world_size, 1);
+  EXPECT_EQ(info.stage, 2);
+  EXPECT_EQ(info.precision, "fp32");
+  EXPECT_EQ(info.step, 2);
+  EXPECT_EQ(info.rule, "adamw");
+  EXPECT_EQ(info.state_names, (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::vector<std::string> names;
+  for (const auto& p : info.params) {
+    shapes[p.name] = p.shape;
+    names.push_back(p.name);
+  }
+  // In the order the optimizer was given them (its groups' lists), not the flat layout's.
+  EXPECT_EQ(names, (std::vector<std::string>{"embed.weight", "fc1.weight", "fc2.weight",
+                                             "unused.weight", "fc1.bias", "fc2.bias",
+                                             "tiny.bias"}));
+  // Trainable, deduplicated parameters by name: the tied decoder and the frozen scale are not
+  // the optimizer's.
+  EXPECT_EQ(shapes.size(), 7u);
+  EXPECT_EQ(shapes["embed.weight"], (std::vector<int64_t>{test::kCkptVocab, test::kCkptDim}));
+  EXPECT_EQ(shapes["tiny.bias"], (std::vector<int64_t>{1}));
+  EXPECT_EQ(shapes.count("decoder.weight"), 0u);
+  EXPECT_EQ(shapes.count("frozen.scale"), 0u);
+
+  const auto m = nlohmann::json::parse(info.manifest_json);
+  EXPECT_TRUE(m.at("loss_scaler").is_null());
+  EXPECT_EQ(m.at("optimizer").at("param_groups").size(), 2u);
+  EXPECT_DOUBLE_EQ(m.at("optimizer").at("param_groups")[0].at("weight_decay").get<double>(), 0.05);
+  EXPECT_DOUBLE_EQ(m.at("optimizer").at("param_groups")[1].at("lr").get<double>(), 0.02);
+  ASSERT_EQ(m.at("files").size(), 1u);
+  const auto& f = m.at("files")[0];
+  EXPECT_EQ(f.at("path"), "shard-00000-of-00001.bin");
+  EXPECT_EQ(f.at("bytes").get<int64_t>(),
+            static_cast<int64_t>(fs::file_size(tmp / "ckpt/" + f.at("path").get<std::string>())));
+  EXPECT_EQ(f.at("crc32").get<std::string>().size(), 8u);
+  for (const auto& p : m.at("parameters")) {
+    int64_t covered = 0;
+    for (const auto& piece : p.at("pieces")) covered += piece.at(3).get<int64_t>();
+    EXPECT_EQ(covered, p.at("numel").get<int64_t>()) << p.at("name");
+  }
+  EXPECT_EQ(nlohmann::json::parse(info.trainer_json).at("epoch").at("pos"), 7);
+
+  CkptNet fresh;
+  DistributedOptimizer resumed(fresh.groups(), ckpt_rule("adamw"), comm, zero(1));
+  const TrainerState t = load_checkpoint(resumed, tmp / "ckpt");
+  EXPECT_EQ(nlohmann::json::parse(t.json).at("step"), 2);
+  ASSERT_EQ(t.tensors.count("rng"), 1u);
+  EXPECT_TRUE(t.tensors.at("rng").equal(rng));
+}
+
+TEST(Checkpoint, ReplacesThePreviousCheckpointAndLeavesNoTemporaries) {
+  TempDir tmp;
+  auto comm = make_single_communicator();
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("sgd"), comm, zero(2));
+  ckpt_train(opt, net, 0, 1);
+  opt.save_checkpoint(tmp / "ckpt/");  // a trailing slash names the same directory
+  ckpt_train(opt, net, 1, 2);
+  opt.save_checkpoint(tmp / "ckpt");
+  EXPECT_EQ(read_checkpoint_info(tmp / "ckpt").step, 2);
+  std::vector<std::string> entries;
+  for (const auto& e : fs::directory_iterator(tmp / "")) entries.push_back(e.path().filename());
+  EXPECT_EQ(entries, (std::vector<std::string>{"ckpt"}));
+}
+
+// ---- consolidation and full state dicts -------------------------------------------------------
+
+TEST(Checkpoint, ConsolidatedFileIsAPickledDictOfFullTensors) {
+  TempDir tmp;
+  auto comm = make_single_communicator();
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
+  ckpt_train(opt, net, 0, 3);
+  opt.save_checkpoint(tmp / "ckpt");
+  ConsolidateOptions co;
+  co.optimizer_state_out = tmp / "optim.pt";
+  consolidate_checkpoint(tmp / "ckpt", tmp / "model.pt", co);
+
+  std::ifstream in(tmp / "model.pt", std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
+  const c10::IValue v = torch::jit::pickle_load(bytes);
+  ASSERT_TRUE(v.isGenericDict());
+  const auto expected = net.snapshot();
+  size_t n = 0;
+  for (const auto& e : v.toGenericDict()) {
+    const std::string name = e.key().toStringRef();
+    ASSERT_TRUE(expected.count(name)) << name;
+    EXPECT_TRUE(e.value().toTensor().equal(expected.at(name))) << name;
+    ++n;
+  }
+  EXPECT_EQ(n, 7u);
+
+  // The optimizer state: full exp_avg per parameter, equal to what read_full_state assembles.
+  const FullState full = read_full_state(tmp / "ckpt", true);
+  std::ifstream oin(tmp / "optim.pt", std::ios::binary);
+  std::vector<char> obytes((std::istreambuf_iterator<char>(oin)), {});
+  const auto top = torch::jit::pickle_load(obytes).toGenericDict();
+  EXPECT_EQ(top.at("step").toInt(), 3);
+  EXPECT_EQ(top.at("rule").toStringRef(), "adamw");
+  const auto state = top.at("state").toGenericDict();
+  const at::Tensor m = state.at("fc2.weight").toGenericDict().at("exp_avg").toTensor();
+  EXPECT_TRUE(m.equal(full.optimizer_state.at("exp_avg")["fc2.weight"]));
+  EXPECT_GT(m.abs().max().item<double>(), 0.0);
+}
+
+// Starting a sharded run from a full state (parameters + optimizer state) continues exactly like
+// loading the sharded checkpoint; parameters alone set the weights.
+TEST(Checkpoint, FullStateStartsAShardedRun) {
+  TempDir tmp;
+  auto comm = make_single_communicator();
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
+  ckpt_train(opt, net, 0, 3);
+  opt.save_checkpoint(tmp / "ckpt");
+  ConsolidateOptions co;
+  co.optimizer_state_out = tmp / "optim.pt";
+  consolidate_checkpoint(tmp / "ckpt", tmp / "model.pt", co);
+  ckpt_train(opt, net, 3, 5);
+  const auto expected = net.snapshot();
+
+  for (int stage : {0, 1, 2}) {
+    CkptNet fresh;
+    DistributedOptimizer from_file(fresh.groups(), ckpt_rule("adamw"), comm, zero(stage));
+    const auto unused = load_full_state_dict(from_file, tmp / "model.pt", tmp / "optim.pt");
+    EXPECT_TRUE(unused.empty());
+    EXPECT_EQ(from_file.last_step().step, 3);
+    ckpt_train(from_file, fresh, 3, 5);
+    std::string worst;
+    EXPECT_LE(test::ckpt_max_diff(fresh.snapshot(), expected, &worst), 1e-6)
+        << "stage " << stage << " " << worst;
+  }
+
+  // Parameters only, from a map with extra entries (a tied alias, a buffer): those are returned.
+  CkptNet fresh;
+  DistributedOptimizer params_only(fresh.groups(), ckpt_rule("adamw"), comm, zero(2));
+  auto full = read_full_state(tmp / "ckpt").params;
+  full.insert("decoder.weight", full["embed.weight"]);
+  full.insert("bn.running_mean", at::zeros({3}));
+  const auto unused = load_full_state_dict(params_only, full);
+  EXPECT_EQ(unused, (std::vector<std::string>{"decoder.weight", "bn.running_mean"}));
+  EXPECT_TRUE(fresh.by_name["fc1.weight"].equal(full["fc1.weight"]));
+  EXPECT_TRUE(fresh.by_name["embed.weight"].equal(full["embed.weight"]));
+  EXPECT_EQ(params_only.last_step().step, 0);
+}
+
+// ---- errors -----------------------------------------------------------------------------------
+
+struct Saved {
+  TempDir tmp;
+  std::string dir;
+  Saved() : dir(tmp / "ckpt") {
+    CkptNet net;
+    DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(2));
+    ckpt_train(opt, net, 0, 2);
+    opt.save_checkpoint(dir);
+  }
+};
+
+void load_into_fresh(const std::string& dir, const std::string& rule = "adamw", int64_t hidden = 7,
+                     const std::string& fc1 = "fc1.weight") {
+  CkptNet net(hidden, fc1);
+  DistributedOptimizer opt(net.groups(), ckpt_rule(rule), make_single_communicator(), zero(2));
+  opt.load_checkpoint(dir);
+}
+
+TEST(CheckpointErrors, MissingCheckpointOrShard) {
+  Saved s;
+  expect_error([&] { load_into_fresh(s.tmp / "nowhere"); }, ErrorKind::Checkpoint,
+               {"no checkpoint at", "manifest.json does not exist"});
+  fs::remove(s.dir + "/shard-00000-of-00001.bin");
+  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+               {"shard-00000-of-00001.bin", "is missing"});
+}
+
+TEST(CheckpointErrors, CorruptByteIsAChecksumMismatch) {
+  Saved s;
+  const std::string shard = s.dir + "/shard-00000-of-00001.bin";
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(200);
+    const char c = static_cast<char>(f.get() ^ 0x01);
+    f.seekp(200);
+    f.put(c);
+  }
+  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+               {"checksum mismatch", shard, "corrupt"});
+  expect_error([&] { read_full_state(s.dir); }, ErrorKind::Checkpoint, {"checksum mismatch"});
+}
+
+TEST(CheckpointErrors, AnotherModelIsNamed) {
+  Saved s;
+  // The first difference in layout order (reverse registration) is named.
+  expect_error([&] { load_into_fresh(s.dir, "adamw", 8); }, ErrorKind::Mismatch,
+               {"'fc2.weight'", "[8, 6] in the model but [7, 6] in the checkpoint"});
+  expect_error([&] { load_into_fresh(s.dir, "adamw", 7, "fc1.kernel"); }, ErrorKind::Mismatch,
+               {"'fc1.kernel'", "is not in it"});
+  expect_error([&] { load_into_fresh(s.dir, "sgd"); }, ErrorKind::Mismatch,
+               {"holds the state of adamw", "this optimizer runs sgd"});
+}
+
+TEST(CheckpointErrors, UnknownFormatVersionAndBadJson) {
+  Saved s;
+  const std::string path = s.dir + "/manifest.json";
+  auto m = nlohmann::json::parse(read_text(path));
+  m["format_version"] = 99;
+  std::ofstream(path) << m.dump();
+  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+               {path, "unknown format version 99", "reads version 1"});
+  std::ofstream(path) << "{not json";
+  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint, {path, "not valid JSON"});
+}
+
+TEST(CheckpointErrors, UnwritableOrForeignDirectory) {
+  TempDir tmp;
+  std::ofstream(tmp / "file") << "x";
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(2));
+  expect_error([&] { opt.save_checkpoint(tmp / "file/ckpt"); }, ErrorKind::Checkpoint,
+               {"cannot create directory", tmp / "file"});
+  expect_error([&] { opt.save_checkpoint("/proc/shardopt-ckpt"); }, ErrorKind::Checkpoint,
+               {"/proc"});
+  fs::create_directories(tmp / "results");
+  std::ofstream(tmp / "results/keep.txt") << "precious";
+  expect_error([&] { opt.save_checkpoint(tmp / "results"); }, ErrorKind::Checkpoint,
+               {"is not a shardopt checkpoint", "refusing to replace it"});
+  EXPECT_TRUE(fs::exists(tmp / "results/keep.txt"));
+}
+
+TEST(CheckpointErrors, FactoryOptimizersAndBadTrainerStateAreRefused) {
+  TempDir tmp;
+  CkptNet net;
+  std::vector<ParamGroup> groups(1);
+  for (auto& [name, t] : net.named) groups[0].params.push_back({name, t});
+  DistributedOptimizer opt(
+      groups,
+      [](std::vector<at::Tensor> shard) {
+        return std::make_unique<torch::optim::SGD>(shard, torch::optim::SGDOptions(0.1));
+      },
+      make_single_communicator(), zero(2));
+  expect_error([&] { opt.save_checkpoint(tmp / "ckpt"); }, ErrorKind::Unsupported,
+               {"ShardOptimizerFactory"});
+  CkptNet net2;
+  DistributedOptimizer native(net2.groups(), ckpt_rule("adamw"), make_single_communicator(),
+                              zero(2));
+  expect_error(
+      [&] {
+        save_checkpoint(native, tmp / "ckpt", {"[1, 2]", {}});
+      },
+      ErrorKind::InvalidArgument, {"must be a JSON object"});
+  EXPECT_FALSE(fs::exists(tmp / "ckpt"));
+}
+
+// A save that dies after a shard was written leaves the previous checkpoint complete; the
+// partial one is never visible, and the next save cleans it up.
+TEST(CheckpointErrors, CrashDuringSaveKeepsThePreviousCheckpoint) {
+  TempDir tmp;
+  auto comm = make_single_communicator();
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
+  ckpt_train(opt, net, 0, 2);
+  opt.save_checkpoint(tmp / "ckpt");
+  const auto at_two = net.snapshot();
+  ckpt_train(opt, net, 2, 4);
+  SaveOptions crash;
+  crash.simulate_crash_after_shard_on_rank = 0;
+  expect_error([&] { save_checkpoint(opt, tmp / "ckpt", {}, crash); }, ErrorKind::Checkpoint,
+               {"simulated crash on rank 0"});
+  EXPECT_TRUE(fs::exists(tmp / ".ckpt.tmp/shard-00000-of-00001.bin"));  // the partial save
+  EXPECT_FALSE(fs::exists(tmp / ".ckpt.tmp/manifest.json"));
+  EXPECT_EQ(read_checkpoint_info(tmp / "ckpt").step, 2);
+  CkptNet fresh;
+  DistributedOptimizer resumed(fresh.groups(), ckpt_rule("adamw"), comm, zero(2));
+  resumed.load_checkpoint(tmp / "ckpt");
+  std::string worst;
+  EXPECT_TRUE(test::ckpt_bitwise_equal(fresh.snapshot(), at_two, &worst)) << worst;
+  opt.save_checkpoint(tmp / "ckpt");
+  EXPECT_EQ(read_checkpoint_info(tmp / "ckpt").step, 4);
+  EXPECT_FALSE(fs::exists(tmp / ".ckpt.tmp"));
+}
+
+// ---- resharding index maths --------------------------------------------------------------------
+
+// Random layouts saved at world A and loaded at world B: every owned element of every rank is
+// filled exactly once from the element that holds the same parameter element.
+TEST(ShardPlan, EveryElementComesFromWhereItWasSaved) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 9);
+    std::vector<int64_t> numels;
+    std::vector<int> groups;
+    for (int i = 0; i < n; ++i) {
+      numels.push_back(static_cast<int64_t>(rng() % 40));
+      groups.push_back(i < n / 2 ? 0 : 1);
+    }
+    const int a = 1 + static_cast<int>(rng() % 5), b = 1 + static_cast<int>(rng() % 5);
+    const auto saved = detail::make_layout(numels, groups, a, 1 + rng() % 4, 1 + rng() % 60);
+    const auto loaded = detail::make_layout(numels, groups, b, 1 + rng() % 4, 1 + rng() % 60);
+    // "Files": element value = param index * 1000 + element index, at the saved positions.
+    std::vector<std::vector<int64_t>> files(a, std::vector<int64_t>(saved.shard_numel, -1));
+    for (int i = 0; i < n; ++i) {
+      const auto pieces = detail::saved_pieces(saved, i, a);
+      ASSERT_TRUE(detail::covers(pieces, numels[i]));
+      for (const auto& p : pieces) {
+        for (int64_t e = 0; e < p.numel; ++e)
+          files[p.rank][p.shard_begin + e] = i * 1000 + p.param_begin + e;
+      }
+    }
+    for (int r = 0; r < b; ++r) {
+      std::vector<int64_t> shard(loaded.shard_numel, -1);
+      for (int i = 0; i < n; ++i) {
+        for (const auto& op :
+             detail::plan_copies(loaded, r, i, detail::saved_pieces(saved, i, a))) {
+          for (int64_t e = 0; e < op.numel; ++e) {
+            ASSERT_EQ(shard[op.dst + e], -1) << "filled twice";
+            shard[op.dst + e] = files[op.src_rank][op.src + e];
+          }
+        }
+      }
+      // Compare with where the loaded layout puts each parameter element.
+      for (size_t bk = 0; bk < loaded.buckets.size(); ++bk) {
+        const auto& bl = loaded.buckets[bk];
+        for (int64_t pos = r * bl.shard; pos < (r + 1) * bl.shard; ++pos) {
+          int64_t want = -1;
+          for (int i : bl.params) {
+            const auto& slot = loaded.slots[i];
+            if (pos >= slot.offset && pos < slot.offset + slot.numel)
+              want = i * 1000 + pos - slot.offset;
+          }
+          ASSERT_EQ(shard[bl.shard_offset + pos - r * bl.shard], want)
+              << "trial " << trial << " world " << a << " -> " << b << " rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// ---- fixtures for the Python round trip (tests/CMakeLists.txt runs these in order) -----------
+
+// Writes $SHARDOPT_CKPT_FIXTURE/ckpt (2 steps of AdamW) and expected.json with every value.
+TEST(CheckpointFixture, WriteForPython) {
+  const char* dir = std::getenv("SHARDOPT_CKPT_FIXTURE");
+  if (!dir) GTEST_SKIP() << "SHARDOPT_CKPT_FIXTURE is not set (the ctest fixture sets it)";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(2));
+  ckpt_train(opt, net, 0, 2);
+  opt.save_checkpoint(std::string(dir) + "/ckpt");
+  nlohmann::json expected;
+  for (const auto& item : read_full_state(std::string(dir) + "/ckpt").params) {
+    const at::Tensor flat = item.value().reshape({-1}).to(at::kDouble);
+    expected[item.key()] = {
+        {"shape", item.value().sizes().vec()},
+        {"values",
+         std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel())}};
+  }
+  std::ofstream(std::string(dir) + "/expected.json") << expected.dump();
+}
+
+// Reads back what the Python test saved ($SHARDOPT_CKPT_FIXTURE/from_python.pt: every value + 1)
+// into a sharded run.
+TEST(CheckpointFixture, LoadFromPython) {
+  const char* dir = std::getenv("SHARDOPT_CKPT_FIXTURE");
+  if (!dir) GTEST_SKIP() << "SHARDOPT_CKPT_FIXTURE is not set (the ctest fixture sets it)";
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(2));
+  const auto unused = load_full_state_dict(opt, std::string(dir) + "/from_python.pt");
+  EXPECT_EQ(unused, (std::vector<std::string>{"extra.buffer"}));
+  const auto saved = read_full_state(std::string(dir) + "/ckpt").params;
+  for (const auto& item : saved) {
+    EXPECT_TRUE(net.by_name[item.key()].equal(item.value() + 1)) << item.key();
+  }
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -125,15 +125,17 @@ TEST(CheckpointDist, ResumesOnEveryWorldSizeAndStage) {
   for (int n = 1; n <= world; ++n) {
     auto comm = first_ranks(n);
     if (!comm) continue;
-    for (int stage : {0, 1, 2}) {
+    for (int stage : {0, 1, 2, 3}) {
       CkptNet net;
       // Other buckets than the writer's for stage 1: resharding goes through the pieces.
-      DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm,
-                               zero(stage, stage == 1 ? (1 << 20) : 64));
+      ZeroOptions zo = zero(stage, stage == 1 ? (1 << 20) : 64);
+      zo.units = net.units;  // stage 3: fc1 and fc2 are units, other buckets again
+      DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zo);
       const TrainerState t = load_checkpoint(opt, dir);
       EXPECT_EQ(opt.last_step().step, kSaveAt);
       EXPECT_NE(t.json.find("\"saved_by\":\"ranks\""), std::string::npos) << t.json;
       ckpt_train(opt, net, kSaveAt, kEnd);
+      opt.gather_full_parameters();  // stage 3: units hold no storage between steps
       std::string worst;
       if (n == saver && stage == 2) {
         const bool same = test::ckpt_bitwise_equal(net.snapshot(), uninterrupted, &worst);
@@ -252,6 +254,62 @@ TEST(CheckpointDist, BadCheckpointsFailOnEveryRank) {
     const bool agreed = failed_with(o, ErrorKind::Mismatch, "'fc2.weight' has shape [8, 6]");
     EXPECT_TRUE(agreed) << o.message;
     ok = ok && agreed;
+  }
+  EXPECT_TRUE(test::all_ranks(ok));
+  remove_shared(base);
+}
+
+// fp16 with a dynamic loss scaler: the fp32 master weights are what a checkpoint holds, and the
+// scaler's state (scale, steps since the last growth) continues where it was: with a growth
+// interval of 2 the scales of the resumed steps must equal the uninterrupted run's.
+TEST(CheckpointDist, Fp16MasterWeightsAndLossScalerSurvive) {
+  const int saver = std::min(2, test::world()->size());
+  const std::string base = shared_dir();
+  const std::string dir = base + "/ckpt";
+  bool ok = true;
+  if (auto comm = first_ranks(saver)) {
+    auto fp16 = [](CkptNet& net, int stage) {
+      net.upcast = true;
+      ZeroOptions zo = zero(stage);
+      zo.units = net.units;
+      zo.precision = Precision::FP16;
+      zo.loss_scale.initial_scale = 256;
+      zo.loss_scale.growth_interval = 2;
+      return zo;
+    };
+    auto train = [](DistributedOptimizer& opt, CkptNet& net, int64_t from, int64_t to,
+                    std::vector<double>& scales) {
+      for (int64_t s = from; s < to; ++s) {
+        ckpt_train(opt, net, s, s + 1);
+        EXPECT_FALSE(opt.last_step().skipped);
+        scales.push_back(opt.last_step().loss_scale);
+      }
+    };
+    std::vector<double> scales;
+    CkptNet net;
+    DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, fp16(net, 2));
+    train(opt, net, 0, kSaveAt, scales);
+    save_checkpoint(opt, dir);
+    train(opt, net, kSaveAt, kEnd, scales);
+    const auto uninterrupted = net.snapshot();
+    const std::vector<double> tail(scales.begin() + kSaveAt, scales.end());
+    EXPECT_NE(tail.front(), tail.back()) << "the scale must grow during the resumed steps";
+    for (int stage : {2, 3}) {
+      CkptNet resumed_net;
+      DistributedOptimizer resumed(resumed_net.groups(), ckpt_rule("adamw"), comm,
+                                   fp16(resumed_net, stage));
+      load_checkpoint(resumed, dir);
+      std::vector<double> resumed_scales;
+      train(resumed, resumed_net, kSaveAt, kEnd, resumed_scales);
+      resumed.gather_full_parameters();
+      EXPECT_EQ(resumed_scales, tail) << "stage " << stage;
+      std::string worst;
+      const double diff = test::ckpt_max_diff(resumed_net.snapshot(), uninterrupted, &worst);
+      EXPECT_LE(diff, 1e-6) << "stage " << stage << ", worst " << worst;
+      ok = ok && resumed_scales == tail && diff <= 1e-6;
+    }
+    const CheckpointInfo info = read_checkpoint_info(dir);
+    EXPECT_EQ(info.precision, "fp16");
   }
   EXPECT_TRUE(test::all_ranks(ok));
   remove_shared(base);

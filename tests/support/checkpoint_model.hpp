@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
+#include "shardopt/units.hpp"
 
 namespace shardopt::test {
 
@@ -35,18 +36,27 @@ struct CkptNet {
     add("tiny.bias", at::randn({1}));
     named.emplace_back("decoder.weight", by_name["embed.weight"]);  // tied
     fc1 = fc1_name;
+    units->add("fc1", {by_name[fc1_name], by_name["fc1.bias"]});
+    units->add("fc2", {by_name["fc2.weight"], by_name["fc2.bias"]});
   }
   void add(const std::string& name, at::Tensor t, bool trainable = true) {
     t = t.contiguous().set_requires_grad(trainable);
     named.emplace_back(name, t);
     by_name[name] = t;
   }
+  // Stage 3 units (fc1, fc2; the rest is the root unit); `upcast` computes in fp32 from fp16/bf16
+  // parameters (CPU has few fp16 kernels).
+  UnitsPtr units = std::make_shared<Units>();
+  bool upcast = false;
   at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
-    auto& p = by_name;
-    at::Tensor h = at::embedding(p["embed.weight"], x);
-    h = at::tanh(at::matmul(h, p[fc1]) + p["fc1.bias"]);
-    h = at::matmul(h, p["fc2.weight"]) + p["fc2.bias"] + p["frozen.scale"] + p["tiny.bias"];
-    return at::nll_loss(at::log_softmax(at::matmul(h, p["embed.weight"].t()), 1), y);
+    auto p = [&](const std::string& name) {
+      return upcast ? by_name[name].to(at::kFloat) : by_name[name];
+    };
+    at::Tensor h = at::embedding(p("embed.weight"), x);
+    h = units->run(0, [&] { return at::tanh(at::matmul(h, p(fc1)) + p("fc1.bias")); });
+    h = units->run(1, [&] { return at::matmul(h, p("fc2.weight")) + p("fc2.bias"); });
+    h = h + p("frozen.scale") + p("tiny.bias");
+    return at::nll_loss(at::log_softmax(at::matmul(h, p("embed.weight").t()), 1), y);
   }
   // Weights (the rule's own hyper-parameters) and biases (no weight decay, their own lr).
   std::vector<ParamGroup> groups() {
@@ -60,7 +70,7 @@ struct CkptNet {
   }
   std::map<std::string, at::Tensor> snapshot() const {
     std::map<std::string, at::Tensor> out;
-    for (const auto& [name, t] : named) out[name] = t.detach().clone();
+    for (const auto& [name, t] : named) out[name] = t.detach().to(at::kFloat, false, true);
     return out;
   }
   std::string fc1;

@@ -256,11 +256,7 @@ class Engine final : public UnitRuntime, public ShardAccess {
       if (scaler_->update(any_rank_non_finite())) {
         // fp16 overflow somewhere: no update on any rank; the scaler has backed off.
         stats_.skipped = true;
-        stats_.step = steps_;
-        micro_steps_ = 0;
-        stats_.comm_elements = comm_elements_;
-        comm_elements_ = 0;
-        stats_.step_s = seconds_since(t0);
+        end_step(t0);
         return loss;
       }
     }
@@ -286,12 +282,17 @@ class Engine final : public UnitRuntime, public ShardAccess {
       stats_.gather_s = seconds_since(t);
     }
     ++steps_;
+    end_step(t0);
+    return loss;
+  }
+
+  // The bookkeeping every step() ends with, taken or skipped.
+  void end_step(Clock::time_point t0) {
     stats_.step = steps_;
     micro_steps_ = 0;
     stats_.comm_elements = comm_elements_;
     comm_elements_ = 0;
     stats_.step_s = seconds_since(t0);
-    return loss;
   }
 
   void zero_grad() {

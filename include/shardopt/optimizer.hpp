@@ -102,6 +102,12 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Number of (deduplicated, trainable) parameters and their padded total in the flat layout.
   int64_t numel() const;
   int64_t padded_numel() const;
+  // The rule (hyper-parameters) parameter group `group` steps with, as torch LR schedulers and the
+  // Python bindings see it. Not collective. set_group_rule takes effect at the next step(); it
+  // must be the same kind of rule with the same state buffers (e.g. SGD momentum cannot go from
+  // 0 to non-zero, Adam's amsgrad cannot change). Factory-built optimizers keep their own.
+  Rule group_rule(size_t group) const;
+  void set_group_rule(size_t group, const Rule& rule);
 
  private:
   std::unique_ptr<detail::Engine> engine_;

@@ -19,6 +19,7 @@ import collections
 import math
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -133,7 +134,7 @@ def train(args, comm):
         opt, lambda s: min((s + 1) / warmup, max(0.0, (args.steps - s) / (args.steps - warmup))))
 
     per_rank = args.batch
-    losses = []
+    losses, times = [], []
     if rank == 0:
         n = opt.numel
         print(f"BertMLM-{args.preset}: {n:,} parameters (tied decoder counted once), {world} "
@@ -153,6 +154,7 @@ def train(args, comm):
         mean_loss = loss.detach().reshape(1).clone()
         comm.all_reduce(mean_loss, shardopt.ReduceOp.AVG)  # the global batch's loss
         losses.append(mean_loss.item())
+        times.append(time.perf_counter() - t0)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             s = opt.last_step()
             print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  "
@@ -177,8 +179,10 @@ def train(args, comm):
             p, g, o, b = (v / 2**20 for v in reports[4 * r:4 * r + 4].tolist())
             print(f"rank {r}: params {p:.2f} MiB, grads {g:.2f} MiB, optimizer state {o:.2f} MiB, "
                   f"buffers {b:.2f} MiB (model: {est.device.model_state / 2**20:.2f} MiB)")
+        step_s = statistics.median(times[min(3, len(times) - 1):])  # past the warm-up steps
         print(f"loss {first:.4f} -> {last:.4f} (mean of the first/last {k} steps, ln V = "
-              f"{math.log(cfg['vocab']):.4f}); ranks hold the same model: {lo.item() == hi.item()}",
+              f"{math.log(cfg['vocab']):.4f}); ranks hold the same model: {lo.item() == hi.item()}; "
+              f"median {step_s:.3f} s/step, {per_rank * world * cfg['seq'] / step_s:,.0f} tokens/s",
               flush=True)
     return ok
 

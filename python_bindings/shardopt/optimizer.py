@@ -4,7 +4,6 @@ The C++ object owns the flat buffers, the gradient hooks and the sharded update;
 torch's param_groups (so LR schedulers, ``group["lr"] = ...`` and per-group hyper-parameters
 work) and pushes every group's hyper-parameters into C++ right before each step.
 """
-import datetime
 import os
 
 import torch
@@ -162,7 +161,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         options: a :class:`shardopt.ZeroOptions` (or dict) to start from; the keyword arguments
             ``stage``, ``bucket_bytes``, ``overlap_comm``, ``grad_accumulation_steps``,
             ``max_grad_norm``, ``precision``, ``offload``, ``broadcast_initial_params``,
-            ``align_bytes``, ``prefetch`` and ``timeout`` override its fields.
+            ``align_bytes``, ``prefetch`` and ``timeout`` (a ``datetime.timedelta`` or seconds)
+            override its fields.
         **hyperparameters: torch's names: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad``, ``momentum``, ``dampening``, ``nesterov``, ... (defaults are torch's).
 
@@ -175,8 +175,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  bucket_bytes=None, overlap_comm=None, grad_accumulation_steps=None,
                  max_grad_norm=None, precision=None, offload=None, broadcast_initial_params=None,
                  align_bytes=None, prefetch=None, timeout=None, **hyperparameters):
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = datetime.timedelta(seconds=timeout)
         zero = _zero_options(options, dict(
             stage=stage, bucket_bytes=bucket_bytes, overlap_comm=overlap_comm,
             grad_accumulation_steps=grad_accumulation_steps, max_grad_norm=max_grad_norm,

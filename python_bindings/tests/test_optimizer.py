@@ -250,12 +250,14 @@ def test_param_groups_look_like_torch(comm):
     groups = [{"params": [model.mid.weight, model.out.weight]},
               {"params": [p for n, p in model.named_parameters()
                           if n not in ("mid.weight", "out.weight")], "lr": 0.5}]
-    opt = shardopt.DistributedOptimizer(groups, "sgd", comm=comm, lr=0.1, momentum=0.9)
+    opt = shardopt.DistributedOptimizer(groups, "sgd", comm=comm, lr=0.1, momentum=0.9,
+                                        timeout=30, options=shardopt.ZeroOptions(stage=1))
     assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.options.stage == 1 and opt.options.timeout.total_seconds() == 30
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
     assert opt.param_groups[0]["momentum"] == 0.9
     assert opt.param_groups[0]["param_names"] == ["param0", "param1"]
     assert opt.defaults == {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
                             "nesterov": False}
-    assert opt.options.stage == 2 and opt.comm.backend == "single"
+    assert opt.comm.backend == "single"
     assert "Parameter Group 1" in repr(opt)

@@ -620,12 +620,11 @@ void bind_optimizer(py::module_& m) {
             o.set_group_rule(group, read_rule(rule_name(rule), merged, /*strict=*/false));
           },
           "group"_a, "values"_a);
-  // Checkpoints (include/shardopt/checkpoint.hpp, merged from its own branch) are bound here as
-  //   m.def("save_checkpoint", [](DistributedOptimizer& o, const std::string& dir) {...},
-  //         py::call_guard<py::gil_scoped_release>());  // and load_checkpoint, consolidate_checkpoint
-  // shardopt/optimizer.py already forwards opt.save_checkpoint/load_checkpoint and
-  // shardopt.consolidate_checkpoint to these names, and tests/test_checkpoint.py runs once they
-  // exist.
+  // Checkpoints: once include/shardopt/checkpoint.hpp is merged, bind here (with
+  // py::call_guard<py::gil_scoped_release>()) m.def("save_checkpoint", (opt, dir)),
+  // "load_checkpoint" (opt, dir) and "consolidate_checkpoint" (dir, out) over the C++ functions
+  // of those names. shardopt/optimizer.py forwards opt.save_checkpoint/load_checkpoint and
+  // shardopt.consolidate_checkpoint to them, and tests/test_checkpoint.py runs once they exist.
 }
 
 void bind_estimate(py::module_& m) {

@@ -1377,4 +1377,32 @@ int64_t DistributedOptimizer::numel() const { return engine_->numel(); }
 int64_t DistributedOptimizer::padded_numel() const { return engine_->padded_numel(); }
 void DistributedOptimizer::gather_full_parameters() { engine_->gather_full_parameters(); }
 
+Rule DistributedOptimizer::group_rule(size_t group) const {
+  SHARDOPT_CHECK(group < param_groups().size(), InvalidArgument,
+                 "optimizer: parameter group {} does not exist, there are {}", group,
+                 param_groups().size());
+  return static_cast<const detail::GroupOptions&>(param_groups()[group].options()).rule;
+}
+
+void DistributedOptimizer::set_group_rule(size_t group, const Rule& rule) {
+  SHARDOPT_CHECK(group < param_groups().size(), InvalidArgument,
+                 "optimizer: parameter group {} does not exist, there are {}", group,
+                 param_groups().size());
+  Rule& current = static_cast<detail::GroupOptions&>(param_groups()[group].options()).rule;
+  SHARDOPT_CHECK(rule.index() == current.index(), InvalidArgument,
+                 "optimizer: parameter group {} steps with {}, it cannot switch to {}", group,
+                 rule_name(current), rule_name(rule));
+  // The state buffers were allocated for the construction-time rule: keep their number and order.
+  const auto* rms_new = std::get_if<RMSprop>(&rule);
+  const auto* rms_old = std::get_if<RMSprop>(&current);
+  SHARDOPT_CHECK(detail::state_count(rule) == detail::state_count(current) &&
+                     (!rms_new || rms_new->centered() == rms_old->centered()),
+                 InvalidArgument,
+                 "optimizer: parameter group {}: this change to the {} hyper-parameters needs "
+                 "other optimizer state than was allocated (momentum zero vs non-zero, amsgrad, "
+                 "centered); set it when constructing the optimizer",
+                 group, rule_name(rule));
+  current = rule;
+}
+
 }  // namespace shardopt

@@ -116,6 +116,13 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   void save_checkpoint(const std::string& dir);
   void load_checkpoint(const std::string& dir);
 
+  // The rule (hyper-parameters) parameter group `group` steps with, as torch LR schedulers and the
+  // Python bindings see it. Not collective. set_group_rule takes effect at the next step(); it
+  // must be the same kind of rule with the same state buffers (e.g. SGD momentum cannot go from
+  // 0 to non-zero, Adam's amsgrad cannot change). Factory-built optimizers keep their own.
+  Rule group_rule(size_t group) const;
+  void set_group_rule(size_t group, const Rule& rule);
+
  private:
   friend detail::ShardAccess& detail::shard_access(DistributedOptimizer& optimizer);
   std::unique_ptr<detail::Engine> engine_;

@@ -1,0 +1,31 @@
+"""shardopt: ZeRO-style sharded data parallelism (stages 0-2) for PyTorch, run by C++.
+
+    import shardopt
+    comm = shardopt.init_from_env()      # mpirun -> MPI; torchrun -> Gloo; else one process
+    opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", lr=1e-4,
+                                        weight_decay=0.01, stage=2, comm=comm)
+    for inputs, labels in loader:        # each rank: its slice of the global batch
+        opt.zero_grad()
+        loss = loss_fn(model(inputs), labels)
+        opt.backward(loss)               # or loss.backward()
+        opt.step()
+
+See DistributedOptimizer's docstring, estimate() for the memory model, and the exception types
+(Error and its subclasses) for what C++ errors become.
+"""
+import torch  # noqa: F401  first: loads the libtorch _C links against, and torch's pybind types
+
+from . import _C
+from ._C import (CheckpointError, CommTimeoutError, CommunicationError, Error, InternalError,
+                 InvalidArgumentError, MismatchError, UnsupportedError)
+from ._C import (Capabilities, Communicator, Estimate, MemoryBreakdown, MemoryReport, ReduceOp,
+                 StepStats, Work, ZeroOptions)
+from .comm import default_communicator, from_process_group, init_from_env, make_single_communicator
+from .estimate import bert_parameter_count, estimate, estimate_model
+from .optimizer import DistributedOptimizer, consolidate_checkpoint
+
+if _C.has_gloo:
+    from .comm import make_gloo_communicator  # noqa: F401
+
+__version__ = _C.__version__
+has_mpi, has_gloo, has_nccl, has_cuda = _C.has_mpi, _C.has_gloo, _C.has_nccl, _C.has_cuda

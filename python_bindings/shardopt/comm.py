@@ -1,0 +1,70 @@
+"""Communicators: which processes shardopt reduces and gathers across.
+
+``init_from_env()`` picks the engine the launcher implies (mpirun/srun -> MPI, torchrun -> its
+own Gloo group, else one process); ``from_process_group()`` reuses a ``torch.distributed`` group
+(Gloo), so a script that already called ``init_process_group`` shares its ranks and rendezvous.
+"""
+import torch
+
+from . import _C
+
+__all__ = ["init_from_env", "from_process_group", "make_single_communicator",
+           "default_communicator"]
+
+_default = None
+
+
+def _unsupported(message):
+    error = _C.UnsupportedError("shardopt " + message)
+    error.kind, error.rank = "Unsupported", -1
+    return error
+
+
+def init_from_env(backend="", device="cpu", timeout=None):
+    """The communicator this process was launched for.
+
+    backend: "" (pick from the environment: mpirun/srun variables -> "mpi"; torchrun's RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> "gloo" with its own store on MASTER_PORT; otherwise
+    "single"), or "mpi", "gloo", "single". SHARDOPT_BACKEND in the environment also picks.
+    timeout: deadline of every collective (datetime.timedelta or seconds).
+    """
+    return _C.init_from_env(backend, device, timeout)
+
+
+def make_single_communicator():
+    """Rank 0 of 1: collectives are copies."""
+    return _C.make_single_communicator()
+
+
+def from_process_group(group=None):
+    """A communicator over a ``torch.distributed`` process group (default: the default group,
+    so call ``torch.distributed.init_process_group("gloo", ...)`` first). Collectives run on
+    that group, so every rank of it must take part."""
+    import torch.distributed as dist
+    if not _C.has_gloo:
+        raise _unsupported("was built without the c10d adapter (SHARDOPT_WITH_GLOO=OFF); use "
+                           "init_from_env() instead")
+    if group is None:
+        if not dist.is_initialized():
+            raise ValueError("from_process_group: torch.distributed is not initialised; call "
+                             "torch.distributed.init_process_group first or pass a group")
+        group = dist.distributed_c10d._get_default_group()
+    return _C._make_process_group_communicator(group)
+
+
+def default_communicator():
+    """One communicator per process, made on first use: over torch.distributed's default group
+    when it is initialised, else ``init_from_env()``."""
+    global _default
+    if _default is None:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and _C.has_gloo:
+            _default = from_process_group()
+        else:
+            _default = init_from_env()
+    return _default
+
+
+if _C.has_gloo:
+    make_gloo_communicator = _C.make_gloo_communicator
+    __all__.append("make_gloo_communicator")

@@ -1,0 +1,725 @@
+// Python bindings (module shardopt._C): the one TU with <torch/extension.h>. The Python package
+// (shardopt/*.py) wraps the optimizer core as a torch.optim.Optimizer; this file only converts.
+// Invariant: every call that communicates or runs the optimizer releases the GIL (autograd hooks
+// and collectives never need Python), and every call back into Python re-acquires it.
+#include <torch/extension.h>
+
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+
+#include <map>
+
+#include "shardopt/checkpoint.hpp"
+#include "shardopt/estimate.hpp"
+#include "shardopt/shardopt.hpp"
+
+#if SHARDOPT_HAS_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "shardopt/process_group.hpp"
+#endif
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace shardopt {
+namespace {
+
+// ---- errors ----------------------------------------------------------------------------------
+
+// Note [Python exceptions]: every shardopt::Error becomes an instance of shardopt.Error (a
+// RuntimeError) carrying .kind and .rank; kinds with an obvious builtin also derive from it:
+// InvalidArgument -> ValueError, Timeout -> TimeoutError, Unsupported -> NotImplementedError.
+struct ErrorKindInfo {
+  ErrorKind kind;
+  const char* name;       // Python class name
+  const char* kind_name;  // .kind
+  PyObject* builtin;      // second base, or null
+  const char* doc;
+};
+
+constexpr int kKinds = 7;
+PyObject* g_error_types[kKinds] = {};
+
+const char* kind_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::InvalidArgument: return "InvalidArgument";
+    case ErrorKind::Mismatch: return "Mismatch";
+    case ErrorKind::Timeout: return "Timeout";
+    case ErrorKind::Communication: return "Communication";
+    case ErrorKind::Checkpoint: return "Checkpoint";
+    case ErrorKind::Unsupported: return "Unsupported";
+    case ErrorKind::Internal: return "Internal";
+  }
+  return "Internal";
+}
+
+void register_errors(py::module_& m) {
+  PyObject* base = PyErr_NewExceptionWithDoc(
+      "shardopt.Error",
+      "Base of every shardopt error; .kind names the C++ ErrorKind, .rank the raising rank "
+      "(-1 before any communicator existed).",
+      PyExc_RuntimeError, nullptr);
+  if (!base) throw py::error_already_set();
+  m.add_object("Error", py::handle(base));
+  const ErrorKindInfo infos[kKinds] = {
+      {ErrorKind::InvalidArgument, "InvalidArgumentError", "InvalidArgument", PyExc_ValueError,
+       "Bad options, shapes, dtypes or hyper-parameters: the caller can fix the call."},
+      {ErrorKind::Mismatch, "MismatchError", "Mismatch", nullptr,
+       "Ranks disagree (models, layouts, checkpoints vs models)."},
+      {ErrorKind::Timeout, "CommTimeoutError", "Timeout", PyExc_TimeoutError,
+       "A collective did not complete within its deadline."},
+      {ErrorKind::Communication, "CommunicationError", "Communication", nullptr,
+       "The communication engine reported a failure."},
+      {ErrorKind::Checkpoint, "CheckpointError", "Checkpoint", nullptr,
+       "Missing, corrupt or incompatible checkpoint files."},
+      {ErrorKind::Unsupported, "UnsupportedError", "Unsupported", PyExc_NotImplementedError,
+       "A valid request this build or engine cannot serve."},
+      {ErrorKind::Internal, "InternalError", "Internal", nullptr, "A bug in shardopt."},
+  };
+  for (const auto& info : infos) {
+    py::tuple bases = info.builtin ? py::make_tuple(py::handle(base), py::handle(info.builtin))
+                                   : py::make_tuple(py::handle(base));
+    const std::string qualified = std::string("shardopt.") + info.name;
+    PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), info.doc, bases.ptr(), nullptr);
+    if (!type) throw py::error_already_set();
+    m.add_object(info.name, py::handle(type));
+    g_error_types[static_cast<int>(info.kind)] = type;  // module-lifetime reference
+  }
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyObject* type = g_error_types[static_cast<int>(e.kind())];
+      py::object exc = py::reinterpret_steal<py::object>(PyObject_CallFunction(type, "s", e.what()));
+      if (!exc) return;  // constructing it raised; that error stays set
+      exc.attr("kind") = kind_name(e.kind());
+      exc.attr("rank") = e.rank();
+      PyErr_SetObject(type, exc.ptr());
+    }
+  });
+}
+
+// ---- hyper-parameters: torch.optim's names <-> shardopt::Rule ---------------------------------
+
+// Reads a {name: value} dict of torch-style hyper-parameters into one rule, rejecting unknown
+// names and out-of-range values with InvalidArgument (ValueError) messages that name them.
+class HyperReader {
+ public:
+  HyperReader(const char* rule, const py::dict& values, bool strict)
+      : rule_(rule), strict_(strict) {
+    for (auto item : values) {
+      SHARDOPT_CHECK(py::isinstance<py::str>(item.first), InvalidArgument,
+                     "optimizer: {} hyper-parameter names must be strings", rule_);
+      items_.emplace(py::cast<std::string>(item.first), py::reinterpret_borrow<py::object>(item.second));
+    }
+  }
+
+  // lower <= value (< upper when upper_open).
+  void number(const char* key, double lower, const std::function<void(double)>& set,
+              double upper = std::numeric_limits<double>::infinity()) {
+    known_.push_back(key);
+    auto it = items_.find(key);
+    if (it == items_.end()) return;
+    const double v = to_double(key, it->second);
+    SHARDOPT_CHECK(v >= lower && v < upper, InvalidArgument,
+                   "optimizer: {} hyper-parameter '{}' must lie in [{}, {}), got {}", rule_, key,
+                   lower, upper, v);
+    set(v);
+    items_.erase(it);
+  }
+  void flag(const char* key, const std::function<void(bool)>& set) {
+    known_.push_back(key);
+    auto it = items_.find(key);
+    if (it == items_.end()) return;
+    SHARDOPT_CHECK(py::isinstance<py::bool_>(it->second), InvalidArgument,
+                   "optimizer: {} hyper-parameter '{}' must be True or False, got {}", rule_, key,
+                   py::str(py::repr(it->second)).cast<std::string>());
+    set(it->second.cast<bool>());
+    items_.erase(it);
+  }
+  void betas(const std::function<void(double, double)>& set) {
+    known_.push_back("betas");
+    auto it = items_.find("betas");
+    if (it == items_.end()) return;
+    SHARDOPT_CHECK(py::isinstance<py::sequence>(it->second) && py::len(it->second) == 2,
+                   InvalidArgument, "optimizer: {} hyper-parameter 'betas' must be a pair "
+                   "(beta1, beta2), got {}", rule_,
+                   py::str(py::repr(it->second)).cast<std::string>());
+    py::sequence pair = it->second;
+    const double b1 = to_double("betas[0]", pair[0]), b2 = to_double("betas[1]", pair[1]);
+    SHARDOPT_CHECK(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, InvalidArgument,
+                   "optimizer: {} betas must lie in [0, 1), got ({}, {})", rule_, b1, b2);
+    set(b1, b2);
+    items_.erase(it);
+  }
+  // Unknown names are an error when strict (what the user wrote), ignored otherwise (what LR
+  // schedulers add to param_groups: initial_lr, max_lr, ...).
+  void finish() const {
+    if (!strict_ || items_.empty()) return;
+    SHARDOPT_FAIL(InvalidArgument,
+                  "optimizer: {} has no hyper-parameter '{}'; expected one of {}", rule_,
+                  items_.begin()->first, fmt::join(known_, ", "));
+  }
+
+ private:
+  double to_double(const char* key, py::handle value) const {
+    const bool number = !py::isinstance<py::bool_>(value) &&
+                        (PyFloat_Check(value.ptr()) || PyLong_Check(value.ptr()) ||
+                         py::hasattr(value, "__float__"));
+    SHARDOPT_CHECK(number, InvalidArgument,
+                   "optimizer: {} hyper-parameter '{}' must be a number, got {}", rule_, key,
+                   py::str(py::repr(value)).cast<std::string>());
+    return py::float_(py::reinterpret_borrow<py::object>(value)).cast<double>();
+  }
+
+  const char* rule_;
+  bool strict_;
+  std::map<std::string, py::object> items_;
+  std::vector<const char*> known_;
+};
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+template <typename R>
+void read_adam_like(HyperReader& h, R& r) {
+  h.number("lr", 0, [&](double v) { r.lr(v); });
+  h.betas([&](double b1, double b2) { r.beta1(b1).beta2(b2); });
+  h.number("eps", 0, [&](double v) { r.eps(v); });
+  h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
+}
+
+Rule read_rule(const std::string& name, const py::dict& values, bool strict) {
+  HyperReader h(name.c_str(), values, strict);
+  Rule rule;
+  if (name == "adamw" || name == "adam") {
+    auto fill = [&](auto r) {
+      read_adam_like(h, r);
+      h.flag("amsgrad", [&](bool v) { r.amsgrad(v); });
+      return Rule(r);
+    };
+    rule = name == "adamw" ? fill(AdamW()) : fill(Adam());
+  } else if (name == "sgd") {
+    // torch.optim.SGD has no default learning rate either.
+    SHARDOPT_CHECK(!strict || values.contains("lr"), InvalidArgument,
+                   "optimizer: sgd needs a learning rate, e.g. lr=0.1");
+    SGD r(1e-3);
+    h.number("lr", 0, [&](double v) { r.lr(v); });
+    h.number("momentum", 0, [&](double v) { r.momentum(v); });
+    h.number("dampening", -kInf, [&](double v) { r.dampening(v); });
+    h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
+    h.flag("nesterov", [&](bool v) { r.nesterov(v); });
+    // torch.optim.SGD's rule, same words.
+    SHARDOPT_CHECK(!r.nesterov() || (r.momentum() > 0 && r.dampening() == 0), InvalidArgument,
+                   "optimizer: sgd: Nesterov momentum requires a momentum and zero dampening, got "
+                   "momentum {}, dampening {}", r.momentum(), r.dampening());
+    rule = r;
+  } else if (name == "adagrad") {
+    Adagrad r;
+    h.number("lr", 0, [&](double v) { r.lr(v); });
+    h.number("lr_decay", 0, [&](double v) { r.lr_decay(v); });
+    h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
+    h.number("initial_accumulator_value", 0, [&](double v) { r.initial_accumulator_value(v); });
+    h.number("eps", 0, [&](double v) { r.eps(v); });
+    rule = r;
+  } else if (name == "rmsprop") {
+    RMSprop r;
+    h.number("lr", 0, [&](double v) { r.lr(v); });
+    h.number("alpha", 0, [&](double v) { r.alpha(v); });
+    h.number("eps", 0, [&](double v) { r.eps(v); });
+    h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
+    h.number("momentum", 0, [&](double v) { r.momentum(v); });
+    h.flag("centered", [&](bool v) { r.centered(v); });
+    rule = r;
+  } else if (name == "lamb") {
+    Lamb r;
+    read_adam_like(h, r);
+    rule = r;
+  } else {
+    SHARDOPT_FAIL(InvalidArgument,
+                  "optimizer: unknown optimizer '{}'; expected one of adamw, adam, sgd, adagrad, "
+                  "rmsprop, lamb (or a torch.optim.Optimizer class)", name);
+  }
+  h.finish();
+  return rule;
+}
+
+// The torch-style hyper-parameter dict of a rule (what param_groups hold).
+struct RuleToDict {
+  py::dict operator()(const AdamW& r) const { return adam(r); }
+  py::dict operator()(const Adam& r) const { return adam(r); }
+  py::dict operator()(const SGD& r) const {
+    return py::dict("lr"_a = r.lr(), "momentum"_a = r.momentum(), "dampening"_a = r.dampening(),
+                    "weight_decay"_a = r.weight_decay(), "nesterov"_a = r.nesterov());
+  }
+  py::dict operator()(const Adagrad& r) const {
+    return py::dict("lr"_a = r.lr(), "lr_decay"_a = r.lr_decay(),
+                    "weight_decay"_a = r.weight_decay(),
+                    "initial_accumulator_value"_a = r.initial_accumulator_value(),
+                    "eps"_a = r.eps());
+  }
+  py::dict operator()(const RMSprop& r) const {
+    return py::dict("lr"_a = r.lr(), "alpha"_a = r.alpha(), "eps"_a = r.eps(),
+                    "weight_decay"_a = r.weight_decay(), "momentum"_a = r.momentum(),
+                    "centered"_a = r.centered());
+  }
+  py::dict operator()(const Lamb& r) const {
+    return py::dict("lr"_a = r.lr(), "betas"_a = py::make_tuple(r.beta1(), r.beta2()),
+                    "eps"_a = r.eps(), "weight_decay"_a = r.weight_decay());
+  }
+  template <typename R>
+  static py::dict adam(const R& r) {
+    return py::dict("lr"_a = r.lr(), "betas"_a = py::make_tuple(r.beta1(), r.beta2()),
+                    "eps"_a = r.eps(), "weight_decay"_a = r.weight_decay(),
+                    "amsgrad"_a = r.amsgrad());
+  }
+};
+py::dict rule_dict(const Rule& rule) { return std::visit(RuleToDict{}, rule); }
+
+// Timeouts from Python: a datetime.timedelta or seconds (int or float); None -> `otherwise`.
+Duration to_duration(py::handle value, Duration otherwise) {
+  if (value.is_none()) return otherwise;
+  double seconds = 0;
+  if (py::hasattr(value, "total_seconds")) {
+    seconds = value.attr("total_seconds")().cast<double>();
+  } else {
+    SHARDOPT_CHECK(!py::isinstance<py::bool_>(value) &&
+                       (PyFloat_Check(value.ptr()) || PyLong_Check(value.ptr())),
+                   InvalidArgument,
+                   "timeout must be a datetime.timedelta or a number of seconds, got {}",
+                   py::str(py::repr(value)).cast<std::string>());
+    seconds = py::cast<double>(value);
+  }
+  SHARDOPT_CHECK(seconds > 0, InvalidArgument, "timeout must be positive, got {} s", seconds);
+  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(seconds));
+}
+
+// ---- the factory path: any torch.optim optimizer over this rank's shard ------------------------
+
+// A Python optimizer object as the torch::optim::Optimizer the engine steps. step() runs with the
+// GIL released around it, so it takes the GIL back to call Python.
+class PythonShardOptimizer final : public torch::optim::Optimizer {
+  struct NoOptions : torch::optim::OptimizerCloneableOptions<NoOptions> {};
+
+ public:
+  PythonShardOptimizer(std::vector<at::Tensor> shard, py::object optimizer)
+      : torch::optim::Optimizer(std::move(shard), std::make_unique<NoOptions>()),
+        optimizer_(std::move(optimizer)) {}
+  ~PythonShardOptimizer() override {
+    py::gil_scoped_acquire gil;
+    optimizer_ = py::object();
+  }
+  at::Tensor step(LossClosure closure) override {
+    py::gil_scoped_acquire gil;
+    optimizer_.attr("step")();
+    return {};
+  }
+
+ private:
+  py::object optimizer_;
+};
+
+ShardOptimizerFactory python_factory(py::function make) {
+  // Copies of the std::function may be made or dropped without the GIL: the callable is released
+  // under it.
+  std::shared_ptr<py::function> fn(new py::function(std::move(make)), [](py::function* f) {
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  return [fn](std::vector<at::Tensor> shard) -> std::unique_ptr<torch::optim::Optimizer> {
+    py::gil_scoped_acquire gil;
+    py::object optimizer = (*fn)(shard);
+    SHARDOPT_CHECK(!optimizer.is_none(), InvalidArgument,
+                   "optimizer: the optimizer factory returned None");
+    return std::make_unique<PythonShardOptimizer>(std::move(shard), std::move(optimizer));
+  };
+}
+
+// (names, tensors) per group, in the order of the Python param_groups.
+using GroupSpec = std::pair<std::vector<std::string>, std::vector<at::Tensor>>;
+
+std::vector<ParamGroup> to_groups(const std::vector<GroupSpec>& specs) {
+  std::vector<ParamGroup> groups;
+  for (size_t g = 0; g < specs.size(); ++g) {
+    const auto& [names, tensors] = specs[g];
+    SHARDOPT_CHECK(names.size() == tensors.size(), InvalidArgument,
+                   "optimizer: group {} has {} names for {} parameters", g, names.size(),
+                   tensors.size());
+    ParamGroup group;
+    for (size_t i = 0; i < names.size(); ++i) group.params.push_back({names[i], tensors[i]});
+    groups.push_back(std::move(group));
+  }
+  return groups;
+}
+
+Offload parse_offload(const std::string& text) {
+  if (text == "none") return Offload::None;
+  if (text == "cpu") return Offload::CPU;
+  SHARDOPT_FAIL(InvalidArgument, "options: offload must be one of none, cpu, got '{}'", text);
+}
+
+std::string repr_options(const ZeroOptions& o) {
+  return fmt::format(
+      "ZeroOptions(stage={}, bucket_bytes={}, overlap_comm={}, grad_accumulation_steps={}, "
+      "max_grad_norm={}, precision='{}', offload='{}', broadcast_initial_params={}, "
+      "align_bytes={}, prefetch={}, timeout={}s)",
+      o.stage, o.bucket_bytes, o.overlap_comm ? "True" : "False", o.grad_accumulation_steps,
+      o.max_grad_norm, to_string(o.precision), o.offload == Offload::CPU ? "cpu" : "none",
+      o.broadcast_initial_params ? "True" : "False", o.align_bytes, o.prefetch,
+      o.timeout.count() / 1000.0);
+}
+
+// Sets attributes from keyword arguments through the bound properties (so that every field has
+// one conversion and one error path).
+template <typename T>
+void apply_kwargs(T& object, const py::kwargs& kwargs, const char* type_name) {
+  py::object self = py::cast(&object, py::return_value_policy::reference);
+  for (auto item : kwargs) {
+    const auto key = py::cast<std::string>(item.first);
+    py::object field = py::getattr(py::type::of(self), key.c_str(), py::none());
+    SHARDOPT_CHECK(PyObject_IsInstance(field.ptr(), reinterpret_cast<PyObject*>(&PyProperty_Type)) == 1,
+                   InvalidArgument, "{}: unknown field '{}'", type_name, key);
+    self.attr(key.c_str()) = item.second;
+  }
+}
+
+// ---- the module ------------------------------------------------------------------------------
+
+void bind_comm(py::module_& m) {
+  py::enum_<ReduceOp>(m, "ReduceOp")
+      .value("SUM", ReduceOp::Sum)
+      .value("AVG", ReduceOp::Avg)
+      .value("MAX", ReduceOp::Max)
+      .value("MIN", ReduceOp::Min);
+
+  py::class_<Capabilities>(m, "Capabilities")
+      .def_readonly("native_avg", &Capabilities::native_avg)
+      .def_readonly("native_reduce_scatter", &Capabilities::native_reduce_scatter)
+      .def_readonly("overlaps_caller", &Capabilities::overlaps_caller)
+      .def_readonly("cpu_tensors", &Capabilities::cpu_tensors)
+      .def_readonly("cuda_tensors", &Capabilities::cuda_tensors)
+      .def_readonly("can_time_out", &Capabilities::can_time_out);
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work",
+                                          "Handle of an issued collective (async_op=True).")
+      .def(
+          "wait",
+          [](Work& w, py::object timeout) {
+            const Duration deadline = to_duration(timeout, Duration::zero());
+            py::gil_scoped_release nogil;
+            w.wait(deadline);
+          },
+          "timeout"_a = py::none(),
+          "Blocks until the result is in the output tensors. timeout: a datetime.timedelta or "
+          "seconds; None means the communicator's. Raises CommTimeoutError after it.")
+      .def("is_completed", &Work::is_completed, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("description", &Work::description);
+
+  auto none_if_sync = [](WorkPtr w, bool async) { return async ? w : WorkPtr(); };
+  py::class_<Communicator, std::shared_ptr<Communicator>>(
+      m, "Communicator",
+      "Collectives on flat contiguous tensors; every rank must make the same calls in the same "
+      "order. reduce_scatter/all_gather follow NCCL's in-place contract: rank r's shard is "
+      "[r*S, (r+1)*S) of the full buffer.")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("backend", &Communicator::backend)
+      .def_property_readonly("capabilities", &Communicator::capabilities)
+      .def_property(
+          "timeout", &Communicator::timeout,
+          [](Communicator& c, py::object t) { c.set_timeout(to_duration(t, c.timeout())); })
+      .def(
+          "all_reduce",
+          [none_if_sync](Communicator& c, const at::Tensor& t, ReduceOp op, bool async) {
+            py::gil_scoped_release nogil;
+            return none_if_sync(c.all_reduce(t, op, async), async);
+          },
+          "tensor"_a, "op"_a = ReduceOp::Sum, "async_op"_a = false)
+      .def(
+          "reduce_scatter",
+          [none_if_sync](Communicator& c, const at::Tensor& in, const at::Tensor& out,
+                         ReduceOp op, bool async) {
+            py::gil_scoped_release nogil;
+            return none_if_sync(c.reduce_scatter(in, out, op, async), async);
+          },
+          "input"_a, "output"_a, "op"_a = ReduceOp::Sum, "async_op"_a = false)
+      .def(
+          "all_gather",
+          [none_if_sync](Communicator& c, const at::Tensor& in, const at::Tensor& out,
+                         bool async) {
+            py::gil_scoped_release nogil;
+            return none_if_sync(c.all_gather(in, out, async), async);
+          },
+          "input"_a, "output"_a, "async_op"_a = false)
+      .def(
+          "broadcast",
+          [none_if_sync](Communicator& c, const at::Tensor& t, int root, bool async) {
+            py::gil_scoped_release nogil;
+            return none_if_sync(c.broadcast(t, root, async), async);
+          },
+          "tensor"_a, "root"_a = 0, "async_op"_a = false)
+      .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("__repr__", [](const Communicator& c) {
+        return fmt::format("<shardopt.Communicator backend={} rank={} size={}>", c.backend(),
+                           c.rank(), c.size());
+      });
+
+  m.def(
+      "init_from_env",
+      [](const std::string& backend, const std::string& device, py::object timeout) {
+        InitOptions o;
+        o.backend = backend;
+        o.device = device;
+        o.timeout = to_duration(timeout, kDefaultTimeout);
+        py::gil_scoped_release nogil;
+        return init_from_env(o);
+      },
+      "backend"_a = "", "device"_a = "cpu", "timeout"_a = py::none(),
+      "The communicator this process was launched for: mpirun/srun -> 'mpi'; torchrun's RANK, "
+      "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
+      "backend= override the choice.");
+  m.def("make_single_communicator", &make_single_communicator);
+#if SHARDOPT_HAS_GLOO
+  m.def(
+      "_make_process_group_communicator",
+      [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
+        return make_process_group_communicator(std::move(group));
+      },
+      "group"_a);
+  m.def(
+      "make_gloo_communicator",
+      [](int rank, int size, const std::string& store, py::object timeout) {
+        GlooOptions o;
+        o.rank = rank;
+        o.size = size;
+        o.store = store;
+        o.timeout = to_duration(timeout, kDefaultTimeout);
+        py::gil_scoped_release nogil;
+        return make_gloo_communicator(o);
+      },
+      "rank"_a, "size"_a, "store"_a, "timeout"_a = py::none(),
+      "A Gloo communicator of its own; store: 'file:/path' or 'tcp://host:port' (rank 0 serves).");
+#endif
+}
+
+void bind_options(py::module_& m) {
+  py::class_<ZeroOptions>(m, "ZeroOptions",
+                          "How DistributedOptimizer shards, communicates and steps "
+                          "(include/shardopt/options.hpp). ZeroOptions(stage=1, ...).")
+      .def(py::init([](const py::kwargs& kwargs) {
+        ZeroOptions o;
+        apply_kwargs(o, kwargs, "ZeroOptions");
+        return o;
+      }))
+      .def_readwrite("stage", &ZeroOptions::stage)
+      .def_readwrite("bucket_bytes", &ZeroOptions::bucket_bytes)
+      .def_readwrite("overlap_comm", &ZeroOptions::overlap_comm)
+      .def_readwrite("grad_accumulation_steps", &ZeroOptions::grad_accumulation_steps)
+      .def_readwrite("max_grad_norm", &ZeroOptions::max_grad_norm)
+      .def_property(
+          "precision", [](const ZeroOptions& o) { return std::string(to_string(o.precision)); },
+          [](ZeroOptions& o, const std::string& p) { o.precision = parse_precision(p); })
+      .def_property(
+          "offload",
+          [](const ZeroOptions& o) { return std::string(o.offload == Offload::CPU ? "cpu" : "none"); },
+          [](ZeroOptions& o, const std::string& p) { o.offload = parse_offload(p); })
+      .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
+      .def_readwrite("align_bytes", &ZeroOptions::align_bytes)
+      .def_readwrite("prefetch", &ZeroOptions::prefetch)
+      .def_property(
+          "timeout", [](const ZeroOptions& o) { return o.timeout; },
+          [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })
+      .def("validate", &ZeroOptions::validate,
+           "Raises InvalidArgumentError (a ValueError) naming the first invalid field.")
+      .def("__repr__", &repr_options);
+}
+
+void bind_optimizer(py::module_& m) {
+  py::class_<StepStats>(m, "StepStats", "What the last step() did.")
+      .def_readonly("step", &StepStats::step)
+      .def_readonly("grad_norm", &StepStats::grad_norm)
+      .def_readonly("clipped", &StepStats::clipped)
+      .def_readonly("skipped", &StepStats::skipped)
+      .def_readonly("loss_scale", &StepStats::loss_scale)
+      .def_readonly("reduce_wait_s", &StepStats::reduce_wait_s)
+      .def_readonly("update_s", &StepStats::update_s)
+      .def_readonly("gather_s", &StepStats::gather_s)
+      .def_readonly("step_s", &StepStats::step_s)
+      .def_readonly("comm_elements", &StepStats::comm_elements)
+      .def("__repr__", [](const StepStats& s) {
+        return fmt::format("StepStats(step={}, grad_norm={}, clipped={}, skipped={}, "
+                           "loss_scale={}, step_s={:.6f}, comm_elements={})",
+                           s.step, s.grad_norm, s.clipped ? "True" : "False",
+                           s.skipped ? "True" : "False", s.loss_scale, s.step_s, s.comm_elements);
+      });
+
+  py::class_<MemoryReport>(m, "MemoryReport", "Bytes this rank holds for the model state.")
+      .def_readonly("param_bytes", &MemoryReport::param_bytes)
+      .def_readonly("grad_bytes", &MemoryReport::grad_bytes)
+      .def_readonly("optimizer_state_bytes", &MemoryReport::optimizer_state_bytes)
+      .def_readonly("buffer_bytes", &MemoryReport::buffer_bytes)
+      .def_property_readonly("total", &MemoryReport::total)
+      .def("__repr__", [](const MemoryReport& r) {
+        return fmt::format("MemoryReport(param_bytes={}, grad_bytes={}, optimizer_state_bytes={}, "
+                           "buffer_bytes={}, total={})",
+                           r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.buffer_bytes,
+                           r.total());
+      });
+
+  m.def(
+      "_rule_defaults",
+      [](const std::string& name, const py::dict& values) {
+        return rule_dict(read_rule(name, values, /*strict=*/true));
+      },
+      "name"_a, "values"_a,
+      "The full torch-style hyper-parameters of optimizer `name` with `values` applied; raises "
+      "ValueError on unknown names or out-of-range values.");
+
+  // The core the Python class shardopt.DistributedOptimizer wraps; not a torch.optim.Optimizer.
+  py::class_<DistributedOptimizer, std::shared_ptr<DistributedOptimizer>>(m, "_Optimizer")
+      .def(py::init([](const std::vector<GroupSpec>& groups, const std::string& name,
+                       const py::dict& values, CommunicatorPtr comm, const ZeroOptions& options) {
+             Rule rule = read_rule(name, values, /*strict=*/true);
+             auto specs = to_groups(groups);
+             py::gil_scoped_release nogil;  // construction broadcasts and compares layouts
+             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(rule),
+                                                           std::move(comm), options);
+           }),
+           "groups"_a, "name"_a, "values"_a, "comm"_a, "options"_a)
+      .def(py::init([](const std::vector<GroupSpec>& groups, py::function factory,
+                       CommunicatorPtr comm, const ZeroOptions& options) {
+             auto specs = to_groups(groups);
+             auto make = python_factory(std::move(factory));
+             py::gil_scoped_release nogil;
+             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(make),
+                                                           std::move(comm), options);
+           }),
+           "groups"_a, "factory"_a, "comm"_a, "options"_a)
+      .def(
+          "step", [](DistributedOptimizer& o) { o.step(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("zero_grad", &DistributedOptimizer::zero_grad, py::call_guard<py::gil_scoped_release>())
+      // The autograd engine refuses to start while the GIL is held; it takes it back for Python
+      // hooks of the model, ours are C++.
+      .def("backward", &DistributedOptimizer::backward, "loss"_a,
+           py::call_guard<py::gil_scoped_release>())
+      .def("last_step", &DistributedOptimizer::last_step)
+      .def("memory", &DistributedOptimizer::memory)
+      .def_property_readonly("options", &DistributedOptimizer::options)
+      .def_property_readonly("communicator", &DistributedOptimizer::communicator)
+      .def_property_readonly("numel", &DistributedOptimizer::numel)
+      .def_property_readonly("padded_numel", &DistributedOptimizer::padded_numel)
+      .def("group_hyperparameters",
+           [](const DistributedOptimizer& o, size_t group) { return rule_dict(o.group_rule(group)); })
+      .def(
+          "set_group_hyperparameters",
+          [](DistributedOptimizer& o, size_t group, const py::dict& values) {
+            Rule rule = o.group_rule(group);
+            // Unknown keys are what schedulers add to param_groups; the constructor was strict.
+            py::dict merged = rule_dict(rule);
+            for (auto item : values) merged[item.first] = item.second;
+            o.set_group_rule(group, read_rule(rule_name(rule), merged, /*strict=*/false));
+          },
+          "group"_a, "values"_a);
+  // Checkpoints (shardopt/checkpoint.hpp): collective save/load; consolidation is one process.
+  m.def(
+      "save_checkpoint",
+      [](DistributedOptimizer& o, const std::string& dir) { shardopt::save_checkpoint(o, dir); },
+      "optimizer"_a, "directory"_a, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "load_checkpoint",
+      [](DistributedOptimizer& o, const std::string& dir) { shardopt::load_checkpoint(o, dir); },
+      "optimizer"_a, "directory"_a, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "consolidate_checkpoint",
+      [](const std::string& dir, const std::string& out) {
+        shardopt::consolidate_checkpoint(dir, out);
+      },
+      "directory"_a, "out"_a, py::call_guard<py::gil_scoped_release>());
+}
+
+void bind_estimate(py::module_& m) {
+  namespace est = shardopt::estimate;
+  py::class_<est::Breakdown>(m, "MemoryBreakdown", "Bytes of one kind of memory per rank.")
+      .def_readonly("params", &est::Breakdown::params)
+      .def_readonly("grads", &est::Breakdown::grads)
+      .def_readonly("optimizer_state", &est::Breakdown::optimizer_state)
+      .def_readonly("buffers", &est::Breakdown::buffers)
+      .def_property_readonly("model_state", &est::Breakdown::model_state)
+      .def_property_readonly("total", &est::Breakdown::total)
+      .def("__repr__", [](const est::Breakdown& b) {
+        return fmt::format("MemoryBreakdown(params={}, grads={}, optimizer_state={}, buffers={})",
+                           b.params, b.grads, b.optimizer_state, b.buffers);
+      });
+  py::class_<est::Estimate>(m, "Estimate", "Analytic memory/communication model of one rank.")
+      .def_readonly("padded_params", &est::Estimate::padded_params)
+      .def_readonly("p", &est::Estimate::p)
+      .def_readonly("g", &est::Estimate::g)
+      .def_readonly("k", &est::Estimate::k)
+      .def_readonly("device", &est::Estimate::device)
+      .def_readonly("host", &est::Estimate::host)
+      .def_readonly("comm_elements", &est::Estimate::comm_elements)
+      .def_readonly("comm_bytes", &est::Estimate::comm_bytes)
+      .def_readonly("wire_bytes", &est::Estimate::wire_bytes)
+      .def_readonly("gathered_units_params", &est::Estimate::gathered_units_params)
+      .def_property_readonly("total", &est::Estimate::total)
+      .def_property_readonly("model_state", &est::Estimate::model_state)
+      .def("__repr__", [](const est::Estimate& e) {
+        return fmt::format("Estimate(stage={}, world={}, params={}, device_total={}, "
+                           "host_total={}, comm_elements={})",
+                           e.options.stage, e.options.world, e.padded_params, e.device.total(),
+                           e.host.total(), e.comm_elements);
+      });
+  m.def(
+      "estimate",
+      [](int64_t params, int world, int stage, const std::string& precision,
+         const std::string& offload, const std::string& optimizer, int state_bytes,
+         int64_t bucket_bytes, int64_t align_bytes, int64_t gathered_units_params) {
+        est::Options o;
+        o.params = params;
+        o.world = world;
+        o.stage = stage;
+        o.precision = est::parse_precision(precision);
+        o.offload = est::parse_offload(offload);
+        o.optimizer = est::parse_optimizer(optimizer);
+        o.state_bytes = state_bytes;
+        o.bucket_bytes = bucket_bytes;
+        o.align_bytes = align_bytes;
+        o.gathered_units_params = gathered_units_params;
+        return est::model_states(o);
+      },
+      "params"_a, "world"_a = 1, "stage"_a = 2, "precision"_a = "fp32", "offload"_a = "none",
+      "optimizer"_a = "adamw", "state_bytes"_a = -1, "bucket_bytes"_a = int64_t{16} << 20,
+      "align_bytes"_a = 0, "gathered_units_params"_a = 0,
+      "Bytes of model state per rank for `params` trainable parameters on `world` ranks "
+      "(DESIGN.md memory model). Raises ValueError on invalid arguments.");
+  m.def(
+      "bert_parameter_count",
+      [](const std::string& preset) { return est::bert_parameter_count(preset); }, "preset"_a,
+      "Parameters of BERT pretraining (tied decoder): tiny, mini, small, base or large.");
+}
+
+}  // namespace
+}  // namespace shardopt
+
+PYBIND11_MODULE(_C, m) {
+  using namespace shardopt;
+  m.doc() = "shardopt's C++ core; use the `shardopt` package";
+  m.attr("__version__") = version();
+  m.attr("has_mpi") = bool(SHARDOPT_HAS_MPI);
+  m.attr("has_gloo") = bool(SHARDOPT_HAS_GLOO);
+  m.attr("has_nccl") = bool(SHARDOPT_HAS_NCCL);
+  m.attr("has_cuda") = bool(SHARDOPT_HAS_CUDA);
+  register_errors(m);
+  // Raises the Python type of every ErrorKind, so the tests can check the mapping of each.
+  m.def("_raise_for_test", [](const std::string& kind, const std::string& message) {
+    for (int k = 0; k < kKinds; ++k) {
+      if (kind == kind_name(static_cast<ErrorKind>(k))) throw Error(static_cast<ErrorKind>(k), -1, message);
+    }
+    SHARDOPT_FAIL(InvalidArgument, "_raise_for_test: unknown kind '{}'", kind);
+  });
+  bind_comm(m);
+  bind_options(m);
+  bind_optimizer(m);
+  bind_estimate(m);
+}

@@ -1,0 +1,184 @@
+// The tracking CPU allocator behind MemoryTracker (see Note [What the tracker counts]).
+//
+// Note [Tracked pointers]
+// A tracked DataPtr has data == context == the wrapped allocator's data pointer and one static
+// deleter, so c10's raw_allocate/raw_deallocate keep working. The wrapped allocator's own DataPtr
+// (whatever its context and deleter) is kept in a table keyed by that pointer and released from
+// there, so the memory goes back exactly where it came from, also after uninstall().
+#include "shardopt/memory_tracker.hpp"
+
+#include <c10/core/Allocator.h>
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+#include "shardopt/error.hpp"
+
+// torch 2.3 made Allocator::allocate non-const and added the pure copy_data().
+#if defined(TORCH_VERSION_MAJOR) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3))
+#define SHARDOPT_ALLOCATE_CONST
+#define SHARDOPT_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define SHARDOPT_ALLOCATE_CONST const
+#define SHARDOPT_ALLOCATOR_HAS_COPY_DATA 0
+#endif
+
+namespace shardopt {
+namespace {
+
+// Higher than any registration's (those use 0); c10 keeps the highest priority seen, so the
+// restore in uninstall() uses the same value.
+constexpr uint8_t kPriority = 200;
+
+struct Counters {
+  std::atomic<int64_t> live{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> live_allocations{0};
+  std::atomic<int64_t> total_allocations{0};
+
+  void add(int64_t bytes) {
+    const int64_t now = live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    int64_t seen = peak.load(std::memory_order_relaxed);
+    while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+    live_allocations.fetch_add(1, std::memory_order_relaxed);
+    total_allocations.fetch_add(1, std::memory_order_relaxed);
+  }
+  void remove(int64_t bytes) {
+    live.fetch_sub(bytes, std::memory_order_relaxed);
+    live_allocations.fetch_sub(1, std::memory_order_relaxed);
+  }
+};
+
+struct Record {
+  int64_t bytes;
+  c10::DataPtr inner;
+};
+
+class TrackingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) SHARDOPT_ALLOCATE_CONST override {
+    c10::DataPtr inner = inner_.load(std::memory_order_acquire)->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    if (data != nullptr) {
+      {
+        std::lock_guard<std::mutex> lock(table_mutex_);
+        table_.emplace(data, Record{static_cast<int64_t>(n), std::move(inner)});
+      }
+      counters_.add(static_cast<int64_t>(n));
+    }
+    return {data, data, &release, device};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+#if SHARDOPT_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner_.load(std::memory_order_acquire)->copy_data(dest, src, count);
+  }
+#endif
+
+  static TrackingAllocator& get() {
+    static auto* allocator = new TrackingAllocator();  // never destroyed: late frees need it
+    return *allocator;
+  }
+
+  void set_inner(c10::Allocator* inner) { inner_.store(inner, std::memory_order_release); }
+  c10::Allocator* inner() const { return inner_.load(std::memory_order_acquire); }
+  Counters& counters() { return counters_; }
+
+ private:
+  static void release(void* data) {
+    if (data == nullptr) return;
+    auto& self = get();
+    Record record{0, {}};
+    {
+      std::lock_guard<std::mutex> lock(self.table_mutex_);
+      auto it = self.table_.find(data);
+      if (it == self.table_.end()) return;  // not ours: cannot happen with our own DataPtrs
+      record = std::move(it->second);
+      self.table_.erase(it);
+    }
+    self.counters_.remove(record.bytes);
+    // record.inner frees the memory through the wrapped allocator's deleter on scope exit.
+  }
+
+  std::atomic<c10::Allocator*> inner_{nullptr};
+  mutable std::mutex table_mutex_;
+  mutable std::unordered_map<void*, Record> table_;
+  mutable Counters counters_;
+};
+
+std::mutex& install_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+}  // namespace
+
+MemoryTracker& MemoryTracker::cpu() {
+  static auto* tracker = new MemoryTracker();  // never destroyed, like its allocator
+  return *tracker;
+}
+
+int64_t MemoryTracker::live_bytes() const {
+  return TrackingAllocator::get().counters().live.load(std::memory_order_relaxed);
+}
+int64_t MemoryTracker::peak_bytes() const {
+  return TrackingAllocator::get().counters().peak.load(std::memory_order_relaxed);
+}
+int64_t MemoryTracker::live_allocations() const {
+  return TrackingAllocator::get().counters().live_allocations.load(std::memory_order_relaxed);
+}
+int64_t MemoryTracker::total_allocations() const {
+  return TrackingAllocator::get().counters().total_allocations.load(std::memory_order_relaxed);
+}
+int64_t MemoryTracker::reset_peak() {
+  auto& c = TrackingAllocator::get().counters();
+  return c.peak.exchange(c.live.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
+void MemoryTracker::install() {
+  std::lock_guard<std::mutex> lock(install_mutex());
+  auto& tracking = TrackingAllocator::get();
+  if (depth_++ > 0) return;
+  c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
+  SHARDOPT_INTERNAL_ASSERT(current != &tracking, "the tracker is installed at depth 0");
+  tracking.set_inner(current);
+  c10::SetAllocator(c10::DeviceType::CPU, &tracking, kPriority);
+  SHARDOPT_CHECK(c10::GetAllocator(c10::DeviceType::CPU) == &tracking, Unsupported,
+                 "memory_tracker: the CPU allocator could not be replaced (another allocator "
+                 "holds a priority above {})", kPriority);
+  reset_peak();
+}
+
+void MemoryTracker::uninstall() {
+  std::lock_guard<std::mutex> lock(install_mutex());
+  SHARDOPT_CHECK(depth_ > 0, InvalidArgument,
+                 "memory_tracker: uninstall() without a matching install()");
+  if (--depth_ > 0) return;
+  auto& tracking = TrackingAllocator::get();
+  // Someone installed an allocator above ours: theirs stays, ours keeps serving it as its inner.
+  if (c10::GetAllocator(c10::DeviceType::CPU) == &tracking) {
+    c10::SetAllocator(c10::DeviceType::CPU, tracking.inner(), kPriority);
+  }
+}
+
+bool MemoryTracker::installed() const {
+  return c10::GetAllocator(c10::DeviceType::CPU) == &TrackingAllocator::get();
+}
+
+ScopedMemoryTracking::ScopedMemoryTracking() {
+  MemoryTracker::cpu().install();
+  MemoryTracker::cpu().reset_peak();
+}
+ScopedMemoryTracking::~ScopedMemoryTracking() { MemoryTracker::cpu().uninstall(); }
+
+}  // namespace shardopt

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -24,6 +25,7 @@
 
 #include <fmt/format.h>
 
+#include "block_cache.hpp"
 #include "data.hpp"
 #include "model.hpp"
 #include "shardopt/optimizer.hpp"
@@ -75,10 +77,20 @@ struct Args {
   bool no_nsp = false;
   std::string mlm_positions = "preset";  // masked | all | preset
   int64_t timing_warmup = 5;          // first steps left out of the timing medians
+  double block_cache_mb = 1024;       // freed blocks >= 1 MiB kept for reuse; 0: off
+  bool no_overlap = false;
 };
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU seconds of the whole process (every thread): on a shared machine a steadier measure of the
+// work a step costs than wall time.
+double process_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 std::string human_bytes(double b) {
@@ -288,7 +300,7 @@ double median(std::vector<double> v) {
 }
 
 // Per-step timings each rank sends to rank 0 (one all-gather per step).
-enum Timing { kMemory, kStep, kFwd, kBwd, kCommWait, kUpdate, kGather, kOpt, kData, kTimings };
+enum Timing { kMemory, kStep, kFwd, kBwd, kCommWait, kUpdate, kGather, kOpt, kData, kCpu, kTimings };
 
 int run(const Args& a) {
   if (a.checkpoint_every > 0 || !a.resume.empty()) {
@@ -302,7 +314,13 @@ int run(const Args& a) {
   const auto t_start = Clock::now();
   if (lead) fs::create_directories(a.out);
 
-  // Tensor storage from here on is counted (peak reported in summary.json).
+  // Note [Why the trainer caches blocks] (block_cache.hpp); the tracker above it counts live
+  // tensor storage only (peak reported in summary.json).
+  std::unique_ptr<bert::ScopedBlockCache> block_cache;
+  if (a.block_cache_mb > 0) {
+    block_cache = std::make_unique<bert::ScopedBlockCache>(
+        int64_t{1} << 20, static_cast<int64_t>(a.block_cache_mb * (1 << 20)));
+  }
   shardopt::ScopedMemoryTracking tracking;
   bert::BertConfig config = bert::BertConfig::preset(a.preset);
   BatchSource loader;
@@ -350,6 +368,7 @@ int run(const Args& a) {
   zo.max_grad_norm = a.max_grad_norm;
   zo.precision = precision;
   if (a.bucket_mb > 0) zo.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
+  zo.overlap_comm = !a.no_overlap;
   // BERT: no weight decay on biases and LayerNorm.
   auto groups = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
@@ -393,10 +412,11 @@ int run(const Args& a) {
 
   for (int64_t step = 0; step < a.steps; ++step) {
     const auto t0 = Clock::now();
+    const double cpu0 = process_cpu_s();
     const double lr = lr_at(a, step);
     for (auto& g : opt.param_groups()) g.options().set_lr(lr);
     opt.zero_grad();
-    double fwd_s = 0, bwd_s = 0, data_s = 0, metrics_s = 0;
+    double fwd_s = 0, bwd_s = 0, data_s = 0, metrics_s = 0, metrics_cpu_s = 0;
     // Local sums: loss, mlm_loss, nsp_loss, mlm correct, mlm count, nsp correct, rows, tokens.
     std::array<double, 8> sums{};
     for (int micro = 0; micro < a.grad_accum; ++micro) {
@@ -412,6 +432,7 @@ int run(const Args& a) {
       bwd_s += seconds_since(tb);
       // Metrics are not training work: their time is left out of the step time.
       const auto tm = Clock::now();
+      const double cpu_m = process_cpu_s();
       torch::NoGradGuard no_grad;
       sums[0] += out.loss.item<double>();
       sums[1] += out.mlm_loss.item<double>();
@@ -424,11 +445,13 @@ int run(const Args& a) {
       sums[6] += static_cast<double>(batch.rows);
       sums[7] += static_cast<double>(batch.num_tokens);
       metrics_s += seconds_since(tm);
+      metrics_cpu_s += process_cpu_s() - cpu_m;
     }
     const auto to = Clock::now();
     opt.step();
     const double opt_s = seconds_since(to);
     const double step_s = seconds_since(t0) - metrics_s;
+    const double cpu_s = process_cpu_s() - cpu0 - metrics_cpu_s;
     const auto& stats = opt.last_step();
 
     // Metrics over all ranks (one small all-reduce and one all-gather per step).
@@ -439,7 +462,7 @@ int run(const Args& a) {
     local[kMemory] = static_cast<double>(mem.total());
     local[kStep] = step_s, local[kFwd] = fwd_s, local[kBwd] = bwd_s, local[kOpt] = opt_s;
     local[kCommWait] = stats.reduce_wait_s, local[kUpdate] = stats.update_s;
-    local[kGather] = stats.gather_s, local[kData] = data_s;
+    local[kGather] = stats.gather_s, local[kData] = data_s, local[kCpu] = cpu_s;
     auto mine = torch::tensor(local, torch::kDouble);
     auto all = torch::zeros({kTimings * world}, torch::kDouble);
     comm->all_gather(mine, all);
@@ -476,6 +499,7 @@ int run(const Args& a) {
     j["comm_wait_s"] = stats.reduce_wait_s;  // reductions not finished when backward ended
     j["update_s"] = stats.update_s;
     j["gather_s"] = stats.gather_s;
+    j["cpu_s"] = cpu_s;  // process CPU time of the step (all threads, rank 0)
     j["tokens_per_s"] = r[7] / std::max(slowest, 1e-9);
     j["memory_bytes"] = mem_bytes;
     j["memory_rank0"] = {{"params", mem.param_bytes},
@@ -530,7 +554,7 @@ int run(const Args& a) {
     // the slowest rank's median (as the peer baseline reports it).
     const int64_t skip = std::min<int64_t>(a.timing_warmup, std::max<int64_t>(0, a.steps - 1));
     const char* names[kTimings] = {"memory_bytes", "step_s", "fwd_s", "bwd_s", "comm_wait_s",
-                                   "update_s", "gather_s", "opt_s", "data_s"};
+                                   "update_s", "gather_s", "opt_s", "data_s", "cpu_s"};
     nlohmann::json per_rank = nlohmann::json::array();
     std::vector<int64_t> rss, tensor_peak;
     double step_median = 0;
@@ -570,6 +594,11 @@ int run(const Args& a) {
         {"threads", a.threads}, {"timing", timing}, {"peak_rss_bytes", rss},
         {"peak_tensor_bytes", tensor_peak},
         {"model_state_rank0", last.value("memory_rank0", nlohmann::json::object())}};
+    if (block_cache) {
+      const auto c = block_cache->stats();
+      summary["block_cache_rank0"] = {{"hits", c.hits}, {"misses", c.misses},
+                                      {"peak_cached_bytes", c.peak_cached_bytes}};
+    }
     std::ofstream(fs::path(a.out) / "summary.json") << summary.dump(2) << '\n';
     fmt::print("[bert] done: {} steps in {} ({} wall), loss {:.3f} -> {:.3f} (mean of first/last {}), "
                "MLM loss {:.3f}, MLM acc {:.3f}, NSP acc {:.2f}\n",
@@ -578,11 +607,12 @@ int run(const Args& a) {
     const auto& t = per_rank[slowest_rank];
     fmt::print("[bert] step time (median of steps {}-{}, slowest rank {}): {:.4f} s = data {:.4f} + "
                "fwd {:.4f} + bwd {:.4f} + step() {:.4f} (comm wait {:.4f}, update {:.4f}, gather "
-               "{:.4f}); {:.2f} samples/s\n",
+               "{:.4f}); {:.2f} samples/s; process CPU {:.4f} s/step\n",
                skip + 1, a.steps, slowest_rank, step_median, t["data_s"].get<double>(),
                t["fwd_s"].get<double>(), t["bwd_s"].get<double>(), t["opt_s"].get<double>(),
                t["comm_wait_s"].get<double>(), t["update_s"].get<double>(),
-               t["gather_s"].get<double>(), timing["samples_per_s"].get<double>());
+               t["gather_s"].get<double>(), timing["samples_per_s"].get<double>(),
+               t["cpu_s"].get<double>());
     std::string peaks_text;
     for (int r = 0; r < world; ++r) {
       peaks_text += fmt::format(" r{} {} ({} tensors)", r, human_bytes(rss[r]), human_bytes(tensor_peak[r]));
@@ -692,6 +722,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"masked", "all", "preset"}));
   app.add_option("--timing-warmup", a.timing_warmup, "first steps left out of the timing medians "
                  "in summary.json")->check(CLI::NonNegativeNumber);
+  app.add_option("--block-cache-mb", a.block_cache_mb, "keep freed tensor blocks of >= 1 MiB (up "
+                 "to this many MiB) for the next allocation of the same size; 0: off")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
+               "hooks (ZeroOptions::overlap_comm = false)");
   app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");
   app.add_flag("--check-loss-decrease", a.check_loss_decrease,
                "exit non-zero unless the mean of the last 5 losses is below that of the first 5");

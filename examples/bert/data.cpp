@@ -543,4 +543,40 @@ Batch BatchLoader::batch(int64_t index) {
   return b;
 }
 
+Batch synthetic_batch(int64_t rows, int64_t seq_length, int64_t vocab_size, double mask_prob,
+                      int64_t mask_id, uint64_t seed, int64_t index, int rank) {
+  if (rows <= 0 || seq_length <= 0 || vocab_size <= 0) {
+    throw std::invalid_argument("synthetic_batch: rows, seq_length and vocab_size must be > 0");
+  }
+  const uint64_t parts[3] = {seed, static_cast<uint64_t>(index), static_cast<uint64_t>(rank)};
+  Rng rng(fnv1a(parts, sizeof(parts)));
+  Batch b;
+  b.rows = rows;
+  b.seq_length = seq_length;
+  b.max_predictions = seq_length;  // any position may be masked
+  const auto n = static_cast<size_t>(rows * seq_length);
+  b.input_ids.resize(n);
+  b.token_type_ids.assign(n, 0);
+  b.attention_mask.assign(n, 1);
+  b.masked_positions.assign(n, 0);
+  b.masked_labels.assign(n, -100);
+  b.nsp_labels.assign(static_cast<size_t>(rows), 0);
+  for (int64_t i = 0; i < rows; ++i) {
+    int64_t k = 0;
+    for (int64_t t = 0; t < seq_length; ++t) {
+      const int64_t id = rng.randint(0, vocab_size - 1);
+      const bool masked = rng.uniform() < mask_prob;
+      b.input_ids[i * seq_length + t] = masked ? mask_id : id;
+      if (masked) {
+        b.masked_positions[i * seq_length + k] = t;
+        b.masked_labels[i * seq_length + k] = id;
+        ++k;
+      }
+    }
+    b.num_masked += k;
+  }
+  b.num_tokens = rows * seq_length;
+  return b;
+}
+
 }  // namespace bert

@@ -175,6 +175,13 @@ class BatchLoader {
   std::vector<int64_t> perm_;
 };
 
+// A batch of uniformly random tokens in [0, vocab_size) for benchmarks, as the peer baseline
+// (/work/shared/peers/torch_zero_bert.py) makes them: every row full length, one segment, each
+// position masked with probability mask_prob (input := mask_id, label := the original token), no
+// next-sentence task (labels 0). Deterministic in (seed, index, rank).
+Batch synthetic_batch(int64_t rows, int64_t seq_length, int64_t vocab_size, double mask_prob,
+                      int64_t mask_id, uint64_t seed, int64_t index, int rank);
+
 // FNV-1a 64, for cache keys.
 uint64_t fnv1a(const void* data, size_t bytes, uint64_t hash = 1469598103934665603ull);
 

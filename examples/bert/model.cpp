@@ -23,13 +23,20 @@ BertConfig BertConfig::preset(const std::string& name) {
   else if (name == "small") set(4, 512, 8, 2048);
   else if (name == "base") set(12, 768, 12, 3072);
   else if (name == "large") set(24, 1024, 16, 4096);
+  else if (name == "peer") {
+    // The PyTorch peer baseline's model (/work/shared/peers/torch_zero_bert.py): BERT-mini's
+    // shape with BERT's 30522-token vocabulary, MLM only, logits at every position.
+    set(4, 256, 4, 1024);
+    c.nsp = false;
+    c.mlm_all_positions = true;
+  }
   else throw std::invalid_argument("unknown BERT preset '" + name +
-                                   "'; expected tiny, mini, small, base or large");
+                                   "'; expected tiny, mini, small, base, large or peer");
   return c;
 }
 
 std::vector<std::string> BertConfig::preset_names() {
-  return {"tiny", "mini", "small", "base", "large"};
+  return {"tiny", "mini", "small", "base", "large", "peer"};
 }
 
 void BertConfig::validate() const {
@@ -123,8 +130,10 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c)
     list->push_back(layers_.back());
     units_->add_module("layer" + std::to_string(i), layers_.back());
   }
-  auto pooler = bert->register_module("pooler", std::make_shared<Module>());
-  pooler_ = pooler->register_module("dense", torch::nn::Linear(h, h));
+  if (c.nsp) {
+    auto pooler = bert->register_module("pooler", std::make_shared<Module>());
+    pooler_ = pooler->register_module("dense", torch::nn::Linear(h, h));
+  }
 
   auto cls = register_module("cls", std::make_shared<Module>());
   auto predictions = cls->register_module("predictions", std::make_shared<Module>());
@@ -133,7 +142,7 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c)
   auto transform = predictions->register_module("transform", std::make_shared<Module>());
   transform_ = transform->register_module("dense", torch::nn::Linear(h, h));
   transform_norm_ = transform->register_module("LayerNorm", ln());
-  seq_relationship_ = cls->register_module("seq_relationship", torch::nn::Linear(h, 2));
+  if (c.nsp) seq_relationship_ = cls->register_module("seq_relationship", torch::nn::Linear(h, 2));
   init_weights();
 }
 
@@ -176,7 +185,8 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   for (size_t i = 0; i < layers_.size(); ++i) {
     x = units_->run(static_cast<int>(i), [&] { return layers_[i]->forward(x, mask_bias); });
   }
-  auto pooled = torch::tanh(pooler_(x.select(1, 0)));
+  at::Tensor pooled;
+  if (pooler_) pooled = torch::tanh(pooler_(x.select(1, 0)));
   return {x, pooled};
 }
 
@@ -184,21 +194,34 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
   auto [sequence, pooled] = encode(in.input_ids, in.token_type_ids, in.attention_mask);
   const int64_t B = sequence.size(0), T = sequence.size(1), H = sequence.size(2);
   BertOutputs out;
-  // MLM head only at the real masked positions (Google's gather_indexes, padding dropped).
   const auto labels = in.masked_labels.reshape({-1});
   const auto valid = labels.ne(-100).nonzero().squeeze(1);
   const auto rows = (in.masked_positions +
                      torch::arange(B, in.masked_positions.options()).unsqueeze(1) * T)
                         .reshape({-1})
                         .index_select(0, valid);
-  auto h = sequence.reshape({B * T, H}).index_select(0, rows);
+  at::Tensor h;
+  if (config_.mlm_all_positions) {
+    // Every position, labels -100 where nothing was masked (HF BertForMaskedLM).
+    h = sequence.reshape({B * T, H});
+    out.mlm_labels = torch::full({B * T}, -100, labels.options())
+                         .index_copy_(0, rows, labels.index_select(0, valid));
+  } else {
+    // Only at the real masked positions (Google's gather_indexes, padding dropped).
+    h = sequence.reshape({B * T, H}).index_select(0, rows);
+    out.mlm_labels = labels.index_select(0, valid);
+  }
   h = transform_norm_(torch::gelu(transform_(h)));
   out.mlm_logits = F::linear(h, word_embeddings_->weight, decoder_bias_);
-  out.mlm_labels = labels.index_select(0, valid);
-  out.nsp_logits = seq_relationship_(pooled);
   out.mlm_loss = F::cross_entropy(out.mlm_logits.to(torch::kFloat), out.mlm_labels);
-  out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
-  out.loss = out.mlm_loss + out.nsp_loss;
+  if (seq_relationship_) {
+    out.nsp_logits = seq_relationship_(pooled);
+    out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
+    out.loss = out.mlm_loss + out.nsp_loss;
+  } else {
+    out.nsp_loss = torch::zeros({}, torch::kFloat);
+    out.loss = out.mlm_loss;
+  }
   return out;
 }
 

@@ -37,9 +37,15 @@ struct BertConfig {
   double attention_dropout = 0.1;
   double layer_norm_eps = 1e-12;
   double initializer_range = 0.02;
+  // Pooler and next-sentence head; off for MLM-only training (no parameters, nsp_loss 0).
+  bool nsp = true;
+  // MLM logits at every position with ignore_index -100 (Hugging Face BertForMaskedLM) rather
+  // than only at the masked ones (Google's gather_indexes): same loss, ~6x the decoder's work.
+  bool mlm_all_positions = false;
 
   // tiny 2/128/2/512, mini 4/256/4/1024, small 4/512/8/2048, base 12/768/12/3072,
-  // large 24/1024/16/4096 (layers/hidden/heads/intermediate); vocab 30522, 512 positions.
+  // large 24/1024/16/4096 (layers/hidden/heads/intermediate); vocab 30522, 512 positions;
+  // peer: mini without the NSP head, MLM logits at every position (the PyTorch peer's model).
   // Throws std::invalid_argument for other names.
   static BertConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
@@ -59,10 +65,11 @@ BertInputs to_inputs(const Batch& batch);
 struct BertOutputs {
   at::Tensor loss;        // mlm_loss + nsp_loss (fp32 scalar)
   at::Tensor mlm_loss;    // mean cross-entropy over the masked positions
-  at::Tensor nsp_loss;    // mean cross-entropy over the rows
-  at::Tensor mlm_logits;  // [M, vocab] for the M real (non-padding) masked positions
-  at::Tensor mlm_labels;  // [M]
-  at::Tensor nsp_logits;  // [B, 2]
+  at::Tensor nsp_loss;    // mean cross-entropy over the rows (0 without the NSP head)
+  at::Tensor mlm_logits;  // [M, vocab] for the M real (non-padding) masked positions, or
+                          // [B*T, vocab] with mlm_all_positions
+  at::Tensor mlm_labels;  // [M], or [B*T] with -100 where nothing is predicted
+  at::Tensor nsp_logits;  // [B, 2]; undefined without the NSP head
 };
 
 class BertLayerImpl : public torch::nn::Module {
@@ -86,7 +93,7 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   explicit BertForPreTrainingImpl(const BertConfig& config);
   const BertConfig& config() const { return config_; }
 
-  // Encoder output [B, T, H] and pooled [CLS] state [B, H].
+  // Encoder output [B, T, H] and pooled [CLS] state [B, H] (undefined without the NSP head).
   std::pair<at::Tensor, at::Tensor> encode(const at::Tensor& input_ids,
                                            const at::Tensor& token_type_ids,
                                            const at::Tensor& attention_mask);

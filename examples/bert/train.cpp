@@ -1,25 +1,31 @@
 // bert_pretrain: BERT pretraining (MLM + NSP) with shardopt's ZeRO optimizer, one process per rank
 // (mpirun -np N). Rank 0 prepares the vocabulary and the data file once (cached by content), every
 // rank trains on its slice of each global batch, rank 0 logs metrics.jsonl and plots the loss.
+// --synthetic trains on random tokens instead (benchmarks: bench/compare_peers.sh).
+#include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
 
 #include <fmt/format.h>
 
+#include "block_cache.hpp"
 #include "checkpointing.hpp"
 #include "data.hpp"
 #include "model.hpp"
@@ -70,10 +76,24 @@ struct Args {
   double golden_tol = 0.05;  // absolute
   std::string write_golden;
   double bucket_mb = 0;  // 0: the library's default
+  bool synthetic = false;             // random-token MLM batches, no corpus
+  bool no_nsp = false;
+  std::string mlm_positions = "preset";  // masked | all | preset
+  int64_t timing_warmup = 5;          // first steps left out of the timing medians
+  double block_cache_mb = 1024;       // freed blocks >= 1 MiB kept for reuse; 0: off
+  bool no_overlap = false;
 };
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU seconds of the whole process (every thread): on a shared machine a steadier measure of the
+// work a step costs than wall time.
+double process_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 std::string human_bytes(double b) {
@@ -260,6 +280,31 @@ int create_data_command(const Args& a, const std::string& output) {
 
 // ---- training ---------------------------------------------------------------------------------
 
+// Where batches come from: the pretraining file of prepare_on_rank0, or random tokens.
+struct BatchSource {
+  std::unique_ptr<bert::PretrainingData> data;
+  std::unique_ptr<bert::BatchLoader> loader;
+  const Args* args = nullptr;
+  int64_t vocab_size = 0;
+  int rank = 0;
+  bert::Batch batch(int64_t index) {
+    if (loader) return loader->batch(index);
+    return bert::synthetic_batch(args->batch_size, args->max_seq_length, vocab_size,
+                                 args->masked_lm_prob, kSyntheticMaskId, args->seed, index, rank);
+  }
+  static constexpr int64_t kSyntheticMaskId = 103;  // [MASK] in BERT's uncased vocabulary
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Per-step timings each rank sends to rank 0 (one all-gather per step).
+enum Timing { kMemory, kStep, kFwd, kBwd, kCommWait, kUpdate, kGather, kOpt, kData, kCpu, kTimings };
+
 int run(const Args& a) {
   auto comm = shardopt::init_from_env();
   const int rank = comm->rank(), world = comm->size();
@@ -268,26 +313,46 @@ int run(const Args& a) {
   const auto t_start = Clock::now();
   if (lead) fs::create_directories(a.out);
 
-  const Prepared prepared = prepare_on_rank0(a, *comm);
-  if (lead) {
-    for (const auto& n : prepared.notes) fmt::print("[bert] {}\n", n);
+  // Note [Why the trainer caches blocks] (block_cache.hpp); the tracker above it counts live
+  // tensor storage only (peak reported in summary.json).
+  std::unique_ptr<bert::ScopedBlockCache> block_cache;
+  if (a.block_cache_mb > 0) {
+    block_cache = std::make_unique<bert::ScopedBlockCache>(
+        int64_t{1} << 20, static_cast<int64_t>(a.block_cache_mb * (1 << 20)));
   }
-  const bert::Vocab vocab = bert::Vocab::load(prepared.vocab_path);
-  const bert::PretrainingData data(prepared.data_path);
-  if (static_cast<int32_t>(data.header().vocab_size) != vocab.size()) {
-    throw std::runtime_error(fmt::format("data file {} was made with a {}-token vocabulary, but {} has {}",
-                                         prepared.data_path, data.header().vocab_size,
-                                         prepared.vocab_path, vocab.size()));
-  }
-  bert::BatchLoader loader(data, a.batch_size, rank, world, a.seed);
-
+  shardopt::ScopedMemoryTracking tracking;
   bert::BertConfig config = bert::BertConfig::preset(a.preset);
-  config.vocab_size = vocab.size();
+  BatchSource loader;
+  loader.args = &a;
+  loader.rank = rank;
+  Prepared prepared;
+  int64_t max_seq_length = a.max_seq_length;
+  if (a.synthetic) {
+    loader.vocab_size = config.vocab_size;  // the preset's (BERT's 30522)
+    config.nsp = false;                     // random tokens have no sentence pairs
+  } else {
+    prepared = prepare_on_rank0(a, *comm);
+    if (lead) {
+      for (const auto& n : prepared.notes) fmt::print("[bert] {}\n", n);
+    }
+    const bert::Vocab vocab = bert::Vocab::load(prepared.vocab_path);
+    loader.data = std::make_unique<bert::PretrainingData>(prepared.data_path);
+    const auto& data = *loader.data;
+    if (static_cast<int32_t>(data.header().vocab_size) != vocab.size()) {
+      throw std::runtime_error(fmt::format("data file {} was made with a {}-token vocabulary, but {} has {}",
+                                           prepared.data_path, data.header().vocab_size,
+                                           prepared.vocab_path, vocab.size()));
+    }
+    loader.loader = std::make_unique<bert::BatchLoader>(data, a.batch_size, rank, world, a.seed);
+    config.vocab_size = vocab.size();
+    max_seq_length = data.header().max_seq_length;
+  }
+  if (a.no_nsp) config.nsp = false;
+  if (a.mlm_positions != "preset") config.mlm_all_positions = a.mlm_positions == "all";
   if (a.dropout >= 0) config.hidden_dropout = config.attention_dropout = a.dropout;
-  if (static_cast<int64_t>(data.header().max_seq_length) > config.max_position_embeddings) {
+  if (max_seq_length > config.max_position_embeddings) {
     throw std::runtime_error(fmt::format("--max-seq-length {} exceeds the model's {} positions",
-                                         data.header().max_seq_length,
-                                         config.max_position_embeddings));
+                                         max_seq_length, config.max_position_embeddings));
   }
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
   bert::BertForPreTraining model(config);
@@ -308,6 +373,7 @@ int run(const Args& a) {
   zo.max_grad_norm = a.max_grad_norm;
   zo.precision = precision;
   if (a.bucket_mb > 0) zo.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
+  zo.overlap_comm = !a.no_overlap;
   // BERT: no weight decay on biases and LayerNorm.
   auto groups = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
@@ -317,16 +383,21 @@ int run(const Args& a) {
 
   const int64_t global_batch = a.batch_size * world * a.grad_accum;
   if (lead) {
-    fmt::print("[bert] model: BERT-{} ({} layers, hidden {}, {} heads), {:.2f} M parameters, vocab {}\n",
+    fmt::print("[bert] model: BERT-{} ({} layers, hidden {}, {} heads), {:.2f} M parameters, vocab {}, "
+               "{}, MLM logits at {} positions\n",
                config.name, config.num_layers, config.hidden_size, config.num_heads,
-               model->num_parameters() / 1e6, config.vocab_size);
+               model->num_parameters() / 1e6, config.vocab_size,
+               config.nsp ? "MLM + NSP" : "MLM only", config.mlm_all_positions ? "all" : "masked");
+    const std::string epochs =
+        loader.data ? fmt::format("{:.2f} epochs of {} instances",
+                                  static_cast<double>(a.steps * global_batch) /
+                                      static_cast<double>(loader.data->size()),
+                                  loader.data->size())
+                    : fmt::format("synthetic: random tokens, {} per row", max_seq_length);
     fmt::print("[bert] training: {} ranks ({}), ZeRO stage {}, {}, {} rows/rank x {} micro-steps = "
-               "{} sequences/step, {} steps ({:.2f} epochs of {} instances), lr {} (warm-up {}), "
-               "{} thread(s)/rank\n",
+               "{} sequences/step, {} steps ({}), lr {} (warm-up {}), {} thread(s)/rank\n",
                world, comm->backend(), a.stage, a.precision, a.batch_size, a.grad_accum,
-               global_batch, a.steps,
-               static_cast<double>(a.steps * global_batch) / static_cast<double>(data.size()),
-               data.size(), a.lr, a.warmup_steps, a.threads);
+               global_batch, a.steps, epochs, a.lr, a.warmup_steps, a.threads);
     std::fflush(stdout);
   }
 
@@ -339,6 +410,7 @@ int run(const Args& a) {
   // mpirun hands ranks a pseudo-terminal even when its own output is a pipe: --progress decides.
   const bool tty = lead && (a.progress == "tty" || (a.progress == "auto" && ::isatty(STDOUT_FILENO)));
   std::vector<double> losses;
+  std::vector<std::vector<double>> timings;  // rank 0: [step][rank * kTimings + Timing]
   double train_s = 0;
   int64_t tokens_total = 0;
   nlohmann::json last;
@@ -389,42 +461,59 @@ int run(const Args& a) {
     maybe_checkpoint(step);
     if (a.stop_after > 0 && step - start_step >= a.stop_after) break;
     const auto t0 = Clock::now();
+    const double cpu0 = process_cpu_s();
     const double lr = lr_at(a, step);
     for (auto& g : opt.param_groups()) g.options().set_lr(lr);
     opt.zero_grad();
-    double fwd_s = 0, bwd_s = 0;
+    double fwd_s = 0, bwd_s = 0, data_s = 0, metrics_s = 0, metrics_cpu_s = 0;
     // Local sums: loss, mlm_loss, nsp_loss, mlm correct, mlm count, nsp correct, rows, tokens.
     std::array<double, 8> sums{};
     for (int micro = 0; micro < a.grad_accum; ++micro) {
+      const auto td = Clock::now();
       const bert::Batch batch = loader.batch(data_position++);
-      const auto tf = Clock::now();
       const bert::BertInputs inputs = bert::to_inputs(batch);
+      data_s += seconds_since(td);
+      const auto tf = Clock::now();
       const bert::BertOutputs out = model->forward(inputs);
       fwd_s += seconds_since(tf);
       const auto tb = Clock::now();
       opt.backward(out.loss);
       bwd_s += seconds_since(tb);
+      // Metrics are not training work: their time is left out of the step time.
+      const auto tm = Clock::now();
+      const double cpu_m = process_cpu_s();
       torch::NoGradGuard no_grad;
       sums[0] += out.loss.item<double>();
       sums[1] += out.mlm_loss.item<double>();
       sums[2] += out.nsp_loss.item<double>();
       sums[3] += out.mlm_logits.argmax(-1).eq(out.mlm_labels).sum().item<double>();
-      sums[4] += static_cast<double>(out.mlm_labels.numel());
-      sums[5] += out.nsp_logits.argmax(-1).eq(inputs.nsp_labels).sum().item<double>();
+      sums[4] += out.mlm_labels.ne(-100).sum().item<double>();
+      if (out.nsp_logits.defined()) {
+        sums[5] += out.nsp_logits.argmax(-1).eq(inputs.nsp_labels).sum().item<double>();
+      }
       sums[6] += static_cast<double>(batch.rows);
       sums[7] += static_cast<double>(batch.num_tokens);
+      metrics_s += seconds_since(tm);
+      metrics_cpu_s += process_cpu_s() - cpu_m;
     }
     const auto to = Clock::now();
     opt.step();
     const double opt_s = seconds_since(to);
-    const double step_s = seconds_since(t0);
+    const double step_s = seconds_since(t0) - metrics_s;
+    const double cpu_s = process_cpu_s() - cpu0 - metrics_cpu_s;
+    const auto& stats = opt.last_step();
 
     // Metrics over all ranks (one small all-reduce and one all-gather per step).
     auto reduced = torch::tensor(std::vector<double>(sums.begin(), sums.end()), torch::kDouble);
     comm->all_reduce(reduced, shardopt::ReduceOp::Sum);
     const auto mem = opt.memory();
-    auto mine = torch::tensor({static_cast<double>(mem.total()), step_s}, torch::kDouble);
-    auto all = torch::zeros({2 * world}, torch::kDouble);
+    std::vector<double> local(kTimings);
+    local[kMemory] = static_cast<double>(mem.total());
+    local[kStep] = step_s, local[kFwd] = fwd_s, local[kBwd] = bwd_s, local[kOpt] = opt_s;
+    local[kCommWait] = stats.reduce_wait_s, local[kUpdate] = stats.update_s;
+    local[kGather] = stats.gather_s, local[kData] = data_s, local[kCpu] = cpu_s;
+    auto mine = torch::tensor(local, torch::kDouble);
+    auto all = torch::zeros({kTimings * world}, torch::kDouble);
     comm->all_gather(mine, all);
     train_s += step_s;
     const auto r = reduced.accessor<double, 1>();
@@ -436,11 +525,12 @@ int run(const Args& a) {
 
     std::vector<int64_t> mem_bytes;
     double slowest = 0;
+    const auto* av = all.data_ptr<double>();
+    timings.emplace_back(av, av + kTimings * world);
     for (int k = 0; k < world; ++k) {
-      mem_bytes.push_back(static_cast<int64_t>(all[2 * k].item<double>()));
-      slowest = std::max(slowest, all[2 * k + 1].item<double>());
+      mem_bytes.push_back(static_cast<int64_t>(av[k * kTimings + kMemory]));
+      slowest = std::max(slowest, av[k * kTimings + kStep]);
     }
-    const auto& stats = opt.last_step();
     nlohmann::json j;
     j["step"] = step + 1;
     j["loss"] = loss;
@@ -451,9 +541,14 @@ int run(const Args& a) {
     j["lr"] = lr;
     j["grad_norm"] = stats.grad_norm;
     j["step_time_s"] = slowest;
+    j["data_s"] = data_s;
     j["fwd_s"] = fwd_s;
     j["bwd_s"] = bwd_s;
-    j["opt_s"] = opt_s;
+    j["opt_s"] = opt_s;  // the step() call: comm_wait_s + update_s + gather_s + clipping
+    j["comm_wait_s"] = stats.reduce_wait_s;  // reductions not finished when backward ended
+    j["update_s"] = stats.update_s;
+    j["gather_s"] = stats.gather_s;
+    j["cpu_s"] = cpu_s;  // process CPU time of the step (all threads, rank 0)
     j["tokens_per_s"] = r[7] / std::max(slowest, 1e-9);
     j["memory_bytes"] = mem_bytes;
     j["memory_rank0"] = {{"params", mem.param_bytes},
@@ -483,6 +578,15 @@ int run(const Args& a) {
   maybe_checkpoint(step);
   if (tty) fmt::print("\n");
 
+  // Peak resident memory and peak tensor storage of every rank.
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  auto peaks = torch::tensor({static_cast<double>(usage.ru_maxrss) * 1024.0,
+                              static_cast<double>(tracking.tracker().peak_bytes())},
+                             torch::kDouble);
+  auto all_peaks = torch::zeros({2 * world}, torch::kDouble);
+  comm->all_gather(peaks, all_peaks);
+
   int rc = 0;
   if (lead) {
     metrics.close();
@@ -496,6 +600,36 @@ int run(const Args& a) {
       plot_note = std::system(cmd.c_str()) == 0 ? plot.string()
                                                 : "failed (command: " + cmd + ")";
     }
+    // Timing medians over the steps after --timing-warmup, per rank; the step time of the run is
+    // the slowest rank's median (as the peer baseline reports it).
+    const int64_t skip = std::min<int64_t>(a.timing_warmup, std::max<int64_t>(0, a.steps - 1));
+    const char* names[kTimings] = {"memory_bytes", "step_s", "fwd_s", "bwd_s", "comm_wait_s",
+                                   "update_s", "gather_s", "opt_s", "data_s", "cpu_s"};
+    nlohmann::json per_rank = nlohmann::json::array();
+    std::vector<int64_t> rss, tensor_peak;
+    double step_median = 0;
+    int slowest_rank = 0;
+    for (int r = 0; r < world; ++r) {
+      nlohmann::json t;
+      for (int f = kStep; f < kTimings; ++f) {
+        std::vector<double> v;
+        for (size_t s = static_cast<size_t>(skip); s < timings.size(); ++s) {
+          v.push_back(timings[s][r * kTimings + f]);
+        }
+        t[names[f]] = median(v);
+      }
+      if (t["step_s"].get<double>() > step_median) {
+        step_median = t["step_s"].get<double>(), slowest_rank = r;
+      }
+      per_rank.push_back(t);
+      rss.push_back(static_cast<int64_t>(all_peaks[2 * r].item<double>()));
+      tensor_peak.push_back(static_cast<int64_t>(all_peaks[2 * r + 1].item<double>()));
+    }
+    nlohmann::json timing = {
+        {"timed_steps", a.steps - skip}, {"warmup_steps", skip},
+        {"median_step_s", step_median},
+        {"samples_per_s", static_cast<double>(global_batch) / std::max(step_median, 1e-9)},
+        {"per_rank_median", per_rank}};
     const size_t k = std::min<size_t>(5, losses.size());
     const double first = std::accumulate(losses.begin(), losses.begin() + k, 0.0) / k;
     const double final_ = std::accumulate(losses.end() - k, losses.end(), 0.0) / k;
@@ -504,12 +638,36 @@ int run(const Args& a) {
         {"stage", a.stage}, {"steps", a.steps}, {"global_batch", global_batch},
         {"first5_loss", first}, {"last5_loss", final_}, {"train_s", train_s},
         {"wall_s", seconds_since(t_start)}, {"tokens", tokens_total}, {"last", last},
-        {"vocab", prepared.vocab_path}, {"data", prepared.data_path}};
+        {"vocab", prepared.vocab_path}, {"data", prepared.data_path},
+        {"synthetic", a.synthetic}, {"nsp", config.nsp},
+        {"mlm_all_positions", config.mlm_all_positions}, {"batch_size", a.batch_size},
+        {"threads", a.threads}, {"timing", timing}, {"peak_rss_bytes", rss},
+        {"peak_tensor_bytes", tensor_peak},
+        {"model_state_rank0", last.value("memory_rank0", nlohmann::json::object())}};
+    if (block_cache) {
+      const auto c = block_cache->stats();
+      summary["block_cache_rank0"] = {{"hits", c.hits}, {"misses", c.misses},
+                                      {"peak_cached_bytes", c.peak_cached_bytes}};
+    }
     std::ofstream(fs::path(a.out) / "summary.json") << summary.dump(2) << '\n';
     fmt::print("[bert] done: {} steps in {} ({} wall), loss {:.3f} -> {:.3f} (mean of first/last {}), "
                "MLM loss {:.3f}, MLM acc {:.3f}, NSP acc {:.2f}\n",
                step, human_time(train_s), human_time(seconds_since(t_start)), first, final_, k,
                last.value("mlm_loss", 0.0), last.value("mlm_acc", 0.0), last.value("nsp_acc", 0.0));
+    const auto& t = per_rank[slowest_rank];
+    fmt::print("[bert] step time (median of steps {}-{}, slowest rank {}): {:.4f} s = data {:.4f} + "
+               "fwd {:.4f} + bwd {:.4f} + step() {:.4f} (comm wait {:.4f}, update {:.4f}, gather "
+               "{:.4f}); {:.2f} samples/s; process CPU {:.4f} s/step\n",
+               skip + 1, a.steps, slowest_rank, step_median, t["data_s"].get<double>(),
+               t["fwd_s"].get<double>(), t["bwd_s"].get<double>(), t["opt_s"].get<double>(),
+               t["comm_wait_s"].get<double>(), t["update_s"].get<double>(),
+               t["gather_s"].get<double>(), timing["samples_per_s"].get<double>(),
+               t["cpu_s"].get<double>());
+    std::string peaks_text;
+    for (int r = 0; r < world; ++r) {
+      peaks_text += fmt::format(" r{} {} ({} tensors)", r, human_bytes(rss[r]), human_bytes(tensor_peak[r]));
+    }
+    fmt::print("[bert] peak RSS:{}\n", peaks_text);
     fmt::print("[bert] metrics: {}\n[bert] loss plot: {}\n[bert] summary: {}\n", metrics_path.string(),
                plot_note, (fs::path(a.out) / "summary.json").string());
     fmt::print("[bert] checkpoint: {}\n",
@@ -568,7 +726,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(6, 1 << 20));
   app.add_option("--data", a.data, "pretraining data file (generated when absent; default: cached "
                  "under OUT/cache by content)");
-  app.add_option("--preset", a.preset, "tiny | mini | small | base | large")
+  app.add_option("--preset", a.preset, "tiny | mini | small | base | large | peer")
       ->check(CLI::IsMember(bert::BertConfig::preset_names()));
   app.add_option("--stage", a.stage, "ZeRO stage")->check(CLI::Range(0, 3));
   app.add_option("--precision", a.precision, "fp32 | fp16 | bf16")
@@ -615,6 +773,19 @@ int main(int argc, char** argv) {
   app.add_option("--progress", a.progress, "tty: one line rewritten with \\r; lines: a line every "
                  "--log-every steps; auto: tty when stdout is a terminal")
       ->check(CLI::IsMember({"auto", "tty", "lines"}));
+  app.add_flag("--synthetic", a.synthetic, "random-token MLM batches (uniform over the preset's "
+               "vocabulary, --masked-lm-prob masked, --max-seq-length long), no corpus; NSP off");
+  app.add_flag("--no-nsp", a.no_nsp, "no pooler and next-sentence head: MLM only");
+  app.add_option("--mlm-positions", a.mlm_positions, "masked: MLM logits only at masked positions "
+                 "(Google); all: at every position (Hugging Face); preset: the preset's choice")
+      ->check(CLI::IsMember({"masked", "all", "preset"}));
+  app.add_option("--timing-warmup", a.timing_warmup, "first steps left out of the timing medians "
+                 "in summary.json")->check(CLI::NonNegativeNumber);
+  app.add_option("--block-cache-mb", a.block_cache_mb, "keep freed tensor blocks of >= 1 MiB (up "
+                 "to this many MiB) for the next allocation of the same size; 0: off")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
+               "hooks (ZeroOptions::overlap_comm = false)");
   app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");
   app.add_flag("--check-loss-decrease", a.check_loss_decrease,
                "exit non-zero unless the mean of the last 5 losses is below that of the first 5");

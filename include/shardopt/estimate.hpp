@@ -16,8 +16,9 @@
 //   stage 0  (P + G + K)·Ψ      stage 1  (P + G)·Ψ + K·Ψ/N
 //   stage 2  P·Ψ + (G + K)·Ψ/N  stage 3  (P + G + K)·Ψ/N
 //
-// plus bounded buffers: stage 2 keeps at most two bucket buffers (of bucket_bytes, never more than
-// the whole gradient); stage 3 holds the two largest gathered units with their full gradients,
+// plus bounded buffers: stage 2 keeps at most two bucket buffers (of bucket_bytes, or of the
+// largest parameter when that is bigger, since a bucket never splits one; never more than the
+// whole gradient); stage 3 holds the two largest gathered units with their full gradients,
 // (P + G)·(U1 + U2). Stages 0-1 reduce in place in the flat gradient buffer (no extra buffer),
 // as shardopt's optimizer does (tests/dist/stages_dist_test.cpp, StageMemory).
 //
@@ -122,6 +123,9 @@ struct Options {
   // Stage 3: elements of the two largest units gathered at once (the current one and the
   // prefetched one). 0: two units of one bucket each.
   int64_t gathered_units_params = 0;
+  // Elements of the largest parameter: a bucket holds at least one whole parameter, so bucket
+  // buffers are max(bucket_bytes, G * largest_param) bytes. 0: unknown (bucket_bytes).
+  int64_t largest_param = 0;
 };
 
 // Bytes of one kind of memory (device or host) per rank.
@@ -152,8 +156,10 @@ inline Estimate model_states(const Options& o) {
   if (o.params < 0) throw std::invalid_argument("estimate: params must be >= 0");
   if (o.world < 1) throw std::invalid_argument("estimate: world must be >= 1");
   if (o.stage < 0 || o.stage > 3) throw std::invalid_argument("estimate: stage must be 0..3");
-  if (o.bucket_bytes < 0 || o.align_bytes < 0 || o.gathered_units_params < 0) {
-    throw std::invalid_argument("estimate: bucket_bytes, align_bytes, gathered_units_params >= 0");
+  if (o.bucket_bytes < 0 || o.align_bytes < 0 || o.gathered_units_params < 0 ||
+      o.largest_param < 0) {
+    throw std::invalid_argument(
+        "estimate: bucket_bytes, align_bytes, gathered_units_params, largest_param >= 0");
   }
   Estimate e;
   e.options = o;
@@ -178,7 +184,7 @@ inline Estimate model_states(const Options& o) {
   }
   // Bounded buffers.
   if (o.stage == 2) {
-    const int64_t bucket = std::min<int64_t>(o.bucket_bytes, g * psi);
+    const int64_t bucket = std::min<int64_t>(std::max(o.bucket_bytes, g * o.largest_param), g * psi);
     dev.buffers = std::min<int64_t>(2 * bucket, g * psi);
   } else if (o.stage == 3) {
     int64_t units = o.gathered_units_params;

@@ -87,12 +87,13 @@ int main(int argc, char** argv) {
 
   try {
     if (preset.empty() && params <= 0) throw CLI::ValidationError("give --preset or --params");
-    int64_t psi = 0;
+    int64_t psi = 0, largest = 0;
     int64_t units = static_cast<int64_t>(std::llround(unit_params));
     if (!preset.empty()) {
       const est::BertConfig cfg = est::bert_preset(preset);
       const est::BertCounts counts = est::bert_counts(cfg);
       psi = counts.total();
+      largest = cfg.vocab * cfg.hidden;  // the word embeddings: one bucket on their own
       if (units == 0) units = counts.two_largest_units(cfg.layers);
     } else {
       psi = static_cast<int64_t>(std::llround(params));
@@ -115,6 +116,7 @@ int main(int argc, char** argv) {
     base.bucket_bytes = static_cast<int64_t>(std::llround(bucket_mib * (1 << 20)));
     base.align_bytes = align_bytes;
     base.gathered_units_params = units;
+    base.largest_param = largest;
 
     std::vector<est::Estimate> rows;
     for (int stage : stages) {

@@ -12,6 +12,7 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -660,6 +661,13 @@ TEST(KernelDispatch, AutoIsASupportedSet) {
       EXPECT_EQ(e.kind(), ErrorKind::Unsupported);
     }
   }
+}
+
+// CTest runs this once more with SHARDOPT_CPU_KERNEL=scalar (unit_kernels_env_scalar).
+TEST(KernelDispatch, EnvironmentVariableChoosesTheSet) {
+  const char* env = std::getenv("SHARDOPT_CPU_KERNEL");
+  if (env == nullptr) GTEST_SKIP() << "SHARDOPT_CPU_KERNEL is not set";
+  EXPECT_STREQ(to_string(resolve_cpu_isa(CpuIsa::Auto)), env);
 }
 
 void expect_invalid(const std::function<void()>& call, const std::string& needle) {

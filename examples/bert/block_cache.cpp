@@ -37,13 +37,15 @@ class CachingAllocator final : public c10::Allocator {
     return *self;
   }
 
-  c10::DataPtr allocate(size_t n) BERT_ALLOCATE_CONST override {
+  c10::DataPtr allocate(size_t requested) BERT_ALLOCATE_CONST override {
     auto& self = const_cast<CachingAllocator&>(*this);
     c10::DataPtr block;
-    if (n == 0) return {nullptr, nullptr, &release, c10::Device(c10::DeviceType::CPU)};
+    if (requested == 0) return {nullptr, nullptr, &release, c10::Device(c10::DeviceType::CPU)};
+    size_t n = requested;
     {
       std::lock_guard<std::mutex> lock(self.mutex_);
       if (self.enabled_ && static_cast<int64_t>(n) >= self.min_bytes_) {
+        n = size_class(n);
         auto it = self.by_size_.find(n);
         if (it != self.by_size_.end() && !it->second.empty()) {
           auto entry = it->second.back();
@@ -74,6 +76,32 @@ class CachingAllocator final : public c10::Allocator {
     inner_->copy_data(dest, src, count);
   }
 #endif
+
+  // Cacheable sizes round up to 1/16 of their power of two (under 6.25% more), so that tensors
+  // whose shapes vary a little from step to step (the masked positions of a batch) share blocks.
+  static size_t size_class(size_t n) {
+    size_t pow2 = 4096;
+    while (pow2 * 2 <= n) pow2 *= 2;
+    const size_t granule = std::max<size_t>(4096, pow2 / 16);
+    return (n + granule - 1) / granule * granule;
+  }
+
+  // Drops the blocks that waited a whole step without being reused.
+  void next_step() {
+    std::list<Entry> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++epoch_;
+      while (!lru_.empty() && lru_.front().epoch + 1 < epoch_) {
+        auto oldest = lru_.begin();
+        auto& same = by_size_[oldest->bytes];
+        same.erase(std::find(same.begin(), same.end(), oldest));
+        stats_.cached_bytes -= static_cast<int64_t>(oldest->bytes);
+        ++stats_.dropped_unused;
+        dropped.splice(dropped.end(), lru_, oldest);
+      }
+    }
+  }
 
   void install(int64_t min_bytes, int64_t max_cached_bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -111,6 +139,7 @@ class CachingAllocator final : public c10::Allocator {
   struct Entry {
     size_t bytes;
     c10::DataPtr block;
+    int64_t epoch;  // the step in which it was freed
   };
   struct Live {
     size_t bytes;
@@ -139,7 +168,7 @@ class CachingAllocator final : public c10::Allocator {
           self.stats_.cached_bytes -= static_cast<int64_t>(oldest->bytes);
           evicted.splice(evicted.end(), self.lru_, oldest);
         }
-        self.lru_.push_back(Entry{n, std::move(block)});
+        self.lru_.push_back(Entry{n, std::move(block), self.epoch_});
         self.by_size_[n].push_back(std::prev(self.lru_.end()));
         self.stats_.cached_bytes += bytes;
         self.stats_.peak_cached_bytes = std::max(self.stats_.peak_cached_bytes, self.stats_.cached_bytes);
@@ -155,6 +184,7 @@ class CachingAllocator final : public c10::Allocator {
   bool enabled_ = false;
   int64_t min_bytes_ = 0;
   int64_t max_cached_bytes_ = 0;
+  int64_t epoch_ = 0;
   std::unordered_map<void*, Live> live_;
   std::list<Entry> lru_;  // free blocks, oldest first
   std::unordered_map<size_t, std::vector<std::list<Entry>::iterator>> by_size_;
@@ -168,5 +198,6 @@ ScopedBlockCache::ScopedBlockCache(int64_t min_bytes, int64_t max_cached_bytes) 
 }
 ScopedBlockCache::~ScopedBlockCache() { CachingAllocator::get().uninstall(); }
 BlockCacheStats ScopedBlockCache::stats() const { return CachingAllocator::get().stats(); }
+void ScopedBlockCache::next_step() { CachingAllocator::get().next_step(); }
 
 }  // namespace bert

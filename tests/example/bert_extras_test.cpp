@@ -59,6 +59,35 @@ TEST(BlockCache, KeepsAtMostItsCapacityDroppingTheOldestFirst) {
   EXPECT_EQ(cache.stats().cached_bytes, 0);
 }
 
+TEST(BlockCache, NearSizesShareAClassAndUnusedBlocksLeaveAfterAStep) {
+  ScopedBlockCache cache(kMiB, 256 * kMiB);
+  void* first = nullptr;
+  {
+    at::Tensor a = at::empty({19'000'000}, at::kByte);
+    first = a.data_ptr();
+  }
+  {
+    at::Tensor b = at::empty({19'100'000}, at::kByte);  // same class (16 MiB / 16 = 1 MiB granules)
+    EXPECT_EQ(b.data_ptr(), first);
+    EXPECT_EQ(cache.stats().hits, 1);
+  }
+  EXPECT_EQ(cache.stats().cached_bytes, 19 * kMiB);
+  cache.next_step();  // freed during this step: may serve the next one
+  EXPECT_EQ(cache.stats().cached_bytes, 19 * kMiB);
+  cache.next_step();  // a whole step without reuse: dropped
+  EXPECT_EQ(cache.stats().cached_bytes, 0);
+  EXPECT_EQ(cache.stats().dropped_unused, 1);
+  {
+    at::Tensor c = at::empty({19'000'000}, at::kByte);  // reused every step: stays
+  }
+  for (int step = 0; step < 3; ++step) {
+    cache.next_step();
+    at::Tensor d = at::empty({19'000'000}, at::kByte);
+  }
+  EXPECT_EQ(cache.stats().cached_bytes, 19 * kMiB);
+  EXPECT_EQ(cache.stats().hits, 4);
+}
+
 TEST(BlockCache, BlocksOutlivingTheCacheAreFreedNormally) {
   at::Tensor kept;
   {

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,12 @@ def run(cmd, log_path, timeout, done_marker=None, grace=60):
 
 # ---- the peer ------------------------------------------------------------------------------------
 
+def free_port():
+    """A TCP port nobody listens on now (the peer's fixed default can be taken by another run)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 def parse_peer(out):
     """Per-rank rows of the peer's report table, keyed by its column names."""
     lines = out.splitlines()
@@ -140,7 +147,7 @@ def run_peer(args, mode, outdir, rnd):
         args.python, clock, str(args.warmup), str(args.warmup + args.steps), args.peer,
         "--launcher", "mpi", "--mode", mode, "--batch", str(args.batch),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", "128",
-        "--lr", "1e-4", "--threads", "1", "--port", str(29533 + 7 * rnd + (mode == "zero"))]
+        "--lr", "1e-4", "--threads", "1", "--port", str(free_port())]
     log = os.path.join(outdir, f"peer_{mode}_r{rnd}.log")
     rc, out, load, wall = run(cmd, log, args.timeout, done_marker="global samples/s")
     rows = parse_peer(out) if rc == 0 else None

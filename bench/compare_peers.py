@@ -75,13 +75,33 @@ def mpirun(args, n):
     return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)]
 
 
+def descendants(root):
+    """PIDs of every process below root (from /proc), children first listed after parents."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def run(cmd, log_path, timeout, done_marker=None, grace=60):
     """Runs cmd in its own process group; returns (rc, output, load, seconds).
 
     Note [Peer teardown hang]: torch 1.13's DDP over Gloo sometimes never exits: ~Reducer joins a
     Gloo thread that waits for the GIL the joining thread holds (seen here once in ~10 runs, after
     the report was printed). When done_marker has appeared in the output and the run is still
-    alive `grace` seconds later, its process group is killed and the run counts as complete
+    alive `grace` seconds later, its process tree is killed and the run counts as complete
     (rc 0); the log says so.
     """
     t0 = time.time()
@@ -98,13 +118,18 @@ def run(cmd, log_path, timeout, done_marker=None, grace=60):
                         marker_at = time.time()
             if marker_at is not None and time.time() - marker_at > grace:
                 note = (f"\n[compare] finished its report but still running {grace} s later "
-                        "(Note [Peer teardown hang]): process group killed, results kept")
+                        "(Note [Peer teardown hang]): process tree killed, results kept")
                 break
             if time.time() - t0 > timeout:
-                note = f"\n[compare] timed out after {timeout} s: process group killed"
+                note = f"\n[compare] timed out after {timeout} s: process tree killed"
                 break
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            # mpirun gives each rank its own process group: end the run's whole process tree.
+            for pid in [p.pid] + descendants(p.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             p.wait()
             rc = 0 if marker_at is not None else 124
         else:

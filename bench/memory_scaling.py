@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,13 +78,14 @@ def table(results):
     for r in results:
         head = f"| {r['model']} | {r['stage']} | {r['ranks']} |"
         if r["status"] == "skipped":
-            lines.append(f"{head} | | | | | | | | | skipped: {r['reason']} |")
+            lines.append(f"{head}" + " |" * 8 + f" skipped: {r['reason']} |")
             continue
         if r["status"] in ("pending", "failed"):
-            reason = r.get("reason", "").replace("|", "/")
-            label = "pending: the library refuses stage 3 for now" if r["status"] == "pending" else "FAILED"
-            lines.append(f"{head} {mb(r['formula']['total']) if 'formula' in r else ''} | | | | | | | | | "
-                         f"{label} ({reason}) |")
+            reason = re.sub(r"^shardopt\[rank \d+/\d+\] ", "", r.get("reason", "").strip())
+            reason = re.sub(r" \([\w./]+:\d+\)$", "", reason).replace("|", "/")
+            label = "pending" if r["status"] == "pending" else "FAILED"
+            formula = mb(r["formula"]["total"]) if "formula" in r else ""
+            lines.append(f"{head} {formula} |" + " |" * 7 + f" {label}: {reason} |")
             continue
         f, b = r["formula"], r["documented_buffers"]
         worst = max(r["per_rank"], key=lambda p: p["tracker_live"])

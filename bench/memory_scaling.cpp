@@ -99,8 +99,10 @@ est::Estimate estimator(const Config& c, const est::BertConfig& bc, const shardo
 }
 
 // Documented bounded buffers on top of the formula: stage 2 keeps at most two bucket buffers of
-// the largest bucket; stage 3 the estimator's gathered units; the MPI engine one scratch piece
-// (N > 1).
+// the largest bucket; stage 3 the same two plus its root unit (embeddings, pooler and heads: the
+// parameters in no layer unit), which stays gathered between steps; the MPI engine one scratch
+// piece (N > 1). Stage 3's gathered layer units are freed after each step, so they are not
+// live after it.
 struct Buffers {
   int64_t optimizer = 0;
   int64_t engine = 0;
@@ -108,7 +110,7 @@ struct Buffers {
 };
 
 Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& layout,
-                           const est::Estimate& e) {
+                           int64_t root_numel) {
   Buffers b;
   int64_t max_bucket = 0, max_shard = 0;
   for (const auto& bl : layout.buckets) {
@@ -116,7 +118,7 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
     max_shard = std::max(max_shard, bl.shard);
   }
   if (c.stage == 2) b.optimizer = 2 * kG * max_bucket;
-  if (c.stage == 3) b.optimizer = e.device.buffers;
+  if (c.stage == 3) b.optimizer = 2 * kG * max_bucket + kP * root_numel;
   if (c.ranks > 1) b.engine = std::min(kEngineScratchBytes, kG * max_shard);
   return b;
 }
@@ -204,10 +206,15 @@ int measure(const Config& c, const std::string& json_path) {
 
   shardopt::ZeroOptions zo;
   zo.stage = c.stage;
+  zo.units = (*model)->units();  // stage 3: one unit per encoder layer, as the trainer does
+  int64_t unit_numel = 0;
+  for (int u = 0; u < zo.units->size(); ++u) {
+    for (const auto& t : zo.units->parameters(u)) unit_numel += t.numel();
+  }
   const auto bc = est::bert_preset(c.model);
   const auto e = estimator(cfg, bc, zo);
   const auto layout = layout_of(numels, world, zo);
-  const auto buffers = documented_buffers(cfg, layout, e);
+  const auto buffers = documented_buffers(cfg, layout, psi - unit_numel);
   const auto formula = design_formula(c.stage, psi, world);
 
   json result = {{"model", c.model}, {"stage", c.stage}, {"ranks", world},

@@ -189,9 +189,9 @@ def main():
     print(md)
     print()
     print("formula = DESIGN.md's table with P = G = 4, K = 8 (fp32 AdamW) and Psi the model's "
-          "parameters (tied decoder once); documented buffers = stage 2's two bucket buffers of "
+          "parameters (tied decoder once); documented buffers = stages 2-3's two bucket buffers of "
           "the largest bucket (a bucket never splits a parameter, so the 30522 x H word embeddings "
-          "make the largest) + the MPI engine's reduction scratch (one piece of the largest bucket "
+          "make the largest), + stage 3's root unit (parameters in no layer unit) + the MPI engine's reduction scratch (one piece of the largest bucket "
           "shard, at most 64 MiB, N > 1); estimator = shardopt/estimate.hpp with the same "
           "alignment, buckets and largest parameter (no engine scratch); tracker = live tensor "
           "storage after the step minus before the model was built (worst rank); MB = 10^6 bytes.")

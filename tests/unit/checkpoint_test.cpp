@@ -224,16 +224,21 @@ TEST(Checkpoint, ReplacesThePreviousCheckpointAndLeavesNoTemporaries) {
 
 // ---- consolidation and full state dicts -------------------------------------------------------
 
+// Saves `opt` into tmp/ckpt, then consolidates it into tmp/model.pt and tmp/optim.pt.
+void save_and_consolidate(DistributedOptimizer& opt, const TempDir& tmp) {
+  opt.save_checkpoint(tmp / "ckpt");
+  ConsolidateOptions co;
+  co.optimizer_state_out = tmp / "optim.pt";
+  consolidate_checkpoint(tmp / "ckpt", tmp / "model.pt", co);
+}
+
 TEST(Checkpoint, ConsolidatedFileIsAPickledDictOfFullTensors) {
   TempDir tmp;
   auto comm = make_single_communicator();
   CkptNet net;
   DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
   ckpt_train(opt, net, 0, 3);
-  opt.save_checkpoint(tmp / "ckpt");
-  ConsolidateOptions co;
-  co.optimizer_state_out = tmp / "optim.pt";
-  consolidate_checkpoint(tmp / "ckpt", tmp / "model.pt", co);
+  save_and_consolidate(opt, tmp);
 
   std::ifstream in(tmp / "model.pt", std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
@@ -270,10 +275,7 @@ TEST(Checkpoint, FullStateStartsAShardedRun) {
   CkptNet net;
   DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
   ckpt_train(opt, net, 0, 3);
-  opt.save_checkpoint(tmp / "ckpt");
-  ConsolidateOptions co;
-  co.optimizer_state_out = tmp / "optim.pt";
-  consolidate_checkpoint(tmp / "ckpt", tmp / "model.pt", co);
+  save_and_consolidate(opt, tmp);
   ckpt_train(opt, net, 3, 5);
   const auto expected = net.snapshot();
 

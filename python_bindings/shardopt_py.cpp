@@ -218,8 +218,9 @@ Rule read_rule(const std::string& name, const py::dict& values, bool strict) {
     rule = read_rule_of<typename decltype(type)::type>(h, values, strict);
   });
   SHARDOPT_CHECK(known, InvalidArgument,
-                 "optimizer: unknown optimizer '{}'; expected one of {} (or a torch.optim.Optimizer "
-                 "class)", name, fmt::join(detail::rule_names(), ", "));
+                 "optimizer: unknown optimizer '{}'; expected one of {} (or a "
+                 "torch.optim.Optimizer class)",
+                 name, fmt::join(detail::rule_names(), ", "));
   h.finish();
   return rule;
 }
@@ -535,6 +536,7 @@ void bind_optimizer(py::module_& m) {
                            r.total());
       });
 
+  m.def("_rule_names", &detail::rule_names, "The optimizers shardopt runs natively, by name.");
   m.def(
       "_rule_defaults",
       [](const std::string& name, const py::dict& values) {

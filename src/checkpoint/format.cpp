@@ -4,8 +4,6 @@
 
 #include <fmt/format.h>
 
-#include <map>
-
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/error.hpp"
 
@@ -15,43 +13,29 @@ std::string dump(const json& j, int indent) {
   return j.dump(indent, ' ', false, json::error_handler_t::replace);
 }
 
+namespace {
+struct DtypeName {
+  at::ScalarType type;
+  const char* name;
+};
+constexpr DtypeName kDtypeNames[] = {
+    {at::kFloat, "float32"}, {at::kDouble, "float64"}, {at::kHalf, "float16"},
+    {at::kBFloat16, "bfloat16"}, {at::kLong, "int64"}, {at::kInt, "int32"},
+    {at::kShort, "int16"}, {at::kChar, "int8"}, {at::kByte, "uint8"}, {at::kBool, "bool"}};
+}  // namespace
+
 std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return "float32";
-    case at::kDouble:
-      return "float64";
-    case at::kHalf:
-      return "float16";
-    case at::kBFloat16:
-      return "bfloat16";
-    case at::kLong:
-      return "int64";
-    case at::kInt:
-      return "int32";
-    case at::kShort:
-      return "int16";
-    case at::kChar:
-      return "int8";
-    case at::kByte:
-      return "uint8";
-    case at::kBool:
-      return "bool";
-    default:
-      break;
+  for (const auto& d : kDtypeNames) {
+    if (d.type == t) return d.name;
   }
   SHARDOPT_FAIL(Unsupported, "checkpoint: tensors of dtype {} cannot be stored", c10::toString(t));
 }
 
 at::ScalarType dtype_from_name(const std::string& name, const std::string& where) {
-  static const std::map<std::string, at::ScalarType> kTypes = {
-      {"float32", at::kFloat},     {"float64", at::kDouble}, {"float16", at::kHalf},
-      {"bfloat16", at::kBFloat16}, {"int64", at::kLong},     {"int32", at::kInt},
-      {"int16", at::kShort},       {"int8", at::kChar},      {"uint8", at::kByte},
-      {"bool", at::kBool}};
-  auto it = kTypes.find(name);
-  SHARDOPT_CHECK(it != kTypes.end(), Checkpoint, "checkpoint: {}: unknown dtype '{}'", where, name);
-  return it->second;
+  for (const auto& d : kDtypeNames) {
+    if (name == d.name) return d.type;
+  }
+  SHARDOPT_FAIL(Checkpoint, "checkpoint: {}: unknown dtype '{}'", where, name);
 }
 
 json rule_to_json(const Rule& rule) {

@@ -1,6 +1,8 @@
 // Whole-model views of a sharded checkpoint, in one process: inspection, the full state and its
 // consolidation into torch.load()-able files; and the way back: a full state (or torch.save files)
 // loaded into a sharded run.
+#include "shardopt/checkpoint.hpp"
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -12,7 +14,6 @@
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
-#include "shardopt/checkpoint.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 

@@ -1,6 +1,8 @@
 // Collective save and load of sharded checkpoints: each runs as agreed steps (checks, shard files,
 // manifest and publish; or checks and staging, then commit), so that either every rank succeeds or
 // none changes anything (Notes [Atomic checkpoints], [Agreement before state changes]).
+#include "shardopt/checkpoint.hpp"
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -13,7 +15,6 @@
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
-#include "shardopt/checkpoint.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/error.hpp"

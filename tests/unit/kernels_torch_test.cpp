@@ -135,7 +135,7 @@ TEST_P(KernelTorch, SgdMatchesTorchOptim) {
 }
 
 // LAMB has no torch::optim class: the reference is the engine's own op sequence
-// (src/optimizer.cpp, lamb_update) on one whole parameter.
+// (src/engine/local_update.cpp, lamb_update) on one whole parameter.
 TEST_P(KernelTorch, LambMatchesEngineOpSequence) {
   for (double wd : {0.0, 0.01}) {
     const auto init = normal(kTorchNumel, 1.0f, 44);

@@ -9,7 +9,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev python3-pytest pybind11-dev
   python3-matplotlib                                 # loss-curve and benchmark plots
   libutf8proc-dev                                    # the BERT tokenizer's Unicode tables
-  manpages-dev                                       # the BERT example's default corpus
+  manpages-dev manpages-fr-dev manpages-de-dev manpages-es-dev  # the BERT example's default corpus
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -21,52 +21,69 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kManpagesList = "/var/lib/dpkg/info/manpages-dev.list";
 constexpr const char* kLicenses = "/usr/share/common-licenses";
 
-// The pages of manpages-dev in sections 2 and 3 (symlinked aliases left out: they repeat a page).
-std::vector<std::string> manpages_files() {
-  std::ifstream list(kManpagesList);
-  if (!list) {
-    throw std::runtime_error(std::string("--corpus manpages (the default) needs Debian's "
-                                         "manpages-dev package: scripts/setup.sh installs it (") +
-                             kManpagesList + " is missing); or pass --corpus licenses|PATH");
-  }
+// The pages of the packages in sections 2 and 3, read from their dpkg file lists (symlinked
+// aliases left out: they repeat a page).
+std::vector<std::string> package_pages(const std::string& corpus,
+                                       const std::vector<std::string>& packages) {
   std::vector<std::string> files;
-  std::string line;
   std::error_code ec;
-  while (std::getline(list, line)) {
-    const bool section = line.rfind("/usr/share/man/man2/", 0) == 0 ||
-                         line.rfind("/usr/share/man/man3/", 0) == 0;
-    if (!section || line.size() < 3 || line.compare(line.size() - 3, 3, ".gz") != 0) continue;
-    if (fs::is_symlink(line, ec) || !fs::is_regular_file(line, ec)) continue;
-    files.push_back(line);
+  for (const auto& package : packages) {
+    const std::string list_path = "/var/lib/dpkg/info/" + package + ".list";
+    std::ifstream list(list_path);
+    if (!list) {
+      throw std::runtime_error("--corpus " + corpus + " needs Debian's " + package + " package: "
+                               "scripts/setup.sh installs it (" + list_path + " is missing); or "
+                               "pass --corpus licenses|PATH");
+    }
+    size_t found = 0;
+    std::string line;
+    while (std::getline(list, line)) {
+      const bool page = line.rfind("/usr/share/man/", 0) == 0 &&
+                        (line.find("/man2/") != std::string::npos ||
+                         line.find("/man3/") != std::string::npos) &&
+                        line.size() > 3 && line.compare(line.size() - 3, 3, ".gz") == 0;
+      if (!page || fs::is_symlink(line, ec) || !fs::is_regular_file(line, ec)) continue;
+      files.push_back(line);
+      ++found;
+    }
+    if (found < 50) {
+      throw std::runtime_error(
+          "--corpus " + corpus + ": only " + std::to_string(found) + " pages of " + package +
+          " are on disk (a dpkg path-exclude for /usr/share/man, as in slim container images?); "
+          "reinstall it without that, or pass --corpus licenses|PATH");
+    }
   }
   std::sort(files.begin(), files.end());
-  if (files.size() < 100) {
-    throw std::runtime_error(
-        "--corpus manpages: only " + std::to_string(files.size()) + " pages of manpages-dev are on "
-        "disk (a dpkg path-exclude for /usr/share/man, as in slim container images?); reinstall "
-        "manpages-dev without it, or pass --corpus licenses|PATH");
-  }
   return files;
 }
 
 }  // namespace
 
-bool is_named_corpus(const std::string& name) { return name == "manpages" || name == "licenses"; }
+bool is_named_corpus(const std::string& name) {
+  return name == "manpages" || name == "manpages-intl" || name == "licenses";
+}
 
 std::string describe_named_corpus(const std::string& name) {
   if (name == "manpages") {
-    return "manpages: Linux man-pages of Debian's manpages-dev, sections 2 and 3, one document "
-           "per page";
+    return "manpages: the Linux man-pages of Debian's manpages-dev (sections 2 and 3), one "
+           "document per page";
+  }
+  if (name == "manpages-intl") {
+    return "manpages-intl: the Linux man-pages of Debian's manpages-dev (sections 2 and 3) and "
+           "their French, German and Spanish translations (manpages-fr-dev, -de-dev, -es-dev), "
+           "one document per page";
   }
   if (name == "licenses") return std::string("licenses: the licence texts of ") + kLicenses;
   return name;
 }
 
 std::vector<std::string> corpus_files(const std::string& spec) {
-  if (spec == "manpages") return manpages_files();
+  if (spec == "manpages") return package_pages(spec, {"manpages-dev"});
+  if (spec == "manpages-intl") {
+    return package_pages(spec, {"manpages-dev", "manpages-fr-dev", "manpages-de-dev", "manpages-es-dev"});
+  }
   const std::string path = spec == "licenses" ? kLicenses : spec;
   std::error_code ec;
   if (fs::is_regular_file(path, ec)) return {path};

@@ -88,8 +88,9 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   // A later occurrence of an option wins (scripts pass defaults, users append overrides).
   app.option_defaults()->always_capture_default()->multi_option_policy(
       CLI::MultiOptionPolicy::TakeLast);
-  app.add_option("--corpus", a.corpus, "named corpus (manpages: Debian's manpages-dev, the "
-                 "default; licenses: /usr/share/common-licenses) or text files and directories")
+  app.add_option("--corpus", a.corpus, "named corpus (manpages-intl: Debian's manpages-dev and its "
+                 "French, German and Spanish translations; manpages: the English pages; licenses: "
+                 "/usr/share/common-licenses) or text files and directories")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--corpus-format", a.corpus_format, "auto | sentences | prose | man")
       ->check(CLI::IsMember({"auto", "sentences", "prose", "man"}));

@@ -34,10 +34,10 @@ start=$(date +%s)
 rc=0
 mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$NP" \
   "$BUILD/examples/bert_pretrain" \
-  --preset tiny --stage 2 --max-seq-length 128 --batch-size 32 --dupe-factor 1 \
-  --steps 400 --warmup-steps 40 --lr 2e-3 --dropout 0 --weight-decay 0.01 --max-grad-norm 1.0 \
+  --preset tiny --stage 2 --max-seq-length 128 --batch-size 32 --dupe-factor 2 \
+  --steps 600 --warmup-steps 60 --lr 2e-3 --dropout 0 --weight-decay 0.01 --max-grad-norm 1.0 \
   --vocab-size 8000 --threads 1 --log-every 20 --progress "$progress" \
-  --eval-every 100 --eval-max-instances 1024 --checkpoint-every 200 --save-model \
+  --eval-every 100 --checkpoint-every 200 --save-model \
   --out "$ROOT/out/bert" "$@" || rc=$?
 echo
 echo "[run-example] wall time: $(( $(date +%s) - start )) s (exit code $rc)"

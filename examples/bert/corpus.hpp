@@ -18,9 +18,10 @@ namespace bert {
 //             legalese, fast to prepare.
 // Note [Why the default corpus is multilingual]: next-sentence prediction is learned from the
 // cues that tell a random segment from the true next one. Between two English man pages the cue
-// is the topic, which BERT-tiny/mini did not pick up within the ~5-minute default run (eval NSP
-// accuracy stayed at the majority baseline after 225 steps of 64 sequences); when a random
-// segment is often in another language, as in multilingual BERT's corpus, it is learned early.
+// is the topic, which BERT-tiny did not pick up in a run of a few minutes (eval NSP accuracy at
+// the majority baseline after 225 steps of 64 sequences); when a random segment is in another
+// language ~70% of the time, as in multilingual BERT's corpus, it starts after ~300 such steps
+// (eval NSP accuracy 0.600 against a baseline of 0.519 at step 400).
 inline constexpr const char* kDefaultCorpus = "manpages-intl";
 bool is_named_corpus(const std::string& name);
 // One line on what a named corpus is, for the log.

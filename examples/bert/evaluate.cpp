@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <fmt/format.h>
 
 namespace bert {
 
@@ -11,6 +12,16 @@ nlohmann::json EvalResult::to_json() const {
   return {{"instances", instances}, {"masked", masked},       {"mlm_loss", mlm_loss},
           {"mlm_acc", mlm_acc},     {"nsp_loss", nsp_loss},   {"nsp_acc", nsp_acc},
           {"nsp_baseline", nsp_baseline}, {"seconds", seconds}};
+}
+
+std::string EvalResult::line(int64_t step, bool nsp) const {
+  std::string s = fmt::format("[bert] eval at step {}: MLM loss {:.3f} acc {:.3f}", step, mlm_loss,
+                              mlm_acc);
+  if (nsp) {
+    s += fmt::format(" | NSP loss {:.3f} acc {:.3f} (majority baseline {:.3f})", nsp_loss, nsp_acc,
+                     nsp_baseline);
+  }
+  return s + fmt::format(" | {} held-out instances, {:.1f} s", instances, seconds);
 }
 
 EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,

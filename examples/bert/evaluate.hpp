@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "data.hpp"
 #include "model.hpp"
@@ -18,6 +19,8 @@ struct EvalResult {
   double nsp_baseline = 0;           // accuracy of always answering the majority NSP label
   double seconds = 0;
   nlohmann::json to_json() const;
+  // "[bert] eval at step N: MLM loss ... | NSP ... (majority baseline ...) | ..." for the log.
+  std::string line(int64_t step, bool nsp) const;
 };
 
 // Note [Evaluation identical at any rank count]: the set is cut into fixed chunks of

@@ -232,7 +232,9 @@ std::string check_args(const Args& a, const Commands& c) {
     try {
       vocab = Vocab::load(vocab_path);
     } catch (const std::exception& e) {
-      return fmt::format("--vocab: {}", e.what());
+      std::string why = e.what();
+      if (why.rfind("vocab: ", 0) == 0) why.erase(0, 7);  // Vocab::load's prefix
+      return fmt::format("--vocab: {}", why);
     }
   }
   auto check_data = [&](const char* flag, const std::string& path) -> std::string {

@@ -115,16 +115,6 @@ struct BatchSource {
   static constexpr int64_t kSyntheticMaskId = 103;  // [MASK] in BERT's uncased vocabulary
 };
 
-std::string eval_line(int64_t step, const bert::EvalResult& e, bool nsp) {
-  std::string s = fmt::format("[bert] eval at step {}: MLM loss {:.3f} acc {:.3f}", step,
-                              e.mlm_loss, e.mlm_acc);
-  if (nsp) {
-    s += fmt::format(" | NSP loss {:.3f} acc {:.3f} (majority baseline {:.3f})", e.nsp_loss,
-                     e.nsp_acc, e.nsp_baseline);
-  }
-  return s + fmt::format(" | {} held-out instances, {:.1f} s", e.instances, e.seconds);
-}
-
 int run(const Args& a) {
   auto comm = shardopt::init_from_env();
   const int rank = comm->rank(), world = comm->size();
@@ -277,7 +267,7 @@ int run(const Args& a) {
   };
   auto run_eval = [&](int64_t done) {
     const auto e = bert::evaluate(model, *eval_data, *comm, a.eval_batch_size);
-    if (lead) fmt::print("{}{}\n", tty ? "\r\033[K" : "", eval_line(done, e, config.nsp));
+    if (lead) fmt::print("{}{}\n", tty ? "\r\033[K" : "", e.line(done, config.nsp));
     nlohmann::json j = e.to_json();
     j["step"] = done;
     if (first_eval.is_null()) first_eval = j;

@@ -197,7 +197,7 @@ TEST_F(BertCli, BadInputsGetOneLineNamingTheFlagAndExitTwo) {
       {data + " --vocab " + path("small_vocab.txt"), {"--data", "another vocabulary"}},
       {data + " --eval-every 2", {"--eval-every", "--eval-data"}},
       {"--data /nonexistent.bin --vocab " + path("vocab.txt"), {"--data", "no such file"}},
-      {"--resume --out " + path("never"), {"--resume", "no checkpoint"}},
+      {"--corpus licenses --resume --out " + path("never"), {"--resume", "no checkpoint"}},
       {"--max-predictions 100 --max-seq-length 64", {"--max-predictions", "64"}},
       {data + " --precision fp16 --steps 1 --out " + path("fp16"), {"--precision", "bf16"}},
   };

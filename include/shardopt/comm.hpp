@@ -55,6 +55,9 @@ struct Capabilities {
   bool can_time_out = true;            // a missing rank ends in an Error rather than a hang
 };
 
+class Communicator;
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
 // All calls are collective: every rank must make the same calls in the same order.
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
@@ -80,6 +83,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   WorkPtr broadcast(const at::Tensor& tensor, int root, bool async = false);
   void barrier();
 
+  // Sub-communicators (MPI_Comm_split; a c10d subgroup for process groups). Call on all ranks.
+  // Ranks passing the same color >= 0 form one new communicator, ranked by (key, rank here);
+  // a rank passing color < 0 joins none and gets nullptr. The new one keeps this one's timeout.
+  CommunicatorPtr split(int color, int key);
+  // The ranks on this rank's host, ranked as here: MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) on
+  // MPI, equal gethostname() elsewhere. Call on all ranks.
+  CommunicatorPtr split_by_host();
+
  protected:
   Communicator(int rank, int size);
   // Engines implement these on validated arguments (contiguous, same dtype/device, sizes checked).
@@ -90,6 +101,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual WorkPtr do_all_gather(const at::Tensor& input, const at::Tensor& output) = 0;
   virtual WorkPtr do_broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void do_barrier() = 0;
+  // Called on validated arguments (color < 0 already mapped to "none"); engines without
+  // sub-groups keep the default, which throws Error{Unsupported} naming the engine.
+  virtual CommunicatorPtr do_split(int color, int key);
+  // Default: all-gathers each rank's hostname and splits by it.
+  virtual CommunicatorPtr do_split_by_host();
 
  private:
   WorkPtr finish(WorkPtr work, const at::Tensor& result, ReduceOp requested, bool async);
@@ -97,7 +113,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int size_;
   Duration timeout_ = kDefaultTimeout;
 };
-using CommunicatorPtr = std::shared_ptr<Communicator>;
 
 // A completed Work, for engines whose calls finish before they return.
 WorkPtr make_completed_work(std::string description);

@@ -283,7 +283,7 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   ShardedRun run;
   for (int64_t s = 0; s < kSteps; ++s) {
     // Counted by the wrapper around the engine over the whole step: reductions start in backward.
-    const int64_t before = counting->elements;
+    const int64_t before = counting->traffic().elements;
     opt.zero_grad();
     for (int m = 0; m < c.accumulation; ++m) {
       auto [x, y] = batch(s, m);
@@ -291,7 +291,7 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
                             y.narrow(0, comm->rank() * per_rank, per_rank)));
     }
     opt.step();
-    run.comm_per_step = counting->elements - before;
+    run.comm_per_step = counting->traffic().elements - before;
     run.reported_comm = opt.last_step().comm_elements;
   }
   run.memory = opt.memory();

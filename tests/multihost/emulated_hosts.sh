@@ -145,7 +145,7 @@ run_mpi() {
     mpirun --allow-run-as-root --oversubscribe --bind-to none --map-by slot \
       -H "$hostlist" -np $((HOSTS * PER_HOST)) \
       --mca plm_rsh_agent "$HERE/netns_agent.sh" \
-      --mca pml ob1 --mca btl self,vader,tcp \
+      --mca pml ob1 --mca btl self,vader,tcp --mca mpi_yield_when_idle 1 \
       --mca btl_tcp_if_include "$SUBNET.0/24" --mca oob_tcp_if_include "$SUBNET.0/24" \
       "$@"
 }

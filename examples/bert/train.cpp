@@ -82,6 +82,7 @@ struct Args {
   int64_t timing_warmup = 5;          // first steps left out of the timing medians
   double block_cache_mb = 1024;       // freed blocks >= 32 MiB kept for reuse; 0: off
   bool no_overlap = false;
+  int shard_group_size = 0;
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -379,8 +380,11 @@ int run(const Args& a) {
   auto groups = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
   });
+  // Hybrid sharding: shards within groups of --shard-group-size ranks, replicas across them.
+  const shardopt::CommunicatorPtr sharding =
+      a.shard_group_size > 0 ? shardopt::make_hybrid_communicator(comm, a.shard_group_size) : comm;
   shardopt::DistributedOptimizer opt(groups, shardopt::AdamW(a.lr).weight_decay(a.weight_decay),
-                                     comm, zo);
+                                     sharding, zo);
 
   const int64_t global_batch = a.batch_size * world * a.grad_accum;
   if (lead) {
@@ -397,7 +401,7 @@ int run(const Args& a) {
                     : fmt::format("synthetic: random tokens, {} per row", max_seq_length);
     fmt::print("[bert] training: {} ranks ({}), ZeRO stage {}, {}, {} rows/rank x {} micro-steps = "
                "{} sequences/step, {} steps ({}), lr {} (warm-up {}), {} thread(s)/rank\n",
-               world, comm->backend(), a.stage, a.precision, a.batch_size, a.grad_accum,
+               world, sharding->backend(), a.stage, a.precision, a.batch_size, a.grad_accum,
                global_batch, a.steps, epochs, a.lr, a.warmup_steps, a.threads);
     std::fflush(stdout);
   }
@@ -787,6 +791,9 @@ int main(int argc, char** argv) {
   app.add_option("--block-cache-mb", a.block_cache_mb, "keep freed tensor blocks of >= 32 MiB (up "
                  "to this many MiB) for the next allocation of their size; 0: off")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--shard-group-size", a.shard_group_size, "hybrid sharding: shard within groups "
+                 "of this many consecutive ranks (the ranks of a host), replicate across groups; "
+                 "0: over all ranks")->check(CLI::NonNegativeNumber);
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
                "hooks (ZeroOptions::overlap_comm = false)");
   app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");

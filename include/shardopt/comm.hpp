@@ -120,6 +120,22 @@ WorkPtr make_completed_work(std::string description);
 // One process, rank 0 of 1: collectives are copies or no-ops.
 CommunicatorPtr make_single_communicator();
 
+// Hybrid sharding (FSDP's HYBRID_SHARD, ZeRO++'s hierarchical partitioning) as a communicator.
+// `world` is cut into shard groups of `shard_group_size` consecutive ranks (a host each, when
+// ranks are placed host by host) and replica groups (the ranks at one position of every shard
+// group), both made with split(). The result is the shard group's view: rank() and size() are
+// the position in the group and its size, so an optimizer over it shards within the group and
+// replicates across groups. Gathers stay within the group; reductions span the world:
+//   reduce_scatter  within the group, then an all-reduce of the shard across replicas (only
+//                   1/shard_group_size of the bytes crosses between groups);
+//   all_reduce      reduce-scatter within, all-reduce across, all-gather within;
+//   Sum             the sum over the group of the mean over replicas (world sum / replicas), so
+//                   that dividing by size() gives the world mean; Avg gives the world mean;
+//                   Max/Min are over the world; every replica gets bitwise the same result;
+//   broadcast(root) from world rank `root` (in the first group) to every rank.
+// Call on all ranks; shard_group_size must divide world->size(); equal to it returns `world`.
+CommunicatorPtr make_hybrid_communicator(const CommunicatorPtr& world, int shard_group_size);
+
 struct InitOptions {
   // "" picks from the environment: mpirun/srun variables (OMPI_*, PMI_*, PMIX_*, SLURM_*) -> "mpi";
   // RANK + WORLD_SIZE + MASTER_ADDR + MASTER_PORT (torchrun) -> "gloo" (or "nccl" with device

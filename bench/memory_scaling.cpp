@@ -205,7 +205,7 @@ int measure(const Config& c, const std::string& json_path) {
   }
 
   shardopt::ZeroOptions zo;
-  zo.stage = c.stage;
+  zo.stage = shardopt::stage_from_int(c.stage);
   zo.units = (*model)->units();  // stage 3: one unit per encoder layer, as the trainer does
   int64_t unit_numel = 0;
   for (int u = 0; u < zo.units->size(); ++u) {

@@ -363,7 +363,7 @@ std::string repr_options(const ZeroOptions& o) {
       "ZeroOptions(stage={}, bucket_bytes={}, overlap_comm={}, grad_accumulation_steps={}, "
       "max_grad_norm={}, precision='{}', offload='{}', broadcast_initial_params={}, "
       "align_bytes={}, prefetch={}, timeout={}s)",
-      o.stage, o.bucket_bytes, o.overlap_comm ? "True" : "False", o.grad_accumulation_steps,
+      to_int(o.stage), o.bucket_bytes, o.overlap_comm ? "True" : "False", o.grad_accumulation_steps,
       o.max_grad_norm, to_string(o.precision), o.offload == Offload::CPU ? "cpu" : "none",
       o.broadcast_initial_params ? "True" : "False", o.align_bytes, o.prefetch,
       o.timeout.count() / 1000.0);
@@ -511,7 +511,10 @@ void bind_options(py::module_& m) {
         apply_kwargs(o, kwargs, "ZeroOptions");
         return o;
       }))
-      .def_readwrite("stage", &ZeroOptions::stage)
+      .def_property(
+          "stage", [](const ZeroOptions& o) { return to_int(o.stage); },
+          [](ZeroOptions& o, int stage) { o.stage = stage_from_int(stage); },
+          "0: DDP-equivalent, 1: optimizer state, 2: + gradients, 3: + parameters sharded")
       .def_readwrite("bucket_bytes", &ZeroOptions::bucket_bytes)
       .def_readwrite("overlap_comm", &ZeroOptions::overlap_comm)
       .def_readwrite("grad_accumulation_steps", &ZeroOptions::grad_accumulation_steps)

@@ -24,9 +24,14 @@ Precision parse_precision(const std::string& text) {
                 text);
 }
 
-void ZeroOptions::validate() const {
+Stage stage_from_int(int stage) {
   SHARDOPT_CHECK(stage >= 0 && stage <= 3, InvalidArgument,
                  "options: stage must be 0, 1, 2 or 3, got {}", stage);
+  return static_cast<Stage>(stage);
+}
+
+void ZeroOptions::validate() const {
+  stage_from_int(to_int(stage));
   SHARDOPT_CHECK(bucket_bytes > 0, InvalidArgument,
                  "options: bucket_bytes must be positive, got {}", bucket_bytes);
   SHARDOPT_CHECK(grad_accumulation_steps >= 1, InvalidArgument,

@@ -83,6 +83,7 @@ struct Args {
   double block_cache_mb = 1024;       // freed blocks >= 32 MiB kept for reuse; 0: off
   bool no_overlap = false;
   int shard_group_size = 0;
+  std::string reduce_dtype = "fp32";
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -380,11 +381,10 @@ int run(const Args& a) {
   auto groups = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
   });
-  // Hybrid sharding: shards within groups of --shard-group-size ranks, replicas across them.
-  const shardopt::CommunicatorPtr sharding =
-      a.shard_group_size > 0 ? shardopt::make_hybrid_communicator(comm, a.shard_group_size) : comm;
+  zo.shard_group_size = a.shard_group_size;  // hybrid sharding: shard within, replicate across
+  zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
   shardopt::DistributedOptimizer opt(groups, shardopt::AdamW(a.lr).weight_decay(a.weight_decay),
-                                     sharding, zo);
+                                     comm, zo);
 
   const int64_t global_batch = a.batch_size * world * a.grad_accum;
   if (lead) {
@@ -401,7 +401,11 @@ int run(const Args& a) {
                     : fmt::format("synthetic: random tokens, {} per row", max_seq_length);
     fmt::print("[bert] training: {} ranks ({}), ZeRO stage {}, {}, {} rows/rank x {} micro-steps = "
                "{} sequences/step, {} steps ({}), lr {} (warm-up {}), {} thread(s)/rank\n",
-               world, sharding->backend(), a.stage, a.precision, a.batch_size, a.grad_accum,
+               world, a.shard_group_size > 0
+                   ? fmt::format("{}, hybrid: shard groups of {}", comm->backend(),
+                                 a.shard_group_size)
+                   : comm->backend(),
+               a.stage, a.precision, a.batch_size, a.grad_accum,
                global_batch, a.steps, epochs, a.lr, a.warmup_steps, a.threads);
     std::fflush(stdout);
   }
@@ -794,6 +798,8 @@ int main(int argc, char** argv) {
   app.add_option("--shard-group-size", a.shard_group_size, "hybrid sharding: shard within groups "
                  "of this many consecutive ranks (the ranks of a host), replicate across groups; "
                  "0: over all ranks")->check(CLI::NonNegativeNumber);
+  app.add_option("--reduce-dtype", a.reduce_dtype, "dtype gradients are reduced in: fp32 | bf16 | "
+                 "fp16 (half the bytes on the wire)")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
                "hooks (ZeroOptions::overlap_comm = false)");
   app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");

@@ -21,6 +21,7 @@ struct Param {
   std::string backend;
   int group;
 };
+void PrintTo(const Param& p, std::ostream* os) { *os << p.backend << ", group " << p.group; }
 
 class HybridComm : public ::testing::TestWithParam<Param> {};
 
@@ -62,7 +63,7 @@ TEST_P(HybridComm, CollectivesSpanTheWorldGathersStayInTheGroup) {
 
   // all_gather within the group; broadcast from world rank 1 % g reaches everyone.
   at::Tensor gathered = at::empty({shard * g});
-  hybrid->all_gather(at::full({shard}, r), gathered);
+  hybrid->all_gather(at::full({shard}, static_cast<float>(r)), gathered);
   for (int j = 0; j < g; ++j) {
     const int from = (r / g) * g + j;  // my group's j-th rank
     ok = ok && gathered.narrow(0, j * shard, shard).eq(from).all().item<bool>();

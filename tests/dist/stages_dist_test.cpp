@@ -280,9 +280,8 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   zo.loss_scale.initial_scale = 1024;
   net.upcast = c.precision != Precision::FP32;
   auto counting = std::make_shared<test::CountingCommunicator>(comm);
-  const CommunicatorPtr sharding =
-      c.shard_group > 0 ? make_hybrid_communicator(counting, c.shard_group) : counting;
-  DistributedOptimizer opt(net.groups(c.split_groups), make_rule(c.rule), sharding, zo);
+  zo.shard_group_size = c.shard_group;
+  DistributedOptimizer opt(net.groups(c.split_groups), make_rule(c.rule), counting, zo);
   const int64_t per_rank = kBatch / comm->size();
   ShardedRun run;
   for (int64_t s = 0; s < kSteps; ++s) {

@@ -68,7 +68,7 @@ TEST(Traffic, FlatShardingFormulas) {
   bool ok = true;
   for (int stage : {0, 1, 2, 3}) {
     ZeroOptions zo;
-    zo.stage = stage;
+    zo.stage = stage_from_int(stage);
     const Counted c = train_counted(zo, counting, *counting);
     const int64_t psi = c.padded_numel;
     const int64_t sent = c.per_step.sent_bytes();
@@ -93,12 +93,12 @@ TEST(Traffic, HybridShardingSendsOnlyTheShardAcrossHosts) {
   if (n % local != 0 || n == local) GTEST_SKIP() << "needs several hosts of equal size";
   const int64_t h = n / local;
   auto counting = std::make_shared<test::CountingCommunicator>(world, hosts);
-  auto hybrid = make_hybrid_communicator(counting, static_cast<int>(local));
   bool ok = true;
   for (int stage : {0, 1, 2, 3}) {
     ZeroOptions zo;
-    zo.stage = stage;
-    const Counted c = train_counted(zo, hybrid, *counting);
+    zo.stage = stage_from_int(stage);
+    zo.shard_group_size = static_cast<int>(local);
+    const Counted c = train_counted(zo, counting, *counting);
     const int64_t psi = c.padded_numel;  // padded for groups of `local`; shards divide by h
     const int64_t inter = 2 * (psi / local) * 4 * (h - 1) / h;
     EXPECT_EQ(c.per_step.inter_host_bytes, inter) << "stage " << stage;

@@ -22,6 +22,7 @@ struct Traffic {
   int64_t calls = 0;
   int64_t intra_host_bytes = 0;
   int64_t inter_host_bytes = 0;
+  int64_t reduction_bytes = 0;  // of all_reduce and reduce_scatter (gradients), all links
   int64_t sent_bytes() const { return intra_host_bytes + inter_host_bytes; }
 };
 
@@ -59,11 +60,11 @@ class CountingCommunicator final : public Communicator {
  protected:
   WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op) override {
     const int64_t shard = (t.numel() + size() - 1) / size();
-    count(2 * t.numel(), 2 * shard * t.element_size(), -1);
+    count(2 * t.numel(), 2 * shard * t.element_size(), -1, true);
     return inner_->all_reduce(t, op, true);
   }
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op) override {
-    count(in.numel(), out.numel() * out.element_size(), -1);
+    count(in.numel(), out.numel() * out.element_size(), -1, true);
     return inner_->reduce_scatter(in, out, op, true);
   }
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
@@ -94,7 +95,7 @@ class CountingCommunicator final : public Communicator {
                                                   traffic_);
   }
   // `per_peer_bytes` go to every other rank; only `root` sends when root >= 0 (broadcast).
-  void count(int64_t elements, int64_t per_peer_bytes, int root) {
+  void count(int64_t elements, int64_t per_peer_bytes, int root, bool reduction = false) {
     traffic_->elements += elements;
     if (root < 0) ++traffic_->calls;
     if (root >= 0 && root != rank()) return;
@@ -102,6 +103,7 @@ class CountingCommunicator final : public Communicator {
       if (p == rank()) continue;
       (host_of_[p] == host_of_[rank()] ? traffic_->intra_host_bytes : traffic_->inter_host_bytes) +=
           per_peer_bytes;
+      if (reduction) traffic_->reduction_bytes += per_peer_bytes;
     }
   }
   CommunicatorPtr inner_;

@@ -10,7 +10,8 @@ launch, the initial broadcast and checkpoint-free set-up cancel out. Needs root 
 the trainer built (scripts/build.sh --target bert_pretrain).
 
   bench/multihost_bench.py --rate 1gbit --steps 6 --warmup 2
-  bench/multihost_bench.py --configs flat:2,hybrid:2 -- --batch-size 4
+  bench/multihost_bench.py --configs flat:2,hybrid:2 --rate 200mbit -- --mlm-positions masked
+  bench/multihost_bench.py --table bench/results/multihost_1gbit.json
 """
 import argparse
 import json
@@ -59,15 +60,25 @@ def run_trainer(args, layout, stage, steps, out_dir, rate):
     return tx, summary, time.time() - t0
 
 
+def units_numel(layers=4, hidden=256, intermediate=1024):
+    """Elements of the peer preset's stage-3 units: its encoder layers (examples/bert/model.cpp):
+    Q, K, V, output projections with biases, the feed-forward pair, two LayerNorms."""
+    attention = 4 * (hidden * hidden + hidden)
+    ffn = hidden * intermediate + intermediate + intermediate * hidden + hidden
+    return layers * (attention + ffn + 2 * 2 * hidden)
+
+
 def formula_bytes(layout, stage, psi, hosts, per_host):
     """Inter-host bytes per step, all ranks together, of the direct model: a reduce-scatter or
     all-gather of n elements sends n/N to each other rank, N - L of which are on other hosts."""
     n = hosts * per_host
     grad_elem = 2 if layout.endswith("bf16") else 4
     if layout.startswith("flat"):
-        # gradients reduce-scattered once, parameters all-gathered once (stage 3: twice, in
-        # forward and backward; the root unit's once, which this ignores).
-        per_rank = (psi * grad_elem + (2 if stage == 3 else 1) * psi * 4) * (n - per_host) / n
+        # gradients reduce-scattered once, parameters all-gathered once; stage 3 gathers the
+        # encoder layers (its units) again in backward, while the root unit (embeddings, heads)
+        # stays gathered through forward and backward.
+        gathered = psi + (units_numel() if stage == 3 else 0)
+        per_rank = (psi * grad_elem + gathered * 4) * (n - per_host) / n
     else:
         # hybrid: only the all-reduce of this rank's shard (psi / L) among the H hosts crosses.
         per_rank = 2 * (psi / per_host) * (hosts - 1) / hosts * grad_elem
@@ -88,8 +99,13 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
     ap.add_argument("--timeout", type=int, default=580)
     ap.add_argument("--out", default=os.path.join(ROOT, "build/multihost_bench"))
+    ap.add_argument("--table", help="print the table of a results.json again and exit")
     ap.add_argument("trainer_args", nargs="*")
     args = ap.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print_table(json.load(f))
+        return
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for config in args.configs.split(","):
@@ -113,13 +129,23 @@ def main():
             "loss_last": summary["last5_loss"], "wall_s": wall,
         })
         print(json.dumps(rows[-1]), flush=True)
+    results = {"rate": args.rate, "hosts": args.hosts, "per_host": args.per_host,
+               "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "rows": rows}
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"rate": args.rate, "hosts": args.hosts, "per_host": args.per_host,
-                   "rows": rows}, f, indent=2)
+        json.dump(results, f, indent=2)
+    print_table(results)
+
+
+def print_table(results):
+    rows, hosts, per_host = results["rows"], results["hosts"], results["per_host"]
+    for r in rows:  # the formula of this version of the script
+        r["formula_bytes_per_step"] = formula_bytes(r["layout"], r["stage"], r["parameters"],
+                                                    hosts, per_host)
     flat = {r["stage"]: r for r in rows if r["layout"] == "flat"}
-    print(f"\n{args.hosts} hosts x {args.per_host} ranks, inter-host link {args.rate} (tc tbf), "
+    print(f"\n{hosts} hosts x {per_host} ranks, inter-host link {results['rate']} (tc tbf), "
           f"BERT peer preset ({rows[0]['parameters'] / 1e6:.2f} M parameters), "
-          f"batch {args.batch} per rank, {args.steps} timed steps after {args.warmup}\n")
+          f"batch {results['batch']} per rank, {results['steps']} timed steps after "
+          f"{results['warmup']}\n")
     print("| run | median step (s) | link MB/step (measured) | link MB/step (formula) | "
           "vs flat | model state MB/rank | peak RSS MB |")
     print("|---|---|---|---|---|---|---|")

@@ -11,7 +11,7 @@ the trainer built (scripts/build.sh --target bert_pretrain).
 
   bench/multihost_bench.py --rate 1gbit --steps 6 --warmup 2
   bench/multihost_bench.py --configs flat:2,hybrid:2 --rate 200mbit -- --mlm-positions masked
-  bench/multihost_bench.py --table bench/results/multihost_1gbit.json
+  bench/multihost_bench.py --table bench/results/raw/multihost_1gbit.json
 """
 import argparse
 import json

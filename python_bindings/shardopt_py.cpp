@@ -499,6 +499,12 @@ void bind_options(py::module_& m) {
       .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
       .def_readwrite("align_bytes", &ZeroOptions::align_bytes)
       .def_readwrite("prefetch", &ZeroOptions::prefetch)
+      .def_readwrite("shard_group_size", &ZeroOptions::shard_group_size,
+                     "hybrid sharding: shard within groups of this many ranks (0: all)")
+      .def_property(
+          "reduce_dtype", [](const ZeroOptions& o) { return std::string(to_string(o.reduce_dtype)); },
+          [](ZeroOptions& o, const std::string& p) { o.reduce_dtype = parse_precision(p); },
+          "dtype gradients are reduced in: fp32, bf16 or fp16")
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })

@@ -23,7 +23,10 @@ const char* to_string(ErrorKind kind) {
   return "unknown";
 }
 
+// The largest communicator names the process: a sub-communicator (split) does not replace the
+// world's rank in messages.
 void set_error_rank(int rank, int size) {
+  if (size < g_size.load()) return;
   g_rank = rank;
   g_size = size;
 }

@@ -41,6 +41,14 @@ void ZeroOptions::validate() const {
                  "options: align_bytes must be a positive power of two, got {}", align_bytes);
   SHARDOPT_CHECK(prefetch >= 0, InvalidArgument, "options: prefetch must be >= 0, got {}",
                  prefetch);
+  SHARDOPT_CHECK(shard_group_size >= 0, InvalidArgument,
+                 "options: shard_group_size must be >= 0 (0: all ranks), got {}", shard_group_size);
+  SHARDOPT_CHECK(reduce_dtype == Precision::FP32 || reduce_in_fp32 || precision == Precision::FP32 ||
+                     reduce_dtype == precision,
+                 InvalidArgument,
+                 "options: reduce_dtype {} contradicts reduce_in_fp32 = false, which reduces in "
+                 "the compute dtype {}; set one of them",
+                 to_string(reduce_dtype), to_string(precision));
   SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
                  "options: timeout must be positive, got {} ms", timeout.count());
   loss_scale.validate();

@@ -181,6 +181,11 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--block-cache-mb", a.block_cache_mb, "keep freed tensor blocks of >= 32 MiB (up "
                  "to this many MiB) for the next allocation of their size; 0: off")
       ->check(number(0, false));
+  app.add_option("--shard-group-size", a.shard_group_size, "hybrid sharding: shard within groups "
+                 "of this many consecutive ranks (the ranks of a host), replicate across groups; "
+                 "0: over all ranks")->check(CLI::NonNegativeNumber);
+  app.add_option("--reduce-dtype", a.reduce_dtype, "dtype gradients are reduced in: fp32 | bf16 | "
+                 "fp16 (half the bytes on the wire)")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
                "hooks (ZeroOptions::overlap_comm = false)");
   app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");

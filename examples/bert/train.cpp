@@ -191,6 +191,8 @@ int run(const Args& a) {
   auto groups = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
   });
+  zo.shard_group_size = a.shard_group_size;  // hybrid sharding: shard within, replicate across
+  zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
   shardopt::DistributedOptimizer opt(groups, shardopt::AdamW(a.lr).weight_decay(a.weight_decay),
                                      comm, zo);
 
@@ -209,7 +211,11 @@ int run(const Args& a) {
                     : fmt::format("synthetic: random tokens, {} per row", max_seq_length);
     fmt::print("[bert] training: {} ranks ({}), ZeRO stage {}, {}, {} rows/rank x {} micro-steps = "
                "{} sequences/step, {} steps ({}), lr {} (warm-up {}), {} thread(s)/rank\n",
-               world, comm->backend(), a.stage, a.precision, a.batch_size, a.grad_accum,
+               world, a.shard_group_size > 0
+                   ? fmt::format("{}, hybrid: shard groups of {}", comm->backend(),
+                                 a.shard_group_size)
+                   : comm->backend(),
+               a.stage, a.precision, a.batch_size, a.grad_accum,
                global_batch, a.steps, epochs, a.lr, a.warmup_steps, a.threads);
     std::fflush(stdout);
   }

@@ -55,6 +55,9 @@ struct Capabilities {
   bool can_time_out = true;            // a missing rank ends in an Error rather than a hang
 };
 
+class Communicator;
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
 // All calls are collective: every rank must make the same calls in the same order.
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
@@ -80,6 +83,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   WorkPtr broadcast(const at::Tensor& tensor, int root, bool async = false);
   void barrier();
 
+  // Sub-communicators (MPI_Comm_split; a c10d subgroup for process groups). Call on all ranks.
+  // Ranks passing the same color >= 0 form one new communicator, ranked by (key, rank here);
+  // a rank passing color < 0 joins none and gets nullptr. The new one keeps this one's timeout.
+  CommunicatorPtr split(int color, int key);
+  // The ranks on this rank's host, ranked as here: MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) on
+  // MPI, equal gethostname() elsewhere. Call on all ranks.
+  CommunicatorPtr split_by_host();
+
  protected:
   Communicator(int rank, int size);
   // Engines implement these on validated arguments (contiguous, same dtype/device, sizes checked).
@@ -90,6 +101,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual WorkPtr do_all_gather(const at::Tensor& input, const at::Tensor& output) = 0;
   virtual WorkPtr do_broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void do_barrier() = 0;
+  // Called on validated arguments (color < 0 already mapped to "none"); engines without
+  // sub-groups keep the default, which throws Error{Unsupported} naming the engine.
+  virtual CommunicatorPtr do_split(int color, int key);
+  // Default: all-gathers each rank's hostname and splits by it.
+  virtual CommunicatorPtr do_split_by_host();
 
  private:
   WorkPtr finish(WorkPtr work, const at::Tensor& result, ReduceOp requested, bool async);
@@ -97,13 +113,28 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int size_;
   Duration timeout_ = kDefaultTimeout;
 };
-using CommunicatorPtr = std::shared_ptr<Communicator>;
 
 // A completed Work, for engines whose calls finish before they return.
 WorkPtr make_completed_work(std::string description);
 
 // One process, rank 0 of 1: collectives are copies or no-ops.
 CommunicatorPtr make_single_communicator();
+
+// Hybrid sharding (FSDP's HYBRID_SHARD, ZeRO++'s hierarchical partitioning) as a communicator.
+// `world` is cut into shard groups of `shard_group_size` consecutive ranks (a host each, when
+// ranks are placed host by host) and replica groups (the ranks at one position of every shard
+// group), both made with split(). The result is the shard group's view: rank() and size() are
+// the position in the group and its size, so an optimizer over it shards within the group and
+// replicates across groups. Gathers stay within the group; reductions span the world:
+//   reduce_scatter  within the group, then an all-reduce of the shard across replicas (only
+//                   1/shard_group_size of the bytes crosses between groups);
+//   all_reduce      reduce-scatter within, all-reduce across, all-gather within;
+//   Sum             the sum over the group of the mean over replicas (world sum / replicas), so
+//                   that dividing by size() gives the world mean; Avg gives the world mean;
+//                   Max/Min are over the world; every replica gets bitwise the same result;
+//   broadcast(root) from world rank `root` (in the first group) to every rank.
+// Call on all ranks; shard_group_size must divide world->size(); equal to it returns `world`.
+CommunicatorPtr make_hybrid_communicator(const CommunicatorPtr& world, int shard_group_size);
 
 struct InitOptions {
   // "" picks from the environment: mpirun/srun variables (OMPI_*, PMI_*, PMIX_*, SLURM_*) -> "mpi";

@@ -35,7 +35,7 @@ class Error : public std::runtime_error {
   int rank_;
 };
 
-// Rank and world size shown in messages; set by the first communicator of the process.
+// Rank and world size shown in messages; set by the largest communicator of the process so far.
 void set_error_rank(int rank, int size);
 
 namespace detail {

@@ -36,6 +36,21 @@ struct ZeroOptions {
   // Mixed precision: reduce gradients in fp32 (exact sums) or in the compute dtype (half the
   // bytes on the wire).
   bool reduce_in_fp32 = true;
+  // Compressed gradient communication (DeepSpeed's communication_data_type, FSDP's reduce_dtype):
+  // FP32 keeps the rule above; BF16 or FP16 reduce gradients in that dtype, also when training in
+  // fp32, for half the bytes of every gradient collective. Each rank's gradient is rounded to it
+  // and the sums accumulate in it: with unit roundoff u (bf16 2^-9, fp16 2^-12) the reduced mean
+  // gradient is off by at most about N*u*mean_r|g_r| per element over N ranks (tested against
+  // 2*N*u). fp16 overflows above 65504 (no loss scaling in fp32 training). The reduced gradients,
+  // the update and the optimizer state stay in the master dtype.
+  Precision reduce_dtype = Precision::FP32;
+  // Hybrid sharding (FSDP's HYBRID_SHARD, ZeRO++'s hierarchical partitioning): shard within groups
+  // of this many consecutive ranks (a host's ranks, when ranks are placed host by host) and
+  // replicate across the groups. Gradients are reduce-scattered within the group, then only
+  // their shard is all-reduced across groups; parameters are gathered within the group
+  // (make_hybrid_communicator in shardopt/comm.hpp). It must divide the world size; memory per
+  // rank is that of a world of this size. 0: shard over all ranks (flat).
+  int shard_group_size = 0;
   // fp16 only: dynamic loss scaling.
   LossScaleOptions loss_scale;
   // Update with the fused one-pass CPU kernels (src/kernels: AVX-512/AVX2/scalar, threaded) where

@@ -10,11 +10,15 @@
 
 namespace c10d {
 class ProcessGroup;
+class Store;
 }
 
 namespace shardopt {
 
-// Collectives are issued on `group`; its own timeout applies as well as ours.
+// Collectives are issued on `group`; its own timeout applies as well as ours. With the store the
+// group was made over, split() makes Gloo subgroups over prefixes of it (as new_group does).
+CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                c10::intrusive_ptr<c10d::Store> store);
 CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group);
 
 struct GlooOptions {

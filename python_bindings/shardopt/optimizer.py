@@ -19,7 +19,7 @@ _NATIVE_CLASSES = {cls: cls.__name__.lower() for cls in vars(torch.optim).values
                    if isinstance(cls, type) and cls.__name__.lower() in _C._rule_names()}
 _OPTION_FIELDS = ("stage", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
                   "max_grad_norm", "precision", "offload", "broadcast_initial_params",
-                  "align_bytes", "prefetch", "timeout")
+                  "align_bytes", "prefetch", "timeout", "shard_group_size", "reduce_dtype")
 _GROUP_KEYS = ("params", "param_names")
 
 

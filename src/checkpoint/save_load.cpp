@@ -76,8 +76,9 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
 
 // ---- save -----------------------------------------------------------------------------------
 
-void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
-                     const TrainerState& trainer, const SaveOptions& options) {
+// The save by the ranks the layout is sharded over (all, or one shard group).
+static void save_by_group(DistributedOptimizer& optimizer, const std::string& dir,
+                          const TrainerState& trainer, const SaveOptions& options) {
   ShardAccess& a = detail::shard_access(optimizer);
   Communicator& comm = *a.comm();
   const Duration timeout = a.zero_options().timeout;
@@ -149,6 +150,46 @@ void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
         std::error_code ec;
         if (rank == 0) fs::remove_all(paths.tmp, ec);
       });
+}
+
+// Hybrid sharding: every shard group holds all shards, so the first one writes them, as a
+// checkpoint of a world of shard_group_size ranks (which any layout loads); the other groups'
+// ranks touch no file and learn world rank 0's outcome, so every rank returns or throws alike.
+void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
+                     const TrainerState& trainer, const SaveOptions& options) {
+  ShardAccess& a = detail::shard_access(optimizer);
+  if (a.replicas() == 1) return save_by_group(optimizer, dir, trainer, options);
+  std::string failure;
+  ErrorKind kind = ErrorKind::Checkpoint;
+  std::exception_ptr mine;
+  if (a.replica() == 0) {
+    try {
+      save_by_group(optimizer, dir, trainer, options);
+    } catch (const Error& e) {
+      failure = e.what(), kind = e.kind(), mine = std::current_exception();
+    } catch (const std::exception& e) {
+      failure = e.what(), mine = std::current_exception();
+    }
+  }
+  if (mine && failure.empty()) failure = "unknown error";
+  Communicator& world = *a.world_comm();
+  const Duration timeout = a.zero_options().timeout;
+  at::Tensor head = at::tensor({static_cast<int64_t>(kind), static_cast<int64_t>(failure.size())},
+                               at::kLong);
+  world.broadcast(head, 0, true)->wait(timeout);
+  const int64_t length = head[1].item<int64_t>();
+  if (length == 0) {
+    if (mine) std::rethrow_exception(mine);  // only world rank 0's outcome is shared
+    return;
+  }
+  at::Tensor text = at::empty({length}, at::kByte);
+  if (world.rank() == 0) std::memcpy(text.data_ptr(), failure.data(), failure.size());
+  world.broadcast(text, 0, true)->wait(timeout);
+  if (mine) std::rethrow_exception(mine);
+  throw Error(static_cast<ErrorKind>(head[0].item<int64_t>()), world.rank(),
+              fmt::format("shardopt[rank {}/{}] checkpoint: shard group 0 failed to save {}: {}",
+                          world.rank(), world.size(), dir,
+                          std::string(static_cast<const char*>(text.data_ptr()), length)));
 }
 
 // ---- load -----------------------------------------------------------------------------------

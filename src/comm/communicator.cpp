@@ -2,6 +2,9 @@
 // single-process engine and init_from_env().
 #include <ATen/ATen.h>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 
 #include "comm/engines.hpp"
@@ -197,6 +200,46 @@ WorkPtr Communicator::broadcast(const at::Tensor& tensor, int root, bool async) 
 
 void Communicator::barrier() { do_barrier(); }
 
+CommunicatorPtr Communicator::split(int color, int key) {
+  CommunicatorPtr sub = do_split(color < 0 ? -1 : color, key);
+  SHARDOPT_INTERNAL_ASSERT((color < 0) == (sub == nullptr),
+                           "comm.split on {}: color {} gave {} communicator", backend(), color,
+                           sub ? "a" : "no");
+  if (sub) sub->set_timeout(timeout_);
+  return sub;
+}
+
+CommunicatorPtr Communicator::split_by_host() {
+  CommunicatorPtr sub = do_split_by_host();
+  SHARDOPT_INTERNAL_ASSERT(sub != nullptr, "comm.split_by_host on {} gave no communicator",
+                           backend());
+  sub->set_timeout(timeout_);
+  return sub;
+}
+
+CommunicatorPtr Communicator::do_split(int, int) {
+  SHARDOPT_FAIL(Unsupported, "comm.split: the {} engine cannot make sub-communicators", backend());
+}
+
+// Hostnames travel as fixed 256-byte records; a rank's color is the first rank with its name.
+CommunicatorPtr Communicator::do_split_by_host() {
+  constexpr int64_t kName = 256;
+  char name[kName] = {};
+  SHARDOPT_CHECK(gethostname(name, kName - 1) == 0, Communication,
+                 "comm.split_by_host: gethostname failed with errno {}", errno);
+  at::Tensor mine = at::from_blob(name, {kName}, at::kByte).clone();
+  at::Tensor all = at::empty({kName * size_}, at::kByte);
+  all_gather(mine, all);
+  int color = rank_;
+  for (int r = 0; r < rank_; ++r) {
+    if (all.narrow(0, r * kName, kName).equal(mine)) {
+      color = r;
+      break;
+    }
+  }
+  return split(color, rank_);
+}
+
 namespace {
 
 class SingleCommunicator final : public Communicator {
@@ -223,6 +266,10 @@ class SingleCommunicator final : public Communicator {
   }
   WorkPtr do_broadcast(const at::Tensor&, int) override { return done("broadcast"); }
   void do_barrier() override {}
+  CommunicatorPtr do_split(int color, int) override {
+    return color < 0 ? nullptr : make_single_communicator();
+  }
+  CommunicatorPtr do_split_by_host() override { return make_single_communicator(); }
 
  private:
   static WorkPtr done(const char* op) { return make_completed_work(fmt::format("{} on single", op)); }

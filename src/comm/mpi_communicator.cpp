@@ -150,6 +150,25 @@ class MpiCommunicator final : public Communicator {
   void do_barrier() override {
     submit("barrier on mpi", [this] { SHARDOPT_MPI_CHECK(MPI_Barrier(comm_), "barrier"); })->wait();
   }
+  // On the worker, after every collective issued before it (MPI forbids two threads in
+  // collectives on one communicator).
+  CommunicatorPtr do_split(int color, int key) override {
+    MPI_Comm sub = MPI_COMM_NULL;
+    submit(fmt::format("split(color {}, key {}) on mpi", color, key), [this, color, key, &sub] {
+      SHARDOPT_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub),
+                         "split");
+    })->wait();
+    return adopt(sub);
+  }
+  CommunicatorPtr do_split_by_host() override {
+    MPI_Comm sub = MPI_COMM_NULL;
+    submit("split_by_host on mpi", [this, &sub] {
+      SHARDOPT_MPI_CHECK(
+          MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &sub),
+          "split_by_host");
+    })->wait();
+    return adopt(sub);
+  }
 
  private:
   WorkPtr submit(std::string description, std::function<void()> fn) {
@@ -165,6 +184,14 @@ class MpiCommunicator final : public Communicator {
     }
     ready_.notify_one();
     return std::make_shared<MpiWork>(std::move(description), timeout(), std::move(done), shared_);
+  }
+
+  // A communicator over `sub` (duplicated by make_mpi_communicator), which is then freed.
+  static CommunicatorPtr adopt(MPI_Comm sub) {
+    if (sub == MPI_COMM_NULL) return nullptr;
+    CommunicatorPtr comm = make_mpi_communicator(sub);
+    MPI_Comm_free(&sub);
+    return comm;
   }
 
   void run_worker() {

@@ -6,9 +6,14 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
 
 #include "comm/engines.hpp"
 #include "shardopt/error.hpp"
@@ -64,11 +69,15 @@ at::Tensor transport_bits(const at::Tensor& t, bool gloo) {
   return gloo && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
 }
 
+CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                          Duration timeout);
+
 class ProcessGroupCommunicator final : public Communicator {
  public:
-  explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group)
+  ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                           c10::intrusive_ptr<c10d::Store> store)
       : Communicator(group->getRank(), group->getSize()), group_(std::move(group)),
-        name_(group_->getBackendName()) {}
+        store_(std::move(store)), name_(group_->getBackendName()) {}
 
   std::string backend() const override { return name_; }
   Capabilities capabilities() const override {
@@ -143,6 +152,34 @@ class ProcessGroupCommunicator final : public Communicator {
     wrap("barrier", group_->barrier(opts))->wait();
   }
 
+  // A c10d subgroup, as torch.distributed.new_group makes it: a fresh Gloo group of the members
+  // over a PrefixStore of this group's store, unique per split call and color.
+  CommunicatorPtr do_split(int color, int key) override {
+    SHARDOPT_CHECK(store_, Unsupported,
+                   "comm.split: this {} communicator was made from a ProcessGroup without its "
+                   "store; pass the store to make_process_group_communicator(group, store)",
+                   name_);
+    SHARDOPT_CHECK(name_ == "gloo", Unsupported,
+                   "comm.split: sub-groups of a '{}' process group are not supported, only gloo",
+                   name_);
+    at::Tensor mine = at::tensor({int64_t{color}, int64_t{key}}, at::kLong);
+    at::Tensor all = at::empty({2 * size()}, at::kLong);
+    all_gather(mine, all);
+    const int64_t sequence = splits_++;
+    if (color < 0) return nullptr;
+    std::vector<std::pair<int64_t, int>> members;  // (key, rank here) of this color
+    const auto* a = all.data_ptr<int64_t>();
+    for (int r = 0; r < size(); ++r) {
+      if (a[2 * r] == color) members.emplace_back(a[2 * r + 1], r);
+    }
+    std::sort(members.begin(), members.end());
+    const auto me = std::find(members.begin(), members.end(), std::make_pair(int64_t{key}, rank()));
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+        fmt::format("shardopt.split{}.color{}", sequence, color), store_);
+    return make_gloo(prefixed, static_cast<int>(me - members.begin()),
+                     static_cast<int>(members.size()), timeout());
+  }
+
  private:
   bool needs_widening(const at::Tensor& t) const {
     return name_ == "gloo" && t.scalar_type() == at::kBFloat16;
@@ -162,24 +199,44 @@ class ProcessGroupCommunicator final : public Communicator {
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<c10d::Store> store_;  // null when the caller gave none: no split()
   std::string name_;
+  int64_t splits_ = 0;
 };
+
+// GLOO_SOCKET_IFNAME=eth0[,eth1] picks the interfaces, as torch.distributed does; otherwise
+// Gloo binds to the address the hostname resolves to.
+std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices() {
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+  const char* names = std::getenv("GLOO_SOCKET_IFNAME");
+  std::stringstream list(names ? names : "");
+  for (std::string name; std::getline(list, name, ',');) {
+    if (!name.empty()) devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+  }
+  if (devices.empty()) devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  return devices;
+}
 
 CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                           Duration timeout) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(std::move(store), rank, size, opts);
-  auto comm = make_process_group_communicator(group);
+  opts->devices = gloo_devices();
+  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  auto comm = make_process_group_communicator(group, store);
   comm->set_timeout(timeout);
   return comm;
 }
 
 }  // namespace
 
-CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                c10::intrusive_ptr<c10d::Store> store) {
   SHARDOPT_CHECK(group, InvalidArgument, "comm: make_process_group_communicator got a null group");
-  return std::make_shared<ProcessGroupCommunicator>(std::move(group));
+  return std::make_shared<ProcessGroupCommunicator>(std::move(group), std::move(store));
+}
+
+CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  return make_process_group_communicator(std::move(group), {});
 }
 
 CommunicatorPtr make_gloo_communicator(const GlooOptions& options) {

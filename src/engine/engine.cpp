@@ -69,17 +69,24 @@ std::vector<at::Tensor> tensors_of(const std::vector<ModelParam>& params) {
 
 Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
                ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options)
-    : owner_(owner), comm_(std::move(comm)), options_(std::move(options)) {
-  SHARDOPT_CHECK(comm_, InvalidArgument, "optimizer: the communicator is null");
+    : owner_(owner), world_comm_(std::move(comm)), options_(std::move(options)) {
+  SHARDOPT_CHECK(world_comm_, InvalidArgument, "optimizer: the communicator is null");
   options_.validate();
+  // Hybrid sharding: every piece works on the shard group's view (make_hybrid_communicator).
+  comm_ = options_.shard_group_size > 0
+              ? make_hybrid_communicator(world_comm_, options_.shard_group_size)
+              : world_comm_;
   world_ = comm_->size();
+  replica_ = world_comm_->rank() / world_;
+  replicas_ = world_comm_->size() / world_;
   plan_ = StagePlan::make(options_.stage, options_.precision, options_.offload,
-                          first_trainable_on_host(groups));
+                          first_trainable_on_host(groups),
+                          options_.reduce_dtype != Precision::FP32);
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
   if (plan_.per_unit()) unit_plan_ = options_.units;
   model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
                          plan_.per_unit() ? unit_plan_.get() : nullptr);
-  verify_same_model(params(), plan_.per_unit(), *comm_, options_.timeout);
+  verify_same_model(params(), plan_.per_unit(), *world_comm_, options_.timeout);
   build(rule, factory);
   attach_hooks();
   if (unit_plan_) unit_plan_->attach(this);
@@ -116,9 +123,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   if (plan_.master_on_host) {
     master_options = master_options.device(at::kCPU).pinned_memory(!proto.is_cpu());
   }
+  // Gradients travel in reduce_dtype when set, else fp32 (mixed, reduce_in_fp32) or the model's.
   const auto reduce_options = model_options.dtype(
-      plan_.mixed && options_.reduce_in_fp32 ? at::kFloat
-                                             : model_options.dtype().toScalarType());
+      options_.reduce_dtype != Precision::FP32 ? compute_dtype(options_.reduce_dtype)
+      : plan_.mixed && options_.reduce_in_fp32 ? at::kFloat
+                                               : model_options.dtype().toScalarType());
   for (const auto& slot : layout.slots) bucket_of.push_back(slot.bucket);
   const int root = plan_.per_unit() ? model_.root_unit : 0;
   for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);

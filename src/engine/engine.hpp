@@ -55,7 +55,8 @@ class Engine final : public UnitRuntime, public ShardAccess {
   const StepStats& last_step() const { return stats_; }
   MemoryReport memory() const;
   const ZeroOptions& options() const { return options_; }
-  const CommunicatorPtr& communicator() const { return comm_; }
+  // The communicator the optimizer was given (under hybrid sharding comm() is the shard group's).
+  const CommunicatorPtr& communicator() const { return world_comm_; }
   int64_t numel() const { return flat_->layout().numel; }
   int64_t padded_numel() const { return flat_->layout().padded_numel; }
   void gather_full_parameters() { store_->gather_full(); }
@@ -71,6 +72,9 @@ class Engine final : public UnitRuntime, public ShardAccess {
   const FlatLayout& layout() const override { return flat_->layout(); }
   const ZeroOptions& zero_options() const override { return options_; }
   const CommunicatorPtr& comm() const override { return comm_; }
+  const CommunicatorPtr& world_comm() const override { return world_comm_; }
+  int replica() const override { return replica_; }
+  int replicas() const override { return replicas_; }
   const std::string& param_name(int index) const override { return params()[index].name; }
   int64_t param_order(int index) const override { return params()[index].order; }
   std::vector<int64_t> param_shape(int index) const override {
@@ -111,7 +115,10 @@ class Engine final : public UnitRuntime, public ShardAccess {
   void end_step(Clock::time_point t0);
 
   torch::optim::Optimizer& owner_;
-  CommunicatorPtr comm_;
+  CommunicatorPtr world_comm_;  // as given
+  CommunicatorPtr comm_;        // what the pieces shard over: world_comm_ or its shard group
+  int replica_ = 0;             // hybrid: index of this rank's shard group
+  int replicas_ = 1;
   ZeroOptions options_;
   StagePlan plan_;
   int world_ = 1;

@@ -29,8 +29,9 @@ struct StagePlan {
   bool loss_scaling = false;    // fp16: dynamic loss scaling, overflow skips the step
 
   // params_on_host: the model's parameters live in host memory (then offload moves nothing).
+  // reduce_in_other_dtype: gradients travel in another dtype than the model's (reduce_dtype).
   static constexpr StagePlan make(Stage stage, Precision precision, Offload offload,
-                                  bool params_on_host) {
+                                  bool params_on_host, bool reduce_in_other_dtype = false) {
     StagePlan p;
     p.mixed = precision != Precision::FP32;
     p.loss_scaling = precision == Precision::FP16;
@@ -38,9 +39,11 @@ struct StagePlan {
     p.ownership = stage == Stage::Replicated ? Ownership::Replicated : Ownership::Sharded;
     p.parameters = stage == Stage::Parameters ? Parameters::PerUnit : Parameters::Whole;
     p.master = p.mixed || (p.master_on_host && !params_on_host) ? Master::Separate : Master::Model;
-    // A separate fp32 or host master needs its gradients out of autograd (cast, moved) anyway.
-    p.gradients = stage >= Stage::Gradients || p.mixed || p.master_on_host ? Gradients::Bucketed
-                                                                           : Gradients::InPlace;
+    // A separate fp32 or host master needs its gradients out of autograd (cast, moved) anyway,
+    // and so does a reduction in another dtype (a cast into the bucket).
+    p.gradients = stage >= Stage::Gradients || p.mixed || p.master_on_host || reduce_in_other_dtype
+                      ? Gradients::Bucketed
+                      : Gradients::InPlace;
     return p;
   }
 

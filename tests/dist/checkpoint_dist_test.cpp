@@ -2,10 +2,9 @@
 // stage (bitwise vs the uninterrupted run at the same N and stage, <= 1e-6 otherwise); a save that crashes on rank 1 after
 // its shard; a corrupt or missing shard and another model fail on every rank with the same kind,
 // leaving every optimizer as it was. Sub-communicators of the first n ranks come from
-// MPI_Comm_split, so one mpirun -np 4 covers 1, 2, 3 (uneven shards) and 4.
+// Communicator::split, so one mpirun -np 4 covers 1, 2, 3 (uneven shards) and 4.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <mpi.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -14,7 +13,6 @@
 
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/error.hpp"
-#include "shardopt/mpi.hpp"
 #include "support/checkpoint_model.hpp"
 #include "support/dist_env.hpp"
 
@@ -33,14 +31,7 @@ CommunicatorPtr first_ranks(int n) {
   auto it = cache.find(n);
   if (it != cache.end()) return it->second;
   const int rank = test::world()->rank();
-  MPI_Comm split = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, rank < n ? 0 : MPI_UNDEFINED, rank, &split);
-  CommunicatorPtr comm;
-  if (split != MPI_COMM_NULL) {
-    comm = make_mpi_communicator(split);  // duplicates it
-    MPI_Comm_free(&split);
-  }
-  return cache[n] = comm;
+  return cache[n] = test::world()->split(rank < n ? 0 : -1, rank);
 }
 
 // A fresh directory that every rank sees (rank 0 creates it). Collective over the world.

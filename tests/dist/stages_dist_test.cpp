@@ -106,6 +106,7 @@ struct Case {
   Precision precision = Precision::FP32;
   bool reduce_in_fp32 = true;
   bool fused = true;  // the fused kernels where they exist; false: torch's ops
+  int shard_group = 0;  // > 0: hybrid sharding over groups of this many ranks
 };
 
 std::string case_name(const Case& c) {
@@ -115,7 +116,8 @@ std::string case_name(const Case& c) {
                      c.overlap ? "" : "_sync", c.bucket_bytes, c.backend,
                      c.offload ? "_offload" : "",
                      c.precision != Precision::FP32 ? std::string("_") + to_string(c.precision) : "",
-                     c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused");
+                     c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused") +
+         (c.shard_group > 0 ? fmt::format("_hybrid{}", c.shard_group) : "");
 }
 
 Rule make_rule(const std::string& name) {
@@ -278,12 +280,13 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   zo.loss_scale.initial_scale = 1024;
   net.upcast = c.precision != Precision::FP32;
   auto counting = std::make_shared<test::CountingCommunicator>(comm);
+  zo.shard_group_size = c.shard_group;
   DistributedOptimizer opt(net.groups(c.split_groups), make_rule(c.rule), counting, zo);
   const int64_t per_rank = kBatch / comm->size();
   ShardedRun run;
   for (int64_t s = 0; s < kSteps; ++s) {
     // Counted by the wrapper around the engine over the whole step: reductions start in backward.
-    const int64_t before = counting->elements;
+    const int64_t before = counting->traffic().elements;
     opt.zero_grad();
     for (int m = 0; m < c.accumulation; ++m) {
       auto [x, y] = batch(s, m);
@@ -291,7 +294,7 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
                             y.narrow(0, comm->rank() * per_rank, per_rank)));
     }
     opt.step();
-    run.comm_per_step = counting->elements - before;
+    run.comm_per_step = counting->traffic().elements - before;
     run.reported_comm = opt.last_step().comm_elements;
   }
   run.memory = opt.memory();
@@ -320,6 +323,9 @@ class StageParity : public ::testing::TestWithParam<Case> {};
 TEST_P(StageParity, MatchesSingleProcessTorch) {
   const Case& c = GetParam();
   auto comm = test::communicator(c.backend);
+  if (c.shard_group > 0 && (comm->size() % c.shard_group != 0 || comm->size() == c.shard_group)) {
+    GTEST_SKIP() << "hybrid sharding needs several groups of " << c.shard_group << " ranks";
+  }
   const auto reference = train_reference(c);
   const ShardedRun run = train_sharded(c, comm);
   std::string worst;
@@ -354,6 +360,15 @@ std::vector<Case> parity_cases() {
     // the same path runs; the master weights are the parameters' own storage).
     cases.push_back({stage, "adamw", 2, 0.05, true, true, 64, "mpi", true});
     cases.push_back({stage, "sgd", 1, 0.0, false, true, 64, "mpi", true});
+    // Hybrid sharding: shard groups of 2 (2 hosts x 2 ranks) and of 1 (replicas only).
+    for (int group : {1, 2}) {
+      Case adamw{stage, "adamw"}, lamb{stage, "lamb", 2, 0.05, true}, sgd{stage, "sgd"};
+      sgd.backend = "gloo";
+      for (Case* h : {&adamw, &lamb, &sgd}) {
+        h->shard_group = group;
+        cases.push_back(*h);
+      }
+    }
     // torch's own ops instead of the fused kernels (RuleStep; Adagrad and RMSprop always).
     for (const char* rule : {"adamw", "sgd", "lamb", "adam"}) {
       Case c{stage, rule};

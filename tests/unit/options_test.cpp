@@ -33,6 +33,14 @@ TEST(ZeroOptions, EveryInvalidFieldIsNamed) {
   expect_invalid([](auto& o) { o.align_bytes = 48; }, "align_bytes must be a positive power of two");
   expect_invalid([](auto& o) { o.prefetch = -1; }, "prefetch must be >= 0");
   expect_invalid([](auto& o) { o.timeout = Duration::zero(); }, "timeout must be positive");
+  expect_invalid([](auto& o) { o.shard_group_size = -2; }, "shard_group_size must be >= 0");
+  expect_invalid(
+      [](auto& o) {
+        o.precision = Precision::FP16;
+        o.reduce_in_fp32 = false;
+        o.reduce_dtype = Precision::BF16;
+      },
+      "reduce_dtype bf16 contradicts reduce_in_fp32 = false");
 }
 
 TEST(ZeroOptions, PrecisionNamesRoundTrip) {

@@ -99,6 +99,18 @@ TEST(StagePlan, EveryCombination) {
   }
 }
 
+// A reduction in another dtype (ZeroOptions::reduce_dtype) casts into buckets: every combination
+// buckets its gradients and keeps everything else the table says.
+TEST(StagePlan, ReduceInAnotherDtypeBuckets) {
+  for (const auto& r : kTable) {
+    const auto p = StagePlan::make(r.stage, r.precision, r.offload, r.params_on_host, true);
+    EXPECT_EQ(p.gradients, G::Bucketed) << "stage " << to_int(r.stage);
+    EXPECT_EQ(p.ownership, r.ownership);
+    EXPECT_EQ(p.parameters, r.parameters);
+    EXPECT_EQ(p.master, r.master);
+  }
+}
+
 TEST(StagePlan, StageFromInt) {
   for (int s = 0; s <= 3; ++s) EXPECT_EQ(to_int(stage_from_int(s)), s);
 }

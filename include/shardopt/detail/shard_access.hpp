@@ -29,7 +29,13 @@ class ShardAccess {
 
   virtual const FlatLayout& layout() const = 0;
   virtual const ZeroOptions& zero_options() const = 0;
+  // The ranks the layout is sharded over: every rank, or the shard group (hybrid sharding).
   virtual const CommunicatorPtr& comm() const = 0;
+  // Hybrid sharding: all ranks, this rank's shard group's index and how many groups (replicas)
+  // there are; flat sharding: comm(), 0 and 1.
+  virtual const CommunicatorPtr& world_comm() const = 0;
+  virtual int replica() const = 0;
+  virtual int replicas() const = 0;
   // Parameter i of the layout (layout().slots[i]): its named_parameters() name and shape.
   virtual const std::string& param_name(int index) const = 0;
   virtual std::vector<int64_t> param_shape(int index) const = 0;

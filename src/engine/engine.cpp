@@ -4,9 +4,12 @@
 // Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
 // sorted by parameter group and, within a group, placed in reverse registration order, which is
 // roughly the order backward produces their gradients. They are packed into buckets of about
-// bucket_bytes; each bucket is padded to a multiple of world * align so it splits evenly, and rank
-// r owns [r*S, (r+1)*S) of every bucket. Model parameters become views into flat storage, so the
-// optimizer updates them with no copy. A bucket is the unit of one collective.
+// bucket_bytes; a parameter larger than the space left in a bucket fills it and continues in the
+// next (the split falls at a multiple of world * align, so the parameter stays contiguous in the
+// full flat buffer and its view stays one view). Each bucket is padded to a multiple of
+// world * align so it splits evenly, and rank r owns [r*S, (r+1)*S) of every bucket. Model
+// parameters become views into flat storage, so the optimizer updates them with no copy. A bucket
+// is the unit of one collective and is complete once every piece in it has its gradient.
 //
 // Note [Stages] (what src/engine/plan.hpp turns each stage into)
 //   stage 0: Replicated, InPlace gradients (flat buffer, .grad are views), each complete bucket
@@ -39,6 +42,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
 
 #include "shardopt/error.hpp"
 
@@ -98,7 +103,8 @@ Engine::~Engine() {
 // gradients in fp32 (mixed) on the host (offload) or next to the parameters.
 void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   std::vector<int64_t> numels;
-  std::vector<int> groups, units, bucket_of, unit_of;
+  std::vector<int> groups, units, unit_of;
+  std::vector<std::vector<int>> buckets_of;
   for (const auto& p : params()) {
     numels.push_back(p.tensor.numel());
     groups.push_back(p.group);
@@ -119,13 +125,18 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   const auto reduce_options = model_options.dtype(
       plan_.mixed && options_.reduce_in_fp32 ? at::kFloat
                                              : model_options.dtype().toScalarType());
-  for (const auto& slot : layout.slots) bucket_of.push_back(slot.bucket);
+  for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
+    buckets_of.emplace_back();
+    for (const ParamPiece* p = layout.pieces_begin(i); p != layout.pieces_end(i); ++p) {
+      buckets_of.back().push_back(p->bucket);
+    }
+  }
   const int root = plan_.per_unit() ? model_.root_unit : 0;
   for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);
   const int bucket_count = static_cast<int>(layout.buckets.size());
   flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), model_options,
                                       master_options, reduce_options);
-  tracker_ = std::make_unique<BackwardTracker>(bucket_of, unit_of, bucket_count, root + 1);
+  tracker_ = std::make_unique<BackwardTracker>(std::move(buckets_of), unit_of, bucket_count, root + 1);
 
   // Initial values, full and in master precision: rank 0's reach every rank (as DDP does), then
   // become the model's storage and the master weights.
@@ -134,8 +145,7 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
     const auto& lay = flat_->layout();
     at::Tensor initial = at::zeros({lay.padded_numel}, base.dtype(master_options.dtype()));
     for (size_t i = 0; i < params().size(); ++i) {
-      const auto& slot = lay.slots[i];
-      initial.narrow(0, lay.buckets[slot.bucket].flat_offset + slot.offset, slot.numel)
+      initial.narrow(0, lay.flat_offset(static_cast<int>(i)), lay.slots[i].numel)
           .copy_(params()[i].tensor.reshape(-1));
     }
     if (options_.broadcast_initial_params && world_ > 1) {
@@ -193,10 +203,15 @@ void Engine::on_grad_ready(int index) {
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
   const int micro = tracker_->micro_steps();
-  reducer_->accept(index, micro);
-  if (arrival.bucket_complete && options_.overlap_comm && reduces_this_micro_step()) {
-    reducer_->launch(flat_->layout().slots[index].bucket, micro);
-  }
+  const bool launch = options_.overlap_comm && reduces_this_micro_step();
+  // Piece by piece: a bucket this arrival completes is launched before the next piece needs a
+  // buffer, so the pool stays at two buffers however many buckets the parameter spans.
+  reducer_->accept(index, micro, [&](int bucket) {
+    const auto& done = arrival.complete_buckets;
+    if (launch && std::find(done.begin(), done.end(), bucket) != done.end()) {
+      reducer_->launch(bucket, micro);
+    }
+  });
   // Every parameter of the unit has its gradient: its backward is over, free it.
   if (arrival.unit_complete) store_->release(p.unit);
 }

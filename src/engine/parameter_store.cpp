@@ -32,12 +32,23 @@ void ParameterStore::adopt(const at::Tensor& initial) {
   at::NoGradGuard no_grad;
   const auto& layout = flat_.layout();
   const auto& options = flat_.model_options();
+  std::vector<int64_t> at_in_unit(layout.buckets.size(), 0);  // bucket's start in its unit
   if (plan_.per_unit()) {
     shard_ = flat_.owned_copy(initial, options);
+    std::vector<int64_t> unit_numel(units_.size(), 0);
     for (size_t b = 0; b < layout.buckets.size(); ++b) {
       const auto& bl = layout.buckets[b];
-      full_.push_back(initial.narrow(0, bl.flat_offset, bl.padded).to(options, false, true));
       units_[bl.unit].buckets.push_back(static_cast<int>(b));
+      at_in_unit[b] = unit_numel[bl.unit];
+      unit_numel[bl.unit] += bl.padded;
+    }
+    for (size_t u = 0; u < units_.size(); ++u) {
+      units_[u].full = at::empty({unit_numel[u]}, options);
+    }
+    for (size_t b = 0; b < layout.buckets.size(); ++b) {
+      const auto& bl = layout.buckets[b];
+      full_.push_back(units_[bl.unit].full.narrow(0, at_in_unit[b], bl.padded));
+      full_.back().copy_(initial.narrow(0, bl.flat_offset, bl.padded));
     }
   } else {
     flat_params_ = initial.to(options);  // no copy when nothing changes
@@ -45,11 +56,14 @@ void ParameterStore::adopt(const at::Tensor& initial) {
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     const auto& slot = layout.slots[i];
-    const auto& bl = layout.buckets[slot.bucket];
+    // A split parameter's buckets are consecutive in the layout and in its unit's buffer.
     at::Tensor view =
         plan_.per_unit()
-            ? full_[slot.bucket].narrow(0, slot.offset, slot.numel).view(p.sizes())
-            : flat_params_.narrow(0, bl.flat_offset + slot.offset, slot.numel).view(p.sizes());
+            ? units_[layout.buckets[slot.bucket].unit]
+                  .full.narrow(0, at_in_unit[slot.bucket] + slot.offset, slot.numel)
+                  .view(p.sizes())
+            : flat_params_.narrow(0, layout.flat_offset(static_cast<int>(i)), slot.numel)
+                  .view(p.sizes());
     p.set_data(view);  // same TensorImpl (autograd identity), our storage
   }
   // Stage 3 after construction: every unit but the root gives its full storage back.
@@ -149,16 +163,16 @@ void ParameterStore::gather_full() {
 void ParameterStore::launch_gather(int unit) {
   auto& u = units_[unit];
   const auto& layout = flat_.layout();
+  auto* storage = u.full.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0 && u.full.numel() > 0) {
+    const size_t nbytes = static_cast<size_t>(u.full.numel()) * u.full.element_size();
+    storage->set_data_ptr_noswap(c10::GetAllocator(u.full.device().type())->allocate(nbytes));
+    storage->set_nbytes(nbytes);
+  }
   for (int b : u.buckets) {
     const auto& bl = layout.buckets[b];
-    at::Tensor& full = full_[b];
-    auto* storage = full.storage().unsafeGetStorageImpl();
-    if (storage->nbytes() == 0) {
-      const size_t nbytes = static_cast<size_t>(full.numel()) * full.element_size();
-      storage->set_data_ptr_noswap(c10::GetAllocator(full.device().type())->allocate(nbytes));
-      storage->set_nbytes(nbytes);
-    }
-    u.works.push_back(comm_->all_gather(shard_.narrow(0, bl.shard_offset, bl.shard), full, true));
+    u.works.push_back(
+        comm_->all_gather(shard_.narrow(0, bl.shard_offset, bl.shard), full_[b], true));
     comm_elements_ += bl.padded;
   }
   u.gathered = true;
@@ -177,7 +191,7 @@ void ParameterStore::release(int unit) {
   if (!u.gathered) return;
   for (auto& w : u.works) w->wait(timeout_);  // never free under a collective
   u.works.clear();
-  for (int b : u.buckets) full_[b].storage().unsafeGetStorageImpl()->reset();
+  if (u.full.defined()) u.full.storage().unsafeGetStorageImpl()->reset();
   u.gathered = false;
 }
 
@@ -193,7 +207,9 @@ int64_t ParameterStore::param_bytes() const {
 
 int64_t ParameterStore::gathered_bytes() const {
   int64_t bytes = 0;
-  for (const auto& full : full_) bytes += static_cast<int64_t>(full.storage().nbytes());
+  for (const auto& u : units_) {
+    if (u.full.defined()) bytes += static_cast<int64_t>(u.full.storage().nbytes());
+  }
   return bytes;
 }
 

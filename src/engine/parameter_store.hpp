@@ -3,8 +3,9 @@
 //   Whole:   one flat buffer, full length, that the parameters are views of; sharded plans
 //            all-gather it after each update.
 //   PerUnit: stage 3 (Note [Stage 3 units]). This rank's shard of every bucket is the storage;
-//            each bucket also has a full buffer whose storage exists only while its unit is
-//            gathered, and the parameters are views into it. Units are gathered on entry (with
+//            each unit also has one full buffer (its buckets back to back, so a parameter split
+//            across two of them is still one contiguous view) whose storage exists only while
+//            the unit is gathered, and the parameters are views into it. Units are gathered on entry (with
 //            prefetch of the next ones in the last pass's order), released on exit, gathered
 //            again when backward reaches them and released once their gradients are in.
 #pragma once
@@ -60,6 +61,7 @@ class ParameterStore {
  private:
   struct UnitState {
     std::vector<int> buckets;
+    at::Tensor full;             // the buckets' full buffers back to back
     bool gathered = false;       // storage allocated (and filled once `works` complete)
     std::vector<WorkPtr> works;  // all-gathers in flight
   };
@@ -76,7 +78,7 @@ class ParameterStore {
   int rank_ = 0;
   at::Tensor flat_params_;        // Whole: every parameter, full length
   at::Tensor shard_;              // PerUnit: this rank's slice of every bucket
-  std::vector<at::Tensor> full_;  // PerUnit: per bucket, storage only while its unit is gathered
+  std::vector<at::Tensor> full_;  // PerUnit: per bucket, a view of its unit's full buffer
   std::vector<UnitState> units_;  // declared units, then the root unit
   int root_unit_ = 0;
   std::vector<int> forward_order_;   // units entered in this pass

@@ -22,18 +22,30 @@
 // fp16/bf16 and offload make the master Separate and the gradients Bucketed at every stage.
 //
 // Note [Stage 3 units]
-// Buckets never span units (shardopt/units.hpp). Unit u is gathered by allocating storage for its
-// buckets' full buffers and all-gathering each bucket's shards into them; it is released by
-// freeing that storage (StorageImpl::reset), so the model's parameters keep their shape and
-// autograd identity but hold no bytes. Autograd saved the parameters themselves (or views of
-// them), which share the StorageImpl, so gathering again before a unit's backward makes them
-// valid again. Forward: Units::run enters (gather; prefetch the next units of the last pass's
-// order) and exits (release). Backward: a hook on the unit's outputs gathers it (prefetching the
-// unit that backward reaches next); once every parameter of the unit has its gradient (the
-// bucketed path reduce-scatters them), the unit is released. The root unit (parameters in no unit
-// or in two, e.g. tied embeddings) stays gathered like a stage-2 parameter and is re-gathered by
-// step(). Collectives are issued in the same order on every rank because forward and backward
-// visit units in the same order everywhere (as DDP assumes of its buckets).
+// Parameters are gathered in parts (src/engine/model_check.cpp): each declared unit's own
+// parameters; one part per set of units sharing parameters (BERT's word embeddings, declared by
+// the embeddings unit and by the heads that reuse them as the MLM decoder); and the root part, the
+// parameters no unit declares. Buckets never span parts. A part is gathered by allocating storage
+// for its full buffer and all-gathering each bucket's shards into it; it is released by freeing
+// that storage (StorageImpl::reset), so the model's parameters keep their shape and autograd
+// identity but hold no bytes. Autograd saved the parameters themselves (or views of them), which
+// share the StorageImpl, so gathering again before a unit's backward makes them valid again.
+// Forward: Units::run enters (gather the unit's parts; prefetch the next units of the last pass's
+// order) and exits (release the parts no running unit needs); a unit may run several times, and is
+// gathered for each run. Backward: a hook on each run's outputs gathers the unit's parts
+// (prefetching the unit backward reaches next); once every parameter of a part has its gradient
+// (the bucketed path reduce-scatters them), the part is released; a shared part or one run twice
+// stays gathered between its backward uses (its gradients arrive after the last one). The root
+// part is gathered before the forward (zero_grad() or the first unit entered) and released by
+// step(); nothing stays gathered between steps. Collectives are issued in the same order on every
+// rank because forward and backward visit units in the same order everywhere (as DDP assumes of
+// its buckets).
+//
+// Communication per micro-step at stage 3 (elements, padded): each part is all-gathered once per
+// forward run of a unit that needs it and once in backward, and reduce-scattered once; the root
+// part is all-gathered once per step instead. With every unit run once and no sharing that is
+// 3 * Psi per micro-step, as DESIGN.md states; BERT's shared word embeddings, run at the lookup and
+// at the decoder, add one all-gather of that part.
 #include "engine/engine.hpp"
 
 #include <ATen/ATen.h>
@@ -43,7 +55,11 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
+#include <cstdio>
 
 #include "shardopt/error.hpp"
 
@@ -87,6 +103,12 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   verify_same_model(params(), plan_.per_unit(), *comm_, options_.timeout);
   build(rule, factory);
   attach_hooks();
+  if (plan_.per_unit() && !model_.loose_names.empty() && comm_->rank() == 0) {
+    fmt::print(stderr,
+               "shardopt: stage 3: {} parameter(s) in no unit, gathered for every forward and "
+               "backward until step(): {}\n",
+               model_.loose_names.size(), fmt::join(model_.loose_names, ", "));
+  }
   if (unit_plan_) unit_plan_->attach(this);
 }
 
@@ -151,8 +173,10 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
     if (options_.broadcast_initial_params && world_ > 1) {
       comm_->broadcast(initial, 0, true)->wait(options_.timeout);
     }
-    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1, comm_,
-                                              options_.timeout, options_.prefetch);
+    store_ = std::make_unique<ParameterStore>(
+        *flat_, tensors_of(params()), root + 1,
+        plan_.per_unit() ? model_.unit_parts : std::vector<std::vector<int>>{}, comm_,
+        options_.timeout, options_.prefetch);
     store_->adopt(initial);
     flat_->init_master(initial);
   }
@@ -246,6 +270,7 @@ void Engine::backward(const at::Tensor& loss) {
 void Engine::zero_grad() {
   reducer_->zero();
   tracker_->reset_micro_steps();
+  store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
 
 // ---- step() ---------------------------------------------------------------------------------------

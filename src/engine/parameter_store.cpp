@@ -8,12 +8,14 @@
 
 namespace shardopt::detail {
 
-ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int units,
-                               CommunicatorPtr comm, Duration timeout, int prefetch)
+ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int parts,
+                               std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm,
+                               Duration timeout, int prefetch)
     : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
       timeout_(timeout), prefetch_(prefetch), rank_(flat.rank()) {
-  units_.resize(units);
-  root_unit_ = units - 1;
+  units_.resize(parts);
+  unit_parts_ = std::move(unit_parts);
+  root_unit_ = parts - 1;
   units_[root_unit_].gathered = true;
 }
 
@@ -66,7 +68,8 @@ void ParameterStore::adopt(const at::Tensor& initial) {
                   .view(p.sizes());
     p.set_data(view);  // same TensorImpl (autograd identity), our storage
   }
-  // Stage 3 after construction: every unit but the root gives its full storage back.
+  // Stage 3 after construction: every part but the root gives its full storage back (the root
+  // stays for the first forward, until the first step).
   for (int u = 0; u < root_unit_; ++u) {
     units_[u].gathered = true;
     release(u);
@@ -87,10 +90,9 @@ at::Tensor ParameterStore::owned_slice(int bucket) const {
 
 void ParameterStore::after_update() {
   if (plan_.per_unit()) {
-    // Non-root units gather on demand; one gathered by hand holds stale values now.
-    for (int u = 0; u < root_unit_; ++u) release(u);
-    launch_gather(root_unit_);
-    ensure_gathered(root_unit_);
+    // Parts gather on demand (the root part before the next forward); any still gathered holds
+    // stale values now.
+    for (int u = 0; u <= root_unit_; ++u) release(u);
     return;
   }
   if (!plan_.gathers_after_update()) return;
@@ -110,8 +112,13 @@ void ParameterStore::enter(int unit) {
     previous_order_ = std::move(forward_order_);
     forward_order_.clear();
   }
+  gather_root();  // a forward is running: parameters in no unit are needed too
   forward_order_.push_back(unit);
-  if (unit != root_unit_) ensure_gathered(unit);
+  backward_cursor_ = forward_order_.size();
+  for (int part : unit_parts_[unit]) {
+    ++units_[part].active;
+    ensure_gathered(part);
+  }
   // Prefetch what came next in the last pass (declaration order on the first pass).
   const size_t k = forward_order_.size() - 1;
   for (int i = 1; i <= prefetch_; ++i) {
@@ -121,31 +128,54 @@ void ParameterStore::enter(int unit) {
     } else if (previous_order_.empty()) {
       next = unit + i;
     }
-    if (next >= 0 && next < root_unit_ && !units_[next].gathered) launch_gather(next);
+    if (next >= 0 && next < static_cast<int>(unit_parts_.size())) prefetch_unit(next);
   }
 }
 
 void ParameterStore::exit(int unit) {
-  if (unit != root_unit_) release(unit);
-}
-
-void ParameterStore::before_backward(int unit) {
-  if (unit == root_unit_) return;
-  ensure_gathered(unit);
-  prefetch_after(unit);
-}
-
-// The units backward reaches next: those before `unit` in this pass's forward order.
-void ParameterStore::prefetch_after(int unit) {
-  auto it = std::find(forward_order_.rbegin(), forward_order_.rend(), unit);
-  for (int i = 0; i < prefetch_ && it != forward_order_.rend(); ++i) {
-    if (++it == forward_order_.rend()) break;
-    if (*it != root_unit_ && !units_[*it].gathered) launch_gather(*it);
+  for (int part : unit_parts_[unit]) {
+    if (--units_[part].active <= 0) {
+      units_[part].active = 0;
+      release(part);
+    }
   }
 }
 
+void ParameterStore::before_backward(int unit) {
+  for (int part : unit_parts_[unit]) ensure_gathered(part);
+  prefetch_after(unit);
+}
+
+void ParameterStore::prefetch_unit(int unit) {
+  for (int part : unit_parts_[unit]) {
+    if (!units_[part].gathered) launch_gather(part);
+  }
+}
+
+// The units backward reaches next: those run before this run of `unit` in this pass's forward
+// order. Backward visits the runs in reverse, so the run is the latest one before the cursor
+// (a unit run twice is found once for each run).
+void ParameterStore::prefetch_after(int unit) {
+  size_t at = std::min(backward_cursor_, forward_order_.size());
+  while (at > 0 && forward_order_[at - 1] != unit) --at;
+  if (at == 0) return;  // not run in this forward (or already passed): nothing to guess
+  backward_cursor_ = at - 1;
+  for (int i = 1; i <= prefetch_ && backward_cursor_ >= static_cast<size_t>(i); ++i) {
+    prefetch_unit(forward_order_[backward_cursor_ - i]);
+  }
+}
+
+void ParameterStore::gather_root() {
+  if (!plan_.per_unit() || units_[root_unit_].gathered || units_[root_unit_].buckets.empty()) {
+    return;
+  }
+  launch_gather(root_unit_);
+  ensure_gathered(root_unit_);
+}
+
 void ParameterStore::end_backward() {
-  // Units whose parameters got no gradient (or a prefetch nobody used) are freed here.
+  // Parts whose parameters got no gradient (or a prefetch nobody used) are freed here; the root
+  // part stays until the step (another micro-step's forward needs it).
   for (int u = 0; u < root_unit_; ++u) release(u);
   previous_order_ = std::move(forward_order_);
   forward_order_.clear();
@@ -153,10 +183,10 @@ void ParameterStore::end_backward() {
 
 void ParameterStore::gather_full() {
   if (!plan_.per_unit()) return;
-  for (int u = 0; u < root_unit_; ++u) {
+  for (int u = 0; u <= root_unit_; ++u) {
     if (!units_[u].gathered) launch_gather(u);
   }
-  for (int u = 0; u < root_unit_; ++u) ensure_gathered(u);
+  for (int u = 0; u <= root_unit_; ++u) ensure_gathered(u);
 }
 
 // Allocates the unit's full buffers and starts all-gathering its shards into them.

@@ -22,24 +22,44 @@ namespace {
 
 constexpr int64_t kVocab = 10, kDim = 12, kHidden = 20, kBatch = 12, kSteps = 10;
 
+// How stage 3 sees the tied embedding/decoder: in no unit; as one unit run twice per forward
+// (at the lookup and at the decoder); or declared by two units (the lookup, and the head with
+// its bias), so that it gets a part of its own.
+enum class Embed { Loose, RunTwice, Shared };
+
 // A tied embedding/decoder (120 elements), two layers of 240-element weights (stage-3 units
-// fc1, fc2) and a parameter that never gets a gradient.
+// fc1, fc2), a decoder bias and a parameter that never gets a gradient (both in no unit unless
+// Embed::Shared puts the bias in the head unit).
 struct SplitNet {
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::map<std::string, at::Tensor> by_name;
   UnitsPtr units = std::make_shared<Units>();
+  Embed embed = Embed::Loose;
+  int lookup_unit = -1, decoder_unit = -1;
 
-  SplitNet() {
+  explicit SplitNet(Embed e = Embed::Loose) : embed(e) {
     at::manual_seed(99);
     add("embed.weight", at::randn({kVocab, kDim}));
     add("fc1.weight", at::randn({kDim, kHidden}) * 0.4);
     add("fc1.bias", at::randn({kHidden}) * 0.1);
     add("fc2.weight", at::randn({kHidden, kDim}) * 0.4);
     add("fc2.bias", at::randn({kDim}) * 0.1);
+    add("head.bias", at::randn({kVocab}) * 0.1);
     add("unused.weight", at::randn({5}));
     named.emplace_back("decoder.weight", by_name["embed.weight"]);  // tied
     units->add("fc1", {by_name["fc1.weight"], by_name["fc1.bias"]});
     units->add("fc2", {by_name["fc2.weight"], by_name["fc2.bias"]});
+    if (e == Embed::RunTwice) {
+      lookup_unit = decoder_unit = units->add("embed", {by_name["embed.weight"]});
+    } else if (e == Embed::Shared) {
+      lookup_unit = units->add("embeddings", {by_name["embed.weight"]});
+      decoder_unit = units->add("head", {by_name["embed.weight"], by_name["head.bias"]});
+    }
+  }
+  // Runs fn inside unit `u`, or directly when the embedding is in no unit.
+  template <typename Fn>
+  at::Tensor in_unit(int u, Fn&& fn) {
+    return u < 0 ? fn() : units->run(u, fn);
   }
   void add(const std::string& name, at::Tensor t) {
     t = t.contiguous().set_requires_grad(true);
@@ -47,12 +67,15 @@ struct SplitNet {
     by_name[name] = t;
   }
   at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
-    at::Tensor h = at::embedding(by_name["embed.weight"], x);
+    at::Tensor h = in_unit(lookup_unit, [&] { return at::embedding(by_name["embed.weight"], x); });
     h = units->run(0, [&] {
       return at::tanh(at::matmul(h, by_name["fc1.weight"]) + by_name["fc1.bias"]);
     });
     h = units->run(1, [&] { return at::matmul(h, by_name["fc2.weight"]) + by_name["fc2.bias"]; });
-    return at::nll_loss(at::log_softmax(at::matmul(h, by_name["embed.weight"].t()), 1), y);
+    at::Tensor logits = in_unit(decoder_unit, [&] {
+      return at::matmul(h, by_name["embed.weight"].t()) + by_name["head.bias"];
+    });
+    return at::nll_loss(at::log_softmax(logits, 1), y);
   }
   std::vector<ParamGroup> groups() {
     ParamGroup g;
@@ -81,12 +104,15 @@ struct Case {
   int64_t align_bytes = 64;
   int accumulation = 1;
   double clip = 0.0;
+  Embed embed = Embed::Loose;
 };
 
 std::string case_name(const Case& c) {
-  return fmt::format("stage{}_{}_b{}_a{}{}{}", c.stage, c.rule, c.bucket_bytes, c.align_bytes,
+  return fmt::format("stage{}_{}_b{}_a{}{}{}{}", c.stage, c.rule, c.bucket_bytes, c.align_bytes,
                      c.accumulation > 1 ? fmt::format("_accum{}", c.accumulation) : "",
-                     c.clip > 0 ? "_clip" : "");
+                     c.clip > 0 ? "_clip" : "",
+                     c.embed == Embed::RunTwice ? "_embed_twice"
+                     : c.embed == Embed::Shared ? "_embed_shared" : "");
 }
 
 Rule make_rule(const std::string& name) {
@@ -155,10 +181,11 @@ std::map<std::string, at::Tensor> train_reference(const Case& c) {
 struct Sharded {
   std::map<std::string, at::Tensor> params;
   MemoryReport memory;
+  int64_t comm_per_step = 0;  // elements last_step() reports
 };
 
 Sharded train_sharded(const Case& c, const CommunicatorPtr& comm) {
-  SplitNet net;
+  SplitNet net(c.embed);
   ZeroOptions zo;
   zo.stage = stage_from_int(c.stage);
   zo.bucket_bytes = c.bucket_bytes;
@@ -178,6 +205,7 @@ Sharded train_sharded(const Case& c, const CommunicatorPtr& comm) {
                             y.narrow(0, comm->rank() * per_rank, per_rank)));
     }
     opt.step();
+    run.comm_per_step = opt.last_step().comm_elements;
   }
   run.memory = opt.memory();
   opt.gather_full_parameters();
@@ -209,9 +237,8 @@ TEST_P(SplitBucketParity, MatchesSingleProcessTorch) {
   if (c.stage >= 2) {
     const int64_t quantum = comm->size() * c.align_bytes;
     const int64_t bucket = std::max(quantum, c.bucket_bytes / quantum * quantum);
-    const int64_t pool = c.stage == 3 ? run.memory.buffer_bytes - 4 * (kVocab * kDim + 5)
-                                      : run.memory.buffer_bytes;
-    bounded = pool <= 2 * bucket + (c.stage == 3 ? 4 * quantum : 0);  // + the root's padding
+    // Stage 3 keeps nothing gathered after the step: the buffers are the pool alone.
+    bounded = run.memory.buffer_bytes <= 2 * bucket;
     EXPECT_TRUE(bounded) << "buffers " << run.memory.buffer_bytes << " bytes, bucket " << bucket;
   }
   EXPECT_TRUE(test::all_ranks(diff <= 1e-6 && bounded));
@@ -231,11 +258,45 @@ std::vector<Case> cases() {
     out.push_back({stage, "sgd", 400, 4, 4, 0.05});     // accumulation + clipping
     out.push_back({stage, "lamb", 400, 4, 1, 0.05});    // clipping
   }
+  // Stage 3 with the tied embedding as a unit run twice, or shared by two units; head.bias and
+  // unused.weight (or unused.weight alone) in no unit.
+  for (Embed e : {Embed::RunTwice, Embed::Shared}) {
+    for (const char* rule : {"adamw", "sgd", "lamb"}) out.push_back({3, rule, 64, 64, 1, 0.0, e});
+    out.push_back({3, "adamw", 400, 4, 4, 0.05, e});  // accumulation + clipping
+    out.push_back({3, "lamb", 1024, 64, 4, 0.05, e});
+  }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Split, SplitBucketParity, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return case_name(info.param); });
+
+// Stage 3's communication per step with multiply-used units (Note [Stage 3 units] in
+// src/engine/engine.cpp): per micro-step, each part is all-gathered once per forward run of a unit
+// needing it and once in backward, and everything is reduce-scattered once; the part of
+// parameters in no unit is all-gathered once per step (by zero_grad()).
+TEST(SplitBucketCommunication, MultiplyUsedUnitsCountEachRun) {
+  auto comm = test::world();
+  const int64_t quantum = comm->size() * 16;  // 64-byte alignment of floats
+  auto padded = [&](int64_t numel) { return detail::round_up(numel, quantum); };
+  const int64_t fc1 = padded(kDim * kHidden + kHidden), fc2 = padded(kHidden * kDim + kDim);
+  const int64_t embed = padded(kVocab * kDim);
+  for (Embed e : {Embed::RunTwice, Embed::Shared}) {
+    for (int accumulation : {1, 4}) {
+      const Sharded run = train_sharded({3, "adamw", 64, 64, accumulation, 0.0, e}, comm);
+      // RunTwice: embed (run twice), fc1, fc2; head.bias + unused.weight in no unit.
+      // Shared: embed shared by the lookup and the head; head.bias the head's own part.
+      const int64_t root = e == Embed::RunTwice ? padded(kVocab + 5) : padded(5);
+      const int64_t head = e == Embed::Shared ? padded(kVocab) : 0;
+      const int64_t psi = fc1 + fc2 + embed + head + root;
+      const int64_t forward = fc1 + fc2 + 2 * embed + head;
+      const int64_t backward = fc1 + fc2 + embed + head;
+      const int64_t expected = accumulation * (forward + backward + psi) + root;
+      EXPECT_EQ(run.comm_per_step, expected)
+          << "accumulation " << accumulation << (e == Embed::Shared ? ", shared" : ", twice");
+    }
+  }
+}
 
 // The layout the three-bucket case relies on (stages 0-2 order: reverse registration).
 TEST(SplitBucketLayout, AParameterSpansThreeBucketsAndTwoRanks) {

@@ -423,10 +423,9 @@ TEST(StageMemory, MatchesTheModel) {
       // so its bucket holds a buffer through backward (GradientReducer::acquire_buffer).
       EXPECT_LE(m.buffer_bytes, 3 * 4 * 16 * n);
     } else if (stage == 3) {
-      // Between steps: the root unit's full buffer plus the gradient buckets (as stage 2).
-      const int64_t root = 4 * tiny_root_padded(n);
-      EXPECT_GE(m.buffer_bytes, root);
-      EXPECT_LE(m.buffer_bytes, root + 3 * 4 * 16 * n);
+      // Nothing stays gathered between steps (not even the parameters in no unit): the
+      // gradient buckets alone, as at stage 2.
+      EXPECT_LE(m.buffer_bytes, 3 * 4 * 16 * n);
     } else {
       EXPECT_EQ(m.buffer_bytes, 0);
     }
@@ -435,8 +434,9 @@ TEST(StageMemory, MatchesTheModel) {
 
 // Stages 0-2 move 2 * padded elements per step and rank (reduce-scatter + all-gather, or an
 // all-reduce counted as both). Stage 3 moves 3 * padded: per micro-step, an all-gather of every
-// unit in forward and again in backward and a reduce-scatter; except that the root unit stays
-// gathered through forward and backward, so it is all-gathered once, by step().
+// unit in forward and again in backward and a reduce-scatter; except that the parameters in no
+// unit stay gathered from zero_grad() through the step, so they are all-gathered once per step.
+// (Units run twice or sharing parameters: tests/dist/split_buckets_test.cpp.)
 TEST(StageCommunication, TwoPsiPerStepThreeForStage3) {
   auto comm = test::world();
   const int64_t n = comm->size();

@@ -1,7 +1,7 @@
 // Stages 0-3 against a single-process torch optimizer on the whole global batch: each rank feeds
 // its slice, and after 10 steps every parameter must match within 1e-6 (fp32). The model has a
 // tied weight, a frozen parameter, one that never gets a gradient, a 1-element group (fewer
-// elements than ranks) and two stage-3 units (fc1, fc2; the rest is the root unit).
+// elements than ranks) and two stage-3 units (fc1, fc2; the rest is in no unit).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/types.h>
@@ -401,9 +401,9 @@ TEST(StageFactory, TorchAdamWOverTheShardMatches) {
   }
 }
 
-// Padded elements of TinyNet's root unit in stage 3 with 64-byte buckets and alignment (16
-// floats): tiny.bias, unused.weight and embed.weight (1 + 3 + 66) fill buckets of 16 * N
-// elements (embed.weight spans several), only the last padded.
+// Padded elements of TinyNet's parameters in no unit at stage 3 with 64-byte buckets and
+// alignment (16 floats): tiny.bias, unused.weight and embed.weight (1 + 3 + 66) fill buckets of
+// 16 * N elements (embed.weight spans several), only the last padded.
 int64_t tiny_root_padded(int64_t n) { return detail::round_up(4 + kVocab * kDim, 16 * n); }
 
 // memory() is the DESIGN.md model with padding: K = 8 bytes of AdamW state per element.

@@ -161,8 +161,17 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   tracker_ = std::make_unique<BackwardTracker>(std::move(buckets_of), unit_of, bucket_count, root + 1);
 
   // Initial values, full and in master precision: rank 0's reach every rank (as DDP does), then
-  // become the model's storage and the master weights.
-  {
+  // become the model's storage and the master weights. Stage 3 moves them over bucket by bucket
+  // into this rank's shard instead (ParameterStore::adopt_shards), never holding a second copy.
+  if (plan_.per_unit()) {
+    at::NoGradGuard no_grad;
+    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1,
+                                              model_.unit_parts, comm_, options_.timeout,
+                                              options_.prefetch);
+    const at::Tensor initial = store_->adopt_shards(base.dtype(master_options.dtype()),
+                                                    options_.broadcast_initial_params);
+    flat_->init_master_shard(initial);
+  } else {
     at::NoGradGuard no_grad;
     const auto& lay = flat_->layout();
     at::Tensor initial = at::zeros({lay.padded_numel}, base.dtype(master_options.dtype()));
@@ -173,10 +182,9 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
     if (options_.broadcast_initial_params && world_ > 1) {
       comm_->broadcast(initial, 0, true)->wait(options_.timeout);
     }
-    store_ = std::make_unique<ParameterStore>(
-        *flat_, tensors_of(params()), root + 1,
-        plan_.per_unit() ? model_.unit_parts : std::vector<std::vector<int>>{}, comm_,
-        options_.timeout, options_.prefetch);
+    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1,
+                                              std::vector<std::vector<int>>{}, comm_,
+                                              options_.timeout, options_.prefetch);
     store_->adopt(initial);
     flat_->init_master(initial);
   }

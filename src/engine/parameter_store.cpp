@@ -16,7 +16,7 @@ ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> pa
   units_.resize(parts);
   unit_parts_ = std::move(unit_parts);
   root_unit_ = parts - 1;
-  units_[root_unit_].gathered = true;
+  units_[root_unit_].gathered = !plan_.per_unit();
 }
 
 ParameterStore::~ParameterStore() {
@@ -33,47 +33,98 @@ ParameterStore::~ParameterStore() {
 void ParameterStore::adopt(const at::Tensor& initial) {
   at::NoGradGuard no_grad;
   const auto& layout = flat_.layout();
-  const auto& options = flat_.model_options();
-  std::vector<int64_t> at_in_unit(layout.buckets.size(), 0);  // bucket's start in its unit
-  if (plan_.per_unit()) {
-    shard_ = flat_.owned_copy(initial, options);
-    std::vector<int64_t> unit_numel(units_.size(), 0);
-    for (size_t b = 0; b < layout.buckets.size(); ++b) {
-      const auto& bl = layout.buckets[b];
-      units_[bl.unit].buckets.push_back(static_cast<int>(b));
-      at_in_unit[b] = unit_numel[bl.unit];
-      unit_numel[bl.unit] += bl.padded;
-    }
-    for (size_t u = 0; u < units_.size(); ++u) {
-      units_[u].full = at::empty({unit_numel[u]}, options);
-    }
-    for (size_t b = 0; b < layout.buckets.size(); ++b) {
-      const auto& bl = layout.buckets[b];
-      full_.push_back(units_[bl.unit].full.narrow(0, at_in_unit[b], bl.padded));
-      full_.back().copy_(initial.narrow(0, bl.flat_offset, bl.padded));
-    }
-  } else {
-    flat_params_ = initial.to(options);  // no copy when nothing changes
-  }
+  flat_params_ = initial.to(flat_.model_options());  // no copy when nothing changes
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    const auto& slot = layout.slots[i];
-    // A split parameter's buckets are consecutive in the layout and in its unit's buffer.
-    at::Tensor view =
-        plan_.per_unit()
-            ? units_[layout.buckets[slot.bucket].unit]
-                  .full.narrow(0, at_in_unit[slot.bucket] + slot.offset, slot.numel)
-                  .view(p.sizes())
-            : flat_params_.narrow(0, layout.flat_offset(static_cast<int>(i)), slot.numel)
-                  .view(p.sizes());
-    p.set_data(view);  // same TensorImpl (autograd identity), our storage
+    p.set_data(flat_params_.narrow(0, layout.flat_offset(static_cast<int>(i)), p.numel())
+                   .view(p.sizes()));  // same TensorImpl (autograd identity), our storage
   }
-  // Stage 3 after construction: every part but the root gives its full storage back (the root
-  // stays for the first forward, until the first step).
-  for (int u = 0; u < root_unit_; ++u) {
-    units_[u].gathered = true;
-    release(u);
+}
+
+at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options, bool broadcast) {
+  at::NoGradGuard no_grad;
+  const auto& layout = flat_.layout();
+  const auto& options = flat_.model_options();
+  const int world = comm_->size();
+  // Each part's full buffer (its buckets back to back), created released: storage only while
+  // gathered. A split parameter's buckets are consecutive in the layout and in its part's buffer.
+  std::vector<int64_t> at_in_unit(layout.buckets.size(), 0);
+  std::vector<int64_t> unit_numel(units_.size(), 0);
+  int64_t max_padded = 0;
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bl = layout.buckets[b];
+    units_[bl.unit].buckets.push_back(static_cast<int>(b));
+    at_in_unit[b] = unit_numel[bl.unit];
+    unit_numel[bl.unit] += bl.padded;
+    max_padded = std::max(max_padded, bl.padded);
   }
+  // Views can only be taken while the storage exists: one part's buffer at a time is allocated,
+  // viewed and freed again.
+  std::vector<std::vector<int>> params_of(units_.size());
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    params_of[layout.buckets[layout.slots[i].bucket].unit].push_back(i);
+  }
+  full_.resize(layout.buckets.size());
+  std::vector<at::Tensor> views(params_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto& part = units_[u];
+    part.full = at::empty({unit_numel[u]}, options);
+    for (int b : part.buckets) {
+      full_[b] = part.full.narrow(0, at_in_unit[b], layout.buckets[b].padded);
+    }
+    for (int i : params_of[u]) {
+      const auto& slot = layout.slots[i];
+      views[i] = part.full.narrow(0, at_in_unit[slot.bucket] + slot.offset, slot.numel)
+                     .view(params_[i].sizes());
+    }
+    part.full.storage().unsafeGetStorageImpl()->reset();
+    part.gathered = false;
+  }
+  // Bucket by bucket: this rank's owned slice of the initial values (rank 0's, broadcast one
+  // bucket at a time), in master precision; a parameter gives its own storage back after its
+  // last bucket, so the model moves over with one bucket in flight.
+  std::vector<std::vector<int>> done_after(layout.buckets.size());
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    done_after[(layout.pieces_end(i) - 1)->bucket].push_back(i);
+  }
+  const bool from_rank0 = broadcast && world > 1;
+  at::Tensor bucket_values;
+  if (from_rank0) bucket_values = at::empty({max_padded}, master_options);
+  at::Tensor initial = at::empty({layout.shard_numel}, master_options);
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bl = layout.buckets[b];
+    at::Tensor owned = initial.narrow(0, bl.shard_offset, bl.shard);
+    const ShardRange mine = bl.owned(rank_);
+    if (from_rank0) {
+      at::Tensor full = bucket_values.narrow(0, 0, bl.padded);
+      if (rank_ == 0) {
+        full.zero_();
+        for (int k : bl.pieces) {
+          const auto& p = layout.pieces[k];
+          full.narrow(0, p.offset, p.numel)
+              .copy_(params_[p.param].reshape(-1).narrow(0, p.param_offset, p.numel));
+        }
+      }
+      comm_->broadcast(full, 0, true)->wait(timeout_);
+      owned.copy_(full.narrow(0, mine.begin, bl.shard));
+    } else {
+      owned.zero_();
+      for (int k : bl.pieces) {
+        const auto& p = layout.pieces[k];
+        const ShardRange r = intersect({p.offset, p.offset + p.numel}, mine);
+        if (r.empty()) continue;
+        owned.narrow(0, r.begin - mine.begin, r.size())
+            .copy_(params_[p.param].reshape(-1).narrow(0, p.param_offset + r.begin - p.offset,
+                                                        r.size()));
+      }
+    }
+    // Same TensorImpl (autograd identity), no storage until gathered.
+    for (int i : done_after[b]) params_[i].set_data(views[i]);
+  }
+  shard_ = initial.to(options);  // no copy when the model computes in master precision
+  // The parameters in no unit stay gathered for the first forward, until the first step.
+  gather_root();
+  return initial;
 }
 
 at::Tensor ParameterStore::model_slice(int bucket, const UpdatedRange& range) const {

@@ -31,9 +31,15 @@ class ParameterStore {
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~ParameterStore();
 
-  // Takes the initial full flat values (master precision) as the model's storage; the
+  // Whole: takes the initial full flat values (master precision) as the model's storage; the
   // parameters become views into it (same TensorImpl, so autograd identity is kept).
   void adopt(const at::Tensor& initial);
+  // PerUnit: moves the parameters into this rank's shard bucket by bucket (rank 0's values when
+  // `broadcast`), each parameter's own storage given back after its last bucket, so construction
+  // holds the model once plus the shard and one bucket. The parameters become views into their
+  // parts' full buffers, released; the root part is gathered. Returns the initial shard in
+  // `master_options` (the master weights' initial values).
+  at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
   // The model's storage of a bucket's updated range (the update's target or its low copy).
   at::Tensor model_slice(int bucket, const UpdatedRange& range) const;
   // This rank's owned slice of a bucket in the model's storage.

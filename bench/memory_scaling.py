@@ -195,12 +195,16 @@ def main():
           "shard, at most 64 MiB, N > 1); estimator = shardopt/estimate.hpp with the same "
           "alignment, buckets and largest parameter (no engine scratch); tracker = live tensor "
           "storage after the step minus before the model was built (worst rank); MB = 10^6 bytes.")
-    # ZeRO's promise: each stage holds less model state than the one before it (N >= 2), for every
-    # model, among the stages measured at that N.
+    # ZeRO's promise: each stage holds less model state (memory()'s parameters, gradients and
+    # optimizer state; the bounded buffers aside) than the one before it (N >= 2), for every model,
+    # among the stages measured at that N.
+    def model_state(r):
+        return max(m["memory"]["params"] + m["memory"]["grads"] + m["memory"]["optimizer_state"]
+                   for m in r["per_rank"])
     disordered = []
     for model in args.models.split(","):
         for n in sorted({r["ranks"] for r in measured if r["model"] == model and r["ranks"] >= 2}):
-            live = {r["stage"]: r["tracker_live_max"] for r in measured
+            live = {r["stage"]: model_state(r) for r in measured
                     if r["model"] == model and r["ranks"] == n}
             stages = sorted(live)
             for lo, hi in zip(stages, stages[1:]):

@@ -93,32 +93,28 @@ est::Estimate estimator(const Config& c, const est::BertConfig& bc, const shardo
   o.stage = c.stage;
   o.bucket_bytes = zo.bucket_bytes;
   o.align_bytes = zo.align_bytes;
-  o.largest_param = bc.vocab * bc.hidden;  // the word embeddings (tied decoder)
   o.gathered_units_params = est::bert_counts(bc).two_largest_units(bc.layers);
   return est::model_states(o);
 }
 
-// Documented bounded buffers on top of the formula: stage 2 keeps at most two bucket buffers of
-// the largest bucket; stage 3 the same two plus its root unit (embeddings, pooler and heads: the
-// parameters in no layer unit), which stays gathered between steps; the MPI engine one scratch
-// piece (N > 1). Stage 3's gathered layer units are freed after each step, so they are not
-// live after it.
+// Documented bounded buffers on top of the formula: stages 2 and 3 keep at most two bucket
+// buffers of the largest bucket (at most bucket_bytes: buckets split parameters); the MPI engine
+// one scratch piece (N > 1). Stage 3 keeps nothing gathered between steps (every unit, the
+// embeddings and heads included, is freed after its use), so no unit is live after a step.
 struct Buffers {
   int64_t optimizer = 0;
   int64_t engine = 0;
   int64_t total() const { return optimizer + engine; }
 };
 
-Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& layout,
-                           int64_t root_numel) {
+Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& layout) {
   Buffers b;
   int64_t max_bucket = 0, max_shard = 0;
   for (const auto& bl : layout.buckets) {
     max_bucket = std::max(max_bucket, bl.padded);
     max_shard = std::max(max_shard, bl.shard);
   }
-  if (c.stage == 2) b.optimizer = 2 * kG * max_bucket;
-  if (c.stage == 3) b.optimizer = 2 * kG * max_bucket + kP * root_numel;
+  if (c.stage >= 2) b.optimizer = 2 * kG * max_bucket;
   if (c.ranks > 1) b.engine = std::min(kEngineScratchBytes, kG * max_shard);
   return b;
 }
@@ -206,15 +202,11 @@ int measure(const Config& c, const std::string& json_path) {
 
   shardopt::ZeroOptions zo;
   zo.stage = shardopt::stage_from_int(c.stage);
-  zo.units = (*model)->units();  // stage 3: one unit per encoder layer, as the trainer does
-  int64_t unit_numel = 0;
-  for (int u = 0; u < zo.units->size(); ++u) {
-    for (const auto& t : zo.units->parameters(u)) unit_numel += t.numel();
-  }
+  zo.units = (*model)->units();  // stage 3: layers, embeddings, pooler, heads (as the trainer)
   const auto bc = est::bert_preset(c.model);
   const auto e = estimator(cfg, bc, zo);
   const auto layout = layout_of(numels, world, zo);
-  const auto buffers = documented_buffers(cfg, layout, psi - unit_numel);
+  const auto buffers = documented_buffers(cfg, layout);
   const auto formula = design_formula(c.stage, psi, world);
 
   json result = {{"model", c.model}, {"stage", c.stage}, {"ranks", world},
@@ -331,7 +323,7 @@ int main(int argc, char** argv) {
   std::string json_path, ranks = "1,2,4,8", stages = "0,1,2,3";
   double budget_gib = 12;
   app.add_option("--model", c.model, "BERT shape: base or large (or any example preset)")
-      ->required()->check(CLI::IsMember({"tiny", "mini", "small", "base", "large"}));
+      ->required()->check(CLI::IsMember({"tiny", "mini", "small", "base", "large", "peer"}));
   app.add_option("--stage", c.stage, "ZeRO stage")->check(CLI::Range(0, 3));
   app.add_option("--json", json_path, "write the result here too (rank 0)");
   app.add_flag("--plan", plan_only, "print which (stage, ranks) fit --budget-gib, run nothing");

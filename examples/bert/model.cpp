@@ -143,6 +143,11 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c)
   transform_ = transform->register_module("dense", torch::nn::Linear(h, h));
   transform_norm_ = transform->register_module("LayerNorm", ln());
   if (c.nsp) seq_relationship_ = cls->register_module("seq_relationship", torch::nn::Linear(h, 2));
+  embeddings_unit_ = units_->add_module("embeddings", embeddings);
+  if (pooler_) pooler_unit_ = units_->add_module("pooler", pooler_);
+  auto heads = cls->parameters(/*recurse=*/true);
+  heads.push_back(word_embeddings_->weight);  // the tied decoder
+  heads_unit_ = units_->add("heads", heads);
   init_weights();
 }
 
@@ -176,9 +181,11 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
                                 std::to_string(config_.max_position_embeddings));
   }
   const auto positions = torch::arange(T, input_ids.options()).unsqueeze(0);
-  auto x = word_embeddings_(input_ids) + position_embeddings_(positions) +
-           token_type_embeddings_(token_type_ids);
-  x = embeddings_dropout_(embeddings_norm_(x));
+  auto x = units_->run(embeddings_unit_, [&] {
+    auto e = word_embeddings_(input_ids) + position_embeddings_(positions) +
+             token_type_embeddings_(token_type_ids);
+    return embeddings_dropout_(embeddings_norm_(e));
+  });
   // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation).
   const auto mask_bias =
       ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
@@ -186,7 +193,7 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
     x = units_->run(static_cast<int>(i), [&] { return layers_[i]->forward(x, mask_bias); });
   }
   at::Tensor pooled;
-  if (pooler_) pooled = torch::tanh(pooler_(x.select(1, 0)));
+  if (pooler_) pooled = units_->run(pooler_unit_, [&] { return torch::tanh(pooler_(x.select(1, 0))); });
   return {x, pooled};
 }
 
@@ -211,11 +218,13 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     h = sequence.reshape({B * T, H}).index_select(0, rows);
     out.mlm_labels = labels.index_select(0, valid);
   }
-  h = transform_norm_(torch::gelu(transform_(h)));
-  out.mlm_logits = F::linear(h, word_embeddings_->weight, decoder_bias_);
+  std::tie(out.mlm_logits, out.nsp_logits) = units_->run(heads_unit_, [&] {
+    const auto t = transform_norm_(torch::gelu(transform_(h)));
+    return std::make_tuple(F::linear(t, word_embeddings_->weight, decoder_bias_),
+                           seq_relationship_ ? seq_relationship_(pooled) : at::Tensor());
+  });
   out.mlm_loss = F::cross_entropy(out.mlm_logits.to(torch::kFloat), out.mlm_labels);
   if (seq_relationship_) {
-    out.nsp_logits = seq_relationship_(pooled);
     out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
     out.loss = out.mlm_loss + out.nsp_loss;
   } else {

@@ -103,8 +103,10 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   const at::Tensor& word_embeddings() const { return word_embeddings_->weight; }
   // The encoder layers, in order (the natural stage-3 units).
   std::vector<BertLayer> layers() const { return layers_; }
-  // One ZeRO stage-3 unit per encoder layer (embeddings and heads form the root unit, which the
-  // tied decoder needs anyway): hand it to the optimizer as ZeroOptions::units.
+  // The ZeRO stage-3 units: one per encoder layer, then the embeddings, the pooler and the heads.
+  // The word embeddings are declared by the embeddings and by the heads (the tied MLM decoder),
+  // so stage 3 gathers them at the lookup and again at the decoder. Hand it to the optimizer as
+  // ZeroOptions::units.
   const shardopt::UnitsPtr& units() const { return units_; }
   // Parameters counted once each (the tied decoder is the word embedding matrix).
   int64_t num_parameters() const;
@@ -118,6 +120,7 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   torch::nn::Dropout embeddings_dropout_{nullptr};
   std::vector<BertLayer> layers_;
   shardopt::UnitsPtr units_ = std::make_shared<shardopt::Units>();
+  int embeddings_unit_ = -1, pooler_unit_ = -1, heads_unit_ = -1;
   torch::nn::Linear pooler_{nullptr};
   torch::nn::Linear transform_{nullptr};
   torch::nn::LayerNorm transform_norm_{nullptr};

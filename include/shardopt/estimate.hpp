@@ -123,8 +123,8 @@ struct Options {
   // Stage 3: elements of the two largest units gathered at once (the current one and the
   // prefetched one). 0: two units of one bucket each.
   int64_t gathered_units_params = 0;
-  // Elements of the largest parameter: a bucket holds at least one whole parameter, so bucket
-  // buffers are max(bucket_bytes, G * largest_param) bytes. 0: unknown (bucket_bytes).
+  // Elements of the largest parameter. Buckets split parameters, so it no longer sizes the
+  // bucket buffers (bucket_bytes does); kept so that callers setting it still compile.
   int64_t largest_param = 0;
 };
 
@@ -184,8 +184,9 @@ inline Estimate model_states(const Options& o) {
   }
   // Bounded buffers.
   if (o.stage == 2) {
-    const int64_t bucket = std::min<int64_t>(std::max(o.bucket_bytes, g * o.largest_param), g * psi);
-    dev.buffers = std::min<int64_t>(2 * bucket, g * psi);
+    // Two pooled bucket buffers, never more than the whole gradient (a parameter may span
+    // buckets, so no buffer is sized by the largest parameter).
+    dev.buffers = std::min<int64_t>(2 * o.bucket_bytes, g * psi);
   } else if (o.stage == 3) {
     int64_t units = o.gathered_units_params;
     if (units == 0) units = 2 * std::max<int64_t>(1, o.bucket_bytes / p);
@@ -228,6 +229,7 @@ struct BertConfig {
 
 // tiny 2/128/2/512, mini 4/256/4/1024, small 4/512/8/2048, base 12/768/12/3072,
 // large 24/1024/16/4096 (layers/hidden/heads/intermediate); vocab 30522, 512 positions, 2 types.
+// peer: the PyTorch peer baseline's model, mini's shape without pooler and NSP head (MLM only).
 inline BertConfig bert_preset(const std::string& name) {
   BertConfig c;
   auto set = [&](int64_t l, int64_t h, int64_t a, int64_t i) {
@@ -238,8 +240,13 @@ inline BertConfig bert_preset(const std::string& name) {
   else if (name == "small") set(4, 512, 8, 2048);
   else if (name == "base") set(12, 768, 12, 3072);
   else if (name == "large") set(24, 1024, 16, 4096);
+  else if (name == "peer") {
+    set(4, 256, 4, 1024);
+    c.pooler = false;
+    c.nsp_head = false;
+  }
   else throw std::invalid_argument("estimate: unknown BERT preset '" + name +
-                                   "', expected tiny, mini, small, base or large");
+                                   "', expected tiny, mini, small, base, large or peer");
   return c;
 }
 

@@ -63,8 +63,8 @@ struct ZeroOptions {
   // Shard boundaries are aligned to this many bytes (SIMD, NCCL).
   int64_t align_bytes = 64;
   // Stage 3: the units whose parameters are gathered together (shardopt/units.hpp); the model
-  // calls units->run(i, ...) around each. Without units every parameter is in the root unit,
-  // which stays gathered (stage 2's parameter memory).
+  // calls units->run(i, ...) around each. Parameters in no unit are gathered from zero_grad()
+  // until step() (without units: the whole model, stage 2's parameter memory during the step).
   std::shared_ptr<Units> units;
   // Stage 3: how many units ahead to gather asynchronously (forward and backward); 0 gathers
   // each unit only when it is needed.

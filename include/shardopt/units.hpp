@@ -12,11 +12,17 @@
 // With stage 3, run() all-gathers the unit's parameters before `fn` (prefetching the units that
 // come next), frees the full storage after it, and gathers it again when backward reaches the
 // unit. Without a stage-3 optimizer attached, run() just calls `fn`, so the model code is the
-// same for every stage. Parameters not declared in any unit, or declared in two (tied weights
-// used by two units), form the root unit, which stays gathered like a stage-2 parameter.
+// same for every stage. A unit may run several times in one forward (BERT's tied word embeddings:
+// the lookup, then the MLM decoder) and is gathered for each run. A parameter declared by two
+// units (the word embeddings declared by the embeddings unit and by the heads unit) is gathered
+// whenever either runs and freed once its gradient is in. Parameters declared in no unit are
+// gathered from zero_grad() (or the first run()) until step(), and named in a warning.
 //
-// Between steps, the parameters of non-root units have no storage (their data pointer is null):
-// read them only inside run(), or after DistributedOptimizer::gather_full_parameters().
+// Communication per micro-step: each unit's parameters are all-gathered once per run in forward
+// and once in backward, and reduce-scattered once; parameters in no unit once per step.
+//
+// Between steps, no parameter has storage (its data pointer is null): read them only inside
+// run(), or after DistributedOptimizer::gather_full_parameters().
 #pragma once
 
 #include <ATen/core/Tensor.h>

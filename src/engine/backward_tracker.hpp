@@ -1,6 +1,7 @@
 // BackwardTracker: where the backward pass stands. Counts micro-steps (backward passes since the
 // last step()) and, within a pass, which parameters' gradients arrived, so the engine learns when
-// a bucket or a stage-3 unit has all of its gradients. Autograd may fire a parameter's hook twice
+// a bucket (every piece in it) or a stage-3 unit has all of its gradients. A parameter spanning
+// buckets counts once in each, so its arrival may complete several buckets. Autograd may fire a parameter's hook twice
 // in one pass (reentrant backward): the second arrival is reported as a duplicate. Torch-free.
 #pragma once
 
@@ -11,11 +12,15 @@ namespace shardopt::detail {
 
 class BackwardTracker {
  public:
-  // bucket_of[i], unit_of[i]: parameter i's bucket and unit (-1: no unit is tracked for it).
-  BackwardTracker(std::vector<int> bucket_of, std::vector<int> unit_of, int buckets, int units)
-      : bucket_of_(std::move(bucket_of)), unit_of_(std::move(unit_of)),
-        param_pass_(bucket_of_.size(), -1), buckets_(buckets), units_(units) {
-    for (int b : bucket_of_) ++buckets_[b].size;
+  // buckets_of[i], unit_of[i]: the buckets parameter i has a piece in, in order, and its unit
+  // (-1: no unit is tracked for it).
+  BackwardTracker(std::vector<std::vector<int>> buckets_of, std::vector<int> unit_of, int buckets,
+                  int units)
+      : buckets_of_(std::move(buckets_of)), unit_of_(std::move(unit_of)),
+        param_pass_(buckets_of_.size(), -1), buckets_(buckets), units_(units) {
+    for (const auto& list : buckets_of_) {
+      for (int b : list) ++buckets_[b].size;
+    }
     for (int u : unit_of_) {
       if (u >= 0) ++units_[u].size;
     }
@@ -31,7 +36,7 @@ class BackwardTracker {
 
   struct Arrival {
     bool duplicate = false;        // already arrived in this pass: nothing to do
-    bool bucket_complete = false;  // the last gradient of its bucket in this pass
+    std::vector<int> complete_buckets;  // its buckets that now have every piece, in order
     bool unit_complete = false;    // the last gradient of its unit in this pass
   };
   Arrival arrive(int param) {
@@ -41,7 +46,9 @@ class BackwardTracker {
       return a;
     }
     param_pass_[param] = pass_;
-    a.bucket_complete = count_down(buckets_[bucket_of_[param]]);
+    for (int b : buckets_of_[param]) {
+      if (count_down(buckets_[b])) a.complete_buckets.push_back(b);
+    }
     const int unit = unit_of_[param];
     a.unit_complete = unit >= 0 && count_down(units_[unit]);
     return a;
@@ -74,7 +81,7 @@ class BackwardTracker {
     return --c.pending == 0;
   }
 
-  std::vector<int> bucket_of_;
+  std::vector<std::vector<int>> buckets_of_;
   std::vector<int> unit_of_;
   std::vector<int64_t> param_pass_;  // pass in which each parameter's gradient last arrived
   std::vector<Counter> buckets_;

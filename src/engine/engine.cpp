@@ -4,9 +4,12 @@
 // Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
 // sorted by parameter group and, within a group, placed in reverse registration order, which is
 // roughly the order backward produces their gradients. They are packed into buckets of about
-// bucket_bytes; each bucket is padded to a multiple of world * align so it splits evenly, and rank
-// r owns [r*S, (r+1)*S) of every bucket. Model parameters become views into flat storage, so the
-// optimizer updates them with no copy. A bucket is the unit of one collective.
+// bucket_bytes; a parameter larger than the space left in a bucket fills it and continues in the
+// next (the split falls at a multiple of world * align, so the parameter stays contiguous in the
+// full flat buffer and its view stays one view). Each bucket is padded to a multiple of
+// world * align so it splits evenly, and rank r owns [r*S, (r+1)*S) of every bucket. Model
+// parameters become views into flat storage, so the optimizer updates them with no copy. A bucket
+// is the unit of one collective and is complete once every piece in it has its gradient.
 //
 // Note [Stages] (what src/engine/plan.hpp turns each stage into)
 //   stage 0: Replicated, InPlace gradients (flat buffer, .grad are views), each complete bucket
@@ -19,18 +22,30 @@
 // fp16/bf16 and offload make the master Separate and the gradients Bucketed at every stage.
 //
 // Note [Stage 3 units]
-// Buckets never span units (shardopt/units.hpp). Unit u is gathered by allocating storage for its
-// buckets' full buffers and all-gathering each bucket's shards into them; it is released by
-// freeing that storage (StorageImpl::reset), so the model's parameters keep their shape and
-// autograd identity but hold no bytes. Autograd saved the parameters themselves (or views of
-// them), which share the StorageImpl, so gathering again before a unit's backward makes them
-// valid again. Forward: Units::run enters (gather; prefetch the next units of the last pass's
-// order) and exits (release). Backward: a hook on the unit's outputs gathers it (prefetching the
-// unit that backward reaches next); once every parameter of the unit has its gradient (the
-// bucketed path reduce-scatters them), the unit is released. The root unit (parameters in no unit
-// or in two, e.g. tied embeddings) stays gathered like a stage-2 parameter and is re-gathered by
-// step(). Collectives are issued in the same order on every rank because forward and backward
-// visit units in the same order everywhere (as DDP assumes of its buckets).
+// Parameters are gathered in parts (src/engine/model_check.cpp): each declared unit's own
+// parameters; one part per set of units sharing parameters (BERT's word embeddings, declared by
+// the embeddings unit and by the heads that reuse them as the MLM decoder); and the root part, the
+// parameters no unit declares. Buckets never span parts. A part is gathered by allocating storage
+// for its full buffer and all-gathering each bucket's shards into it; it is released by freeing
+// that storage (StorageImpl::reset), so the model's parameters keep their shape and autograd
+// identity but hold no bytes. Autograd saved the parameters themselves (or views of them), which
+// share the StorageImpl, so gathering again before a unit's backward makes them valid again.
+// Forward: Units::run enters (gather the unit's parts; prefetch the next units of the last pass's
+// order) and exits (release the parts no running unit needs); a unit may run several times, and is
+// gathered for each run. Backward: a hook on each run's outputs gathers the unit's parts
+// (prefetching the unit backward reaches next); once every parameter of a part has its gradient
+// (the bucketed path reduce-scatters them), the part is released; a shared part or one run twice
+// stays gathered between its backward uses (its gradients arrive after the last one). The root
+// part is gathered before the forward (zero_grad() or the first unit entered) and released by
+// step(); nothing stays gathered between steps. Collectives are issued in the same order on every
+// rank because forward and backward visit units in the same order everywhere (as DDP assumes of
+// its buckets).
+//
+// Communication per micro-step at stage 3 (elements, padded): each part is all-gathered once per
+// forward run of a unit that needs it and once in backward, and reduce-scattered once; the root
+// part is all-gathered once per step instead. With every unit run once and no sharing that is
+// 3 * Psi per micro-step, as DESIGN.md states; BERT's shared word embeddings, run at the lookup and
+// at the decoder, add one all-gather of that part.
 #include "engine/engine.hpp"
 
 #include <ATen/ATen.h>
@@ -39,6 +54,12 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstdio>
 
 #include "shardopt/error.hpp"
 
@@ -89,6 +110,12 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   verify_same_model(params(), plan_.per_unit(), *world_comm_, options_.timeout);
   build(rule, factory);
   attach_hooks();
+  if (plan_.per_unit() && !model_.loose_names.empty() && comm_->rank() == 0) {
+    fmt::print(stderr,
+               "shardopt: stage 3: {} parameter(s) in no unit, gathered for every forward and "
+               "backward until step(): {}\n",
+               model_.loose_names.size(), fmt::join(model_.loose_names, ", "));
+  }
   if (unit_plan_) unit_plan_->attach(this);
 }
 
@@ -105,7 +132,8 @@ Engine::~Engine() {
 // gradients in fp32 (mixed) on the host (offload) or next to the parameters.
 void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   std::vector<int64_t> numels;
-  std::vector<int> groups, units, bucket_of, unit_of;
+  std::vector<int> groups, units, unit_of;
+  std::vector<std::vector<int>> buckets_of;
   for (const auto& p : params()) {
     numels.push_back(p.tensor.numel());
     groups.push_back(p.group);
@@ -128,29 +156,43 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       options_.reduce_dtype != Precision::FP32 ? compute_dtype(options_.reduce_dtype)
       : plan_.mixed && options_.reduce_in_fp32 ? at::kFloat
                                                : model_options.dtype().toScalarType());
-  for (const auto& slot : layout.slots) bucket_of.push_back(slot.bucket);
+  for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
+    buckets_of.emplace_back();
+    for (const ParamPiece* p = layout.pieces_begin(i); p != layout.pieces_end(i); ++p) {
+      buckets_of.back().push_back(p->bucket);
+    }
+  }
   const int root = plan_.per_unit() ? model_.root_unit : 0;
   for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);
   const int bucket_count = static_cast<int>(layout.buckets.size());
   flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), model_options,
                                       master_options, reduce_options);
-  tracker_ = std::make_unique<BackwardTracker>(bucket_of, unit_of, bucket_count, root + 1);
+  tracker_ = std::make_unique<BackwardTracker>(std::move(buckets_of), unit_of, bucket_count, root + 1);
 
   // Initial values, full and in master precision: rank 0's reach every rank (as DDP does), then
-  // become the model's storage and the master weights.
-  {
+  // become the model's storage and the master weights. Stage 3 moves them over bucket by bucket
+  // into this rank's shard instead (ParameterStore::adopt_shards), never holding a second copy.
+  if (plan_.per_unit()) {
+    at::NoGradGuard no_grad;
+    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1,
+                                              model_.unit_parts, comm_, options_.timeout,
+                                              options_.prefetch);
+    const at::Tensor initial = store_->adopt_shards(base.dtype(master_options.dtype()),
+                                                    options_.broadcast_initial_params);
+    flat_->init_master_shard(initial);
+  } else {
     at::NoGradGuard no_grad;
     const auto& lay = flat_->layout();
     at::Tensor initial = at::zeros({lay.padded_numel}, base.dtype(master_options.dtype()));
     for (size_t i = 0; i < params().size(); ++i) {
-      const auto& slot = lay.slots[i];
-      initial.narrow(0, lay.buckets[slot.bucket].flat_offset + slot.offset, slot.numel)
+      initial.narrow(0, lay.flat_offset(static_cast<int>(i)), lay.slots[i].numel)
           .copy_(params()[i].tensor.reshape(-1));
     }
     if (options_.broadcast_initial_params && world_ > 1) {
       comm_->broadcast(initial, 0, true)->wait(options_.timeout);
     }
-    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1, comm_,
+    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1,
+                                              std::vector<std::vector<int>>{}, comm_,
                                               options_.timeout, options_.prefetch);
     store_->adopt(initial);
     flat_->init_master(initial);
@@ -202,10 +244,15 @@ void Engine::on_grad_ready(int index) {
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
   const int micro = tracker_->micro_steps();
-  reducer_->accept(index, micro);
-  if (arrival.bucket_complete && options_.overlap_comm && reduces_this_micro_step()) {
-    reducer_->launch(flat_->layout().slots[index].bucket, micro);
-  }
+  const bool launch = options_.overlap_comm && reduces_this_micro_step();
+  // Piece by piece: a bucket this arrival completes is launched before the next piece needs a
+  // buffer, so the pool stays at two buffers however many buckets the parameter spans.
+  reducer_->accept(index, micro, [&](int bucket) {
+    const auto& done = arrival.complete_buckets;
+    if (launch && std::find(done.begin(), done.end(), bucket) != done.end()) {
+      reducer_->launch(bucket, micro);
+    }
+  });
   // Every parameter of the unit has its gradient: its backward is over, free it.
   if (arrival.unit_complete) store_->release(p.unit);
 }
@@ -240,6 +287,7 @@ void Engine::backward(const at::Tensor& loss) {
 void Engine::zero_grad() {
   reducer_->zero();
   tracker_->reset_micro_steps();
+  store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
 
 // ---- step() ---------------------------------------------------------------------------------------

@@ -45,6 +45,10 @@ void FlatState::init_master(const at::Tensor& initial) {
   if (plan_.separate_master()) master_ = updated_copy(initial, master_options_);
 }
 
+void FlatState::init_master_shard(const at::Tensor& shard) {
+  if (plan_.separate_master()) master_ = shard.to(master_options_, false, true);
+}
+
 void FlatState::init_state(int count, double first_value) {
   for (int k = 0; k < count; ++k) state_.push_back(at::zeros({update_numel()}, master_options_));
   if (count > 0 && first_value != 0.0) state_[0].fill_(first_value);

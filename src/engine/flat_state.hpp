@@ -62,6 +62,8 @@ class FlatState {
 
   // Master weights from the initial full flat values (separate master only).
   void init_master(const at::Tensor& initial);
+  // ... or from this rank's initial shard, in master precision (sharded plans).
+  void init_master_shard(const at::Tensor& shard);
   // Optimizer state: `count` zero buffers, the first filled with `first_value`.
   void init_state(int count, double first_value);
   // One segment per bucket; the engine hands over where the model's and the gradients' updated

@@ -24,9 +24,8 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
   }
   grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& slot = layout.slots[i];
-    const auto& bl = layout.buckets[slot.bucket];
-    grad_views_.push_back(grad_flat_.narrow(0, bl.flat_offset + slot.offset, slot.numel)
+    grad_views_.push_back(grad_flat_.narrow(0, layout.flat_offset(static_cast<int>(i)),
+                                            layout.slots[i].numel)
                               .view(params_[i].sizes()));
     params_[i].mutable_grad() = grad_views_.back();
   }
@@ -50,18 +49,19 @@ at::Tensor GradientReducer::reduced(int bucket, const UpdatedRange& range) const
 
 void GradientReducer::check_open(int index, const std::string& name,
                                  int accumulation_steps) const {
-  const auto& b = buckets_[flat_.layout().slots[index].bucket];
-  SHARDOPT_CHECK(b.launched_micro < 0 || plan_.bucketed(), InvalidArgument,
-                 "optimizer: gradient of '{}' arrived after its bucket was reduced; call "
-                 "backward() at most grad_accumulation_steps ({}) times per step()",
-                 name, accumulation_steps);
+  if (plan_.bucketed()) return;
+  const auto& layout = flat_.layout();
+  for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
+    SHARDOPT_CHECK(buckets_[p->bucket].launched_micro < 0, InvalidArgument,
+                   "optimizer: gradient of '{}' arrived after its bucket was reduced; call "
+                   "backward() at most grad_accumulation_steps ({}) times per step()",
+                   name, accumulation_steps);
+  }
 }
 
-void GradientReducer::accept(int index, int micro) {
-  const auto& slot = flat_.layout().slots[index];
-  auto& b = buckets_[slot.bucket];
-  // Bucketed: last micro-step's reduction of this bucket must land before its buffer refills.
-  if (b.work && b.launched_micro != micro) complete(slot.bucket);
+void GradientReducer::accept(int index, int micro,
+                             const std::function<void(int bucket)>& piece_in) {
+  const auto& layout = flat_.layout();
   at::Tensor& grad = params_[index].mutable_grad();
   if (!plan_.bucketed()) {
     // Autograd accumulated in place unless someone replaced .grad: fold it back in.
@@ -70,15 +70,25 @@ void GradientReducer::accept(int index, int micro) {
       view.add_(grad);
     }
     grad = view;
+    for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
+      piece_in(p->bucket);
+    }
     return;
   }
-  at::Tensor dst = pool_[acquire_buffer(slot.bucket)].narrow(0, slot.offset, slot.numel);
-  if (grad.defined()) {
-    dst.view(grad.sizes()).copy_(grad);
-  } else {
-    dst.zero_();
+  const at::Tensor flat = grad.defined() ? grad.reshape(-1) : at::Tensor();
+  for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
+    auto& b = buckets_[p->bucket];
+    // Last micro-step's reduction of this bucket must land before its buffer refills.
+    if (b.work && b.launched_micro != micro) complete(p->bucket);
+    at::Tensor dst = pool_[acquire_buffer(p->bucket)].narrow(0, p->offset, p->numel);
+    if (flat.defined()) {
+      dst.copy_(flat.narrow(0, p->param_offset, p->numel));
+    } else {
+      dst.zero_();
+    }
+    piece_in(p->bucket);
   }
-  grad.reset();  // the full gradient is freed as soon as it is in the bucket
+  grad.reset();  // the full gradient is freed as soon as it is in the buckets
 }
 
 void GradientReducer::accept_manual() {
@@ -90,15 +100,22 @@ void GradientReducer::accept_manual() {
       if (g.defined() && g.data_ptr() != view.data_ptr()) view.copy_(g);
       g = view;
     } else if (g.defined()) {
-      const auto& slot = layout.slots[i];
-      pool_[acquire_buffer(slot.bucket)].narrow(0, slot.offset, slot.numel).copy_(g.reshape(-1));
+      const at::Tensor flat = g.reshape(-1);
+      const int index = static_cast<int>(i);
+      for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
+        pool_[acquire_buffer(p->bucket)].narrow(0, p->offset, p->numel)
+            .copy_(flat.narrow(0, p->param_offset, p->numel));
+      }
       g.reset();
     }
   }
 }
 
 // A bucket buffer from the pool; when all are busy, the oldest in-flight bucket is completed and
-// its buffer reused, so the pool stays at the few buckets in flight at once.
+// its buffer reused, so the pool stays at kMaxBuffers while buckets complete about in layout order
+// (the layout is in backward order). A bucket waiting for a parameter that gets no gradient this
+// pass, or for one that arrives out of order, keeps its buffer while it waits; when two do and a
+// third bucket needs one, the pool grows past kMaxBuffers.
 int GradientReducer::acquire_buffer(int bucket) {
   auto& b = buckets_[bucket];
   if (b.buffer >= 0) return b.buffer;

@@ -3,7 +3,8 @@
 //   InPlace:  a flat gradient buffer the parameters' .grad are views of; autograd accumulates into
 //             it; each complete bucket is all-reduced (replicated) or reduce-scattered into its
 //             owned slice in place, on the last micro-step.
-//   Bucketed: each fresh .grad is copied into a pooled bucket buffer (at most kMaxBuffers) and
+//   Bucketed: each fresh .grad is copied, piece by piece (a parameter may span buckets), into
+//             pooled bucket buffers (at most kMaxBuffers while buckets complete as they fill) and
 //             freed; a complete bucket is reduced every micro-step and folded into the reduced
 //             gradients (update coordinates, master precision and device).
 // Reductions are sums; the division by world * micro-steps happens once, on the reduced values.
@@ -12,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <deque>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,8 +36,10 @@ class GradientReducer {
   // In-place gradients cannot arrive once their bucket was reduced this step (more backward()
   // calls than grad_accumulation_steps): throws InvalidArgument naming the parameter.
   void check_open(int index, const std::string& name, int accumulation_steps) const;
-  // Parameter `index`'s gradient arrived in micro-step `micro`: move it into the sink.
-  void accept(int index, int micro);
+  // Parameter `index`'s gradient arrived in micro-step `micro`: move it into the sink. After each
+  // of its pieces is in, `piece_in(bucket)` runs (the engine launches the buckets this arrival
+  // completed there, so a buffer is in flight before the next piece needs one).
+  void accept(int index, int micro, const std::function<void(int bucket)>& piece_in);
   // Gradients set by hand, without backward through the hooks: take every defined .grad.
   void accept_manual();
   // Starts bucket's reduction for micro-step `micro` (completes it at once without overlap).

@@ -123,10 +123,10 @@ void LocalUpdate::for_each_param_piece(const Segment& s, Fn&& fn) const {
   const auto& layout = flat_.layout();
   const auto& bl = layout.buckets[s.bucket];
   const ShardRange seg{s.bucket_begin, s.bucket_begin + s.param.numel()};
-  for (int index : bl.params) {
-    const auto& slot = layout.slots[index];
-    const ShardRange piece = intersect(seg, {slot.offset, slot.offset + slot.numel});
-    if (!piece.empty()) fn(index, piece.begin - seg.begin, piece.size());
+  for (int k : bl.pieces) {
+    const auto& p = layout.pieces[k];
+    const ShardRange piece = intersect(seg, {p.offset, p.offset + p.numel});
+    if (!piece.empty()) fn(p.param, piece.begin - seg.begin, piece.size());
   }
 }
 

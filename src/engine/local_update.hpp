@@ -47,8 +47,9 @@ class LocalUpdate {
   bool fused_step(const Rule& rule, int64_t step, Segment& s, std::vector<at::Tensor>& st);
   bool fused_lamb(int64_t step, double* acc, at::Tensor& sums);
   void lamb_update(int64_t step);
-  // Calls fn(param index, begin, length) for each parameter's intersection with a segment, begin
-  // relative to the segment (LAMB's norms are per parameter).
+  // Calls fn(param index, begin, length) for each parameter piece's intersection with a segment,
+  // begin relative to the segment (LAMB's norms are per parameter: a parameter's pieces may sit
+  // in several segments and on several ranks, and their partial sums add up).
   template <typename Fn>
   void for_each_param_piece(const Segment& s, Fn&& fn) const;
   void all_reduce_small(at::Tensor& t, ReduceOp op = ReduceOp::Sum);

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
 #include <unordered_map>
 
 #include "checkpoint/agreement.hpp"
@@ -12,20 +13,42 @@
 namespace shardopt::detail {
 namespace {
 
-// Each parameter's unit: the first unit declaring it; declared by two units, or by none, it
-// belongs to the root unit.
+// Each parameter's part: its declaring unit's own part when one unit declares it, a part of
+// its own per set of units sharing it (BERT's word embeddings, declared by the embeddings and by
+// the heads that reuse them as the MLM decoder), the root part when no unit declares it.
 void assign_units(CollectedModel& m, const Units& units) {
-  m.root_unit = units.size();
-  std::unordered_map<const c10::TensorImpl*, int> unit_of;
-  for (int u = 0; u < m.root_unit; ++u) {
+  const int declared = units.size();
+  std::unordered_map<const c10::TensorImpl*, std::vector<int>> declared_by;
+  for (int u = 0; u < declared; ++u) {
     for (const auto& t : units.parameters(u)) {
-      auto [it, fresh] = unit_of.emplace(t.unsafeGetTensorImpl(), u);
-      if (!fresh && it->second != u) it->second = m.root_unit;  // shared by two units
+      auto& list = declared_by[t.unsafeGetTensorImpl()];
+      if (list.empty() || list.back() != u) list.push_back(u);
     }
   }
-  for (auto& p : m.params) {
-    auto it = unit_of.find(p.tensor.unsafeGetTensorImpl());
-    p.unit = it == unit_of.end() ? m.root_unit : it->second;
+  m.unit_parts.assign(declared, {});
+  for (int u = 0; u < declared; ++u) m.unit_parts[u].push_back(u);
+  std::map<std::vector<int>, int> shared;  // set of declaring units -> its part
+  std::vector<int> part_of(m.params.size(), -1);
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    auto it = declared_by.find(m.params[i].tensor.unsafeGetTensorImpl());
+    if (it == declared_by.end()) continue;
+    std::vector<int> set = it->second;
+    std::sort(set.begin(), set.end());
+    set.erase(std::unique(set.begin(), set.end()), set.end());
+    if (set.size() == 1) {
+      part_of[i] = set.front();
+      continue;
+    }
+    auto [pos, fresh] = shared.emplace(set, declared + static_cast<int>(shared.size()));
+    if (fresh) {
+      for (int u : set) m.unit_parts[u].push_back(pos->second);
+    }
+    part_of[i] = pos->second;
+  }
+  m.root_unit = declared + static_cast<int>(shared.size());
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    m.params[i].unit = part_of[i] >= 0 ? part_of[i] : m.root_unit;
+    if (part_of[i] < 0) m.loose_names.push_back(m.params[i].name);
   }
 }
 

@@ -16,7 +16,7 @@ struct ModelParam {
   std::string name;
   at::Tensor tensor;
   int group = 0;
-  int unit = 0;       // per-unit plans: its unit (the root unit when in none, or in two)
+  int unit = 0;       // per-unit plans: its part (Note [Stage 3 units] in src/engine/engine.cpp)
   int64_t order = 0;  // position in the parameter lists given (checkpoint manifests use it)
 };
 
@@ -24,7 +24,12 @@ struct CollectedModel {
   std::vector<ModelParam> params;  // trainable, tied ones once, in layout order
   std::vector<Rule> group_rules;   // each group's rule (its lr / weight decay applied)
   std::vector<std::vector<at::Tensor>> torch_groups;  // the torch param groups' tensors
-  int root_unit = 0;               // per-unit plans: index of the root unit (= declared units)
+  // Per-unit plans: parameters are gathered in parts. Part u < declared units holds what only
+  // declared unit u declares; then one part per set of two or more units sharing parameters;
+  // the last part, root_unit, holds the parameters no unit declares.
+  int root_unit = 0;
+  std::vector<std::vector<int>> unit_parts;  // declared unit -> the parts it needs, own first
+  std::vector<std::string> loose_names;      // the parameters in no unit
 };
 
 // The dtype the model computes in under `precision`.

@@ -8,13 +8,15 @@
 
 namespace shardopt::detail {
 
-ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int units,
-                               CommunicatorPtr comm, Duration timeout, int prefetch)
+ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int parts,
+                               std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm,
+                               Duration timeout, int prefetch)
     : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
       timeout_(timeout), prefetch_(prefetch), rank_(flat.rank()) {
-  units_.resize(units);
-  root_unit_ = units - 1;
-  units_[root_unit_].gathered = true;
+  units_.resize(parts);
+  unit_parts_ = std::move(unit_parts);
+  root_unit_ = parts - 1;
+  units_[root_unit_].gathered = !plan_.per_unit();
 }
 
 ParameterStore::~ParameterStore() {
@@ -31,32 +33,98 @@ ParameterStore::~ParameterStore() {
 void ParameterStore::adopt(const at::Tensor& initial) {
   at::NoGradGuard no_grad;
   const auto& layout = flat_.layout();
-  const auto& options = flat_.model_options();
-  if (plan_.per_unit()) {
-    shard_ = flat_.owned_copy(initial, options);
-    for (size_t b = 0; b < layout.buckets.size(); ++b) {
-      const auto& bl = layout.buckets[b];
-      full_.push_back(initial.narrow(0, bl.flat_offset, bl.padded).to(options, false, true));
-      units_[bl.unit].buckets.push_back(static_cast<int>(b));
-    }
-  } else {
-    flat_params_ = initial.to(options);  // no copy when nothing changes
-  }
+  flat_params_ = initial.to(flat_.model_options());  // no copy when nothing changes
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    const auto& slot = layout.slots[i];
-    const auto& bl = layout.buckets[slot.bucket];
-    at::Tensor view =
-        plan_.per_unit()
-            ? full_[slot.bucket].narrow(0, slot.offset, slot.numel).view(p.sizes())
-            : flat_params_.narrow(0, bl.flat_offset + slot.offset, slot.numel).view(p.sizes());
-    p.set_data(view);  // same TensorImpl (autograd identity), our storage
+    p.set_data(flat_params_.narrow(0, layout.flat_offset(static_cast<int>(i)), p.numel())
+                   .view(p.sizes()));  // same TensorImpl (autograd identity), our storage
   }
-  // Stage 3 after construction: every unit but the root gives its full storage back.
-  for (int u = 0; u < root_unit_; ++u) {
-    units_[u].gathered = true;
-    release(u);
+}
+
+at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options, bool broadcast) {
+  at::NoGradGuard no_grad;
+  const auto& layout = flat_.layout();
+  const auto& options = flat_.model_options();
+  const int world = comm_->size();
+  // Each part's full buffer (its buckets back to back), created released: storage only while
+  // gathered. A split parameter's buckets are consecutive in the layout and in its part's buffer.
+  std::vector<int64_t> at_in_unit(layout.buckets.size(), 0);
+  std::vector<int64_t> unit_numel(units_.size(), 0);
+  int64_t max_padded = 0;
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bl = layout.buckets[b];
+    units_[bl.unit].buckets.push_back(static_cast<int>(b));
+    at_in_unit[b] = unit_numel[bl.unit];
+    unit_numel[bl.unit] += bl.padded;
+    max_padded = std::max(max_padded, bl.padded);
   }
+  // Views can only be taken while the storage exists: one part's buffer at a time is allocated,
+  // viewed and freed again.
+  std::vector<std::vector<int>> params_of(units_.size());
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    params_of[layout.buckets[layout.slots[i].bucket].unit].push_back(i);
+  }
+  full_.resize(layout.buckets.size());
+  std::vector<at::Tensor> views(params_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto& part = units_[u];
+    part.full = at::empty({unit_numel[u]}, options);
+    for (int b : part.buckets) {
+      full_[b] = part.full.narrow(0, at_in_unit[b], layout.buckets[b].padded);
+    }
+    for (int i : params_of[u]) {
+      const auto& slot = layout.slots[i];
+      views[i] = part.full.narrow(0, at_in_unit[slot.bucket] + slot.offset, slot.numel)
+                     .view(params_[i].sizes());
+    }
+    part.full.storage().unsafeGetStorageImpl()->reset();
+    part.gathered = false;
+  }
+  // Bucket by bucket: this rank's owned slice of the initial values (rank 0's, broadcast one
+  // bucket at a time), in master precision; a parameter gives its own storage back after its
+  // last bucket, so the model moves over with one bucket in flight.
+  std::vector<std::vector<int>> done_after(layout.buckets.size());
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    done_after[(layout.pieces_end(i) - 1)->bucket].push_back(i);
+  }
+  const bool from_rank0 = broadcast && world > 1;
+  at::Tensor bucket_values;
+  if (from_rank0) bucket_values = at::empty({max_padded}, master_options);
+  at::Tensor initial = at::empty({layout.shard_numel}, master_options);
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bl = layout.buckets[b];
+    at::Tensor owned = initial.narrow(0, bl.shard_offset, bl.shard);
+    const ShardRange mine = bl.owned(rank_);
+    if (from_rank0) {
+      at::Tensor full = bucket_values.narrow(0, 0, bl.padded);
+      if (rank_ == 0) {
+        full.zero_();
+        for (int k : bl.pieces) {
+          const auto& p = layout.pieces[k];
+          full.narrow(0, p.offset, p.numel)
+              .copy_(params_[p.param].reshape(-1).narrow(0, p.param_offset, p.numel));
+        }
+      }
+      comm_->broadcast(full, 0, true)->wait(timeout_);
+      owned.copy_(full.narrow(0, mine.begin, bl.shard));
+    } else {
+      owned.zero_();
+      for (int k : bl.pieces) {
+        const auto& p = layout.pieces[k];
+        const ShardRange r = intersect({p.offset, p.offset + p.numel}, mine);
+        if (r.empty()) continue;
+        owned.narrow(0, r.begin - mine.begin, r.size())
+            .copy_(params_[p.param].reshape(-1).narrow(0, p.param_offset + r.begin - p.offset,
+                                                        r.size()));
+      }
+    }
+    // Same TensorImpl (autograd identity), no storage until gathered.
+    for (int i : done_after[b]) params_[i].set_data(views[i]);
+  }
+  shard_ = initial.to(options);  // no copy when the model computes in master precision
+  // The parameters in no unit stay gathered for the first forward, until the first step.
+  gather_root();
+  return initial;
 }
 
 at::Tensor ParameterStore::model_slice(int bucket, const UpdatedRange& range) const {
@@ -73,10 +141,9 @@ at::Tensor ParameterStore::owned_slice(int bucket) const {
 
 void ParameterStore::after_update() {
   if (plan_.per_unit()) {
-    // Non-root units gather on demand; one gathered by hand holds stale values now.
-    for (int u = 0; u < root_unit_; ++u) release(u);
-    launch_gather(root_unit_);
-    ensure_gathered(root_unit_);
+    // Parts gather on demand (the root part before the next forward); any still gathered holds
+    // stale values now.
+    for (int u = 0; u <= root_unit_; ++u) release(u);
     return;
   }
   if (!plan_.gathers_after_update()) return;
@@ -96,8 +163,13 @@ void ParameterStore::enter(int unit) {
     previous_order_ = std::move(forward_order_);
     forward_order_.clear();
   }
+  gather_root();  // a forward is running: parameters in no unit are needed too
   forward_order_.push_back(unit);
-  if (unit != root_unit_) ensure_gathered(unit);
+  backward_cursor_ = forward_order_.size();
+  for (int part : unit_parts_[unit]) {
+    ++units_[part].active;
+    ensure_gathered(part);
+  }
   // Prefetch what came next in the last pass (declaration order on the first pass).
   const size_t k = forward_order_.size() - 1;
   for (int i = 1; i <= prefetch_; ++i) {
@@ -107,31 +179,54 @@ void ParameterStore::enter(int unit) {
     } else if (previous_order_.empty()) {
       next = unit + i;
     }
-    if (next >= 0 && next < root_unit_ && !units_[next].gathered) launch_gather(next);
+    if (next >= 0 && next < static_cast<int>(unit_parts_.size())) prefetch_unit(next);
   }
 }
 
 void ParameterStore::exit(int unit) {
-  if (unit != root_unit_) release(unit);
-}
-
-void ParameterStore::before_backward(int unit) {
-  if (unit == root_unit_) return;
-  ensure_gathered(unit);
-  prefetch_after(unit);
-}
-
-// The units backward reaches next: those before `unit` in this pass's forward order.
-void ParameterStore::prefetch_after(int unit) {
-  auto it = std::find(forward_order_.rbegin(), forward_order_.rend(), unit);
-  for (int i = 0; i < prefetch_ && it != forward_order_.rend(); ++i) {
-    if (++it == forward_order_.rend()) break;
-    if (*it != root_unit_ && !units_[*it].gathered) launch_gather(*it);
+  for (int part : unit_parts_[unit]) {
+    if (--units_[part].active <= 0) {
+      units_[part].active = 0;
+      release(part);
+    }
   }
 }
 
+void ParameterStore::before_backward(int unit) {
+  for (int part : unit_parts_[unit]) ensure_gathered(part);
+  prefetch_after(unit);
+}
+
+void ParameterStore::prefetch_unit(int unit) {
+  for (int part : unit_parts_[unit]) {
+    if (!units_[part].gathered) launch_gather(part);
+  }
+}
+
+// The units backward reaches next: those run before this run of `unit` in this pass's forward
+// order. Backward visits the runs in reverse, so the run is the latest one before the cursor
+// (a unit run twice is found once for each run).
+void ParameterStore::prefetch_after(int unit) {
+  size_t at = std::min(backward_cursor_, forward_order_.size());
+  while (at > 0 && forward_order_[at - 1] != unit) --at;
+  if (at == 0) return;  // not run in this forward (or already passed): nothing to guess
+  backward_cursor_ = at - 1;
+  for (int i = 1; i <= prefetch_ && backward_cursor_ >= static_cast<size_t>(i); ++i) {
+    prefetch_unit(forward_order_[backward_cursor_ - i]);
+  }
+}
+
+void ParameterStore::gather_root() {
+  if (!plan_.per_unit() || units_[root_unit_].gathered || units_[root_unit_].buckets.empty()) {
+    return;
+  }
+  launch_gather(root_unit_);
+  ensure_gathered(root_unit_);
+}
+
 void ParameterStore::end_backward() {
-  // Units whose parameters got no gradient (or a prefetch nobody used) are freed here.
+  // Parts whose parameters got no gradient (or a prefetch nobody used) are freed here; the root
+  // part stays until the step (another micro-step's forward needs it).
   for (int u = 0; u < root_unit_; ++u) release(u);
   previous_order_ = std::move(forward_order_);
   forward_order_.clear();
@@ -139,26 +234,26 @@ void ParameterStore::end_backward() {
 
 void ParameterStore::gather_full() {
   if (!plan_.per_unit()) return;
-  for (int u = 0; u < root_unit_; ++u) {
+  for (int u = 0; u <= root_unit_; ++u) {
     if (!units_[u].gathered) launch_gather(u);
   }
-  for (int u = 0; u < root_unit_; ++u) ensure_gathered(u);
+  for (int u = 0; u <= root_unit_; ++u) ensure_gathered(u);
 }
 
 // Allocates the unit's full buffers and starts all-gathering its shards into them.
 void ParameterStore::launch_gather(int unit) {
   auto& u = units_[unit];
   const auto& layout = flat_.layout();
+  auto* storage = u.full.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0 && u.full.numel() > 0) {
+    const size_t nbytes = static_cast<size_t>(u.full.numel()) * u.full.element_size();
+    storage->set_data_ptr_noswap(c10::GetAllocator(u.full.device().type())->allocate(nbytes));
+    storage->set_nbytes(nbytes);
+  }
   for (int b : u.buckets) {
     const auto& bl = layout.buckets[b];
-    at::Tensor& full = full_[b];
-    auto* storage = full.storage().unsafeGetStorageImpl();
-    if (storage->nbytes() == 0) {
-      const size_t nbytes = static_cast<size_t>(full.numel()) * full.element_size();
-      storage->set_data_ptr_noswap(c10::GetAllocator(full.device().type())->allocate(nbytes));
-      storage->set_nbytes(nbytes);
-    }
-    u.works.push_back(comm_->all_gather(shard_.narrow(0, bl.shard_offset, bl.shard), full, true));
+    u.works.push_back(
+        comm_->all_gather(shard_.narrow(0, bl.shard_offset, bl.shard), full_[b], true));
     comm_elements_ += bl.padded;
   }
   u.gathered = true;
@@ -177,7 +272,7 @@ void ParameterStore::release(int unit) {
   if (!u.gathered) return;
   for (auto& w : u.works) w->wait(timeout_);  // never free under a collective
   u.works.clear();
-  for (int b : u.buckets) full_[b].storage().unsafeGetStorageImpl()->reset();
+  if (u.full.defined()) u.full.storage().unsafeGetStorageImpl()->reset();
   u.gathered = false;
 }
 
@@ -193,7 +288,9 @@ int64_t ParameterStore::param_bytes() const {
 
 int64_t ParameterStore::gathered_bytes() const {
   int64_t bytes = 0;
-  for (const auto& full : full_) bytes += static_cast<int64_t>(full.storage().nbytes());
+  for (const auto& u : units_) {
+    if (u.full.defined()) bytes += static_cast<int64_t>(u.full.storage().nbytes());
+  }
   return bytes;
 }
 

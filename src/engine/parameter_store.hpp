@@ -3,8 +3,9 @@
 //   Whole:   one flat buffer, full length, that the parameters are views of; sharded plans
 //            all-gather it after each update.
 //   PerUnit: stage 3 (Note [Stage 3 units]). This rank's shard of every bucket is the storage;
-//            each bucket also has a full buffer whose storage exists only while its unit is
-//            gathered, and the parameters are views into it. Units are gathered on entry (with
+//            each unit also has one full buffer (its buckets back to back, so a parameter split
+//            across two of them is still one contiguous view) whose storage exists only while
+//            the unit is gathered, and the parameters are views into it. Units are gathered on entry (with
 //            prefetch of the next ones in the last pass's order), released on exit, gathered
 //            again when backward reaches them and released once their gradients are in.
 #pragma once
@@ -20,16 +21,25 @@ namespace shardopt::detail {
 
 class ParameterStore {
  public:
-  // params[i] is layout slot i; unit_of[i] its unit, `units` of them, the last the root unit
-  // (never released). Whole plans pass units = 1 and every unit_of 0.
-  ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int units,
-                 CommunicatorPtr comm, Duration timeout, int prefetch);
+  // params[i] is layout slot i. PerUnit: parameters are gathered in `parts` (the buckets' unit
+  // field), the last the root part (parameters in no unit: gathered from construction or
+  // gather_root() until the end of the step); unit_parts[u]: the parts declared unit u needs.
+  // Whole plans pass parts = 1 and no unit_parts.
+  ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int parts,
+                 std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm, Duration timeout,
+                 int prefetch);
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~ParameterStore();
 
-  // Takes the initial full flat values (master precision) as the model's storage; the
+  // Whole: takes the initial full flat values (master precision) as the model's storage; the
   // parameters become views into it (same TensorImpl, so autograd identity is kept).
   void adopt(const at::Tensor& initial);
+  // PerUnit: moves the parameters into this rank's shard bucket by bucket (rank 0's values when
+  // `broadcast`), each parameter's own storage given back after its last bucket, so construction
+  // holds the model once plus the shard and one bucket. The parameters become views into their
+  // parts' full buffers, released; the root part is gathered. Returns the initial shard in
+  // `master_options` (the master weights' initial values).
+  at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
   // The model's storage of a bucket's updated range (the update's target or its low copy).
   at::Tensor model_slice(int bucket, const UpdatedRange& range) const;
   // This rank's owned slice of a bucket in the model's storage.
@@ -37,18 +47,26 @@ class ParameterStore {
   // Whole plans: the full flat buffer.
   const at::Tensor& whole() const { return flat_params_; }
 
-  // After the update: all-gather the updated shards (Whole), or release the units gathered by
-  // hand and gather the root again (PerUnit).
+  // After the update: all-gather the updated shards (Whole), or release every part, the root
+  // part included: nothing stays gathered between steps (PerUnit).
   void after_update();
 
-  // ---- PerUnit: the unit runtime -----------------------------------------------------------
+  // ---- PerUnit: the unit runtime (declared units in, parts gathered) -------------------------
   int root_unit() const { return root_unit_; }
+  // A declared unit's forward starts / ends: its parts are gathered for it (a unit may run
+  // several times in one forward; a part shared by two units is gathered while either runs).
   void enter(int unit);
   void exit(int unit);
-  // Backward reached the unit's outputs: gather it, prefetch the unit backward reaches next.
+  // Backward reached the unit's outputs: gather its parts, prefetch the unit backward reaches
+  // next.
   void before_backward(int unit);
-  void release(int unit);
-  // End of a backward pass: units left over are freed; this pass's order guides prefetch.
+  // Frees part `part` (its gradients are all in).
+  void release(int part);
+  // Gathers the root part (parameters in no unit) if it is not: before a forward (zero_grad()
+  // or the first unit entered).
+  void gather_root();
+  // End of a backward pass: parts left over but the root are freed; this pass's order guides
+  // prefetch.
   void end_backward();
   // Gathers every unit (to read or save the whole model outside Units::run).
   void gather_full();
@@ -60,11 +78,14 @@ class ParameterStore {
  private:
   struct UnitState {
     std::vector<int> buckets;
+    at::Tensor full;             // the buckets' full buffers back to back
     bool gathered = false;       // storage allocated (and filled once `works` complete)
     std::vector<WorkPtr> works;  // all-gathers in flight
+    int active = 0;              // declared units using it in forward right now
   };
-  void launch_gather(int unit);
-  void ensure_gathered(int unit);
+  void launch_gather(int part);
+  void ensure_gathered(int part);
+  void prefetch_unit(int unit);
   void prefetch_after(int unit);
 
   const FlatState& flat_;
@@ -76,11 +97,13 @@ class ParameterStore {
   int rank_ = 0;
   at::Tensor flat_params_;        // Whole: every parameter, full length
   at::Tensor shard_;              // PerUnit: this rank's slice of every bucket
-  std::vector<at::Tensor> full_;  // PerUnit: per bucket, storage only while its unit is gathered
-  std::vector<UnitState> units_;  // declared units, then the root unit
+  std::vector<at::Tensor> full_;  // PerUnit: per bucket, a view of its unit's full buffer
+  std::vector<UnitState> units_;  // parts: declared units' own, shared ones, the root
+  std::vector<std::vector<int>> unit_parts_;  // declared unit -> its parts
   int root_unit_ = 0;
   std::vector<int> forward_order_;   // units entered in this pass
   std::vector<int> previous_order_;  // ... and in the last pass (prefetch order)
+  size_t backward_cursor_ = 0;       // backward is at the run forward_order_[cursor]
   int64_t comm_elements_ = 0;
 };
 

@@ -165,7 +165,7 @@ INSTANTIATE_TEST_SUITE_P(Bert, BertStages,
 struct PeakRun {
   int64_t peak = 0;
   int64_t shards = 0;   // (P + G + K) * Psi / N as memory() reports it
-  int64_t buffers = 0;  // root unit + gradient buckets
+  int64_t buffers = 0;  // gradient buckets (nothing gathered after a step)
   int64_t largest_unit = 0;
 };
 

@@ -44,7 +44,7 @@ struct CkptNet {
     named.emplace_back(name, t);
     by_name[name] = t;
   }
-  // Stage 3 units (fc1, fc2; the rest is the root unit); `upcast` computes in fp32 from fp16/bf16
+  // Stage 3 units (fc1, fc2; the rest in no unit); `upcast` computes in fp32 from fp16/bf16
   // parameters (CPU has few fp16 kernels).
   UnitsPtr units = std::make_shared<Units>();
   bool upcast = false;

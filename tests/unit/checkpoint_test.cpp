@@ -482,10 +482,10 @@ TEST(ShardPlan, EveryElementComesFromWhereItWasSaved) {
         const auto& bl = loaded.buckets[bk];
         for (int64_t pos = r * bl.shard; pos < (r + 1) * bl.shard; ++pos) {
           int64_t want = -1;
-          for (int i : bl.params) {
-            const auto& slot = loaded.slots[i];
-            if (pos >= slot.offset && pos < slot.offset + slot.numel)
-              want = i * 1000 + pos - slot.offset;
+          for (int k : bl.pieces) {
+            const auto& piece = loaded.pieces[k];
+            if (pos >= piece.offset && pos < piece.offset + piece.numel)
+              want = piece.param * 1000 + piece.param_offset + pos - piece.offset;
           }
           ASSERT_EQ(shard[bl.shard_offset + pos - r * bl.shard], want)
               << "trial " << trial << " world " << a << " -> " << b << " rank " << r;

@@ -28,14 +28,31 @@ TEST(FlatLayout, InvariantsHoldForManyShapes) {
             padded += b.padded;
             shard += b.shard;
             int64_t at = 0;
-            for (int i : b.params) {
-              EXPECT_EQ(l.slots[i].offset, at);  // packed, in order, no overlap
-              EXPECT_EQ(groups[i], b.group);     // a bucket never spans groups
-              at += l.slots[i].numel;
+            for (int k : b.pieces) {
+              const ParamPiece& p = l.pieces[k];
+              EXPECT_EQ(p.offset, at);              // packed, in order, no overlap
+              EXPECT_EQ(groups[p.param], b.group);  // a bucket never spans groups
+              at += p.numel;
             }
             EXPECT_EQ(at, b.numel);
+            // Buffers are bounded by the bucket size (rounded to the quantum), not by parameters.
+            const int64_t quantum = world * align;
+            EXPECT_LE(b.padded, std::max<int64_t>(quantum, bucket / quantum * quantum));
           }
-          for (size_t i = 0; i < numels.size(); ++i) total += l.slots[i].numel;
+          for (size_t i = 0; i < numels.size(); ++i) {
+            const int index = static_cast<int>(i);
+            total += l.slots[i].numel;
+            // Pieces tile the parameter, and it is contiguous in the full flat buffer.
+            int64_t next = 0;
+            for (const ParamPiece* p = l.pieces_begin(index); p != l.pieces_end(index); ++p) {
+              EXPECT_EQ(p->param, index);
+              EXPECT_EQ(p->param_offset, next);
+              EXPECT_EQ(l.buckets[p->bucket].flat_offset + p->offset,
+                        l.flat_offset(index) + p->param_offset);
+              next += p->numel;
+            }
+            EXPECT_EQ(next, numels[i]);
+          }
           EXPECT_EQ(total, std::accumulate(numels.begin(), numels.end(), int64_t{0}));
           EXPECT_EQ(l.numel, total);
           EXPECT_EQ(l.padded_numel, padded);
@@ -46,12 +63,26 @@ TEST(FlatLayout, InvariantsHoldForManyShapes) {
   }
 }
 
-TEST(FlatLayout, LargeParameterGetsItsOwnBucketAndSmallOnesShare) {
+TEST(FlatLayout, LargeParameterSpansBucketsSplitAtTheQuantum) {
+  // world 2, align 1, buckets of 100: 10 + 90 of the 500, then 100 x 4, then 10 + 20 + 30.
   const FlatLayout l = make_layout({10, 500, 20, 30}, {0, 0, 0, 0}, 2, 1, 100);
-  ASSERT_EQ(l.buckets.size(), 3u);
-  EXPECT_EQ(l.buckets[0].params, std::vector<int>{0});
-  EXPECT_EQ(l.buckets[1].params, std::vector<int>{1});
-  EXPECT_EQ(l.buckets[2].params, (std::vector<int>{2, 3}));
+  ASSERT_EQ(l.buckets.size(), 6u);
+  EXPECT_EQ(l.buckets[0].params, (std::vector<int>{0, 1}));
+  for (int b = 1; b < 5; ++b) EXPECT_EQ(l.buckets[b].params, std::vector<int>{1});
+  EXPECT_EQ(l.buckets[5].params, (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(l.slots[1].piece_count, 6);
+  EXPECT_EQ(l.pieces_begin(1)->numel, 90);
+  EXPECT_EQ((l.pieces_end(1) - 1)->numel, 10);
+  for (int b = 0; b < 5; ++b) EXPECT_EQ(l.buckets[b].padded, 100);  // split buckets are full
+  // Splits respect the quantum (world 4 x align 8 = 32): 64-element buckets, no inner padding.
+  const FlatLayout q = make_layout({5, 200}, {0, 0}, 4, 8, 70);
+  for (const auto& b : q.buckets) EXPECT_LE(b.padded, 64);
+  EXPECT_EQ(q.flat_offset(1), 5);
+  // A unit change closes the bucket (padded); the next unit starts a fresh one.
+  const FlatLayout u = make_layout({5, 200}, {0, 0}, 2, 1, 64, {0, 1});
+  EXPECT_EQ(u.slots[1].bucket, 1);
+  EXPECT_EQ(u.slots[1].offset, 0);
+  EXPECT_EQ(u.slots[1].piece_count, 4);
 }
 
 TEST(FlatLayout, MoreRanksThanElementsGivesPaddingOnlyShards) {

@@ -24,17 +24,19 @@ struct SavedPiece {
   int64_t numel = 0;
 };
 
-// The pieces of parameter `index` under `layout` with `world` ranks, in parameter order.
+// The pieces of parameter `index` under `layout` with `world` ranks, in parameter order (a
+// parameter spanning buckets has a layout piece in each, and each of those may be split by ranks).
 inline std::vector<SavedPiece> saved_pieces(const FlatLayout& layout, int index, int world) {
   std::vector<SavedPiece> out;
-  const ParamSlot& slot = layout.slots[index];
-  const BucketLayout& bl = layout.buckets[slot.bucket];
-  const ShardRange param{slot.offset, slot.offset + slot.numel};
-  for (int r = 0; r < world; ++r) {
-    const ShardRange piece = intersect(param, bl.owned(r));
-    if (piece.empty()) continue;
-    out.push_back(
-        {r, bl.shard_offset + piece.begin - r * bl.shard, piece.begin - slot.offset, piece.size()});
+  for (const ParamPiece* lp = layout.pieces_begin(index); lp != layout.pieces_end(index); ++lp) {
+    const BucketLayout& bl = layout.buckets[lp->bucket];
+    const ShardRange range{lp->offset, lp->offset + lp->numel};
+    for (int r = 0; r < world; ++r) {
+      const ShardRange piece = intersect(range, bl.owned(r));
+      if (piece.empty()) continue;
+      out.push_back({r, bl.shard_offset + piece.begin - r * bl.shard,
+                     lp->param_offset + piece.begin - lp->offset, piece.size()});
+    }
   }
   return out;
 }
@@ -54,17 +56,19 @@ struct CopyOp {
 inline std::vector<CopyOp> plan_copies(const FlatLayout& layout, int rank, int index,
                                        const std::vector<SavedPiece>& saved) {
   std::vector<CopyOp> out;
-  const ParamSlot& slot = layout.slots[index];
-  const BucketLayout& bl = layout.buckets[slot.bucket];
-  const ShardRange mine = intersect({slot.offset, slot.offset + slot.numel}, bl.owned(rank));
-  if (mine.empty()) return out;
-  // Parameter-element range this rank owns.
-  const ShardRange need{mine.begin - slot.offset, mine.end - slot.offset};
-  for (const SavedPiece& p : saved) {
-    const ShardRange got = intersect(need, {p.param_begin, p.param_begin + p.numel});
-    if (got.empty()) continue;
-    out.push_back({p.rank, p.shard_begin + (got.begin - p.param_begin),
-                   bl.shard_offset + (slot.offset + got.begin - rank * bl.shard), got.size()});
+  for (const ParamPiece* lp = layout.pieces_begin(index); lp != layout.pieces_end(index); ++lp) {
+    const BucketLayout& bl = layout.buckets[lp->bucket];
+    const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
+    if (mine.empty()) continue;
+    // Parameter-element range this rank owns in this bucket.
+    const int64_t to_param = lp->param_offset - lp->offset;
+    const ShardRange need{mine.begin + to_param, mine.end + to_param};
+    for (const SavedPiece& p : saved) {
+      const ShardRange got = intersect(need, {p.param_begin, p.param_begin + p.numel});
+      if (got.empty()) continue;
+      out.push_back({p.rank, p.shard_begin + (got.begin - p.param_begin),
+                     bl.shard_offset + (got.begin - to_param - rank * bl.shard), got.size()});
+    }
   }
   return out;
 }

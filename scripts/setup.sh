@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages shardopt needs, only those that are missing (apt-get update first).
+# `setup.sh --print-packages` prints the list, one per line (scripts/platform.sh keys its cache on it).
 set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build lld ccache pkg-config
@@ -9,6 +10,10 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev python3-pytest pybind11-dev
   python3-matplotlib                                 # loss-curve and benchmark plots
 )
+if [ "${1:-}" = "--print-packages" ]; then
+  printf '%s\n' "${PACKAGES[@]}"
+  exit 0
+fi
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -526,12 +526,31 @@ void bind_options(py::module_& m) {
       .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
       .def_readwrite("align_bytes", &ZeroOptions::align_bytes)
       .def_readwrite("prefetch", &ZeroOptions::prefetch)
+      .def_readwrite("units", &ZeroOptions::units,
+                     "Stage 3: the shardopt.Units gathered together (DistributedOptimizer's "
+                     "units= builds it and installs the module hooks)")
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })
       .def("validate", &ZeroOptions::validate,
            "Raises InvalidArgumentError (a ValueError) naming the first invalid field.")
       .def("__repr__", &repr_options);
+}
+
+// Stage 3 from Python: shardopt/optimizer.py declares the units and calls begin/end from forward
+// pre-hooks and forward hooks; end() hooks the outputs so backward gathers the unit again.
+void bind_units(py::module_& m) {
+  py::class_<Units, std::shared_ptr<Units>>(m, "Units",
+                                             "Stage-3 units (include/shardopt/units.hpp)")
+      .def(py::init<>())
+      .def("add", &Units::add, "name"_a, "parameters"_a,
+           "Declares a unit gathered as one; returns its index.")
+      .def("begin", &Units::begin, "index"_a, py::call_guard<py::gil_scoped_release>(),
+           "Before the unit's forward: gathers its parameters (collective).")
+      .def("end", &Units::end, "index"_a, "outputs"_a, py::call_guard<py::gil_scoped_release>(),
+           "After the unit's forward: hooks the outputs for backward, frees the parameters.")
+      .def("__len__", &Units::size)
+      .def("name", &Units::name, "index"_a);
 }
 
 void bind_optimizer(py::module_& m) {
@@ -607,6 +626,8 @@ void bind_optimizer(py::module_& m) {
       .def("memory", &DistributedOptimizer::memory)
       .def_property_readonly("options", &DistributedOptimizer::options)
       .def_property_readonly("communicator", &DistributedOptimizer::communicator)
+      .def("gather_full_parameters", &DistributedOptimizer::gather_full_parameters,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("numel", &DistributedOptimizer::numel)
       .def_property_readonly("padded_numel", &DistributedOptimizer::padded_numel)
       .def("group_hyperparameters",
@@ -719,6 +740,7 @@ PYBIND11_MODULE(_C, m) {
     SHARDOPT_FAIL(InvalidArgument, "_raise_for_test: unknown kind '{}'", kind);
   });
   bind_comm(m);
+  bind_units(m);
   bind_options(m);
   bind_optimizer(m);
   bind_estimate(m);

@@ -1,7 +1,15 @@
 // c10d adapter: any torch ProcessGroup (Gloo here; NCCL/MPI where torch has them) as a
-// Communicator. The only TU that includes c10d headers. Gloo in torch 1.13 has neither
-// reduce_scatter nor AVG: both are emulated (all_reduce of a scratch copy; Sum then divide). Its
-// Gloo also lacks bfloat16: copies move the bits as float16, reductions run on a float32 copy.
+// Communicator. The only TU that includes c10d headers. Gloo has neither reduce_scatter (torch
+// 1.13) nor AVG: both are emulated (all_reduce of a scratch copy; Sum then divide). Gloo in torch
+// 1.13 also lacks bfloat16: copies move the bits as float16, reductions run on a float32 copy.
+//
+// Note [c10d across torch versions]: in torch 1.13 ProcessGroupGloo *is* a c10d::ProcessGroup;
+// from torch 2.0 it is a c10d::Backend, and a ProcessGroup is a front end that dispatches through
+// registered c10d ops to the Backend set for each device. Both types offer the same collective
+// calls (allreduce, allgather, broadcast, barrier, _reduce_scatter_base, getBackendName), so one
+// adapter template serves both: a group handed in by the user (torch.distributed's, from
+// Python) is wrapped as a ProcessGroup on every version, and our own Gloo group is wrapped as what
+// ProcessGroupGloo is on this version (GlooGroup below), with no dispatcher in between.
 #include "shardopt/process_group.hpp"
 
 #include <ATen/ATen.h>
@@ -9,12 +17,19 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 
 #include "comm/engines.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt {
 namespace {
+
+#if TORCH_VERSION_MAJOR >= 2
+using GlooGroup = c10d::Backend;
+#else
+using GlooGroup = c10d::ProcessGroup;
+#endif
 
 c10d::ReduceOp c10d_op(ReduceOp op) {
   switch (op) {
@@ -64,9 +79,11 @@ at::Tensor transport_bits(const at::Tensor& t, bool gloo) {
   return gloo && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
 }
 
+// Group: c10d::ProcessGroup, or c10d::Backend on torch >= 2 (Note [c10d across torch versions]).
+template <class Group>
 class ProcessGroupCommunicator final : public Communicator {
  public:
-  explicit ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group)
+  explicit ProcessGroupCommunicator(c10::intrusive_ptr<Group> group)
       : Communicator(group->getRank(), group->getSize()), group_(std::move(group)),
         name_(group_->getBackendName()) {}
 
@@ -161,7 +178,7 @@ class ProcessGroupCommunicator final : public Communicator {
                                               std::move(work), std::move(then));
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<Group> group_;
   std::string name_;
 };
 
@@ -169,8 +186,9 @@ CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int s
                           Duration timeout) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(std::move(store), rank, size, opts);
-  auto comm = make_process_group_communicator(group);
+  c10::intrusive_ptr<GlooGroup> group =
+      c10::make_intrusive<c10d::ProcessGroupGloo>(std::move(store), rank, size, opts);
+  CommunicatorPtr comm = std::make_shared<ProcessGroupCommunicator<GlooGroup>>(std::move(group));
   comm->set_timeout(timeout);
   return comm;
 }
@@ -179,7 +197,7 @@ CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int s
 
 CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group) {
   SHARDOPT_CHECK(group, InvalidArgument, "comm: make_process_group_communicator got a null group");
-  return std::make_shared<ProcessGroupCommunicator>(std::move(group));
+  return std::make_shared<ProcessGroupCommunicator<c10d::ProcessGroup>>(std::move(group));
 }
 
 CommunicatorPtr make_gloo_communicator(const GlooOptions& options) {

@@ -17,14 +17,20 @@ for ((r = 0; r < n; r++)); do
 done
 echo "[torchrun_env] $n processes, MASTER_ADDR=127.0.0.1 MASTER_PORT=$port: $*"
 rc=0
-for ((i = 0; i < n; i++)); do
-  # wait -n: whichever ends first; on a failure, end the rest.
-  wait -n "${pids[@]}"
-  status=$?
-  if [ "$status" -ne 0 ] && [ "$rc" -eq 0 ]; then
-    rc=$status
-    echo "[torchrun_env] a process failed (exit $status); ending the others" >&2
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  fi
+finished=()
+while ((${#finished[@]} < n)); do
+  for ((r = 0; r < n; r++)); do
+    [[ " ${finished[*]} " != *" $r "* ]] || continue
+    kill -0 "${pids[r]}" 2>/dev/null && continue
+    wait "${pids[r]}"
+    status=$?
+    finished+=("$r")
+    if [ "$status" -ne 0 ] && [ "$rc" -eq 0 ]; then
+      rc=$status
+      echo "[torchrun_env] rank $r failed (exit $status); ending the others" >&2
+      for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+    fi
+  done
+  sleep 0.5
 done
 exit "$rc"

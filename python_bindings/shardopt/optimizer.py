@@ -288,8 +288,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unit_hooks = []
         if unit_modules:
             zero.units = _C.Units()
-            for name, module in unit_modules:
-                zero.units.add(name, list(module.parameters()))
+            for unit_name, module in unit_modules:
+                zero.units.add(unit_name, list(module.parameters()))
         specs = [(group["param_names"], group["params"]) for group in self.param_groups]
         if factory is None:
             self._core = _C._Optimizer(specs, name, hyper, comm, zero)

@@ -31,6 +31,16 @@ using GlooGroup = c10d::Backend;
 using GlooGroup = c10d::ProcessGroup;
 #endif
 
+// torch >= 2.4 defaults TCPStore to its libuv server, which Debian's torch 2.6 is built without
+// ("use_libuv was requested but PyTorch was build without libuv support"); the classic server
+// exists in every version. The option itself appeared in 2.2: set it where it exists.
+template <class Options>
+auto use_classic_tcp_store(Options& o, int) -> decltype(o.useLibUV = false, void()) {
+  o.useLibUV = false;
+}
+template <class Options>
+void use_classic_tcp_store(Options&, long) {}
+
 c10d::ReduceOp c10d_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum: return c10d::ReduceOp::SUM;
@@ -231,6 +241,7 @@ CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string
   opts.isServer = rank == 0;
   opts.numWorkers = size;
   opts.timeout = timeout;
+  use_classic_tcp_store(opts, 0);
   auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
   return make_gloo(store, rank, size, timeout);
 }

@@ -25,6 +25,25 @@ using namespace pybind11::literals;
 namespace shardopt {
 namespace {
 
+// Note [Releasing without the GIL]: Python may drop the last reference to a communicator (or to
+// an optimizer, which holds one) with the GIL held. The MPI engine's destructor joins its worker
+// thread, which may at that moment be destroying a tensor created in Python; on torch >= 2 that
+// destroys the tensor's PyObject and needs the GIL: a deadlock (seen under mpirun -np 3 on
+// Debian 13). Objects handed to Python therefore release the GIL while they are destroyed.
+template <class T>
+std::shared_ptr<T> release_without_gil(std::shared_ptr<T> p) {
+  if (!p) return p;
+  T* raw = p.get();
+  return std::shared_ptr<T>(raw, [keep = std::move(p)](T*) mutable {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      keep.reset();
+    } else {
+      keep.reset();
+    }
+  });
+}
+
 // ---- errors ----------------------------------------------------------------------------------
 
 // Note [Python exceptions]: every shardopt::Error becomes an instance of shardopt.Error (a
@@ -472,18 +491,18 @@ void bind_comm(py::module_& m) {
         o.device = device;
         o.timeout = to_duration(timeout, kDefaultTimeout);
         py::gil_scoped_release nogil;
-        return init_from_env(o);
+        return release_without_gil(init_from_env(o));
       },
       "backend"_a = "", "device"_a = "cpu", "timeout"_a = py::none(),
       "The communicator this process was launched for: mpirun/srun -> 'mpi'; torchrun's RANK, "
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
-  m.def("make_single_communicator", &make_single_communicator);
+  m.def("make_single_communicator", [] { return release_without_gil(make_single_communicator()); });
 #if SHARDOPT_HAS_GLOO
   m.def(
       "_make_process_group_communicator",
       [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
-        return make_process_group_communicator(std::move(group));
+        return release_without_gil(make_process_group_communicator(std::move(group)));
       },
       "group"_a);
   m.def(
@@ -495,7 +514,7 @@ void bind_comm(py::module_& m) {
         o.store = store;
         o.timeout = to_duration(timeout, kDefaultTimeout);
         py::gil_scoped_release nogil;
-        return make_gloo_communicator(o);
+        return release_without_gil(make_gloo_communicator(o));
       },
       "rank"_a, "size"_a, "store"_a, "timeout"_a = py::none(),
       "A Gloo communicator of its own; store: 'file:/path' or 'tcp://host:port' (rank 0 serves).");
@@ -601,8 +620,8 @@ void bind_optimizer(py::module_& m) {
              Rule rule = read_rule(name, values, /*strict=*/true);
              auto specs = to_groups(groups);
              py::gil_scoped_release nogil;  // construction broadcasts and compares layouts
-             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(rule),
-                                                           std::move(comm), options);
+             return release_without_gil(std::make_shared<DistributedOptimizer>(
+                 std::move(specs), std::move(rule), std::move(comm), options));
            }),
            "groups"_a, "name"_a, "values"_a, "comm"_a, "options"_a)
       .def(py::init([](const std::vector<GroupSpec>& groups, py::function factory,
@@ -610,8 +629,8 @@ void bind_optimizer(py::module_& m) {
              auto specs = to_groups(groups);
              auto make = python_factory(std::move(factory));
              py::gil_scoped_release nogil;
-             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(make),
-                                                           std::move(comm), options);
+             return release_without_gil(std::make_shared<DistributedOptimizer>(
+                 std::move(specs), std::move(make), std::move(comm), options));
            }),
            "groups"_a, "factory"_a, "comm"_a, "options"_a)
       .def(

@@ -66,7 +66,7 @@ int64_t mem_available_bytes() {
   return -1;
 }
 
-// The optimizer's flat layout, as src/optimizer.cpp builds it for one parameter group: parameters
+// The optimizer's flat layout, as the engine (src/engine/engine.cpp) builds it for one parameter group: parameters
 // in reverse registration order, buckets of bucket_bytes, padded to world * align.
 shardopt::detail::FlatLayout layout_of(const std::vector<int64_t>& numels_in_order, int world,
                                const shardopt::ZeroOptions& zo) {
@@ -205,7 +205,7 @@ int measure(const Config& c, const std::string& json_path) {
   }
 
   shardopt::ZeroOptions zo;
-  zo.stage = c.stage;
+  zo.stage = shardopt::stage_from_int(c.stage);
   zo.units = (*model)->units();  // stage 3: one unit per encoder layer, as the trainer does
   int64_t unit_numel = 0;
   for (int u = 0; u < zo.units->size(); ++u) {

@@ -368,7 +368,7 @@ int run(const Args& a) {
   model->train();
 
   shardopt::ZeroOptions zo;
-  zo.stage = a.stage;
+  zo.stage = shardopt::stage_from_int(a.stage);
   zo.units = model->units();  // stage 3 gathers one encoder layer at a time
   zo.grad_accumulation_steps = a.grad_accum;
   zo.max_grad_norm = a.max_grad_norm;

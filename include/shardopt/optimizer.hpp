@@ -1,7 +1,7 @@
 // DistributedOptimizer: the drop-in ZeRO optimizer (stages 0-3) for libtorch trainers.
 //
 //   auto comm = shardopt::init_from_env();
-//   shardopt::ZeroOptions zo;  zo.stage = 2;
+//   shardopt::ZeroOptions zo;  zo.stage = shardopt::Stage::Gradients;
 //   shardopt::DistributedOptimizer opt(model->named_parameters(),
 //                                      shardopt::AdamW(1e-4).weight_decay(0.01), comm, zo);
 //   for (...) { opt.zero_grad(); auto loss = model->forward(x); opt.backward(loss); opt.step(); }

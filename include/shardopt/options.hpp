@@ -7,26 +7,27 @@
 
 #include "shardopt/comm.hpp"
 #include "shardopt/precision.hpp"
+#include "shardopt/sharding.hpp"
 
 namespace shardopt {
 
 class Units;  // shardopt/units.hpp
 
-enum class Offload { None, CPU };
 // "fp32" | "fp16" | "bf16"; throws Error{InvalidArgument} otherwise.
 Precision parse_precision(const std::string& text);
 
 struct ZeroOptions {
-  // 0: DDP-equivalent (all-reduce, full optimizer everywhere); 1: optimizer state sharded;
-  // 2: + gradients sharded during backward; 3: + parameters sharded, gathered per unit.
-  int stage = 2;
+  // What is sharded (shardopt/sharding.hpp); stage_from_int(0..3) converts ZeRO's numbers.
+  Stage stage = Stage::Gradients;
   // Gradients are reduced in buckets of about this many bytes (one parameter never splits).
   int64_t bucket_bytes = int64_t{16} << 20;
   // Start each bucket's reduction from the backward hooks as soon as it is complete.
   bool overlap_comm = true;
-  // backward() calls per step(); gradients are averaged over them (one big batch). Stages 0-1
-  // communicate once per step (full gradients kept between micro-steps); stage 2 reduces every
-  // micro-step into its gradient shard, so memory stays at 1/N.
+  // backward() calls per step(); gradients are averaged over them (one big batch). Stages 0-1 in
+  // fp32 without offload keep full gradients between micro-steps and communicate once per step.
+  // Stages 2-3, and every stage under fp16/bf16 or offload, copy gradients out of autograd per
+  // bucket and reduce every micro-step into the fp32 (host) gradient shard: k reductions per step
+  // for 1/N gradient memory (src/engine/plan.hpp decides this).
   int grad_accumulation_steps = 1;
   // Global gradient-norm clipping across all shards; 0 disables it.
   double max_grad_norm = 0.0;

@@ -7,7 +7,7 @@
 //   x = units->run(i, [&] { return layers[i]->forward(x, mask); });
 //
 //   // in the trainer: hand the same object to the optimizer
-//   zo.stage = 3;  zo.units = model->units;
+//   zo.stage = shardopt::Stage::Parameters;  zo.units = model->units;
 //
 // With stage 3, run() all-gathers the unit's parameters before `fn` (prefetching the units that
 // come next), frees the full storage after it, and gathers it again when backward reaches the

@@ -59,7 +59,7 @@ std::string shared_dir() {
 
 ZeroOptions zero(int stage, int64_t bucket_bytes = 64) {
   ZeroOptions zo;
-  zo.stage = stage;
+  zo.stage = stage_from_int(stage);
   zo.bucket_bytes = bucket_bytes;
   zo.timeout = std::chrono::seconds(60);
   return zo;

@@ -264,7 +264,7 @@ struct ShardedRun {
 ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   TinyNet net;
   ZeroOptions zo;
-  zo.stage = c.stage;
+  zo.stage = stage_from_int(c.stage);
   zo.grad_accumulation_steps = c.accumulation;
   zo.max_grad_norm = c.clip;
   zo.overlap_comm = c.overlap;
@@ -376,7 +376,7 @@ TEST(StageFactory, TorchAdamWOverTheShardMatches) {
     const auto reference = train_reference(c);
     TinyNet net;
     ZeroOptions zo;
-    zo.stage = stage;
+    zo.stage = stage_from_int(stage);
     zo.bucket_bytes = 64;
     zo.units = net.units;
     DistributedOptimizer opt(net.groups(false), [](std::vector<at::Tensor> shard) {
@@ -462,6 +462,25 @@ TEST(StageCommunication, TwoPsiPerStepThreeForStage3) {
   }
 }
 
+// Under mixed precision or offload, gradients leave autograd per bucket at every stage (the fp32
+// or host master needs them cast or moved), so stages 0-1 reduce every micro-step too, as
+// options.hpp and the README state.
+TEST(StageCommunication, MixedPrecisionAndOffloadReduceEveryMicroStep) {
+  auto comm = test::world();
+  for (int stage : {0, 1}) {
+    for (bool offload : {true, false}) {
+      Case c{stage, "adamw", /*accumulation=*/4};
+      c.offload = offload;
+      c.precision = offload ? Precision::FP32 : Precision::BF16;
+      const ShardedRun run = train_sharded(c, comm);
+      const int64_t psi = run.padded_numel;
+      // Stage 0 all-reduces (counted as 2 * padded) every micro-step; stage 1 reduce-scatters
+      // every micro-step and all-gathers once.
+      EXPECT_EQ(run.comm_per_step, stage == 0 ? 4 * 2 * psi : 4 * psi + psi) << case_name(c);
+    }
+  }
+}
+
 TEST(StageValidation, MismatchedModelsAreNamedOnEveryRank) {
   auto comm = test::world();
   if (comm->size() == 1) GTEST_SKIP() << "needs two ranks";
@@ -491,7 +510,7 @@ TEST(StageValidation, InvalidOptionsAndArgumentsAreClearErrors) {
     }
   };
   ZeroOptions zo;
-  zo.stage = 7;
+  zo.stage = static_cast<Stage>(7);
   expect_error(zo, "stage must be 0, 1, 2 or 3, got 7");
   zo = {};
   zo.bucket_bytes = 0;
@@ -502,7 +521,7 @@ TEST(StageValidation, InvalidOptionsAndArgumentsAreClearErrors) {
   // More backward() calls than announced would corrupt the reduced buckets.
   TinyNet net;
   ZeroOptions once;
-  once.stage = 1;
+  once.stage = Stage::OptimizerState;
   DistributedOptimizer opt(net.groups(false), AdamW(0.01), comm, once);
   auto [x, y] = batch(0, 0);
   opt.backward(net.loss(x, y));
@@ -565,7 +584,7 @@ Fp16Run train_fp16(int stage, const CommunicatorPtr& comm, int poison, int omit)
   TinyNet net;
   net.upcast = true;
   ZeroOptions zo;
-  zo.stage = stage;
+  zo.stage = stage_from_int(stage);
   zo.bucket_bytes = 64;
   zo.units = net.units;
   zo.precision = Precision::FP16;

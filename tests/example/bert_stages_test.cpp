@@ -101,7 +101,7 @@ Params train_reference(const std::string& rule, double clip) {
 Params train_sharded(const std::string& rule, double clip, int stage, const CommunicatorPtr& comm) {
   auto model = make_model();
   ZeroOptions zo;
-  zo.stage = stage;
+  zo.stage = shardopt::stage_from_int(stage);
   zo.units = model->units();
   zo.max_grad_norm = clip;
   zo.bucket_bytes = 4096;  // several buckets per unit
@@ -178,7 +178,7 @@ PeakRun measure_peak(int stage, const CommunicatorPtr& comm) {
   torch::manual_seed(7);
   bert::BertForPreTraining model(config);
   ZeroOptions zo;
-  zo.stage = stage;
+  zo.stage = shardopt::stage_from_int(stage);
   zo.units = model->units();
   zo.bucket_bytes = 256 << 10;
   DistributedOptimizer opt(model->named_parameters(), AdamW(1e-3), comm, zo);

@@ -46,7 +46,7 @@ class TempDir {
 
 ZeroOptions zero(int stage) {
   ZeroOptions zo;
-  zo.stage = stage;
+  zo.stage = stage_from_int(stage);
   zo.bucket_bytes = 64;  // several buckets: pieces split across them
   return zo;
 }

@@ -1,6 +1,6 @@
 // What checkpointing needs from the optimizer's engine: the flat layout, this rank's owned slices
 // of the master parameters and of each optimizer state buffer, step counters and the group rules.
-// Implemented by detail::Engine (src/optimizer.cpp); used by src/checkpoint.cpp. Internal.
+// Implemented by detail::Engine (src/engine/engine.hpp); used by src/checkpoint. Internal.
 //
 // Owned slice: for every bucket b, elements [rank*S_b, (rank+1)*S_b) of the bucket, in every
 // stage, so the on-disk format does not depend on the stage that wrote it.

@@ -1,0 +1,87 @@
+// BackwardTracker: where the backward pass stands. Counts micro-steps (backward passes since the
+// last step()) and, within a pass, which parameters' gradients arrived, so the engine learns when
+// a bucket or a stage-3 unit has all of its gradients. Autograd may fire a parameter's hook twice
+// in one pass (reentrant backward): the second arrival is reported as a duplicate. Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace shardopt::detail {
+
+class BackwardTracker {
+ public:
+  // bucket_of[i], unit_of[i]: parameter i's bucket and unit (-1: no unit is tracked for it).
+  BackwardTracker(std::vector<int> bucket_of, std::vector<int> unit_of, int buckets, int units)
+      : bucket_of_(std::move(bucket_of)), unit_of_(std::move(unit_of)),
+        param_pass_(bucket_of_.size(), -1), buckets_(buckets), units_(units) {
+    for (int b : bucket_of_) ++buckets_[b].size;
+    for (int u : unit_of_) {
+      if (u >= 0) ++units_[u].size;
+    }
+  }
+
+  // The first event of a pass starts it; returns true then (the engine arranges for end_pass()).
+  bool begin_pass() {
+    if (in_pass_) return false;
+    in_pass_ = true;
+    return true;
+  }
+  bool in_pass() const { return in_pass_; }
+
+  struct Arrival {
+    bool duplicate = false;        // already arrived in this pass: nothing to do
+    bool bucket_complete = false;  // the last gradient of its bucket in this pass
+    bool unit_complete = false;    // the last gradient of its unit in this pass
+  };
+  Arrival arrive(int param) {
+    Arrival a;
+    if (param_pass_[param] == pass_) {
+      a.duplicate = true;
+      return a;
+    }
+    param_pass_[param] = pass_;
+    a.bucket_complete = count_down(buckets_[bucket_of_[param]]);
+    const int unit = unit_of_[param];
+    a.unit_complete = unit >= 0 && count_down(units_[unit]);
+    return a;
+  }
+
+  void end_pass() {
+    in_pass_ = false;
+    ++pass_;
+    ++micro_steps_;
+  }
+
+  int micro_steps() const { return micro_steps_; }
+  // Gradients were set by hand (no backward through the hooks): count it as one micro-step.
+  void count_manual_micro_step() {
+    if (micro_steps_ < 1) micro_steps_ = 1;
+  }
+  void reset_micro_steps() { micro_steps_ = 0; }
+
+ private:
+  struct Counter {
+    int size = 0;
+    int pending = 0;
+    int64_t pass = -1;  // the pass `pending` refers to
+  };
+  bool count_down(Counter& c) {
+    if (c.pass != pass_) {
+      c.pass = pass_;
+      c.pending = c.size;
+    }
+    return --c.pending == 0;
+  }
+
+  std::vector<int> bucket_of_;
+  std::vector<int> unit_of_;
+  std::vector<int64_t> param_pass_;  // pass in which each parameter's gradient last arrived
+  std::vector<Counter> buckets_;
+  std::vector<Counter> units_;
+  int64_t pass_ = 0;      // backward passes ever
+  int micro_steps_ = 0;   // backward passes since the last step()
+  bool in_pass_ = false;
+};
+
+}  // namespace shardopt::detail

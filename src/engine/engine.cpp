@@ -1,0 +1,394 @@
+// Engine: builds the pieces from the StagePlan, routes hook events to them, and runs step().
+//
+// Note [Flat layout]
+// Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
+// sorted by parameter group and, within a group, placed in reverse registration order, which is
+// roughly the order backward produces their gradients. They are packed into buckets of about
+// bucket_bytes; each bucket is padded to a multiple of world * align so it splits evenly, and rank
+// r owns [r*S, (r+1)*S) of every bucket. Model parameters become views into flat storage, so the
+// optimizer updates them with no copy. A bucket is the unit of one collective.
+//
+// Note [Stages] (what src/engine/plan.hpp turns each stage into)
+//   stage 0: Replicated, InPlace gradients (flat buffer, .grad are views), each complete bucket
+//            all-reduced in place; every rank updates the whole buffer.
+//   stage 1: Sharded: buckets are reduce-scattered into the owned slice; each rank updates its
+//            slices; then every bucket is all-gathered in place.
+//   stage 2: + Bucketed gradients: a hook copies each fresh .grad into a pooled bucket buffer and
+//            frees it; a complete bucket is reduce-scattered and folded into the gradient shard.
+//   stage 3: + PerUnit parameters (Note [Stage 3 units]).
+// fp16/bf16 and offload make the master Separate and the gradients Bucketed at every stage.
+//
+// Note [Stage 3 units]
+// Buckets never span units (shardopt/units.hpp). Unit u is gathered by allocating storage for its
+// buckets' full buffers and all-gathering each bucket's shards into them; it is released by
+// freeing that storage (StorageImpl::reset), so the model's parameters keep their shape and
+// autograd identity but hold no bytes. Autograd saved the parameters themselves (or views of
+// them), which share the StorageImpl, so gathering again before a unit's backward makes them
+// valid again. Forward: Units::run enters (gather; prefetch the next units of the last pass's
+// order) and exits (release). Backward: a hook on the unit's outputs gathers it (prefetching the
+// unit that backward reaches next); once every parameter of the unit has its gradient (the
+// bucketed path reduce-scatters them), the unit is released. The root unit (parameters in no unit
+// or in two, e.g. tied embeddings) stays gathered like a stage-2 parameter and is re-gathered by
+// step(). Collectives are issued in the same order on every rank because forward and backward
+// visit units in the same order everywhere (as DDP assumes of its buckets).
+#include "engine/engine.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::function<void()> ready) : ready(std::move(ready)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    ready();
+    return outputs;
+  }
+  std::function<void()> ready;
+};
+
+std::vector<at::Tensor> tensors_of(const std::vector<ModelParam>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.tensor);
+  return out;
+}
+
+}  // namespace
+
+Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
+               ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options)
+    : owner_(owner), comm_(std::move(comm)), options_(std::move(options)) {
+  SHARDOPT_CHECK(comm_, InvalidArgument, "optimizer: the communicator is null");
+  options_.validate();
+  world_ = comm_->size();
+  plan_ = StagePlan::make(options_.stage, options_.precision, options_.offload,
+                          first_trainable_on_host(groups));
+  if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
+  if (plan_.per_unit()) unit_plan_ = options_.units;
+  model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
+                         plan_.per_unit() ? unit_plan_.get() : nullptr);
+  verify_same_model(params(), plan_.per_unit(), *comm_, options_.timeout);
+  build(rule, factory);
+  attach_hooks();
+  if (unit_plan_) unit_plan_->attach(this);
+}
+
+Engine::~Engine() {
+  if (unit_plan_) unit_plan_->detach(this);
+  for (auto& h : hooks_) {
+    if (h.accumulator && h.key) h.accumulator->del_post_hook(h.key);
+  }
+  // The pieces' destructors let outstanding collectives land before their buffers go.
+}
+
+// Where everything lives (Note [Mixed precision] in shardopt/precision.hpp): the model's
+// parameters in the compute dtype on their device; master weights, optimizer state and reduced
+// gradients in fp32 (mixed) on the host (offload) or next to the parameters.
+void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
+  std::vector<int64_t> numels;
+  std::vector<int> groups, units, bucket_of, unit_of;
+  for (const auto& p : params()) {
+    numels.push_back(p.tensor.numel());
+    groups.push_back(p.group);
+    if (plan_.per_unit()) units.push_back(p.unit);
+  }
+  const auto& proto = params().front().tensor;
+  const int64_t elem = static_cast<int64_t>(proto.element_size());
+  FlatLayout layout =
+      make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
+                  std::max<int64_t>(1, options_.bucket_bytes / elem), units);
+  const auto base = proto.options().requires_grad(false);
+  const auto model_options = base.dtype(plan_.mixed ? compute_dtype(options_.precision)
+                                                    : proto.scalar_type());
+  auto master_options = base.dtype(plan_.mixed ? at::kFloat : proto.scalar_type());
+  if (plan_.master_on_host) {
+    master_options = master_options.device(at::kCPU).pinned_memory(!proto.is_cpu());
+  }
+  const auto reduce_options = model_options.dtype(
+      plan_.mixed && options_.reduce_in_fp32 ? at::kFloat
+                                             : model_options.dtype().toScalarType());
+  for (const auto& slot : layout.slots) bucket_of.push_back(slot.bucket);
+  const int root = plan_.per_unit() ? model_.root_unit : 0;
+  for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);
+  const int bucket_count = static_cast<int>(layout.buckets.size());
+  flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), model_options,
+                                      master_options, reduce_options);
+  tracker_ = std::make_unique<BackwardTracker>(bucket_of, unit_of, bucket_count, root + 1);
+
+  // Initial values, full and in master precision: rank 0's reach every rank (as DDP does), then
+  // become the model's storage and the master weights.
+  {
+    at::NoGradGuard no_grad;
+    const auto& lay = flat_->layout();
+    at::Tensor initial = at::zeros({lay.padded_numel}, base.dtype(master_options.dtype()));
+    for (size_t i = 0; i < params().size(); ++i) {
+      const auto& slot = lay.slots[i];
+      initial.narrow(0, lay.buckets[slot.bucket].flat_offset + slot.offset, slot.numel)
+          .copy_(params()[i].tensor.reshape(-1));
+    }
+    if (options_.broadcast_initial_params && world_ > 1) {
+      comm_->broadcast(initial, 0, true)->wait(options_.timeout);
+    }
+    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1, comm_,
+                                              options_.timeout, options_.prefetch);
+    store_->adopt(initial);
+    flat_->init_master(initial);
+  }
+  reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
+                                               options_.overlap_comm, options_.timeout);
+  flat_->build_segments(
+      [&](int b, const UpdatedRange& r) { return store_->model_slice(b, r); },
+      [&](int b, const UpdatedRange& r) { return reducer_->reduced(b, r); });
+  update_ = std::make_unique<LocalUpdate>(
+      *flat_, comm_, options_.timeout, rule, factory,
+      [this](int group) -> const Rule& { return current_rule(group); }, options_.fused_update);
+}
+
+void Engine::attach_hooks() {
+  for (size_t i = 0; i < params().size(); ++i) {
+    Hook h;
+    h.accumulator = torch::autograd::impl::grad_accumulator(params()[i].tensor);
+    SHARDOPT_INTERNAL_ASSERT(h.accumulator != nullptr, "no grad accumulator for '{}'",
+                             params()[i].name);
+    const int index = static_cast<int>(i);
+    h.key = h.accumulator->add_post_hook(
+        std::make_unique<ReadyHook>([this, index] { on_grad_ready(index); }));
+    hooks_.push_back(std::move(h));
+  }
+}
+
+void Engine::mark_for_backward(int unit, const at::Tensor& output) {
+  output.register_hook([this, unit](const at::Tensor&) {
+    begin_pass();
+    store_->before_backward(unit);
+  });
+}
+
+// ---- autograd events ----------------------------------------------------------------------------
+
+// First event of a backward pass: arrange for on_backward_end when autograd finishes.
+void Engine::begin_pass() {
+  if (!tracker_->begin_pass()) return;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] {
+    if (tracker_->in_pass()) on_backward_end();
+  });
+}
+
+void Engine::on_grad_ready(int index) {
+  begin_pass();
+  const auto& p = params()[index];
+  reducer_->check_open(index, p.name, options_.grad_accumulation_steps);
+  const auto arrival = tracker_->arrive(index);
+  if (arrival.duplicate) return;  // reentrant double fire: counted once
+  const int micro = tracker_->micro_steps();
+  reducer_->accept(index, micro);
+  if (arrival.bucket_complete && options_.overlap_comm && reduces_this_micro_step()) {
+    reducer_->launch(flat_->layout().slots[index].bucket, micro);
+  }
+  // Every parameter of the unit has its gradient: its backward is over, free it.
+  if (arrival.unit_complete) store_->release(p.unit);
+}
+
+bool Engine::reduces_this_micro_step() const {
+  return plan_.reduces_every_micro_step() ||
+         tracker_->micro_steps() + 1 >= options_.grad_accumulation_steps;
+}
+
+// End of one backward pass: reduce what is still pending (buckets with unused parameters, or all
+// of them without overlap) when this micro-step communicates.
+void Engine::on_backward_end() {
+  if (plan_.per_unit()) store_->end_backward();
+  if (reduces_this_micro_step()) {
+    const int micro = tracker_->micro_steps();
+    for (int b = 0; b < reducer_->buckets(); ++b) {
+      if (!reducer_->launched_in(b, micro)) reducer_->launch(b, micro);
+    }
+  }
+  tracker_->end_pass();
+}
+
+void Engine::backward(const at::Tensor& loss) {
+  if (scaler_) {
+    (loss * scaler_->scale()).backward();
+  } else {
+    loss.backward();
+  }
+  if (tracker_->in_pass()) on_backward_end();  // no final callback ran (no hook fired)
+}
+
+void Engine::zero_grad() {
+  reducer_->zero();
+  tracker_->reset_micro_steps();
+}
+
+// ---- step() ---------------------------------------------------------------------------------------
+
+at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode grad_mode(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  const auto t0 = Clock::now();
+  stats_ = StepStats{};
+  stats_.step = steps_;
+  finish_reduction();
+  if (skip_on_overflow()) {
+    end_step(t0);
+    return loss;
+  }
+  clip();
+  update();
+  after_update();
+  ++steps_;
+  end_step(t0);
+  return loss;
+}
+
+// Phase 1: every bucket reduced and folded in; gradients averaged and unscaled.
+void Engine::finish_reduction() {
+  RECORD_FUNCTION("shardopt::reduce", std::vector<c10::IValue>());
+  const auto t = Clock::now();
+  if (tracker_->in_pass()) on_backward_end();
+  if (reducer_->nothing_launched()) {
+    // step() without backward() through our hooks (e.g. gradients set by hand): reduce now.
+    reducer_->accept_manual();
+    tracker_->count_manual_micro_step();
+    for (int b = 0; b < reducer_->buckets(); ++b) reducer_->launch(b, tracker_->micro_steps());
+  }
+  reducer_->complete_all();
+  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  update_->unscale(static_cast<double>(world_) * std::max(1, tracker_->micro_steps()) *
+                   loss_scale);
+  stats_.reduce_wait_s = seconds_since(t);
+}
+
+// Phase 2: fp16 overflow on any rank: no update anywhere; the scaler has backed off.
+bool Engine::skip_on_overflow() {
+  if (!scaler_) return false;
+  RECORD_FUNCTION("shardopt::skip_on_overflow", std::vector<c10::IValue>());
+  stats_.loss_scale = scaler_->scale();
+  stats_.skipped = scaler_->update(update_->any_rank_non_finite());
+  return stats_.skipped;
+}
+
+// Phase 3: global gradient-norm clipping.
+void Engine::clip() {
+  RECORD_FUNCTION("shardopt::clip", std::vector<c10::IValue>());
+  const auto c = update_->clip(options_.max_grad_norm);
+  stats_.grad_norm = c.norm;
+  stats_.clipped = c.clipped;
+}
+
+// Phase 4: the local update of this rank's segments, cast into the model's dtype.
+void Engine::update() {
+  RECORD_FUNCTION("shardopt::update", std::vector<c10::IValue>());
+  const auto t = Clock::now();
+  update_->update(steps_ + 1);
+  flat_->write_back_master();
+  stats_.update_s = seconds_since(t);
+}
+
+// Phase 5: parameters whole again where the model reads them (all-gather, or units released).
+void Engine::after_update() {
+  RECORD_FUNCTION("shardopt::gather", std::vector<c10::IValue>());
+  const auto t = Clock::now();
+  store_->after_update();
+  stats_.gather_s = seconds_since(t);
+}
+
+// The bookkeeping every step() ends with, taken or skipped.
+void Engine::end_step(Clock::time_point t0) {
+  stats_.step = steps_;
+  tracker_->reset_micro_steps();
+  stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
+  stats_.step_s = seconds_since(t0);
+}
+
+MemoryReport Engine::memory() const {
+  MemoryReport m;
+  m.param_bytes = store_->param_bytes();
+  m.grad_bytes = reducer_->grad_bytes();
+  m.optimizer_state_bytes = flat_->state_bytes();
+  m.buffer_bytes = store_->gathered_bytes() + reducer_->buffer_bytes();
+  return m;
+}
+
+const Rule& Engine::current_rule(int group) const {
+  auto& options = owner_.param_groups()[group].options();
+  return static_cast<const GroupOptions&>(options).rule;
+}
+
+// ---- ShardAccess --------------------------------------------------------------------------------
+
+at::ScalarType Engine::master_dtype() const {
+  return flat_->master_options().dtype().toScalarType();
+}
+
+// The master weights: the separate (fp32 / host) copy, or the model's own storage.
+at::Tensor Engine::owned_param_slice(int bucket) {
+  if (plan_.separate_master()) return flat_->owned_master_slice(bucket);
+  return store_->owned_slice(bucket);
+}
+
+at::Tensor Engine::owned_state_slice(int state, int bucket) {
+  return flat_->owned_state_slice(state, bucket);
+}
+
+void Engine::set_step_count(int64_t steps) {
+  steps_ = steps;
+  stats_ = StepStats{};
+  stats_.step = steps_;
+}
+
+void Engine::set_group_rule(int group, const Rule& rule) {
+  static_cast<GroupOptions&>(owner_.param_groups()[group].options()).rule = rule;
+}
+
+std::optional<LossScaler::State> Engine::loss_scaler_state() const {
+  if (!scaler_) return std::nullopt;
+  return scaler_->state();
+}
+
+void Engine::set_loss_scaler_state(const LossScaler::State& state) {
+  if (scaler_) scaler_->set_state(state);
+}
+
+void Engine::after_load() {
+  at::NoGradGuard no_grad;
+  if (!plan_.sharded()) {
+    // Every rank holds everything when replicated: assemble the full master weights and state.
+    const int rank = comm_->rank();
+    std::vector<WorkPtr> works;
+    for (const auto& bl : flat_->layout().buckets) {
+      auto gather_bucket = [&](const at::Tensor& full) {
+        at::Tensor range = full.narrow(0, bl.flat_offset, bl.padded);
+        works.push_back(comm_->all_gather(range.narrow(0, rank * bl.shard, bl.shard), range, true));
+      };
+      gather_bucket(plan_.separate_master() ? flat_->master() : store_->whole());
+      for (auto& s : flat_->state()) gather_bucket(s);
+    }
+    for (auto& w : works) w->wait(options_.timeout);
+  }
+  for (auto& s : flat_->segments()) s.low_done = false;
+  flat_->write_back_master();  // master -> model dtype
+  store_->after_update();      // sharded: parameters; per unit: frees stale units, gathers the root
+  reducer_->take_comm_elements();
+  store_->take_comm_elements();
+  zero_grad();
+}
+
+}  // namespace shardopt::detail

@@ -1,0 +1,135 @@
+// Engine: DistributedOptimizer's machinery. It builds the pieces from one StagePlan, routes the
+// autograd and stage-3 unit events to them and runs step() as five named phases. Each piece owns
+// its state and none calls another:
+//   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
+//   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per unit
+//   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
+//   BackwardTracker  (backward_tracker.hpp)  micro-steps, and which buckets/units are complete
+//   LocalUpdate      (local_update.hpp)      unscale, overflow check, clip, the rules and kernels
+// It also implements ShardAccess, what checkpoints read and write (src/checkpoint).
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "engine/backward_tracker.hpp"
+#include "engine/flat_state.hpp"
+#include "engine/gradient_reducer.hpp"
+#include "engine/local_update.hpp"
+#include "engine/model_check.hpp"
+#include "engine/parameter_store.hpp"
+#include "engine/plan.hpp"
+#include "shardopt/detail/shard_access.hpp"
+#include "shardopt/optimizer.hpp"
+#include "shardopt/units.hpp"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace shardopt::detail {
+
+// Options of one torch param group: the group's rule, so that torch LR schedulers (set_lr) are
+// seen by the next step.
+class GroupOptions : public torch::optim::OptimizerCloneableOptions<GroupOptions> {
+ public:
+  explicit GroupOptions(Rule rule) : rule(std::move(rule)) {}
+  double get_lr() const override { return rule_lr(rule); }
+  void set_lr(const double lr) override { set_rule_lr(rule, lr); }
+  Rule rule;
+};
+
+class Engine final : public UnitRuntime, public ShardAccess {
+ public:
+  Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
+         ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options);
+  ~Engine() override;
+
+  at::Tensor step(const torch::optim::Optimizer::LossClosure& closure);
+  void zero_grad();
+  void backward(const at::Tensor& loss);
+  const StepStats& last_step() const { return stats_; }
+  MemoryReport memory() const;
+  const ZeroOptions& options() const { return options_; }
+  const CommunicatorPtr& communicator() const { return comm_; }
+  int64_t numel() const { return flat_->layout().numel; }
+  int64_t padded_numel() const { return flat_->layout().padded_numel; }
+  void gather_full_parameters() { store_->gather_full(); }
+  // The torch param groups DistributedOptimizer registers, and their rules.
+  const CollectedModel& model() const { return model_; }
+
+  // ---- UnitRuntime (stage 3): called by Units::run and the output hooks ---------------------
+  void enter(int unit) override { store_->enter(unit); }
+  void exit(int unit) override { store_->exit(unit); }
+  void mark_for_backward(int unit, const at::Tensor& output) override;
+
+  // ---- ShardAccess (src/checkpoint) ---------------------------------------------------------
+  const FlatLayout& layout() const override { return flat_->layout(); }
+  const ZeroOptions& zero_options() const override { return options_; }
+  const CommunicatorPtr& comm() const override { return comm_; }
+  const std::string& param_name(int index) const override { return params()[index].name; }
+  int64_t param_order(int index) const override { return params()[index].order; }
+  std::vector<int64_t> param_shape(int index) const override {
+    return params()[index].tensor.sizes().vec();
+  }
+  at::ScalarType master_dtype() const override;
+  bool has_factory_optimizer() const override { return update_->has_factory_optimizer(); }
+  int state_buffer_count() const override { return static_cast<int>(flat_->state().size()); }
+  at::Tensor owned_param_slice(int bucket) override;
+  at::Tensor owned_state_slice(int state, int bucket) override;
+  int64_t step_count() const override { return steps_; }
+  void set_step_count(int64_t steps) override;
+  int group_count() const override { return static_cast<int>(owner_.param_groups().size()); }
+  Rule group_rule(int group) const override { return current_rule(group); }
+  void set_group_rule(int group, const Rule& rule) override;
+  std::optional<LossScaler::State> loss_scaler_state() const override;
+  void set_loss_scaler_state(const LossScaler::State& state) override;
+  void after_load() override;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  const std::vector<ModelParam>& params() const { return model_.params; }
+  const Rule& current_rule(int group) const;
+
+  void build(const Rule& rule, const ShardOptimizerFactory& factory);
+  void attach_hooks();
+  // Autograd events.
+  void begin_pass();
+  void on_grad_ready(int index);
+  void on_backward_end();
+  bool reduces_this_micro_step() const;
+  // The phases of step().
+  void finish_reduction();
+  bool skip_on_overflow();
+  void clip();
+  void update();
+  void after_update();
+  void end_step(Clock::time_point t0);
+
+  torch::optim::Optimizer& owner_;
+  CommunicatorPtr comm_;
+  ZeroOptions options_;
+  StagePlan plan_;
+  int world_ = 1;
+  CollectedModel model_;
+  UnitsPtr unit_plan_;  // stage 3: the model's declared units (attached to this engine)
+  std::optional<LossScaler> scaler_;  // fp16
+  std::unique_ptr<FlatState> flat_;
+  std::unique_ptr<ParameterStore> store_;
+  std::unique_ptr<GradientReducer> reducer_;
+  std::unique_ptr<LocalUpdate> update_;
+  std::unique_ptr<BackwardTracker> tracker_;
+  struct Hook {
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    uintptr_t key = 0;
+  };
+  std::vector<Hook> hooks_;
+  int64_t steps_ = 0;
+  StepStats stats_;
+};
+
+}  // namespace shardopt::detail

@@ -1,0 +1,51 @@
+// The CPU implementation of the FusedKernels seam: fp32 host shards, writing a bf16/fp16 host copy
+// in the same pass.
+#include "engine/fused_kernels.hpp"
+
+#include <ATen/ATen.h>
+
+namespace shardopt::detail {
+namespace {
+
+class CpuKernels final : public FusedKernels {
+ public:
+  bool accepts(const Segment& s) const override {
+    const bool fp32_host = s.param.is_cpu() && s.param.scalar_type() == at::kFloat &&
+                           s.grad.is_cpu() && s.grad.scalar_type() == at::kFloat;
+    return fp32_host && (!s.low.defined() || low_out(s, 0).kind != kernels::LowPrecision::None);
+  }
+  kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
+    kernels::LowPrecisionOut out;
+    if (!s.low.defined() || !s.low.is_cpu()) return out;
+    const auto dtype = s.low.scalar_type();
+    if (dtype != at::kBFloat16 && dtype != at::kHalf) return out;
+    out.kind = dtype == at::kBFloat16 ? kernels::LowPrecision::BFloat16
+                                      : kernels::LowPrecision::Float16;
+    out.data = reinterpret_cast<uint16_t*>(s.low.data_ptr()) + begin;
+    return out;
+  }
+  void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const override {
+    kernels::fused_adam(h, s);
+  }
+  void sgd(const kernels::SgdHyper& h, const kernels::SgdSegment& s) const override {
+    kernels::fused_sgd(h, s);
+  }
+  kernels::LambNorms lamb_phase1(const kernels::LambHyper& h,
+                                 const kernels::LambSegment& s) const override {
+    return kernels::fused_lamb_phase1(h, s);
+  }
+  void lamb_phase2(const kernels::LambHyper& h, double trust_ratio,
+                   const kernels::LambSegment& s) const override {
+    kernels::fused_lamb_phase2(h, trust_ratio, s);
+  }
+};
+
+}  // namespace
+
+const FusedKernels* fused_kernels_for(c10::DeviceType device) {
+  static const CpuKernels cpu;
+  if (device == c10::DeviceType::CPU) return &cpu;
+  return nullptr;  // CUDA shards: torch's ops until the CUDA kernels are wired in here
+}
+
+}  // namespace shardopt::detail

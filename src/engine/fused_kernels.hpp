@@ -1,0 +1,33 @@
+// FusedKernels: the seam where one device's fused one-pass update kernels (src/kernels, on raw
+// pointers) plug into the local update. The CPU kernels (AVX-512/AVX2/scalar, threaded) are built
+// in; a CUDA implementation registers for CUDA shards in fused_kernels_for(). Where no kernels
+// accept a segment, torch's ops step it (RuleStep).
+#pragma once
+
+#include <c10/core/DeviceType.h>
+
+#include "engine/flat_state.hpp"
+#include "kernels/fused.hpp"
+
+namespace shardopt::detail {
+
+class FusedKernels {
+ public:
+  virtual ~FusedKernels() = default;
+  // Whether these kernels can step the segment: device and dtypes of the master weights and
+  // gradients, and, with a separate master, a compute-dtype copy they can write in the same pass.
+  virtual bool accepts(const Segment& s) const = 0;
+  // The compute-dtype copy of a segment from element `begin` (none without a separate master).
+  virtual kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const = 0;
+  virtual void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const = 0;
+  virtual void sgd(const kernels::SgdHyper& h, const kernels::SgdSegment& s) const = 0;
+  virtual kernels::LambNorms lamb_phase1(const kernels::LambHyper& h,
+                                         const kernels::LambSegment& s) const = 0;
+  virtual void lamb_phase2(const kernels::LambHyper& h, double trust_ratio,
+                           const kernels::LambSegment& s) const = 0;
+};
+
+// The kernels for shards on `device`, or null where none are built.
+const FusedKernels* fused_kernels_for(c10::DeviceType device);
+
+}  // namespace shardopt::detail

@@ -1,0 +1,206 @@
+// GradientReducer: the gradient sinks, the bucket pool and the reduction collectives.
+#include "engine/gradient_reducer.hpp"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+
+GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> params,
+                                 CommunicatorPtr comm, bool overlap, Duration timeout)
+    : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
+      overlap_(overlap), timeout_(timeout), rank_(flat.rank()) {
+  const auto& layout = flat_.layout();
+  buckets_.resize(layout.buckets.size());
+  for (const auto& bl : layout.buckets) max_bucket_numel_ = std::max(max_bucket_numel_, bl.padded);
+  at::NoGradGuard no_grad;
+  if (plan_.bucketed()) {
+    grad_reduced_ = at::zeros({flat_.update_numel()}, flat_.master_options());
+    for (auto& p : params_) p.mutable_grad().reset();
+    return;
+  }
+  grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& slot = layout.slots[i];
+    const auto& bl = layout.buckets[slot.bucket];
+    grad_views_.push_back(grad_flat_.narrow(0, bl.flat_offset + slot.offset, slot.numel)
+                              .view(params_[i].sizes()));
+    params_[i].mutable_grad() = grad_views_.back();
+  }
+}
+
+GradientReducer::~GradientReducer() {
+  for (auto& b : buckets_) {
+    if (!b.work) continue;
+    try {
+      b.work->wait(timeout_);
+    } catch (...) {
+    }
+  }
+}
+
+at::Tensor GradientReducer::reduced(int bucket, const UpdatedRange& range) const {
+  if (plan_.bucketed()) return grad_reduced_.narrow(0, range.state_offset, range.length);
+  const auto& bl = flat_.layout().buckets[bucket];
+  return grad_flat_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
+}
+
+void GradientReducer::check_open(int index, const std::string& name,
+                                 int accumulation_steps) const {
+  const auto& b = buckets_[flat_.layout().slots[index].bucket];
+  SHARDOPT_CHECK(b.launched_micro < 0 || plan_.bucketed(), InvalidArgument,
+                 "optimizer: gradient of '{}' arrived after its bucket was reduced; call "
+                 "backward() at most grad_accumulation_steps ({}) times per step()",
+                 name, accumulation_steps);
+}
+
+void GradientReducer::accept(int index, int micro) {
+  const auto& slot = flat_.layout().slots[index];
+  auto& b = buckets_[slot.bucket];
+  // Bucketed: last micro-step's reduction of this bucket must land before its buffer refills.
+  if (b.work && b.launched_micro != micro) complete(slot.bucket);
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (!plan_.bucketed()) {
+    // Autograd accumulated in place unless someone replaced .grad: fold it back in.
+    const at::Tensor& view = grad_views_[index];
+    if (grad.defined() && !grad.is_same(view) && grad.data_ptr() != view.data_ptr()) {
+      view.add_(grad);
+    }
+    grad = view;
+    return;
+  }
+  at::Tensor dst = pool_[acquire_buffer(slot.bucket)].narrow(0, slot.offset, slot.numel);
+  if (grad.defined()) {
+    dst.view(grad.sizes()).copy_(grad);
+  } else {
+    dst.zero_();
+  }
+  grad.reset();  // the full gradient is freed as soon as it is in the bucket
+}
+
+void GradientReducer::accept_manual() {
+  const auto& layout = flat_.layout();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& g = params_[i].mutable_grad();
+    if (!plan_.bucketed()) {
+      const at::Tensor& view = grad_views_[i];
+      if (g.defined() && g.data_ptr() != view.data_ptr()) view.copy_(g);
+      g = view;
+    } else if (g.defined()) {
+      const auto& slot = layout.slots[i];
+      pool_[acquire_buffer(slot.bucket)].narrow(0, slot.offset, slot.numel).copy_(g.reshape(-1));
+      g.reset();
+    }
+  }
+}
+
+// A bucket buffer from the pool; when all are busy, the oldest in-flight bucket is completed and
+// its buffer reused, so the pool stays at the few buckets in flight at once.
+int GradientReducer::acquire_buffer(int bucket) {
+  auto& b = buckets_[bucket];
+  if (b.buffer >= 0) return b.buffer;
+  int index = -1;
+  if (!free_buffers_.empty()) {
+    index = free_buffers_.back();
+    free_buffers_.pop_back();
+  } else if (!in_flight_.empty() && static_cast<int>(pool_.size()) >= kMaxBuffers) {
+    complete(in_flight_.front());
+    index = free_buffers_.back();
+    free_buffers_.pop_back();
+  } else {
+    pool_.push_back(at::empty({max_bucket_numel_}, flat_.reduce_options()));
+    index = static_cast<int>(pool_.size()) - 1;
+  }
+  b.buffer = index;
+  // Parameters that never report a gradient this micro-step count as zero, as does padding.
+  pool_[index].narrow(0, 0, flat_.layout().buckets[bucket].padded).zero_();
+  return index;
+}
+
+void GradientReducer::launch(int bucket, int micro) {
+  auto& b = buckets_[bucket];
+  const auto& bl = flat_.layout().buckets[bucket];
+  b.launched_micro = micro;
+  at::Tensor range;
+  if (plan_.bucketed()) {
+    range = pool_[acquire_buffer(bucket)].narrow(0, 0, bl.padded);
+    in_flight_.push_back(bucket);
+  } else {
+    range = grad_flat_.narrow(0, bl.flat_offset, bl.padded);
+  }
+  if (!plan_.sharded()) {
+    b.work = comm_->all_reduce(range, ReduceOp::Sum, true);
+    comm_elements_ += 2 * bl.padded;
+  } else {
+    b.work = comm_->reduce_scatter(range, range.narrow(0, rank_ * bl.shard, bl.shard),
+                                   ReduceOp::Sum, true);
+    comm_elements_ += bl.padded;
+  }
+  if (!overlap_) complete(bucket);
+}
+
+bool GradientReducer::launched_in(int bucket, int micro) const {
+  return buckets_[bucket].launched_micro == micro;
+}
+
+bool GradientReducer::nothing_launched() const {
+  return std::all_of(buckets_.begin(), buckets_.end(),
+                     [](const Bucket& b) { return b.launched_micro < 0; });
+}
+
+// Waits for a bucket's reduction; the bucket path folds the result into the reduced gradients
+// (master precision, where the master weights are) and returns the buffer to the pool.
+void GradientReducer::complete(int bucket) {
+  auto& b = buckets_[bucket];
+  if (!b.work) return;
+  b.work->wait(timeout_);
+  b.work.reset();
+  if (!plan_.bucketed()) return;
+  const auto range = flat_.updated(bucket);
+  at::Tensor reduced = pool_[b.buffer].narrow(0, range.bucket_begin, range.length);
+  grad_reduced_.narrow(0, range.state_offset, range.length)
+      .add_(reduced.to(grad_reduced_.device()));
+  free_buffers_.push_back(b.buffer);
+  b.buffer = -1;
+  in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), bucket));
+}
+
+void GradientReducer::complete_all() {
+  for (size_t b = 0; b < buckets_.size(); ++b) complete(static_cast<int>(b));
+  for (auto& b : buckets_) b.launched_micro = -1;
+}
+
+void GradientReducer::zero() {
+  at::NoGradGuard no_grad;
+  if (grad_flat_.defined()) {
+    grad_flat_.zero_();
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grad_views_[i];
+  }
+  if (grad_reduced_.defined()) {
+    grad_reduced_.zero_();
+    for (auto& p : params_) p.mutable_grad().reset();
+  }
+  for (auto& b : buckets_) b.launched_micro = -1;
+}
+
+int64_t GradientReducer::take_comm_elements() {
+  const int64_t n = comm_elements_;
+  comm_elements_ = 0;
+  return n;
+}
+
+int64_t GradientReducer::grad_bytes() const {
+  if (grad_flat_.defined()) return static_cast<int64_t>(grad_flat_.nbytes());
+  return static_cast<int64_t>(grad_reduced_.nbytes());
+}
+
+int64_t GradientReducer::buffer_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& b : pool_) bytes += static_cast<int64_t>(b.nbytes());
+  return bytes;
+}
+
+}  // namespace shardopt::detail

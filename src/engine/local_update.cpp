@@ -1,0 +1,219 @@
+// LocalUpdate: unscale, non-finite check, clipping and the update of this rank's segments.
+#include "engine/local_update.hpp"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "engine/rule_step.hpp"
+#include "shardopt/detail/rule_traits.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+
+LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout,
+                         const Rule& rule, const ShardOptimizerFactory& factory, RuleOf rule_of,
+                         bool fused)
+    : flat_(flat), comm_(std::move(comm)), timeout_(timeout), rule_of_(std::move(rule_of)),
+      lamb_(std::holds_alternative<Lamb>(rule)) {
+  if (fused) kernels_ = fused_kernels_for(flat_.master_options().device().type());
+  if (factory) {
+    for (auto& s : flat_.segments()) {
+      at::Tensor t = s.param;
+      t.mutable_grad() = s.grad;
+      inner_params_.push_back(t);
+    }
+    inner_ = factory(inner_params_);
+    SHARDOPT_CHECK(inner_ != nullptr, InvalidArgument, "optimizer: the factory returned null");
+    return;
+  }
+  const auto* ada = std::get_if<Adagrad>(&rule);
+  flat_.init_state(state_count(rule), ada ? ada->initial_accumulator_value() : 0.0);
+}
+
+void LocalUpdate::unscale(double divisor) {
+  for (auto& s : flat_.segments()) s.grad.mul_(1.0 / divisor);
+}
+
+void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
+  comm_->all_reduce(t, op, true)->wait(timeout_);
+}
+
+bool LocalUpdate::any_rank_non_finite() {
+  bool bad = false;
+  for (auto& s : flat_.segments()) bad = bad || !s.grad.isfinite().all().item<bool>();
+  at::Tensor flag = at::full({1}, bad ? 1.0f : 0.0f, at::kFloat);
+  if (comm_->size() > 1) all_reduce_small(flag, ReduceOp::Max);
+  return flag.item<float>() > 0;
+}
+
+LocalUpdate::Clip LocalUpdate::clip(double max_norm) {
+  Clip result;
+  if (max_norm <= 0) return result;
+  at::Tensor sq = at::zeros({1}, at::kDouble);
+  double local = 0;
+  for (auto& s : flat_.segments()) {
+    const double n = s.grad.norm().item<double>();
+    local += n * n;
+  }
+  sq.fill_(local);
+  if (flat_.plan().sharded()) all_reduce_small(sq);
+  result.norm = std::sqrt(sq.item<double>());
+  const double coef = max_norm / (result.norm + 1e-6);
+  if (coef < 1) {
+    result.clipped = true;
+    for (auto& s : flat_.segments()) s.grad.mul_(coef);
+  }
+  return result;
+}
+
+void LocalUpdate::update(int64_t step) {
+  if (inner_) {
+    inner_->step();
+    return;
+  }
+  if (lamb_) {
+    lamb_update(step);
+    return;
+  }
+  auto& state = flat_.state();
+  for (auto& s : flat_.segments()) {
+    const Rule& rule = rule_of_(s.group);
+    std::vector<at::Tensor> st;
+    for (auto& full : state) st.push_back(full.narrow(0, s.state_offset, s.param.numel()));
+    s.low_done = fused_step(rule, step, s, st);
+    if (!s.low_done) {
+      std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
+    }
+  }
+}
+
+// Steps the segment with a fused kernel when one exists for the rule; returns whether it did
+// (and then also wrote the compute-dtype copy, when there is one).
+bool LocalUpdate::fused_step(const Rule& rule, int64_t step, Segment& s,
+                             std::vector<at::Tensor>& st) {
+  if (!kernels_ || !kernels_->accepts(s)) return false;
+  const auto low = kernels_->low_out(s, 0);
+  float* param = s.param.data_ptr<float>();
+  const float* grad = s.grad.data_ptr<float>();
+  const int64_t n = s.param.numel();
+  auto adam = [&](const auto& r, bool decoupled) {
+    kernels::AdamHyper h;
+    h.lr = r.lr(), h.beta1 = r.beta1(), h.beta2 = r.beta2(), h.eps = r.eps();
+    h.weight_decay = r.weight_decay(), h.decoupled = decoupled, h.amsgrad = r.amsgrad();
+    h.step = step;
+    kernels_->adam(h, {param, grad, st[0].data_ptr<float>(), st[1].data_ptr<float>(),
+                       r.amsgrad() ? st[2].data_ptr<float>() : nullptr, low, n});
+    return true;
+  };
+  if (const auto* r = std::get_if<AdamW>(&rule)) return adam(*r, true);
+  if (const auto* r = std::get_if<Adam>(&rule)) return adam(*r, false);
+  if (const auto* r = std::get_if<SGD>(&rule)) {
+    kernels::SgdHyper h;
+    h.lr = r->lr(), h.momentum = r->momentum(), h.dampening = r->dampening();
+    h.weight_decay = r->weight_decay(), h.nesterov = r->nesterov(), h.step = step;
+    kernels_->sgd(h, {param, grad, r->momentum() != 0 ? st[0].data_ptr<float>() : nullptr, low, n});
+    return true;
+  }
+  return false;  // Adagrad, RMSprop: torch's ops (RuleStep)
+}
+
+template <typename Fn>
+void LocalUpdate::for_each_param_piece(const Segment& s, Fn&& fn) const {
+  const auto& layout = flat_.layout();
+  const auto& bl = layout.buckets[s.bucket];
+  const ShardRange seg{s.bucket_begin, s.bucket_begin + s.param.numel()};
+  for (int index : bl.params) {
+    const auto& slot = layout.slots[index];
+    const ShardRange piece = intersect(seg, {slot.offset, slot.offset + slot.numel});
+    if (!piece.empty()) fn(index, piece.begin - seg.begin, piece.size());
+  }
+}
+
+// LAMB with the fused phases, per parameter piece (the trust ratio is per parameter).
+bool LocalUpdate::fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
+  auto& segments = flat_.segments();
+  for (const auto& s : segments) {
+    if (!kernels_ || !kernels_->accepts(s)) return false;
+  }
+  auto& state = flat_.state();
+  auto hyper = [&](const Segment& s) {
+    const auto& r = std::get<Lamb>(rule_of_(s.group));
+    kernels::LambHyper h;
+    h.lr = r.lr(), h.beta1 = r.beta1(), h.beta2 = r.beta2(), h.eps = r.eps();
+    h.weight_decay = r.weight_decay(), h.step = step;
+    return h;
+  };
+  auto piece = [&](Segment& s, int64_t begin, int64_t len, bool with_low) {
+    const int64_t at0 = s.state_offset + begin;
+    return kernels::LambSegment{s.param.data_ptr<float>() + begin,
+                                s.grad.data_ptr<float>() + begin,
+                                state[0].data_ptr<float>() + at0,
+                                state[1].data_ptr<float>() + at0,
+                                with_low ? kernels_->low_out(s, begin) : kernels::LowPrecisionOut{},
+                                len};
+  };
+  for (auto& s : segments) {
+    const auto h = hyper(s);
+    for_each_param_piece(s, [&](int index, int64_t begin, int64_t len) {
+      const auto norms = kernels_->lamb_phase1(h, piece(s, begin, len, false));
+      acc[2 * index] += norms.param_sq;
+      acc[2 * index + 1] += norms.update_sq;
+    });
+  }
+  if (flat_.plan().sharded()) all_reduce_small(sums);
+  for (auto& s : segments) {
+    const auto h = hyper(s);
+    for_each_param_piece(s, [&](int index, int64_t begin, int64_t len) {
+      const double w = std::sqrt(acc[2 * index]), u = std::sqrt(acc[2 * index + 1]);
+      kernels_->lamb_phase2(h, (w > 0 && u > 0) ? w / u : 1.0, piece(s, begin, len, true));
+    });
+    // Padding between parameters keeps a zero compute-dtype copy; nothing else to write.
+    s.low_done = true;
+  }
+  return true;
+}
+
+// LAMB in two phases: (1) moments and the raw update per segment, partial squared norms of
+// weights and updates per parameter; one all-reduce of the partial sums; (2) each parameter
+// scaled by its trust ratio ||w|| / ||u||.
+void LocalUpdate::lamb_update(int64_t step) {
+  const int64_t np = static_cast<int64_t>(flat_.layout().slots.size());
+  at::Tensor sums = at::zeros({2 * np}, at::kDouble);
+  auto* acc = sums.data_ptr<double>();
+  if (fused_lamb(step, acc, sums)) return;
+  auto& segments = flat_.segments();
+  auto& state = flat_.state();
+  for (auto& s : segments) s.low_done = false;
+  std::vector<at::Tensor> updates;
+  for (auto& s : segments) {
+    const auto& r = std::get<Lamb>(rule_of_(s.group));
+    at::Tensor m = state[0].narrow(0, s.state_offset, s.param.numel());
+    at::Tensor v = state[1].narrow(0, s.state_offset, s.param.numel());
+    m.mul_(r.beta1()).add_(s.grad, 1 - r.beta1());
+    v.mul_(r.beta2()).addcmul_(s.grad, s.grad, 1 - r.beta2());
+    const double bc1 = 1 - std::pow(r.beta1(), static_cast<double>(step));
+    const double bc2 = 1 - std::pow(r.beta2(), static_cast<double>(step));
+    at::Tensor u = (m / bc1) / ((v / bc2).sqrt() + r.eps());
+    if (r.weight_decay() != 0) u.add_(s.param, r.weight_decay());
+    for_each_param_piece(s, [&](int index, int64_t begin, int64_t len) {
+      const double w = s.param.narrow(0, begin, len).norm().item<double>();
+      const double n = u.narrow(0, begin, len).norm().item<double>();
+      acc[2 * index] += w * w;
+      acc[2 * index + 1] += n * n;
+    });
+    updates.push_back(u);
+  }
+  if (flat_.plan().sharded()) all_reduce_small(sums);
+  for (size_t k = 0; k < segments.size(); ++k) {
+    auto& s = segments[k];
+    const auto& r = std::get<Lamb>(rule_of_(s.group));
+    for_each_param_piece(s, [&](int index, int64_t begin, int64_t len) {
+      const double w = std::sqrt(acc[2 * index]), u = std::sqrt(acc[2 * index + 1]);
+      const double trust = (w > 0 && u > 0) ? w / u : 1.0;
+      s.param.narrow(0, begin, len).add_(updates[k].narrow(0, begin, len), -r.lr() * trust);
+    });
+  }
+}
+
+}  // namespace shardopt::detail

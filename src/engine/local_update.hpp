@@ -1,0 +1,66 @@
+// LocalUpdate: everything that happens to this rank's segments between the end of the reduction
+// and the new parameters: unscaling, the non-finite check, global-norm clipping, and the update
+// itself (native rules through the fused kernels or torch's ops, LAMB's two phases with its
+// all-reduced per-tensor norms, or a factory-built torch optimizer over the shard).
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+
+#include "engine/flat_state.hpp"
+#include "engine/fused_kernels.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/optimizer.hpp"
+#include "shardopt/rules.hpp"
+
+namespace shardopt::detail {
+
+class LocalUpdate {
+ public:
+  // The rule of parameter group g as the torch param group holds it now (LR schedulers).
+  using RuleOf = std::function<const Rule&(int group)>;
+
+  // With a factory, the factory's optimizer steps the segments; otherwise `rule`'s state buffers
+  // are allocated in `flat`. `fused`: use the device's fused kernels where they accept a segment.
+  LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout, const Rule& rule,
+              const ShardOptimizerFactory& factory, RuleOf rule_of, bool fused);
+
+  // Divides the reduced gradients by `divisor` (world * micro-steps * loss scale).
+  void unscale(double divisor);
+  // Whether any rank holds a non-finite reduced gradient (each checks its own segments).
+  bool any_rank_non_finite();
+  // Global L2 norm across every rank's segments; scales the gradients down to `max_norm`.
+  struct Clip {
+    double norm = -1.0;
+    bool clipped = false;
+  };
+  Clip clip(double max_norm);
+  // One optimizer step, number `step` (1-based); leaves the result in the segments' params (and,
+  // where the kernels wrote it, their compute-dtype copies).
+  void update(int64_t step);
+
+  bool has_factory_optimizer() const { return inner_ != nullptr; }
+
+ private:
+  bool fused_step(const Rule& rule, int64_t step, Segment& s, std::vector<at::Tensor>& st);
+  bool fused_lamb(int64_t step, double* acc, at::Tensor& sums);
+  void lamb_update(int64_t step);
+  // Calls fn(param index, begin, length) for each parameter's intersection with a segment, begin
+  // relative to the segment (LAMB's norms are per parameter).
+  template <typename Fn>
+  void for_each_param_piece(const Segment& s, Fn&& fn) const;
+  void all_reduce_small(at::Tensor& t, ReduceOp op = ReduceOp::Sum);
+
+  FlatState& flat_;
+  CommunicatorPtr comm_;
+  Duration timeout_;
+  RuleOf rule_of_;
+  bool lamb_ = false;
+  const FusedKernels* kernels_ = nullptr;
+  std::unique_ptr<torch::optim::Optimizer> inner_;
+  std::vector<at::Tensor> inner_params_;
+};
+
+}  // namespace shardopt::detail

@@ -1,0 +1,160 @@
+// Model check: collecting and validating the parameters, and the cross-rank model comparison.
+#include "engine/model_check.hpp"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "checkpoint/agreement.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+namespace {
+
+// Each parameter's unit: the first unit declaring it; declared by two units, or by none, it
+// belongs to the root unit.
+void assign_units(CollectedModel& m, const Units& units) {
+  m.root_unit = units.size();
+  std::unordered_map<const c10::TensorImpl*, int> unit_of;
+  for (int u = 0; u < m.root_unit; ++u) {
+    for (const auto& t : units.parameters(u)) {
+      auto [it, fresh] = unit_of.emplace(t.unsafeGetTensorImpl(), u);
+      if (!fresh && it->second != u) it->second = m.root_unit;  // shared by two units
+    }
+  }
+  for (auto& p : m.params) {
+    auto it = unit_of.find(p.tensor.unsafeGetTensorImpl());
+    p.unit = it == unit_of.end() ? m.root_unit : it->second;
+  }
+}
+
+}  // namespace
+
+at::ScalarType compute_dtype(Precision precision) {
+  return precision == Precision::BF16 ? at::kBFloat16
+         : precision == Precision::FP16 ? at::kHalf : at::kFloat;
+}
+
+bool first_trainable_on_host(const std::vector<ParamGroup>& groups) {
+  for (const auto& g : groups) {
+    for (const auto& np : g.params) {
+      if (np.tensor.defined() && np.tensor.requires_grad()) return np.tensor.is_cpu();
+    }
+  }
+  return true;
+}
+
+CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, bool has_factory,
+                             Precision precision, const Units* units) {
+  SHARDOPT_CHECK(!groups.empty(), InvalidArgument, "optimizer: no parameter groups given");
+  CollectedModel m;
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::string, int>> seen;  // name, group
+  int64_t order = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    Rule group_rule = rule;
+    if (groups[g].lr) set_rule_lr(group_rule, *groups[g].lr);
+    if (groups[g].weight_decay) set_rule_weight_decay(group_rule, *groups[g].weight_decay);
+    SHARDOPT_CHECK(!has_factory || (!groups[g].lr && !groups[g].weight_decay), InvalidArgument,
+                   "optimizer: group {} overrides lr/weight_decay, which a factory-built "
+                   "optimizer cannot see; give the factory's optimizer its own groups", g);
+    m.group_rules.push_back(group_rule);
+    m.torch_groups.emplace_back();
+    for (auto& np : groups[g].params) {
+      SHARDOPT_CHECK(np.tensor.defined(), InvalidArgument,
+                     "optimizer: parameter '{}' is an undefined tensor", np.name);
+      ++order;
+      if (!np.tensor.requires_grad()) continue;  // frozen: not ours to shard
+      auto [it, fresh] = seen.emplace(np.tensor.unsafeGetTensorImpl(),
+                                      std::make_pair(np.name, static_cast<int>(g)));
+      if (!fresh) {
+        SHARDOPT_CHECK(it->second.second == static_cast<int>(g), InvalidArgument,
+                       "optimizer: parameter '{}' is the same tensor as '{}' but sits in another "
+                       "parameter group", np.name, it->second.first);
+        continue;  // tied: one copy in the layout
+      }
+      SHARDOPT_CHECK(np.tensor.is_leaf(), InvalidArgument,
+                     "optimizer: parameter '{}' is not a leaf tensor", np.name);
+      m.params.push_back({np.name, np.tensor, static_cast<int>(g), 0, order});
+      m.torch_groups.back().push_back(np.tensor);
+    }
+  }
+  auto& params = m.params;
+  SHARDOPT_CHECK(!params.empty(), InvalidArgument,
+                 "optimizer: no trainable parameters (all are frozen or the list is empty)");
+  const auto& first = params.front().tensor;
+  for (const auto& p : params) {
+    SHARDOPT_CHECK(p.tensor.scalar_type() == first.scalar_type() &&
+                       p.tensor.device() == first.device(),
+                   InvalidArgument,
+                   "optimizer: all trainable parameters must share dtype and device; '{}' is {} "
+                   "but '{}' is {}", p.name, describe(p.tensor), params.front().name,
+                   describe(first));
+  }
+  const bool mixed = precision != Precision::FP32;
+  const bool compute_typed = mixed && first.scalar_type() == compute_dtype(precision);
+  SHARDOPT_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble ||
+                     compute_typed,
+                 InvalidArgument,
+                 "optimizer: parameters must be float32 or float64{}, '{}' is {}",
+                 mixed ? fmt::format(" (or {} with precision {})",
+                                     c10::toString(compute_dtype(precision)), to_string(precision))
+                       : std::string(),
+                 params.front().name, describe(first));
+  SHARDOPT_CHECK(!mixed || first.scalar_type() != at::kDouble, InvalidArgument,
+                 "optimizer: precision {} needs float32 parameters (the master copy is fp32), "
+                 "'{}' is {}", to_string(precision), params.front().name, describe(first));
+  if (units) assign_units(m, *units);
+  // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout]).
+  std::stable_sort(params.begin(), params.end(), [](const ModelParam& a, const ModelParam& b) {
+    if (a.group != b.group) return a.group < b.group;
+    if (a.unit != b.unit) return a.unit < b.unit;
+    return a.order > b.order;
+  });
+  return m;
+}
+
+void verify_same_model(const std::vector<ModelParam>& params, bool per_unit, Communicator& comm,
+                       Duration timeout) {
+  const int world = comm.size();
+  if (world == 1) return;
+  std::string mine;
+  for (const auto& p : params) {
+    mine += fmt::format("'{}' {} (group {}{})\n", p.name, describe(p.tensor), p.group,
+                        per_unit ? fmt::format(", unit {}", p.unit) : std::string());
+  }
+  const auto all = all_gather_strings(comm, mine, timeout);
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
+    return;
+  }
+  std::vector<std::vector<std::string>> lines(world);
+  size_t longest = 0;
+  for (int r = 0; r < world; ++r) {
+    for (size_t at = 0, next; (next = all[r].find('\n', at)) != std::string::npos; at = next + 1) {
+      lines[r].push_back(all[r].substr(at, next - at));
+    }
+    longest = std::max(longest, lines[r].size());
+  }
+  auto line = [&](int r, size_t i) {
+    return i < lines[r].size() ? lines[r][i] : std::string("no such parameter");
+  };
+  auto same_at = [&](size_t i) {
+    for (int r = 1; r < world; ++r) {
+      if (line(r, i) != line(0, i)) return false;
+    }
+    return true;
+  };
+  size_t first_bad = 0;
+  while (first_bad < longest && same_at(first_bad)) ++first_bad;
+  std::string report;
+  for (int r = 0; r < world; ++r) {
+    report += fmt::format("\n  rank {}: {} trainable parameters, #{} is {}", r, lines[r].size(),
+                          first_bad, line(r, first_bad));
+  }
+  SHARDOPT_FAIL(Mismatch,
+                "optimizer: the model differs across ranks at trainable parameter #{} (in "
+                "layout order); every rank must build the same model:{}",
+                first_bad, report);
+}
+
+}  // namespace shardopt::detail

@@ -1,0 +1,47 @@
+// Model check: what the optimizer is given, validated and put in layout order (Note [Flat
+// layout]), and the check that every rank was given the same model.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "shardopt/optimizer.hpp"
+#include "shardopt/units.hpp"
+
+namespace shardopt::detail {
+
+struct ModelParam {
+  std::string name;
+  at::Tensor tensor;
+  int group = 0;
+  int unit = 0;       // per-unit plans: its unit (the root unit when in none, or in two)
+  int64_t order = 0;  // position in the parameter lists given (checkpoint manifests use it)
+};
+
+struct CollectedModel {
+  std::vector<ModelParam> params;  // trainable, tied ones once, in layout order
+  std::vector<Rule> group_rules;   // each group's rule (its lr / weight decay applied)
+  std::vector<std::vector<at::Tensor>> torch_groups;  // the torch param groups' tensors
+  int root_unit = 0;               // per-unit plans: index of the root unit (= declared units)
+};
+
+// The dtype the model computes in under `precision`.
+at::ScalarType compute_dtype(Precision precision);
+
+// Whether the first trainable parameter lives in host memory (decides where offload moves to).
+bool first_trainable_on_host(const std::vector<ParamGroup>& groups);
+
+// Validates groups and parameters (names in errors) and orders them: by group, unit, then reverse
+// registration order. `units`: the declared units when parameters are gathered per unit, else
+// null (everything in unit 0).
+CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, bool has_factory,
+                             Precision precision, const Units* units);
+
+// Collective: ranks compare (name, shape, dtype, group, unit) of every parameter; on a mismatch
+// every rank throws Error{Mismatch} naming the first differing parameter and each rank's view.
+void verify_same_model(const std::vector<ModelParam>& params, bool per_unit, Communicator& comm,
+                       Duration timeout);
+
+}  // namespace shardopt::detail

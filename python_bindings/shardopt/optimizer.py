@@ -206,7 +206,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for inputs, labels in loader:           # each rank: its own slice of the global batch
             opt.zero_grad()
             loss = loss_fn(model(inputs), labels)
-            opt.backward(loss)                  # or loss.backward()
+            opt.backward(loss)                  # or loss.backward(); (loss / k).backward()
+                                                # with grad_accumulation_steps=k
             opt.step()
             sched.step()
 
@@ -348,7 +349,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- shardopt ----------------------------------------------------------------------------
 
     def backward(self, loss):
-        """``loss.backward()`` plus micro-step bookkeeping (and loss scaling where enabled)."""
+        """``loss.backward()`` with the loss scaled by 1/``grad_accumulation_steps`` (and by the
+        loss scale where enabled). Gradients are summed over micro-steps, so this and torch's own
+        ``(loss / k).backward()`` both give the gradient of the big batch's average loss."""
         self._core.backward(loss)
 
     def last_step(self):

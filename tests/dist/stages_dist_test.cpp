@@ -106,6 +106,8 @@ struct Case {
   Precision precision = Precision::FP32;
   bool reduce_in_fp32 = true;
   bool fused = true;  // the fused kernels where they exist; false: torch's ops
+  // Accumulation in torch's style: (loss / k).backward() instead of opt.backward(loss).
+  bool torch_style = false;
 };
 
 std::string case_name(const Case& c) {
@@ -115,7 +117,8 @@ std::string case_name(const Case& c) {
                      c.overlap ? "" : "_sync", c.bucket_bytes, c.backend,
                      c.offload ? "_offload" : "",
                      c.precision != Precision::FP32 ? std::string("_") + to_string(c.precision) : "",
-                     c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused");
+                     c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused") +
+         (c.torch_style ? "_torchstyle" : "");
 }
 
 Rule make_rule(const std::string& name) {
@@ -287,8 +290,13 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
     opt.zero_grad();
     for (int m = 0; m < c.accumulation; ++m) {
       auto [x, y] = batch(s, m);
-      opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
-                            y.narrow(0, comm->rank() * per_rank, per_rank)));
+      at::Tensor loss = net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
+                                 y.narrow(0, comm->rank() * per_rank, per_rank));
+      if (c.torch_style) {
+        (loss / c.accumulation).backward();
+      } else {
+        opt.backward(loss);
+      }
     }
     opt.step();
     run.comm_per_step = counting->elements - before;
@@ -345,6 +353,11 @@ std::vector<Case> parity_cases() {
     for (const char* rule : {"adam", "nesterov", "adagrad", "rmsprop"}) cases.push_back({stage, rule});
     cases.push_back({stage, "adamw", 4});                             // accumulation
     cases.push_back({stage, "sgd", 4});
+    for (const char* rule : {"sgd", "adamw"}) {  // (loss / k).backward(), torch's convention
+      Case c{stage, rule, 4};
+      c.torch_style = true;
+      cases.push_back(c);
+    }
     cases.push_back({stage, "adamw", 1, 0.05});                       // clipping
     cases.push_back({stage, "lamb", 2, 0.05, true});
     cases.push_back({stage, "adamw", 1, 0.0, true});                  // param groups

@@ -175,6 +175,16 @@ void register_benchmarks() {
   }
 }
 
+// Google Benchmark 1.8 replaced Run::error_occurred with Run::skipped; both versions build.
+template <class R>
+auto run_failed(const R& r, int) -> decltype(static_cast<bool>(r.skipped)) {
+  return static_cast<bool>(r.skipped);
+}
+template <class R>
+bool run_failed(const R& r, long) {
+  return r.error_occurred;
+}
+
 // Console output as usual, plus the ratio table at the end.
 class TableReporter : public benchmark::ConsoleReporter {
  public:
@@ -183,7 +193,7 @@ class TableReporter : public benchmark::ConsoleReporter {
 
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& r : runs) {
-      if (r.error_occurred) continue;
+      if (run_failed(r, 0)) continue;
       const bool median = r.aggregate_name == "median";
       if (!r.aggregate_name.empty() && !median) continue;
       Entry& e = results_[r.run_name.function_name + "/" + r.run_name.args];

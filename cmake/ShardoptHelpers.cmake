@@ -4,18 +4,16 @@ function(shardopt_warnings target)
   target_compile_options(${target} PRIVATE -Wall -Wextra -Wno-unused-parameter)
 endfunction()
 
-# Gloo: torch's c10d headers with ProcessGroupGloo plus Gloo's own headers/library.
+# Gloo: torch's c10d headers with ProcessGroupGloo plus Gloo's own headers/library. One adapter
+# for torch 1.13 and 2.x (Note [c10d across torch versions] in process_group_communicator.cpp).
 function(shardopt_gloo_available out)
   find_package(Gloo QUIET CONFIG)
   find_file(_pg_gloo torch/csrc/distributed/c10d/ProcessGroupGloo.hpp PATHS ${TORCH_INCLUDE_DIRS})
-  # torch 2.x made ProcessGroupGloo a c10d::Backend; the adapter is written against 1.13's
-  # ProcessGroup and is left out there until ported (MPI, NCCL and single still build).
-  if(Torch_VERSION VERSION_GREATER_EQUAL 2.0)
-    message(STATUS "shardopt: Gloo adapter not yet ported to torch ${Torch_VERSION}")
-    set(${out} OFF PARENT_SCOPE)
-  elseif(Gloo_FOUND AND TARGET gloo AND _pg_gloo)
+  if(Gloo_FOUND AND TARGET gloo AND _pg_gloo)
     set(${out} ON PARENT_SCOPE)
   else()
+    message(STATUS "shardopt: no Gloo engine: Gloo package found=${Gloo_FOUND}, "
+                   "c10d ProcessGroupGloo.hpp at '${_pg_gloo}'")
     set(${out} OFF PARENT_SCOPE)
   endif()
 endfunction()

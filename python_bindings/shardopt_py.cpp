@@ -26,6 +26,25 @@ using namespace pybind11::literals;
 namespace shardopt {
 namespace {
 
+// Note [Releasing without the GIL]: Python may drop the last reference to a communicator (or to
+// an optimizer, which holds one) with the GIL held. The MPI engine's destructor joins its worker
+// thread, which may at that moment be destroying a tensor created in Python; on torch >= 2 that
+// destroys the tensor's PyObject and needs the GIL: a deadlock (seen under mpirun -np 3 on
+// Debian 13). Objects handed to Python therefore release the GIL while they are destroyed.
+template <class T>
+std::shared_ptr<T> release_without_gil(std::shared_ptr<T> p) {
+  if (!p) return p;
+  T* raw = p.get();
+  return std::shared_ptr<T>(raw, [keep = std::move(p)](T*) mutable {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      keep.reset();
+    } else {
+      keep.reset();
+    }
+  });
+}
+
 // ---- errors ----------------------------------------------------------------------------------
 
 // Note [Python exceptions]: every shardopt::Error becomes an instance of shardopt.Error (a
@@ -442,18 +461,18 @@ void bind_comm(py::module_& m) {
         o.device = device;
         o.timeout = to_duration(timeout, kDefaultTimeout);
         py::gil_scoped_release nogil;
-        return init_from_env(o);
+        return release_without_gil(init_from_env(o));
       },
       "backend"_a = "", "device"_a = "cpu", "timeout"_a = py::none(),
       "The communicator this process was launched for: mpirun/srun -> 'mpi'; torchrun's RANK, "
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
-  m.def("make_single_communicator", &make_single_communicator);
+  m.def("make_single_communicator", [] { return release_without_gil(make_single_communicator()); });
 #if SHARDOPT_HAS_GLOO
   m.def(
       "_make_process_group_communicator",
       [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
-        return make_process_group_communicator(std::move(group));
+        return release_without_gil(make_process_group_communicator(std::move(group)));
       },
       "group"_a);
   m.def(
@@ -465,7 +484,7 @@ void bind_comm(py::module_& m) {
         o.store = store;
         o.timeout = to_duration(timeout, kDefaultTimeout);
         py::gil_scoped_release nogil;
-        return make_gloo_communicator(o);
+        return release_without_gil(make_gloo_communicator(o));
       },
       "rank"_a, "size"_a, "store"_a, "timeout"_a = py::none(),
       "A Gloo communicator of its own; store: 'file:/path' or 'tcp://host:port' (rank 0 serves).");
@@ -505,12 +524,31 @@ void bind_options(py::module_& m) {
           "reduce_dtype", [](const ZeroOptions& o) { return std::string(to_string(o.reduce_dtype)); },
           [](ZeroOptions& o, const std::string& p) { o.reduce_dtype = parse_precision(p); },
           "dtype gradients are reduced in: fp32, bf16 or fp16")
+      .def_readwrite("units", &ZeroOptions::units,
+                     "Stage 3: the shardopt.Units gathered together (DistributedOptimizer's "
+                     "units= builds it and installs the module hooks)")
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })
       .def("validate", &ZeroOptions::validate,
            "Raises InvalidArgumentError (a ValueError) naming the first invalid field.")
       .def("__repr__", &repr_options);
+}
+
+// Stage 3 from Python: shardopt/optimizer.py declares the units and calls begin/end from forward
+// pre-hooks and forward hooks; end() hooks the outputs so backward gathers the unit again.
+void bind_units(py::module_& m) {
+  py::class_<Units, std::shared_ptr<Units>>(m, "Units",
+                                             "Stage-3 units (include/shardopt/units.hpp)")
+      .def(py::init<>())
+      .def("add", &Units::add, "name"_a, "parameters"_a,
+           "Declares a unit gathered as one; returns its index.")
+      .def("begin", &Units::begin, "index"_a, py::call_guard<py::gil_scoped_release>(),
+           "Before the unit's forward: gathers its parameters (collective).")
+      .def("end", &Units::end, "index"_a, "outputs"_a, py::call_guard<py::gil_scoped_release>(),
+           "After the unit's forward: hooks the outputs for backward, frees the parameters.")
+      .def("__len__", &Units::size)
+      .def("name", &Units::name, "index"_a);
 }
 
 void bind_optimizer(py::module_& m) {
@@ -562,8 +600,8 @@ void bind_optimizer(py::module_& m) {
              Rule rule = read_rule(name, values, /*strict=*/true);
              auto specs = to_groups(groups);
              py::gil_scoped_release nogil;  // construction broadcasts and compares layouts
-             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(rule),
-                                                           std::move(comm), options);
+             return release_without_gil(std::make_shared<DistributedOptimizer>(
+                 std::move(specs), std::move(rule), std::move(comm), options));
            }),
            "groups"_a, "name"_a, "values"_a, "comm"_a, "options"_a)
       .def(py::init([](const std::vector<GroupSpec>& groups, py::function factory,
@@ -571,8 +609,8 @@ void bind_optimizer(py::module_& m) {
              auto specs = to_groups(groups);
              auto make = python_factory(std::move(factory));
              py::gil_scoped_release nogil;
-             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(make),
-                                                           std::move(comm), options);
+             return release_without_gil(std::make_shared<DistributedOptimizer>(
+                 std::move(specs), std::move(make), std::move(comm), options));
            }),
            "groups"_a, "factory"_a, "comm"_a, "options"_a)
       .def(
@@ -587,6 +625,8 @@ void bind_optimizer(py::module_& m) {
       .def("memory", &DistributedOptimizer::memory)
       .def_property_readonly("options", &DistributedOptimizer::options)
       .def_property_readonly("communicator", &DistributedOptimizer::communicator)
+      .def("gather_full_parameters", &DistributedOptimizer::gather_full_parameters,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("numel", &DistributedOptimizer::numel)
       .def_property_readonly("padded_numel", &DistributedOptimizer::padded_numel)
       .def("group_hyperparameters",
@@ -699,6 +739,7 @@ PYBIND11_MODULE(_C, m) {
     SHARDOPT_FAIL(InvalidArgument, "_raise_for_test: unknown kind '{}'", kind);
   });
   bind_comm(m);
+  bind_units(m);
   bind_options(m);
   bind_optimizer(m);
   bind_estimate(m);

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages shardopt needs, only those that are missing (apt-get update first).
+# `setup.sh --print-packages` prints the list, one per line (scripts/platform.sh keys its cache on it).
 set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build lld ccache pkg-config
@@ -11,6 +12,10 @@ PACKAGES=(
   libutf8proc-dev                                    # the BERT tokenizer's Unicode tables
   manpages-dev manpages-fr-dev manpages-de-dev manpages-es-dev  # the BERT example's default corpus
 )
+if [ "${1:-}" = "--print-packages" ]; then
+  printf '%s\n' "${PACKAGES[@]}"
+  exit 0
+fi
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # Builds shardopt and runs the whole test suite (unit, multi-rank under mpirun for N = 1..4,
-# packaging, Python). Fails when any test fails or when no test ran.
+# packaging, Python). Fails when any test fails or when no test ran. Prints what was skipped, and
+# why, after CTest's summary.
+#   scripts/test.sh [ctest args]                      on this machine (Debian 12 in CI)
+#   scripts/test.sh --platform debian13 [ctest args]  the same inside a cached Debian 13 root
+#                                                     (scripts/platform.sh; needs root)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = "--platform" ]; then
+  [ $# -ge 2 ] || { echo "usage: scripts/test.sh --platform debian13 [ctest args]" >&2; exit 2; }
+  platform="$2"
+  shift 2
+  exec "$ROOT/scripts/platform.sh" "$platform" scripts/test.sh "$@"
+fi
 BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
 "$ROOT/scripts/build.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -12,6 +22,14 @@ set +e
 ctest --output-on-failure "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
+# GoogleTest's "file:line: Skipped" is followed by the reason; count them per CTest entry.
+if [ -f Testing/Temporary/LastTest.log ]; then
+  awk '/^[0-9]+\/[0-9]+ Testing: /{entry=$3}
+       /: Skipped$/{getline reason; n[entry ": " reason]++; total++}
+       END{for (k in n) printf "[test] skipped %d in %s\n", n[k], k;
+           printf "[test] %d GoogleTest cases skipped in all\n", total}' \
+    Testing/Temporary/LastTest.log | sort
+fi
 if ! grep -qE '^[0-9]+% tests passed, [0-9]+ tests failed out of [1-9][0-9]*' "$LOG"; then
   echo "[test] no test ran: that is a failure" >&2
   exit 1

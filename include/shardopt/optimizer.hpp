@@ -95,7 +95,9 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   at::Tensor step(LossClosure closure = nullptr) override;
   // Clears gradients (in place for stages 0-1; shards for stage 2). Hides the base's.
   void zero_grad();
-  // loss.backward() plus micro-step bookkeeping (and loss scaling with fp16).
+  // (loss / grad_accumulation_steps).backward() plus micro-step bookkeeping (and loss scaling
+  // with fp16). Gradients are summed over micro-steps, so torch's own (loss / k).backward() gives
+  // the same big-batch gradient (Note [Gradient accumulation convention], src/engine/engine.cpp).
   void backward(const at::Tensor& loss);
 
   const StepStats& last_step() const;

@@ -23,7 +23,9 @@ struct ZeroOptions {
   int64_t bucket_bytes = int64_t{16} << 20;
   // Start each bucket's reduction from the backward hooks as soon as it is complete.
   bool overlap_comm = true;
-  // backward() calls per step(); gradients are averaged over them (one big batch). Stages 0-1 in
+  // k: backward() calls per step(). Gradients are summed over them and backward(loss) scales the
+  // loss by 1/k, so opt.backward(loss) and torch's (loss / k).backward() both give the big-batch
+  // gradient (Note [Gradient accumulation convention], src/engine/engine.cpp). Stages 0-1 in
   // fp32 without offload keep full gradients between micro-steps and communicate once per step.
   // Stages 2-3, and every stage under fp16/bf16 or offload, copy gradients out of autograd per
   // bucket and reduce every micro-step into the fp32 (host) gradient shard: k reductions per step

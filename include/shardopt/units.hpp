@@ -68,6 +68,20 @@ class Units {
     return out;
   }
 
+  // run() split in two, for callers that reach a unit through hooks rather than a call they can
+  // wrap (the Python bindings' forward pre-hook and forward hook): begin(i) before the unit's
+  // forward, end(i, outputs) after it. Same effect as run(); no-ops without a stage-3 optimizer.
+  void begin(int index) {
+    check_index(index);
+    if (runtime_ != nullptr) runtime_->enter(index);
+  }
+  void end(int index, const std::vector<at::Tensor>& outputs) {
+    check_index(index);
+    if (runtime_ == nullptr) return;
+    mark(index, outputs);
+    runtime_->exit(index);
+  }
+
   int size() const { return static_cast<int>(units_.size()); }
   const std::string& name(int index) const;
   const std::vector<at::Tensor>& parameters(int index) const;

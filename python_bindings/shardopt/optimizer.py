@@ -11,7 +11,10 @@ import torch
 from . import _C
 from .comm import _unsupported, default_communicator
 
-__all__ = ["DistributedOptimizer", "consolidate_checkpoint"]
+__all__ = ["DistributedOptimizer", "consolidate_checkpoint", "modules_of_type"]
+
+# torch >= 2.0 can call a forward hook even when forward raises (the unit is released then).
+_HOOK_ALWAYS_CALL = "always_call" in torch.nn.Module.register_forward_hook.__code__.co_varnames
 
 # torch.optim classes shardopt runs natively over its shard (same formulas, tested against them):
 # those named like a native rule (torch.optim.AdamW -> "adamw"; torch has no LAMB).
@@ -88,6 +91,74 @@ def _named_groups(params):
     return out
 
 
+def modules_of_type(model, *classes):
+    """Stage-3 unit policy: ``[(name, module)]`` for each submodule of ``model`` that is an
+    instance of one of ``classes`` (outermost matches only; a match inside a match is part of
+    it), e.g. ``units=shardopt.modules_of_type(model, torch.nn.TransformerEncoderLayer)``."""
+    if not classes or not all(isinstance(c, type) for c in classes):
+        raise TypeError("modules_of_type(model, *classes) needs at least one module class")
+    out, taken = [], []
+    for name, module in model.named_modules():
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        if isinstance(module, classes):
+            out.append((name or type(module).__name__, module))
+            taken.append(name)
+    if not out:
+        raise ValueError("modules_of_type: no submodule of the model is a "
+                         + " or ".join(c.__name__ for c in classes))
+    return out
+
+
+def _unit_modules(units, params):
+    """[(name, module)] from ``units=``: modules, (name, module) pairs, a {name: module} dict, or
+    a policy (a module class or tuple of classes, or a callable module -> bool) applied to the
+    model when ``params`` is the model itself."""
+    if isinstance(units, type) or (isinstance(units, tuple) and units
+                                   and all(isinstance(u, type) for u in units)) or (
+            callable(units) and not isinstance(units, torch.nn.Module)):
+        if not isinstance(params, torch.nn.Module):
+            raise TypeError("units= as a policy (module classes or a callable) needs the model "
+                            "itself as params; otherwise pass the modules, e.g. "
+                            "units=shardopt.modules_of_type(model, Block)")
+        if callable(units) and not isinstance(units, type):
+            picked = [(n or "root", m) for n, m in params.named_modules() if units(m)]
+            if not picked:
+                raise ValueError("units=: the policy selected no submodule of the model")
+            return picked
+        classes = units if isinstance(units, tuple) else (units,)
+        return modules_of_type(params, *classes)
+    if isinstance(units, torch.nn.Module):
+        raise TypeError("units= takes a list of modules (one unit each), not a single module")
+    items = list(units.items()) if isinstance(units, dict) else list(units)
+    if not items:
+        raise ValueError("units= is empty; give the modules to gather together (e.g. the layers)")
+    names = {}
+    if isinstance(params, torch.nn.Module):
+        names = {id(m): n for n, m in params.named_modules()}
+    out = []
+    for i, item in enumerate(items):
+        name, module = item if isinstance(item, tuple) else (names.get(id(item), f"unit{i}"), item)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"units[{i}] is a {type(module).__name__}, not a torch.nn.Module")
+        out.append((name, module))
+    return out
+
+
+def _output_tensors(out, found=None):
+    """Every tensor in a forward's output (tensors, tuples, lists, dicts, nested)."""
+    found = [] if found is None else found
+    if isinstance(out, torch.Tensor):
+        found.append(out)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            _output_tensors(o, found)
+    elif isinstance(out, dict):
+        for o in out.values():
+            _output_tensors(o, found)
+    return found
+
+
 def _resolve(optimizer, hyperparameters):
     """(native rule name or None, hyper-parameters, factory or None) for the optimizer spec."""
     hyper = dict(hyperparameters)
@@ -124,7 +195,7 @@ def _resolve(optimizer, hyperparameters):
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    r"""ZeRO-sharded data-parallel optimizer (stages 0-2) with torch.optim's interface.
+    r"""ZeRO-sharded data-parallel optimizer (stages 0-3) with torch.optim's interface.
 
     Example::
 
@@ -135,7 +206,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for inputs, labels in loader:           # each rank: its own slice of the global batch
             opt.zero_grad()
             loss = loss_fn(model(inputs), labels)
-            opt.backward(loss)                  # or loss.backward()
+            opt.backward(loss)                  # or loss.backward(); (loss / k).backward()
+                                                # with grad_accumulation_steps=k
             opt.step()
             sched.step()
 
@@ -159,6 +231,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``max_grad_norm``, ``precision``, ``offload``, ``broadcast_initial_params``,
             ``align_bytes``, ``prefetch`` and ``timeout`` (a ``datetime.timedelta`` or seconds)
             override its fields.
+        units: stage 3: the modules whose parameters are gathered together, usually one per
+            layer: a list of modules (or ``(name, module)`` pairs, or a dict), or a policy applied
+            to the model given as ``params``: a module class, a tuple of classes, or a callable
+            ``module -> bool`` (see :func:`modules_of_type`). Forward pre-hooks and hooks are
+            installed on them, so the model's code does not change. Parameters in no unit or in
+            two (a decoder tied to the embedding) stay gathered. Between steps the units'
+            parameters hold no storage: call :meth:`gather_full_parameters` before reading them.
         **hyperparameters: torch's names: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad``, ``momentum``, ``dampening``, ``nesterov``, ... (defaults are torch's).
 
@@ -170,7 +249,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer="adamw", *, comm=None, options=None, stage=None,
                  bucket_bytes=None, overlap_comm=None, grad_accumulation_steps=None,
                  max_grad_norm=None, precision=None, offload=None, broadcast_initial_params=None,
-                 align_bytes=None, prefetch=None, timeout=None, **hyperparameters):
+                 align_bytes=None, prefetch=None, timeout=None, units=None, **hyperparameters):
+        unit_modules = _unit_modules(units, params) if units is not None else []
         zero = _zero_options(options, dict(
             stage=stage, bucket_bytes=bucket_bytes, overlap_comm=overlap_comm,
             grad_accumulation_steps=grad_accumulation_steps, max_grad_norm=max_grad_norm,
@@ -202,6 +282,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._name = name
         if comm is None:
             comm = default_communicator()
+        self._unit_hooks = []
+        if unit_modules:
+            zero.units = _C.Units()
+            for unit_name, module in unit_modules:
+                zero.units.add(unit_name, list(module.parameters()))
         specs = [(group["param_names"], group["params"]) for group in self.param_groups]
         if factory is None:
             self._core = _C._Optimizer(specs, name, hyper, comm, zero)
@@ -217,6 +302,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for group in self.param_groups:  # what schedulers read: the inner optimizer's values
                 for k, v in self._inner.defaults.items():
                     group.setdefault(k, v)
+        if unit_modules:
+            self._install_unit_hooks(zero.units, unit_modules)
 
     # ---- torch.optim.Optimizer ---------------------------------------------------------------
 
@@ -262,7 +349,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- shardopt ----------------------------------------------------------------------------
 
     def backward(self, loss):
-        """``loss.backward()`` plus micro-step bookkeeping (and loss scaling where enabled)."""
+        """``loss.backward()`` with the loss scaled by 1/``grad_accumulation_steps`` (and by the
+        loss scale where enabled). Gradients are summed over micro-steps, so this and torch's own
+        ``(loss / k).backward()`` both give the gradient of the big batch's average loss."""
         self._core.backward(loss)
 
     def last_step(self):
@@ -304,7 +393,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise _unsupported("checkpoints are not in this build of shardopt yet")
         fn(self._core, os.fspath(directory))
 
+    def gather_full_parameters(self):
+        """Stage 3: gathers every unit now, e.g. to read or save the whole model (each is freed
+        again when the next forward leaves it, or by the next step). Collective."""
+        self._core.gather_full_parameters()
+
+    def remove_unit_hooks(self):
+        """Removes the forward hooks ``units=`` installed (the model then runs unsharded code
+        paths only with another optimizer's units)."""
+        for handle in self._unit_hooks:
+            handle.remove()
+        self._unit_hooks = []
+
     # ---- internals ---------------------------------------------------------------------------
+
+    def _install_unit_hooks(self, units, unit_modules):
+        # Note [Stage 3 from Python]: the C++ Units::run(i, fn) split into two module hooks. The
+        # pre-hook gathers unit i (prefetching the next), the hook marks the outputs (a gradient
+        # hook on each gathers the unit again when backward reaches it) and frees the unit. Tied
+        # parameters (in two units, or in none) form the root unit, which stays gathered.
+        kwargs = {"always_call": True} if _HOOK_ALWAYS_CALL else {}
+        for index, (_, module) in enumerate(unit_modules):
+            def pre_hook(mod, args, index=index):
+                units.begin(index)
+
+            def post_hook(mod, args, output, index=index):
+                units.end(index, _output_tensors(output))
+
+            self._unit_hooks.append(module.register_forward_pre_hook(pre_hook))
+            self._unit_hooks.append(module.register_forward_hook(post_hook, **kwargs))
 
     def _push_hyperparameters(self):
         # What LR schedulers and users wrote into param_groups is what the next step uses.

@@ -207,6 +207,25 @@ def test_gradient_accumulation(comm):
     assert max_diff(model, ref) <= TOL
 
 
+def test_gradient_accumulation_torch_style(comm):
+    """(loss / k).backward(), torch's and FSDP's convention, gives the same big-batch gradient as
+    opt.backward(loss): SGD (which, unlike Adam, would show a gradient k times off)."""
+    model, ref = make_model(), make_model()
+    opt = shardopt.DistributedOptimizer(model.named_parameters(), "sgd", comm=comm, lr=0.5,
+                                        stage=2, grad_accumulation_steps=3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(5):
+        ids, labels = global_batch(step)
+        opt.zero_grad()
+        for third in (slice(0, 4), slice(4, 8), slice(8, 12)):
+            (loss_fn(model, ids[third], labels[third]) / 3).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(ref, ids, labels).backward()
+        ref_opt.step()
+    assert max_diff(model, ref) <= TOL
+
+
 def test_clipping_matches_clip_grad_norm(comm):
     model, ref = make_model(), make_model()
     opt = shardopt.DistributedOptimizer(model.named_parameters(), "sgd", comm=comm, lr=0.5,

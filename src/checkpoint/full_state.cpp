@@ -14,6 +14,7 @@
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
+#include "checkpoint/torch_save.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 
@@ -91,7 +92,7 @@ void consolidate_checkpoint(const std::string& dir, const std::string& out,
   const FullState full = read_full_state(dir, !options.optimizer_state_out.empty());
   c10::Dict<std::string, at::Tensor> model;
   for (const auto& item : full.params) model.insert(item.key(), item.value());
-  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(model));
+  const std::vector<char> bytes = detail::torch_save_bytes(c10::IValue(model));
   write_file_atomically(out, bytes.data(), bytes.size());
   if (options.optimizer_state_out.empty()) return;
   c10::Dict<std::string, c10::Dict<std::string, at::Tensor>> state;
@@ -107,7 +108,7 @@ void consolidate_checkpoint(const std::string& dir, const std::string& out,
   top.insert(std::string("rule"), full.rule);
   top.insert(std::string("param_groups"), full.hyperparameters_json);
   top.insert(std::string("state"), c10::IValue(state));
-  const std::vector<char> obytes = torch::jit::pickle_save(c10::IValue(top));
+  const std::vector<char> obytes = detail::torch_save_bytes(c10::IValue(top));
   write_file_atomically(options.optimizer_state_out, obytes.data(), obytes.size());
 }
 

@@ -4,6 +4,7 @@
 #include "shardopt/checkpoint.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 #include <fmt/format.h>
 
 #include <cstring>

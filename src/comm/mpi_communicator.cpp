@@ -176,8 +176,8 @@ class MpiCommunicator final : public Communicator {
       fn();
       return make_completed_work(std::move(description));
     }
-    std::packaged_task<void()> task(std::move(fn));
-    std::shared_future<void> done = task.get_future().share();
+    Task task{std::move(fn), {}};
+    std::shared_future<void> done = task.done.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(std::move(task));
@@ -194,9 +194,14 @@ class MpiCommunicator final : public Communicator {
     return comm;
   }
 
+  // Note [Closures die before completion]: a task's closure holds tensors the caller may own
+  // from Python. Destroying the last reference to such a tensor needs the GIL on torch >= 2, so
+  // if the closure outlived the work's completion, a caller that holds the GIL and waits for this
+  // thread (joining it in the destructor) would deadlock. The closure is therefore destroyed
+  // before the work is marked complete.
   void run_worker() {
     for (;;) {
-      std::packaged_task<void()> task;
+      Task task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
@@ -204,7 +209,18 @@ class MpiCommunicator final : public Communicator {
         task = std::move(queue_.front());
         queue_.pop_front();
       }
-      task();
+      std::exception_ptr error;
+      try {
+        task.fn();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      task.fn = nullptr;
+      if (error) {
+        task.done.set_exception(error);
+      } else {
+        task.done.set_value();
+      }
     }
   }
 
@@ -293,7 +309,11 @@ class MpiCommunicator final : public Communicator {
   std::future<void> exited_;
   std::mutex mutex_;
   std::condition_variable ready_;
-  std::deque<std::packaged_task<void()>> queue_;
+  struct Task {
+    std::function<void()> fn;
+    std::promise<void> done;
+  };
+  std::deque<Task> queue_;
   bool stopping_ = false;
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   at::Tensor scratch_;  // worker-only

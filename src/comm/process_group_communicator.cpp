@@ -1,7 +1,15 @@
 // c10d adapter: any torch ProcessGroup (Gloo here; NCCL/MPI where torch has them) as a
-// Communicator. The only TU that includes c10d headers. Gloo in torch 1.13 has neither
-// reduce_scatter nor AVG: both are emulated (all_reduce of a scratch copy; Sum then divide). Its
-// Gloo also lacks bfloat16: copies move the bits as float16, reductions run on a float32 copy.
+// Communicator. The only TU that includes c10d headers. Gloo has neither reduce_scatter (torch
+// 1.13) nor AVG: both are emulated (all_reduce of a scratch copy; Sum then divide). Gloo in torch
+// 1.13 also lacks bfloat16: copies move the bits as float16, reductions run on a float32 copy.
+//
+// Note [c10d across torch versions]: in torch 1.13 ProcessGroupGloo *is* a c10d::ProcessGroup;
+// from torch 2.0 it is a c10d::Backend, and a ProcessGroup is a front end that dispatches through
+// registered c10d ops to the Backend set for each device. Both types offer the same collective
+// calls (allreduce, allgather, broadcast, barrier, _reduce_scatter_base, getBackendName), so one
+// adapter template serves both: a group handed in by the user (torch.distributed's, from
+// Python) is wrapped as a ProcessGroup on every version, and our own Gloo group is wrapped as what
+// ProcessGroupGloo is on this version (GlooGroup below), with no dispatcher in between.
 #include "shardopt/process_group.hpp"
 
 #include <ATen/ATen.h>
@@ -10,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -20,6 +29,22 @@
 
 namespace shardopt {
 namespace {
+
+#if TORCH_VERSION_MAJOR >= 2
+using GlooGroup = c10d::Backend;
+#else
+using GlooGroup = c10d::ProcessGroup;
+#endif
+
+// torch >= 2.4 defaults TCPStore to its libuv server, which Debian's torch 2.6 is built without
+// ("use_libuv was requested but PyTorch was build without libuv support"); the classic server
+// exists in every version. The option itself appeared in 2.2: set it where it exists.
+template <class Options>
+auto use_classic_tcp_store(Options& o, int) -> decltype(o.useLibUV = false, void()) {
+  o.useLibUV = false;
+}
+template <class Options>
+void use_classic_tcp_store(Options&, long) {}
 
 c10d::ReduceOp c10d_op(ReduceOp op) {
   switch (op) {
@@ -72,10 +97,11 @@ at::Tensor transport_bits(const at::Tensor& t, bool gloo) {
 CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                           Duration timeout);
 
+// Group: c10d::ProcessGroup, or c10d::Backend on torch >= 2 (Note [c10d across torch versions]).
+template <class Group>
 class ProcessGroupCommunicator final : public Communicator {
  public:
-  ProcessGroupCommunicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                           c10::intrusive_ptr<c10d::Store> store)
+  ProcessGroupCommunicator(c10::intrusive_ptr<Group> group, c10::intrusive_ptr<c10d::Store> store)
       : Communicator(group->getRank(), group->getSize()), group_(std::move(group)),
         store_(std::move(store)), name_(group_->getBackendName()) {}
 
@@ -198,7 +224,7 @@ class ProcessGroupCommunicator final : public Communicator {
                                               std::move(work), std::move(then));
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<Group> group_;
   c10::intrusive_ptr<c10d::Store> store_;  // null when the caller gave none: no split()
   std::string name_;
   int64_t splits_ = 0;
@@ -221,8 +247,10 @@ CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int s
                           Duration timeout) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   opts->devices = gloo_devices();
-  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-  auto comm = make_process_group_communicator(group, store);
+  c10::intrusive_ptr<GlooGroup> group =
+      c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  CommunicatorPtr comm =
+      std::make_shared<ProcessGroupCommunicator<GlooGroup>>(std::move(group), store);
   comm->set_timeout(timeout);
   return comm;
 }
@@ -232,7 +260,8 @@ CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int s
 CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                 c10::intrusive_ptr<c10d::Store> store) {
   SHARDOPT_CHECK(group, InvalidArgument, "comm: make_process_group_communicator got a null group");
-  return std::make_shared<ProcessGroupCommunicator>(std::move(group), std::move(store));
+  return std::make_shared<ProcessGroupCommunicator<c10d::ProcessGroup>>(std::move(group),
+                                                                      std::move(store));
 }
 
 CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group) {
@@ -270,6 +299,7 @@ CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string
   opts.isServer = rank == 0;
   opts.numWorkers = size;
   opts.timeout = timeout;
+  use_classic_tcp_store(opts, 0);
   auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
   return make_gloo(store, rank, size, timeout);
 }

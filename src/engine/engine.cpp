@@ -275,9 +275,15 @@ void Engine::on_backward_end() {
   tracker_->end_pass();
 }
 
+// Note [Gradient accumulation convention]: gradients of the k = grad_accumulation_steps
+// micro-steps are summed, and backward(loss) scales the loss by 1/k (DeepSpeed's convention). So
+// opt.backward(loss) and torch's (and FSDP's) own (loss / k).backward() both give the gradient of
+// the average loss over the big batch; nothing divides by k behind the caller's back.
 void Engine::backward(const at::Tensor& loss) {
-  if (scaler_) {
-    (loss * scaler_->scale()).backward();
+  const double factor =
+      (scaler_ ? scaler_->scale() : 1.0) / static_cast<double>(options_.grad_accumulation_steps);
+  if (factor != 1.0) {
+    (loss * factor).backward();
   } else {
     loss.backward();
   }
@@ -315,7 +321,8 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
   return loss;
 }
 
-// Phase 1: every bucket reduced and folded in; gradients averaged and unscaled.
+// Phase 1: every bucket reduced and folded in; gradients averaged over ranks, summed over
+// micro-steps (Note [Gradient accumulation convention]) and unscaled.
 void Engine::finish_reduction() {
   RECORD_FUNCTION("shardopt::reduce", std::vector<c10::IValue>());
   const auto t = Clock::now();
@@ -328,8 +335,7 @@ void Engine::finish_reduction() {
   }
   reducer_->complete_all();
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
-  update_->unscale(static_cast<double>(world_) * std::max(1, tracker_->micro_steps()) *
-                   loss_scale);
+  update_->unscale(static_cast<double>(world_) * loss_scale);
   stats_.reduce_wait_s = seconds_since(t);
 }
 

@@ -2,6 +2,7 @@
 #include "engine/gradient_reducer.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 
 #include <algorithm>
 

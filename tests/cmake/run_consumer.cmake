@@ -1,5 +1,6 @@
 # Installs the build into a private prefix, configures the consumer project against it with
-# find_package(shardopt), builds it and runs it. Fails on the first step that fails.
+# find_package(shardopt) (the CUDA toolkit made unfindable: the package must not need it), builds it
+# and runs it. Fails on the first step that fails.
 function(step)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
   if(NOT rc EQUAL 0)
@@ -10,6 +11,7 @@ set(prefix ${WORK_DIR}/prefix)
 file(REMOVE_RECURSE ${WORK_DIR})
 step(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 step(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
-     -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix})
+     -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=${prefix}
+     -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDA=ON)
 step(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 step(${WORK_DIR}/build/consumer)

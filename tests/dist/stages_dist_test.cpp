@@ -107,6 +107,8 @@ struct Case {
   bool reduce_in_fp32 = true;
   bool fused = true;  // the fused kernels where they exist; false: torch's ops
   int shard_group = 0;  // > 0: hybrid sharding over groups of this many ranks
+  // Accumulation in torch's style: (loss / k).backward() instead of opt.backward(loss).
+  bool torch_style = false;
 };
 
 std::string case_name(const Case& c) {
@@ -117,7 +119,8 @@ std::string case_name(const Case& c) {
                      c.offload ? "_offload" : "",
                      c.precision != Precision::FP32 ? std::string("_") + to_string(c.precision) : "",
                      c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused") +
-         (c.shard_group > 0 ? fmt::format("_hybrid{}", c.shard_group) : "");
+         (c.shard_group > 0 ? fmt::format("_hybrid{}", c.shard_group) : "") +
+        (c.torch_style ? "_torchstyle" : "");
 }
 
 Rule make_rule(const std::string& name) {
@@ -290,8 +293,13 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
     opt.zero_grad();
     for (int m = 0; m < c.accumulation; ++m) {
       auto [x, y] = batch(s, m);
-      opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
-                            y.narrow(0, comm->rank() * per_rank, per_rank)));
+      at::Tensor loss = net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
+                                 y.narrow(0, comm->rank() * per_rank, per_rank));
+      if (c.torch_style) {
+        (loss / c.accumulation).backward();
+      } else {
+        opt.backward(loss);
+      }
     }
     opt.step();
     run.comm_per_step = counting->traffic().elements - before;
@@ -323,6 +331,7 @@ class StageParity : public ::testing::TestWithParam<Case> {};
 TEST_P(StageParity, MatchesSingleProcessTorch) {
   const Case& c = GetParam();
   auto comm = test::communicator(c.backend);
+  if (!comm) GTEST_SKIP() << test::not_built(c.backend);  // the build decides: same on every rank
   if (c.shard_group > 0 && (comm->size() % c.shard_group != 0 || comm->size() == c.shard_group)) {
     GTEST_SKIP() << "hybrid sharding needs several groups of " << c.shard_group << " ranks";
   }
@@ -350,6 +359,11 @@ std::vector<Case> parity_cases() {
     for (const char* rule : {"adam", "nesterov", "adagrad", "rmsprop"}) cases.push_back({stage, rule});
     cases.push_back({stage, "adamw", 4});                             // accumulation
     cases.push_back({stage, "sgd", 4});
+    for (const char* rule : {"sgd", "adamw"}) {  // (loss / k).backward(), torch's convention
+      Case c{stage, rule, 4};
+      c.torch_style = true;
+      cases.push_back(c);
+    }
     cases.push_back({stage, "adamw", 1, 0.05});                       // clipping
     cases.push_back({stage, "lamb", 2, 0.05, true});
     cases.push_back({stage, "adamw", 1, 0.0, true});                  // param groups

@@ -1,6 +1,7 @@
 """Python side of the checkpoint round trip (run by CTest with Debian's /usr/bin/python3).
 
-Reads the state dict shardopt-consolidate wrote (model.pt, optim.pt) with torch.load and checks
+Reads the state dict shardopt-consolidate wrote (model.pt, optim.pt) with plain torch.load(path)
+(torch >= 2.6 defaults to weights_only=True) and with weights_only=True explicitly, and checks
 names, shapes and every value against expected.json (written by the C++ fixture); then saves
 every value + 1 (and an extra buffer) as from_python.pt for the C++ side to load back.
 Usage: check_consolidated.py FIXTURE_DIR
@@ -11,8 +12,17 @@ import sys
 import torch
 
 
+def load_both_ways(path):
+    """torch.load(path) as users type it, and with weights_only=True on every torch."""
+    plain = torch.load(path)
+    safe = torch.load(path, weights_only=True)
+    assert type(plain) is type(safe) and sorted(plain) == sorted(safe), path
+    return plain
+
+
 def main(fixture):
-    sd = torch.load(f"{fixture}/model.pt")
+    print(f"torch {torch.__version__}")
+    sd = load_both_ways(f"{fixture}/model.pt")
     expected = json.load(open(f"{fixture}/expected.json"))
     assert isinstance(sd, dict), f"model.pt holds {type(sd).__name__}, not a dict"
     assert sorted(sd) == sorted(expected), f"names differ: {sorted(sd)} vs {sorted(expected)}"
@@ -26,7 +36,7 @@ def main(fixture):
         assert got == want["values"], f"{name}: values differ"
         elements += t.numel()
 
-    opt = torch.load(f"{fixture}/optim.pt")
+    opt = load_both_ways(f"{fixture}/optim.pt")
     assert opt["format"] == "shardopt-optimizer-state", opt.get("format")
     assert opt["step"] == 2 and opt["rule"] == "adamw", (opt["step"], opt["rule"])
     assert sorted(opt["state"]) == sorted(expected)

@@ -35,12 +35,13 @@ std::string shared_store_path() {
 
 CommunicatorPtr world() { return g_world; }
 
-std::vector<std::string> backends() {
-  std::vector<std::string> out{"mpi"};
-#if SHARDOPT_HAS_GLOO
-  out.push_back("gloo");
-#endif
-  return out;
+std::vector<std::string> backends() { return {"mpi", "gloo"}; }
+
+std::string not_built(const std::string& backend) {
+  if (backend == "gloo") {
+    return "gloo: this build has no c10d/Gloo engine (SHARDOPT_WITH_GLOO=OFF; configure says why)";
+  }
+  return backend + ": not an engine the dist tests know";
 }
 
 CommunicatorPtr fresh_gloo(Duration timeout) {
@@ -59,6 +60,7 @@ CommunicatorPtr fresh_gloo(Duration timeout) {
 
 CommunicatorPtr communicator(const std::string& backend) {
   if (backend == "mpi") return g_world;
+  if (backend != "gloo") return nullptr;
   auto& slot = g_engines[backend];
   if (!slot) slot = fresh_gloo(std::chrono::seconds(120));
   return slot;

@@ -1,8 +1,15 @@
-// A downstream project: includes the umbrella header, builds a communicator, runs a collective.
+// A downstream project: includes the umbrella header, builds a communicator, runs a collective;
+// with MPI it also compiles against shardopt/mpi.hpp (the only public header with <mpi.h>).
 #include <ATen/ops/ones.h>
 #include <shardopt/shardopt.hpp>
 
 #include <cstdio>
+
+#if CONSUMER_USES_MPI
+#include <shardopt/mpi.hpp>
+// Referenced, not called: MPI is never initialised in this one-process test.
+auto* const kMpiFactory = &shardopt::make_mpi_communicator;
+#endif
 
 int main() {
   auto comm = shardopt::make_single_communicator();

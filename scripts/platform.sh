@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Runs a command (default: scripts/test.sh) on another platform: a Debian root made with debootstrap,
+# cached outside the clone and reused while scripts/setup.sh's package list and this recipe are
+# unchanged. Usage: scripts/platform.sh debian13 [command args...]   (needs root: debootstrap, chroot)
+#
+# Note [platform mounts]: the script re-executes itself in a private mount namespace (unshare -m),
+# so every mount it makes (proc, sys, dev, the clone) disappears with the process on any exit path,
+# kill -9 included; the EXIT trap also unmounts explicitly. The clone is bind-mounted at its own
+# path, and the platform builds in build-<platform>/ (ignored by git), so host and platform builds
+# of one clone never share a build tree.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PLATFORM="${1:-}"
+case "$PLATFORM" in
+  debian13) SUITE=trixie ;;
+  *) echo "usage: scripts/platform.sh debian13 [command...]  (unknown platform '${PLATFORM}')" >&2
+     exit 2 ;;
+esac
+shift
+MIRROR="${SHARDOPT_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+CACHE="${SHARDOPT_PLATFORM_CACHE:-/var/cache/shardopt/platforms}/$PLATFORM"
+RECIPE=2   # bump when the way the root is made changes
+[ "$(id -u)" -eq 0 ] || { echo "[platform] needs root (debootstrap, mount, chroot)" >&2; exit 2; }
+
+if [ -z "${SHARDOPT_PLATFORM_IN_NS:-}" ]; then
+  export SHARDOPT_PLATFORM_IN_NS=1
+  exec unshare --mount --propagation private -- "$0" "$PLATFORM" "$@"
+fi
+
+log() { echo "[platform $PLATFORM] $*"; }
+MOUNTS=()
+cleanup() {
+  local i
+  for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do umount -l "${MOUNTS[i]}" 2>/dev/null || true; done
+  MOUNTS=()
+}
+trap cleanup EXIT
+mount_into() {  # mount_into <root> : proc, sys, dev (with pts and shm), resolv.conf
+  local r="$1"
+  mount -t proc proc "$r/proc" && MOUNTS+=("$r/proc")
+  mount --rbind /sys "$r/sys" && MOUNTS+=("$r/sys")
+  mount --rbind /dev "$r/dev" && MOUNTS+=("$r/dev")
+  cp -L /etc/resolv.conf "$r/etc/resolv.conf" 2>/dev/null || true
+}
+no_mounts_under() {  # never rm -rf a tree with something mounted inside it
+  ! findmnt -rn -o TARGET | grep -q "^$1\(/\|$\)"
+}
+
+KEY="$( { echo "recipe $RECIPE suite $SUITE mirror $MIRROR"; "$ROOT/scripts/setup.sh" --print-packages; } \
+        | sha256sum | cut -c1-16)"
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.lock"
+flock -x 9
+CHROOT="$CACHE/root"
+if [ -f "$CHROOT/.shardopt-platform-key" ] && [ "$(cat "$CHROOT/.shardopt-platform-key")" = "$KEY" ]; then
+  log "reusing cached root $CHROOT (key $KEY)"
+else
+  NEW="$CACHE/root.new"
+  no_mounts_under "$NEW" || { echo "[platform] $NEW has mounts; refusing to delete it" >&2; exit 1; }
+  rm -rf "$NEW"
+  t0=$SECONDS
+  log "creating a $SUITE root in $NEW (debootstrap from $MIRROR)"
+  debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$NEW" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 \
+    || { tail -20 "$CACHE/debootstrap.log" >&2; echo "[platform] debootstrap failed (log: $CACHE/debootstrap.log)" >&2; exit 1; }
+  t1=$SECONDS
+  log "debootstrap took $((t1 - t0)) s; installing scripts/setup.sh's packages"
+  printf '#!/bin/sh\nexit 101\n' >"$NEW/usr/sbin/policy-rc.d" && chmod +x "$NEW/usr/sbin/policy-rc.d"
+  cp "$ROOT/scripts/setup.sh" "$NEW/tmp/setup.sh"
+  mount_into "$NEW"
+  chroot "$NEW" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+    /bin/bash /tmp/setup.sh
+  chroot "$NEW" apt-get clean
+  cleanup
+  log "packages took $((SECONDS - t1)) s"
+  echo "$KEY" >"$NEW/.shardopt-platform-key"
+  if [ -d "$CHROOT" ]; then
+    no_mounts_under "$CHROOT" || { echo "[platform] $CHROOT has mounts; refusing to replace it" >&2; exit 1; }
+    rm -rf "$CHROOT"
+  fi
+  mv "$NEW" "$CHROOT"
+fi
+flock -s 9   # other runs may share the root now; a rebuild waits for them
+
+mount_into "$CHROOT"
+mkdir -p "$CHROOT$ROOT"
+mount --bind "$ROOT" "$CHROOT$ROOT" && MOUNTS+=("$CHROOT$ROOT")
+[ $# -gt 0 ] || set -- scripts/test.sh
+log "$(chroot "$CHROOT" sh -c '. /etc/os-release; echo "$PRETTY_NAME"'), running: $*"
+ENV=(PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}"
+     SHARDOPT_BUILD_DIR="$ROOT/build-$PLATFORM")
+for v in SHARDOPT_CMAKE_ARGS CTEST_PARALLEL_LEVEL CMAKE_BUILD_PARALLEL_LEVEL; do
+  [ -z "${!v:-}" ] || ENV+=("$v=${!v}")
+done
+set +e
+chroot "$CHROOT" /usr/bin/env -i "${ENV[@]}" /bin/bash -c 'cd "$1" && shift && exec "$@"' _ "$ROOT" "$@"
+rc=$?
+set -e
+log "exit status $rc"
+exit "$rc"

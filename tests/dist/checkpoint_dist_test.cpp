@@ -34,19 +34,6 @@ CommunicatorPtr first_ranks(int n) {
   return cache[n] = test::world()->split(rank < n ? 0 : -1, rank);
 }
 
-// A fresh directory that every rank sees (rank 0 creates it). Collective over the world.
-std::string shared_dir() {
-  std::string path(256, '\0');
-  if (test::world()->rank() == 0) {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-ckpt-dist-XXXXXX";
-    if (!mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
-    path.replace(0, templ.size(), templ);
-  }
-  at::Tensor bytes = at::from_blob(path.data(), {256}, at::kByte);
-  test::world()->broadcast(bytes, 0);
-  return std::string(path.c_str());
-}
 
 ZeroOptions zero(int stage, int64_t bucket_bytes = 64) {
   ZeroOptions zo;
@@ -88,7 +75,7 @@ std::map<std::string, at::Tensor> broadcast_from_rank0(std::map<std::string, at:
   return values;
 }
 
-// Rank 0 removes a shared_dir() once every rank is done with it. Collective over the world.
+// Rank 0 removes a test::shared_dir() once every rank is done with it. Collective over the world.
 void remove_shared(const std::string& dir) {
   test::world()->barrier();
   std::error_code ec;
@@ -98,7 +85,7 @@ void remove_shared(const std::string& dir) {
 TEST(CheckpointDist, ResumesOnEveryWorldSizeAndStage) {
   const int world = test::world()->size();
   const int saver = std::min(2, world);
-  const std::string base = shared_dir();
+  const std::string base = test::shared_dir("ckpt-dist");
   const std::string dir = base + "/ckpt";
   // The uninterrupted run at the saver's N and stage 2, saving on the way.
   std::map<std::string, at::Tensor> uninterrupted;
@@ -148,7 +135,7 @@ TEST(CheckpointDist, ResumesOnEveryWorldSizeAndStage) {
 // checkpoint stays loadable and the partial one is invisible; the next save cleans up.
 TEST(CheckpointDist, CrashAfterAShardKeepsThePreviousCheckpoint) {
   if (test::world()->size() < 2) GTEST_SKIP() << "needs two ranks";
-  const std::string base = shared_dir();
+  const std::string base = test::shared_dir("ckpt-dist");
   const std::string dir = base + "/ckpt";
   bool ok = true;
   if (auto comm = first_ranks(2)) {
@@ -192,7 +179,7 @@ TEST(CheckpointDist, CrashAfterAShardKeepsThePreviousCheckpoint) {
 TEST(CheckpointDist, BadCheckpointsFailOnEveryRank) {
   if (test::world()->size() < 2) GTEST_SKIP() << "needs two ranks";
   const int world = test::world()->size();
-  const std::string base = shared_dir();
+  const std::string base = test::shared_dir("ckpt-dist");
   const std::string dir = base + "/ckpt";
   const std::string shard1 = dir + "/shard-00001-of-00002.bin";
   if (auto comm = first_ranks(2)) {
@@ -255,7 +242,7 @@ TEST(CheckpointDist, BadCheckpointsFailOnEveryRank) {
 // interval of 2 the scales of the resumed steps must equal the uninterrupted run's.
 TEST(CheckpointDist, Fp16MasterWeightsAndLossScalerSurvive) {
   const int saver = std::min(2, test::world()->size());
-  const std::string base = shared_dir();
+  const std::string base = test::shared_dir("ckpt-dist");
   const std::string dir = base + "/ckpt";
   bool ok = true;
   if (auto comm = first_ranks(saver)) {

@@ -94,19 +94,6 @@ TEST(CheckpointHandoff, Resume) {
   EXPECT_TRUE(test::all_ranks(ok));
 }
 
-// A fresh directory every rank sees (rank 0 creates it). Collective.
-std::string shared_dir() {
-  std::string path(256, '\0');
-  if (test::world()->rank() == 0) {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-handoff-XXXXXX";
-    if (!mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
-    path.replace(0, templ.size(), templ);
-  }
-  at::Tensor bytes = at::from_blob(path.data(), {256}, at::kByte);
-  test::world()->broadcast(bytes, 0);
-  return std::string(path.c_str());
-}
 
 // Flat (all ranks) and hybrid (shard groups of 2) checkpoints load into each other at every
 // stage and continue the uninterrupted flat run's trajectory (<= 1e-6).
@@ -114,7 +101,7 @@ TEST(CheckpointHandoff, HybridAndFlatReshardInOneLaunch) {
   auto comm = test::world();
   const int n = comm->size();
   if (n % 2 != 0 || n == 2) GTEST_SKIP() << "needs several shard groups of 2 ranks";
-  const std::string dir = shared_dir();
+  const std::string dir = test::shared_dir("handoff");
   std::map<std::string, at::Tensor> expected;
   {
     CkptNet net;

@@ -16,6 +16,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
 #include "support/dist_env.hpp"
+#include "support/reference_lamb.hpp"
 
 namespace shardopt {
 namespace {
@@ -121,27 +122,6 @@ Rule make_rule(const std::string& name) {
   return Lamb(0.01).weight_decay(0.01);
 }
 
-// Single-process LAMB on whole tensors: the trust ratio of each tensor from its full norms.
-void lamb_step(const std::vector<at::Tensor>& ps, const Lamb& r, int64_t step,
-               std::map<const void*, std::pair<at::Tensor, at::Tensor>>& moments) {
-  at::NoGradGuard no_grad;
-  for (const auto& p : ps) {
-    auto& [m, v] = moments[p.unsafeGetTensorImpl()];
-    if (!m.defined()) {
-      m = at::zeros_like(p);
-      v = at::zeros_like(p);
-    }
-    const at::Tensor& g = p.grad();
-    m.mul_(r.beta1()).add_(g, 1 - r.beta1());
-    v.mul_(r.beta2()).addcmul_(g, g, 1 - r.beta2());
-    at::Tensor u = (m / (1 - std::pow(r.beta1(), step))) /
-                   ((v / (1 - std::pow(r.beta2(), step))).sqrt() + r.eps());
-    if (r.weight_decay() != 0) u.add_(p, r.weight_decay());
-    const double wn = p.norm().item<double>(), un = u.norm().item<double>();
-    p.add_(u, -r.lr() * ((wn > 0 && un > 0) ? wn / un : 1.0));
-  }
-}
-
 std::map<std::string, at::Tensor> train_reference(const Case& c) {
   namespace o = torch::optim;
   SplitNet net;
@@ -156,7 +136,7 @@ std::map<std::string, at::Tensor> train_reference(const Case& c) {
                                            .dampening(s->dampening())
                                            .weight_decay(s->weight_decay()));
   }
-  std::map<const void*, std::pair<at::Tensor, at::Tensor>> moments;
+  test::LambMoments moments;
   for (int64_t s = 0; s < kSteps; ++s) {
     for (auto& p : ps) p.mutable_grad() = at::zeros_like(p);  // unused params count as zero
     std::vector<at::Tensor> xs, ys;
@@ -170,7 +150,7 @@ std::map<std::string, at::Tensor> train_reference(const Case& c) {
     if (opt) {
       opt->step();
     } else {
-      lamb_step(ps, std::get<Lamb>(rule), s + 1, moments);
+      test::reference_lamb_step(ps, std::get<Lamb>(rule), s + 1, moments);
     }
   }
   std::map<std::string, at::Tensor> out;

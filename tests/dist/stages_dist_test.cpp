@@ -21,6 +21,7 @@
 #include "shardopt/units.hpp"
 #include "support/counting_communicator.hpp"
 #include "support/dist_env.hpp"
+#include "support/reference_lamb.hpp"
 
 namespace shardopt {
 namespace {
@@ -202,29 +203,11 @@ std::unique_ptr<torch::optim::Optimizer> torch_optimizer(const Case& c, TinyNet&
 
 // Single-process LAMB, per whole tensor: the definition sharded LAMB must reproduce.
 struct ReferenceLamb {
-  std::map<const void*, std::pair<at::Tensor, at::Tensor>> moments;
+  test::LambMoments moments;
   int64_t step = 0;
   void operator()(const std::vector<std::pair<std::vector<at::Tensor>, Rule>>& spec) {
     ++step;
-    at::NoGradGuard no_grad;
-    for (auto& [ps, rule] : spec) {
-      auto& r = std::get<Lamb>(rule);
-      for (auto& p : ps) {
-        auto& [m, v] = moments[p.unsafeGetTensorImpl()];
-        if (!m.defined()) {
-          m = at::zeros_like(p);
-          v = at::zeros_like(p);
-        }
-        at::Tensor g = p.grad();
-        m.mul_(r.beta1()).add_(g, 1 - r.beta1());
-        v.mul_(r.beta2()).addcmul_(g, g, 1 - r.beta2());
-        at::Tensor u = (m / (1 - std::pow(r.beta1(), step))) /
-                       ((v / (1 - std::pow(r.beta2(), step))).sqrt() + r.eps());
-        if (r.weight_decay() != 0) u.add_(p, r.weight_decay());
-        const double wn = p.norm().item<double>(), un = u.norm().item<double>();
-        p.add_(u, -r.lr() * ((wn > 0 && un > 0) ? wn / un : 1.0));
-      }
-    }
+    for (auto& [ps, rule] : spec) test::reference_lamb_step(ps, std::get<Lamb>(rule), step, moments);
   }
 };
 

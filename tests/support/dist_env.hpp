@@ -23,6 +23,9 @@ std::string not_built(const std::string& backend);
 // A fresh Gloo group with its own store, for tests that leave it broken (timeouts); null when this
 // build has no Gloo engine.
 CommunicatorPtr fresh_gloo(Duration timeout);
+// A fresh directory every rank sees (rank 0 makes it under $TMPDIR or /tmp, named after `tag`).
+// Collective.
+std::string shared_dir(const std::string& tag);
 // True when `ok` holds on every rank. Collective: call it on all ranks.
 bool all_ranks(bool ok);
 

@@ -6,6 +6,8 @@
 
 #include <cstdlib>
 #include <map>
+#include <stdexcept>
+#include <string>
 
 #include "shardopt/config.hpp"
 #include "shardopt/process_group.hpp"
@@ -64,6 +66,19 @@ CommunicatorPtr communicator(const std::string& backend) {
   auto& slot = g_engines[backend];
   if (!slot) slot = fresh_gloo(std::chrono::seconds(120));
   return slot;
+}
+
+std::string shared_dir(const std::string& tag) {
+  std::string path(256, '\0');
+  if (world()->rank() == 0) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-" + tag + "-XXXXXX";
+    if (!mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
+    path.replace(0, templ.size(), templ);
+  }
+  at::Tensor bytes = at::from_blob(path.data(), {256}, at::kByte);
+  world()->broadcast(bytes, 0);
+  return std::string(path.c_str());
 }
 
 bool all_ranks(bool ok) {

@@ -48,5 +48,15 @@ if(SHARDOPT_WITH_CUDA_KERNELS)
   # It calls into libshardopt (errors, the shared coefficients): link-only, so nvcc never sees
   # torch's compile flags.
   target_link_libraries(shardopt_cuda_kernels PUBLIC CUDA::cudart fmt::fmt INTERFACE shardopt)
+  # The FusedKernels seam's CUDA side: a plugin library that libshardopt loads on first need
+  # (src/plugins.hpp), so that libshardopt itself never links CUDA. It needs torch's CPU headers
+  # only (c10's device-guard interface for stream order), so it builds in CI as well.
+  add_library(shardopt_cuda SHARED src/engine/fused_kernels_cuda.cpp)
+  add_library(shardopt::cuda ALIAS shardopt_cuda)
+  target_include_directories(shardopt_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(shardopt_cuda PUBLIC shardopt
+                        PRIVATE $<BUILD_INTERFACE:shardopt_cuda_kernels> CUDA::cudart)
+  shardopt_warnings(shardopt_cuda)
+  install(TARGETS shardopt_cuda LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
   message(STATUS "shardopt: CUDA kernels for architectures ${CMAKE_CUDA_ARCHITECTURES}")
 endif()

@@ -4,6 +4,11 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
+
+#include "plugins.hpp"
+#include "shardopt/error.hpp"
+
 namespace shardopt::detail {
 namespace {
 
@@ -40,12 +45,26 @@ class CpuKernels final : public FusedKernels {
   }
 };
 
+std::atomic<const FusedKernels*>& cuda_slot() {
+  static std::atomic<const FusedKernels*> slot{nullptr};
+  return slot;
+}
+
 }  // namespace
 
 const FusedKernels* fused_kernels_for(c10::DeviceType device) {
   static const CpuKernels cpu;
   if (device == c10::DeviceType::CPU) return &cpu;
-  return nullptr;  // CUDA shards: torch's ops until the CUDA kernels are wired in here
+  if (device != c10::DeviceType::CUDA) return nullptr;
+  if (cuda_slot().load() == nullptr) (void)load_plugin("shardopt_cuda");  // registers itself
+  return cuda_slot().load();  // null without it: torch's ops step CUDA shards
+}
+
+void register_fused_kernels(c10::DeviceType device, const FusedKernels* kernels) {
+  SHARDOPT_INTERNAL_ASSERT(device == c10::DeviceType::CUDA,
+                           "fused kernels can only be registered for CUDA, got {}",
+                           c10::DeviceTypeName(device));
+  cuda_slot().store(kernels);
 }
 
 }  // namespace shardopt::detail

@@ -39,10 +39,15 @@ void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
   comm_->all_reduce(t, op, true)->wait(timeout_);
 }
 
+// Device shards: the checks and norms stay on the device until one .item() per step.
 bool LocalUpdate::any_rank_non_finite() {
-  bool bad = false;
-  for (auto& s : flat_.segments()) bad = bad || !s.grad.isfinite().all().item<bool>();
-  at::Tensor flag = at::full({1}, bad ? 1.0f : 0.0f, at::kFloat);
+  at::Tensor bad;
+  for (auto& s : flat_.segments()) {
+    at::Tensor b = s.grad.isfinite().all().logical_not();
+    bad = bad.defined() ? bad.logical_or(b) : b;
+  }
+  const bool local = bad.defined() && bad.item<bool>();
+  at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f, at::kFloat);
   if (comm_->size() > 1) all_reduce_small(flag, ReduceOp::Max);
   return flag.item<float>() > 0;
 }
@@ -51,12 +56,12 @@ LocalUpdate::Clip LocalUpdate::clip(double max_norm) {
   Clip result;
   if (max_norm <= 0) return result;
   at::Tensor sq = at::zeros({1}, at::kDouble);
-  double local = 0;
+  at::Tensor local;  // sum of the segments' squared norms, in double as on the host
   for (auto& s : flat_.segments()) {
-    const double n = s.grad.norm().item<double>();
-    local += n * n;
+    const at::Tensor n = s.grad.norm().to(at::kDouble);
+    local = local.defined() ? local + n * n : n * n;
   }
-  sq.fill_(local);
+  if (local.defined()) sq.fill_(local.item<double>());
   if (flat_.plan().sharded()) all_reduce_small(sq);
   result.norm = std::sqrt(sq.item<double>());
   const double coef = max_norm / (result.norm + 1e-6);

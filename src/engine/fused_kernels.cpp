@@ -1,5 +1,5 @@
 // The CPU implementation of the FusedKernels seam: fp32 host shards, writing a bf16/fp16 host copy
-// in the same pass.
+// in the same pass (a copy on a device, under offload, is cast by FlatState::write_back_master).
 #include "engine/fused_kernels.hpp"
 
 #include <ATen/ATen.h>
@@ -17,7 +17,7 @@ class CpuKernels final : public FusedKernels {
   bool accepts(const Segment& s) const override {
     const bool fp32_host = s.param.is_cpu() && s.param.scalar_type() == at::kFloat &&
                            s.grad.is_cpu() && s.grad.scalar_type() == at::kFloat;
-    return fp32_host && (!s.low.defined() || low_out(s, 0).kind != kernels::LowPrecision::None);
+    return fp32_host;  // a compute-dtype copy elsewhere (offload: on the GPU) is cast afterwards
   }
   kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
     kernels::LowPrecisionOut out;

@@ -16,9 +16,10 @@ class FusedKernels {
  public:
   virtual ~FusedKernels() = default;
   // Whether these kernels can step the segment: device and dtypes of the master weights and
-  // gradients, and, with a separate master, a compute-dtype copy they can write in the same pass.
+  // gradients.
   virtual bool accepts(const Segment& s) const = 0;
-  // The compute-dtype copy of a segment from element `begin` (none without a separate master).
+  // The compute-dtype copy of a segment from element `begin`, when these kernels can write it in
+  // the same pass (kind None without a separate master, or for a copy they cannot reach).
   virtual kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const = 0;
   virtual void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const = 0;
   virtual void sgd(const kernels::SgdHyper& h, const kernels::SgdSegment& s) const = 0;

@@ -78,7 +78,7 @@ class CudaKernels final : public FusedKernels {
     const bool fp32_device = s.param.is_cuda() && s.param.scalar_type() == at::kFloat &&
                              s.grad.is_cuda() && s.grad.scalar_type() == at::kFloat &&
                              s.grad.device() == s.param.device();
-    return fp32_device && (!s.low.defined() || low_out(s, 0).kind != kernels::LowPrecision::None);
+    return fp32_device;  // a copy the kernels cannot write is cast afterwards
   }
   kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
     kernels::LowPrecisionOut out;

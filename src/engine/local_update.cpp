@@ -86,15 +86,14 @@ void LocalUpdate::update(int64_t step) {
     const Rule& rule = rule_of_(s.group);
     std::vector<at::Tensor> st;
     for (auto& full : state) st.push_back(full.narrow(0, s.state_offset, s.param.numel()));
-    s.low_done = fused_step(rule, step, s, st);
-    if (!s.low_done) {
-      std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
-    }
+    const bool fused = fused_step(rule, step, s, st);
+    if (!fused) std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
+    s.low_done = fused && kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
   }
 }
 
 // Steps the segment with a fused kernel when one exists for the rule; returns whether it did
-// (and then also wrote the compute-dtype copy, when there is one).
+// (the copy low_out names, if any, is then written too).
 bool LocalUpdate::fused_step(const Rule& rule, int64_t step, Segment& s,
                              std::vector<at::Tensor>& st) {
   if (!kernels_ || !kernels_->accepts(s)) return false;
@@ -174,7 +173,7 @@ bool LocalUpdate::fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
       kernels_->lamb_phase2(h, (w > 0 && u > 0) ? w / u : 1.0, piece(s, begin, len, true));
     });
     // Padding between parameters keeps a zero compute-dtype copy; nothing else to write.
-    s.low_done = true;
+    s.low_done = kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
   }
   return true;
 }

@@ -23,8 +23,10 @@ def main():
     folder = sys.argv[1]
     tests = load(folder, "gpu_tests")
     if tests:
+        cases = [(s["name"], c) for s in tests.get("testsuites", []) for c in s.get("testsuite", [])]
+        skipped = [f"{n}.{c['name']}" for n, c in cases if c.get("result") == "SKIPPED"]
         print(f"GPU tests: {tests.get('tests', '?')} run, {tests.get('failures', '?')} failed, "
-              f"{tests.get('disabled', 0)} disabled.")
+              f"{len(skipped)} skipped{': ' + ', '.join(skipped) if skipped else ''}.")
         for suite in tests.get("testsuites", []):
             for case in suite.get("testsuite", []):
                 if case.get("failures"):

@@ -162,7 +162,7 @@ fi
 if [ "$built" = 1 ] && [ -x "$BUILD/tests/gpu_tests" ]; then
   run_logged gpu_tests 900 "$BUILD/tests/gpu_tests" --gtest_output="json:$OUTDIR/gpu_tests.json"
   rc=$?
-  summary="$(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$OUTDIR/gpu_tests.log" | grep -v ', listed below' | head -3 | tr '\n' ' ')"
+  summary="$(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?[.,]' "$OUTDIR/gpu_tests.log" | sed 's/, listed below://' | tr -s ' []\n' ' ')"
   if [ "$rc" = 0 ]; then phase tests ok "$summary"; else phase tests FAILED "rc $rc: $summary"; fi
 else
   phase tests skipped "$([ "$HAVE_GPU" = 1 ] && echo "not built" || echo "no GPU")"

@@ -46,7 +46,11 @@ if(SHARDOPT_WITH_CUDA_KERNELS)
   target_include_directories(shardopt_cuda_kernels
     PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
   # It calls into libshardopt (errors, the shared coefficients): link-only, so nvcc never sees
-  # torch's compile flags.
+  # torch's compile flags, except the C++ ABI flag, which its std::string arguments must share
+  # (pip wheels before torch 2.7 build with _GLIBCXX_USE_CXX11_ABI=0).
+  if(TORCH_CXX_FLAGS MATCHES "_GLIBCXX_USE_CXX11_ABI=([01])")
+    target_compile_definitions(shardopt_cuda_kernels PRIVATE _GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1})
+  endif()
   target_link_libraries(shardopt_cuda_kernels PUBLIC CUDA::cudart fmt::fmt INTERFACE shardopt)
   # The FusedKernels seam's CUDA side: a plugin library that libshardopt loads on first need
   # (src/plugins.hpp), so that libshardopt itself never links CUDA. It needs torch's CPU headers

@@ -1,20 +1,22 @@
 // DistributedOptimizer on CUDA parameters against torch::optim::AdamW on the same GPU: every
-// stage at N=1 over NCCL and at N=2 on one GPU (two ranks as threads over Gloo with CUDA
-// tensors), bf16/fp16 compute with real half-precision matrix products, the fp16 loss-scale skip,
+// stage at N=1 over NCCL and at N=2 on one GPU (two processes over Gloo with CUDA tensors), bf16/fp16 compute with real half-precision matrix products, the fp16 loss-scale skip,
 // offload to pinned host memory, and checkpoints saved on the GPU and loaded on the CPU and back.
 // Skips, with the reason, where this libtorch has no CUDA or no GPU is visible.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
+#include <sstream>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -25,6 +27,8 @@
 #if SHARDOPT_HAS_GLOO
 #include "shardopt/process_group.hpp"
 #endif
+
+extern char** environ;
 
 namespace shardopt {
 namespace {
@@ -182,39 +186,78 @@ TEST_F(EngineCuda, EveryStageMatchesTorchAdamWAtOneRankOverNccl) {
   }
 }
 
+// Two ranks on one GPU are two processes (this binary again, running the worker below): as
+// threads they would share torch's one autograd thread per device, where one rank's gradient
+// hook waiting for a collective blocks the other rank's backward.
 TEST_F(EngineCuda, EveryStageMatchesAtTwoRanksOnOneGpu) {
 #if SHARDOPT_HAS_GLOO
   const auto want = reference();
-  const std::string store =
-      (std::filesystem::temp_directory_path() / ("shardopt_gpu_" + std::to_string(getpid())))
-          .string();
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("shardopt_gpu_ranks_" + std::to_string(getpid()));
   for (int stage : {0, 1, 2, 3}) {
-    std::filesystem::remove(store);
-    std::vector<std::map<std::string, at::Tensor>> got(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> ranks;
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    pid_t pids[2];
     for (int r = 0; r < 2; ++r) {
-      ranks.emplace_back([&, r] {
-        try {
-          GlooOptions g;
-          g.rank = r, g.size = 2, g.store = "file:" + store, g.timeout = std::chrono::seconds(60);
-          got[r] = train(make_gloo_communicator(g), {stage});
-        } catch (const std::exception& e) {
-          errors[r] = e.what();
-        }
-      });
+      std::vector<std::string> env;
+      for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+      env.push_back("SHARDOPT_GPU_WORKER=" + std::to_string(r) + ":" + std::to_string(stage) +
+                    ":" + dir.string());
+      std::vector<std::string> args = {"/proc/self/exe", "--gtest_also_run_disabled_tests",
+                                        "--gtest_filter=EngineCudaWorker.DISABLED_TrainOneRank"};
+      std::vector<char*> argv, envp;
+      for (auto& a : args) argv.push_back(a.data());
+      for (auto& e : env) envp.push_back(e.data());
+      argv.push_back(nullptr);
+      envp.push_back(nullptr);
+      ASSERT_EQ(posix_spawn(&pids[r], "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()),
+                0);
     }
-    for (auto& t : ranks) t.join();
     for (int r = 0; r < 2; ++r) {
-      ASSERT_TRUE(errors[r].empty()) << "stage " << stage << " rank " << r << ": " << errors[r];
+      int status = 0;
+      ASSERT_EQ(waitpid(pids[r], &status, 0), pids[r]);
+      ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+          << "stage " << stage << ": rank " << r << " failed (its output is above)";
+    }
+    for (int r = 0; r < 2; ++r) {
+      std::map<std::string, at::Tensor> got;
+      for (const auto& [name, t] : want) {
+        at::Tensor v = at::empty_like(t);
+        std::ifstream in(dir / (std::to_string(r) + "_" + name), std::ios::binary);
+        in.read(static_cast<char*>(v.data_ptr()), static_cast<std::streamsize>(v.nbytes()));
+        ASSERT_TRUE(in.good()) << "rank " << r << " wrote no " << name;
+        got[name] = v;
+      }
       std::string worst;
-      EXPECT_LE(max_diff(got[r], want, &worst), 1e-6) << "stage " << stage << " rank " << r
-                                                       << ", worst " << worst;
+      EXPECT_LE(max_diff(got, want, &worst), 1e-6) << "stage " << stage << " rank " << r
+                                                   << ", worst " << worst;
     }
   }
-  std::filesystem::remove(store);
+  std::filesystem::remove_all(dir);
 #else
   GTEST_SKIP() << "built without the Gloo engine (SHARDOPT_WITH_GLOO=OFF)";
+#endif
+}
+
+// One rank of the test above: SHARDOPT_GPU_WORKER=rank:stage:dir. Trains over Gloo (store in dir)
+// and writes each parameter's float32 bytes to dir/<rank>_<name>.
+TEST(EngineCudaWorker, DISABLED_TrainOneRank) {
+#if SHARDOPT_HAS_GLOO
+  const char* spec = std::getenv("SHARDOPT_GPU_WORKER");
+  if (spec == nullptr || !at::hasCUDA()) GTEST_SKIP() << "run by EveryStageMatchesAtTwoRanks";
+  std::stringstream in(spec);
+  std::string rank, stage, dir;
+  std::getline(in, rank, ':');
+  std::getline(in, stage, ':');
+  std::getline(in, dir);
+  GlooOptions g;
+  g.rank = std::stoi(rank), g.size = 2, g.store = "file:" + dir + "/store";
+  g.timeout = std::chrono::seconds(60);
+  const auto params = train(make_gloo_communicator(g), {std::stoi(stage)});
+  for (const auto& [name, t] : params) {
+    std::ofstream out(std::filesystem::path(dir) / (rank + "_" + name), std::ios::binary);
+    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+  }
 #endif
 }
 

@@ -27,6 +27,10 @@
 #if SHARDOPT_HAS_GLOO
 #include "shardopt/process_group.hpp"
 #endif
+#if SHARDOPT_HAS_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 extern char** environ;
 
@@ -185,6 +189,25 @@ TEST_F(EngineCuda, EveryStageMatchesTorchAdamWAtOneRankOverNccl) {
     EXPECT_LE(d, 1e-6) << "stage " << stage << ", worst " << worst;
   }
 }
+
+#if SHARDOPT_HAS_CUDA
+// On a side stream of torch's (a user's `with torch.cuda.stream(s)`), the kernels and NCCL reach it
+// through events (Note [Torch's default stream]); the result is the same.
+TEST_F(EngineCuda, NonDefaultTorchStreamMatches) {
+  auto comm = nccl();
+  if (!comm) comm = make_single_communicator();
+  const auto want = reference();
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  std::map<std::string, at::Tensor> got;
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    got = train(comm, {2});
+  }
+  side.synchronize();
+  std::string worst;
+  EXPECT_LE(max_diff(got, want, &worst), 1e-6) << worst;
+}
+#endif
 
 // Two ranks on one GPU are two processes (this binary again, running the worker below): as
 // threads they would share torch's one autograd thread per device, where one rank's gradient

@@ -38,7 +38,7 @@ struct ErrorKindInfo {
   const char* doc;
 };
 
-constexpr int kKinds = 7;
+constexpr int kKinds = 8;
 PyObject* g_error_types[kKinds] = {};
 
 const char* kind_name(ErrorKind kind) {
@@ -50,6 +50,7 @@ const char* kind_name(ErrorKind kind) {
     case ErrorKind::Checkpoint: return "Checkpoint";
     case ErrorKind::Unsupported: return "Unsupported";
     case ErrorKind::Internal: return "Internal";
+    case ErrorKind::NonFinite: return "NonFinite";
   }
   return "Internal";
 }
@@ -76,6 +77,8 @@ void register_errors(py::module_& m) {
       {ErrorKind::Unsupported, "UnsupportedError", "Unsupported", PyExc_NotImplementedError,
        "A valid request this build or engine cannot serve."},
       {ErrorKind::Internal, "InternalError", "Internal", nullptr, "A bug in shardopt."},
+      {ErrorKind::NonFinite, "NonFiniteError", "NonFinite", nullptr,
+       "NaN/Inf gradients in max_nonfinite_steps consecutive steps (each one skipped)."},
   };
   for (const auto& info : infos) {
     py::tuple bases = info.builtin ? py::make_tuple(py::handle(base), py::handle(info.builtin))
@@ -294,6 +297,28 @@ Duration to_duration(py::handle value, Duration otherwise) {
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(seconds));
 }
 
+// ---- teardown without the GIL ------------------------------------------------------------------
+
+// Note [Freeing without the GIL]: a communicator's or optimizer's destructor joins the engine's
+// worker and waits for collectives in flight, and the worker may need the GIL to drop the last
+// reference to a tensor created in Python. pybind11 frees its holder with the GIL held, so every
+// communicator and optimizer handed to Python is wrapped in a holder whose deleter releases the
+// GIL while the real last reference goes (the C++ object keeps its own control block, so
+// shared_from_this is unaffected).
+template <typename T>
+std::shared_ptr<T> freed_without_gil(std::shared_ptr<T> object) {
+  if (!object) return object;
+  T* raw = object.get();
+  return std::shared_ptr<T>(raw, [keep = std::move(object)](T*) mutable {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      keep.reset();
+    } else {
+      keep.reset();
+    }
+  });
+}
+
 // ---- the factory path: any torch.optim optimizer over this rank's shard ------------------------
 
 // A Python optimizer object as the torch::optim::Optimizer the engine steps. step() runs with the
@@ -470,20 +495,20 @@ void bind_comm(py::module_& m) {
         InitOptions o;
         o.backend = backend;
         o.device = device;
-        o.timeout = to_duration(timeout, kDefaultTimeout);
+        o.timeout = to_duration(timeout, default_timeout());
         py::gil_scoped_release nogil;
-        return init_from_env(o);
+        return freed_without_gil(init_from_env(o));
       },
       "backend"_a = "", "device"_a = "cpu", "timeout"_a = py::none(),
       "The communicator this process was launched for: mpirun/srun -> 'mpi'; torchrun's RANK, "
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
-  m.def("make_single_communicator", &make_single_communicator);
+  m.def("make_single_communicator", [] { return freed_without_gil(make_single_communicator()); });
 #if SHARDOPT_HAS_GLOO
   m.def(
       "_make_process_group_communicator",
       [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
-        return make_process_group_communicator(std::move(group));
+        return freed_without_gil(make_process_group_communicator(std::move(group)));
       },
       "group"_a);
   m.def(
@@ -493,9 +518,9 @@ void bind_comm(py::module_& m) {
         o.rank = rank;
         o.size = size;
         o.store = store;
-        o.timeout = to_duration(timeout, kDefaultTimeout);
+        o.timeout = to_duration(timeout, default_timeout());
         py::gil_scoped_release nogil;
-        return make_gloo_communicator(o);
+        return freed_without_gil(make_gloo_communicator(o));
       },
       "rank"_a, "size"_a, "store"_a, "timeout"_a = py::none(),
       "A Gloo communicator of its own; store: 'file:/path' or 'tcp://host:port' (rank 0 serves).");
@@ -529,6 +554,7 @@ void bind_options(py::module_& m) {
       .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
       .def_readwrite("align_bytes", &ZeroOptions::align_bytes)
       .def_readwrite("prefetch", &ZeroOptions::prefetch)
+      .def_readwrite("max_nonfinite_steps", &ZeroOptions::max_nonfinite_steps)
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })
@@ -543,6 +569,7 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("grad_norm", &StepStats::grad_norm)
       .def_readonly("clipped", &StepStats::clipped)
       .def_readonly("skipped", &StepStats::skipped)
+      .def_readonly("nonfinite_steps", &StepStats::nonfinite_steps)
       .def_readonly("loss_scale", &StepStats::loss_scale)
       .def_readonly("reduce_wait_s", &StepStats::reduce_wait_s)
       .def_readonly("update_s", &StepStats::update_s)
@@ -585,8 +612,8 @@ void bind_optimizer(py::module_& m) {
              Rule rule = read_rule(name, values, /*strict=*/true);
              auto specs = to_groups(groups);
              py::gil_scoped_release nogil;  // construction broadcasts and compares layouts
-             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(rule),
-                                                           std::move(comm), options);
+             return freed_without_gil(std::make_shared<DistributedOptimizer>(
+                 std::move(specs), std::move(rule), std::move(comm), options));
            }),
            "groups"_a, "name"_a, "values"_a, "comm"_a, "options"_a)
       .def(py::init([](const std::vector<GroupSpec>& groups, py::function factory,
@@ -594,8 +621,8 @@ void bind_optimizer(py::module_& m) {
              auto specs = to_groups(groups);
              auto make = python_factory(std::move(factory));
              py::gil_scoped_release nogil;
-             return std::make_shared<DistributedOptimizer>(std::move(specs), std::move(make),
-                                                           std::move(comm), options);
+             return freed_without_gil(std::make_shared<DistributedOptimizer>(
+                 std::move(specs), std::move(make), std::move(comm), options));
            }),
            "groups"_a, "factory"_a, "comm"_a, "options"_a)
       .def(

@@ -43,6 +43,9 @@ void ZeroOptions::validate() const {
                  "options: align_bytes must be a positive power of two, got {}", align_bytes);
   SHARDOPT_CHECK(prefetch >= 0, InvalidArgument, "options: prefetch must be >= 0, got {}",
                  prefetch);
+  SHARDOPT_CHECK(max_nonfinite_steps >= 0, InvalidArgument,
+                 "options: max_nonfinite_steps must be >= 0 (0: never throw), got {}",
+                 max_nonfinite_steps);
   SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
                  "options: timeout must be positive, got {} ms", timeout.count());
   loss_scale.validate();

@@ -54,6 +54,7 @@ struct Args {
   int64_t steps = 300;
   double weight_decay = 0.01;
   double max_grad_norm = 1.0;
+  double timeout_s = 0;  // collective deadline; 0: SHARDOPT_TIMEOUT or the library's default
   int64_t checkpoint_every = 0;
   std::string resume;
   bool resume_requested = false;  // --resume given (its value may be empty: OUT/checkpoint)
@@ -306,7 +307,12 @@ double median(std::vector<double> v) {
 enum Timing { kMemory, kStep, kFwd, kBwd, kCommWait, kUpdate, kGather, kOpt, kData, kCpu, kTimings };
 
 int run(const Args& a) {
-  auto comm = shardopt::init_from_env();
+  shardopt::InitOptions init;
+  if (a.timeout_s > 0) {
+    init.timeout = std::chrono::duration_cast<shardopt::Duration>(
+        std::chrono::duration<double>(a.timeout_s));
+  }
+  auto comm = shardopt::init_from_env(init);
   const int rank = comm->rank(), world = comm->size();
   at::set_num_threads(a.threads);
   const bool lead = rank == 0;
@@ -372,6 +378,7 @@ int run(const Args& a) {
   zo.units = model->units();  // stage 3 gathers one encoder layer at a time
   zo.grad_accumulation_steps = a.grad_accum;
   zo.max_grad_norm = a.max_grad_norm;
+  zo.timeout = init.timeout;
   zo.precision = precision;
   if (a.bucket_mb > 0) zo.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   zo.overlap_comm = !a.no_overlap;
@@ -448,6 +455,13 @@ int run(const Args& a) {
       return;
     }
     const auto t0 = Clock::now();
+    if (!opt.parameters_finite()) {  // never replace the last good checkpoint with NaN/Inf
+      if (lead) {
+        fmt::print("{}[bert] checkpoint: step {} NOT saved: the parameters hold NaN/Inf; {} keeps "
+                   "the last good one\n", tty ? "\r\033[K" : "", done, checkpoint_dir.string());
+      }
+      return;
+    }
     bert::RunState s{done, data_position, losses, train_s, tokens_total};
     shardopt::save_checkpoint(opt, checkpoint_dir.string(), bert::make_trainer_state(s, schedule));
     last_saved = done;
@@ -745,6 +759,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay (not on bias and "
                  "LayerNorm)")->check(CLI::NonNegativeNumber);
+  app.add_option("--timeout", a.timeout_s, "seconds a rank waits for the others in any collective "
+                 "before the job ends with an error (default: SHARDOPT_TIMEOUT, else 600)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--max-grad-norm", a.max_grad_norm, "global gradient clipping, 0 disables")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--checkpoint-every", a.checkpoint_every, "save a checkpoint into OUT/checkpoint "

@@ -16,7 +16,9 @@
 // used by two units), form the root unit, which stays gathered like a stage-2 parameter.
 //
 // Between steps, the parameters of non-root units have no storage (their data pointer is null):
-// read them only inside run(), or after DistributedOptimizer::gather_full_parameters().
+// read them only inside run(), or after DistributedOptimizer::gather_full_parameters(). Any ATen
+// operation on a released parameter throws Error{InvalidArgument} naming it (Python: ValueError).
+// Code that takes data_ptr() directly gets null.
 #pragma once
 
 #include <ATen/core/Tensor.h>

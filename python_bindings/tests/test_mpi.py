@@ -96,3 +96,23 @@ def test_factory_path_on_two_ranks(comm):
         loss_fn(ref, ids, labels).backward()
         ref_opt.step()
     assert all_ranks_ok(comm, max_diff(model, ref) <= TOL)
+
+
+def test_freeing_a_communicator_after_async_collectives_does_not_deadlock(comm):
+    """Issue 15: the communicator used to be destroyed with the GIL held while its worker, done
+    with a collective, dropped the last reference to a Python tensor and waited for the GIL. Each
+    round frees a fresh communicator (and an optimizer on it) right after async collectives whose
+    tensors Python no longer holds; a regression hangs here until CTest's timeout."""
+    for round_ in range(20):
+        c = shardopt.init_from_env(timeout=60)
+        works = []
+        for _ in range(3):
+            t = torch.full((4096,), float(c.rank + round_))
+            works.append(c.all_reduce(t, async_op=True))
+            del t
+        model = make_model()
+        opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=c, stage=2)
+        del opt, model, c
+        for w in works:
+            w.wait()
+    assert all_ranks_ok(comm, True)

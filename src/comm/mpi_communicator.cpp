@@ -7,13 +7,20 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
+#include <functional>
 #include <future>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "comm/engines.hpp"
 #include "shardopt/error.hpp"
@@ -55,7 +62,38 @@ int mpi_count(int64_t numel, const char* op) {
 
 struct Shared {
   std::atomic<bool> timed_out{false};
+  std::atomic<bool> busy{false};  // the worker is inside a collective
 };
+
+// Note [MPI timeouts] (shardopt/mpi.hpp): a worker still inside a collective after a timeout can
+// never be joined, and MPI_Finalize would block behind it, so mpirun would never end the job.
+// When the process tears MPI down in that state (the communicator's destructor, or the MPI
+// runtime's at exit), it repeats the timeout on stderr and calls MPI_Abort, which makes the
+// launcher end every rank. A timeout whose collective completed later leaves nothing stuck and
+// finalises normally.
+std::mutex g_live_mutex;
+std::vector<std::weak_ptr<Shared>> g_live;  // every threaded engine's state
+std::string g_last_timeout;                 // guarded by g_live_mutex
+
+bool stuck(const Shared& s) { return s.timed_out && s.busy; }
+
+[[noreturn]] void abort_stuck_job(const char* when) {
+  std::string last;
+  {
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    last = g_last_timeout;
+  }
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(stderr,
+               "shardopt[rank %d] comm.mpi: %s while a collective is still blocked in MPI after a "
+               "timeout (%s); MPI cannot cancel it and MPI_Finalize would hang, so calling "
+               "MPI_Abort to end the job\n",
+               rank, when, last.empty() ? "no description" : last.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);  // MPI_Abort does not return; in case it does
+}
 
 class MpiWork final : public Work {
  public:
@@ -70,6 +108,9 @@ class MpiWork final : public Work {
   bool wait_for(Duration timeout) override {
     if (done_.wait_for(timeout) != std::future_status::ready) {
       shared_->timed_out = true;  // the worker may never return: see Note [MPI timeouts]
+      std::lock_guard<std::mutex> lock(g_live_mutex);
+      g_last_timeout = fmt::format("{} did not complete within {} ms", description(),
+                                   timeout.count());
       return false;
     }
     done_.get();  // rethrows the engine's error
@@ -86,6 +127,10 @@ class MpiCommunicator final : public Communicator {
   MpiCommunicator(MPI_Comm comm, int rank, int size, bool threaded)
       : Communicator(rank, size), comm_(comm), threaded_(threaded) {
     if (threaded_) {
+      {
+        std::lock_guard<std::mutex> lock(g_live_mutex);
+        g_live.push_back(shared_);
+      }
       exited_ = exit_signal_.get_future();
       worker_ = std::thread([this] {
         run_worker();
@@ -103,8 +148,7 @@ class MpiCommunicator final : public Communicator {
       ready_.notify_one();
       // After a timeout the worker may be blocked inside MPI for good; joining would hang.
       if (shared_->timed_out && exited_.wait_for(std::chrono::seconds(2)) != std::future_status::ready) {
-        worker_.detach();
-        return;
+        abort_stuck_job("communicator destroyed");
       }
       worker_.join();
     }
@@ -157,8 +201,8 @@ class MpiCommunicator final : public Communicator {
       fn();
       return make_completed_work(std::move(description));
     }
-    std::packaged_task<void()> task(std::move(fn));
-    std::shared_future<void> done = task.get_future().share();
+    Task task{std::move(fn), {}};
+    std::shared_future<void> done = task.done.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(std::move(task));
@@ -167,9 +211,13 @@ class MpiCommunicator final : public Communicator {
     return std::make_shared<MpiWork>(std::move(description), timeout(), std::move(done), shared_);
   }
 
+  // Each task's closure, and with it the last reference to its tensors, is destroyed before the
+  // caller learns that the task completed: dropping a tensor created in Python takes the GIL, and
+  // a caller that got its result may hold the GIL while it destroys the communicator (which joins
+  // this thread). See Note [Freeing without the GIL] in python_bindings/shardopt_py.cpp.
   void run_worker() {
     for (;;) {
-      std::packaged_task<void()> task;
+      Task task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
@@ -177,7 +225,20 @@ class MpiCommunicator final : public Communicator {
         task = std::move(queue_.front());
         queue_.pop_front();
       }
-      task();
+      shared_->busy = true;
+      std::exception_ptr error;
+      try {
+        task.fn();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      task.fn = nullptr;
+      shared_->busy = false;
+      if (error) {
+        task.done.set_exception(error);
+      } else {
+        task.done.set_value();
+      }
     }
   }
 
@@ -266,7 +327,11 @@ class MpiCommunicator final : public Communicator {
   std::future<void> exited_;
   std::mutex mutex_;
   std::condition_variable ready_;
-  std::deque<std::packaged_task<void()>> queue_;
+  struct Task {
+    std::function<void()> fn;
+    std::promise<void> done;
+  };
+  std::deque<Task> queue_;
   bool stopping_ = false;
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   at::Tensor scratch_;  // worker-only
@@ -279,7 +344,18 @@ struct MpiRuntime {
   ~MpiRuntime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned && !finalized) MPI_Finalize();
+    if (!owned || finalized) return;
+    {
+      std::unique_lock<std::mutex> lock(g_live_mutex);
+      for (const auto& weak : g_live) {
+        const auto s = weak.lock();
+        if (s && stuck(*s)) {
+          lock.unlock();
+          abort_stuck_job("exiting");
+        }
+      }
+    }
+    MPI_Finalize();
   }
 };
 MpiRuntime g_runtime;

@@ -12,7 +12,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <deque>
-#include <string>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -31,9 +30,6 @@ class GradientReducer {
   // The reduced gradients of a bucket's updated range (the update's input).
   at::Tensor reduced(int bucket, const UpdatedRange& range) const;
 
-  // In-place gradients cannot arrive once their bucket was reduced this step (more backward()
-  // calls than grad_accumulation_steps): throws InvalidArgument naming the parameter.
-  void check_open(int index, const std::string& name, int accumulation_steps) const;
   // Parameter `index`'s gradient arrived in micro-step `micro`: move it into the sink.
   void accept(int index, int micro);
   // Gradients set by hand, without backward through the hooks: take every defined .grad.

@@ -6,18 +6,27 @@
 
 #include <algorithm>
 
+#include "engine/release_guard.hpp"
+#include "shardopt/error.hpp"
+
 namespace shardopt::detail {
 
-ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int units,
+ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
+                               std::vector<std::string> names, std::vector<std::string> unit_names,
                                CommunicatorPtr comm, Duration timeout, int prefetch)
-    : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
-      timeout_(timeout), prefetch_(prefetch), rank_(flat.rank()) {
-  units_.resize(units);
-  root_unit_ = units - 1;
+    : flat_(flat), plan_(flat.plan()), params_(std::move(params)), names_(std::move(names)),
+      unit_names_(std::move(unit_names)), comm_(std::move(comm)), timeout_(timeout),
+      prefetch_(prefetch), rank_(flat.rank()) {
+  units_.resize(unit_names_.size());
+  root_unit_ = static_cast<int>(units_.size()) - 1;
   units_[root_unit_].gathered = true;
 }
 
 ParameterStore::~ParameterStore() {
+  for (const auto& u : units_) {
+    for (int i : u.params) forget_parameter(params_[i]);
+  }
+  if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
   for (auto& u : units_) {
     for (auto& w : u.works) {
       try {
@@ -51,6 +60,14 @@ void ParameterStore::adopt(const at::Tensor& initial) {
             ? full_[slot.bucket].narrow(0, slot.offset, slot.numel).view(p.sizes())
             : flat_params_.narrow(0, bl.flat_offset + slot.offset, slot.numel).view(p.sizes());
     p.set_data(view);  // same TensorImpl (autograd identity), our storage
+  }
+  if (plan_.per_unit()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const int unit = layout.buckets[layout.slots[i].bucket].unit;
+      if (unit == root_unit_) continue;
+      units_[unit].params.push_back(static_cast<int>(i));
+      remember_parameter(params_[i], names_[i], fmt::format("'{}'", unit_names_[unit]));
+    }
   }
   // Stage 3 after construction: every unit but the root gives its full storage back.
   for (int u = 0; u < root_unit_; ++u) {
@@ -149,6 +166,7 @@ void ParameterStore::gather_full() {
 void ParameterStore::launch_gather(int unit) {
   auto& u = units_[unit];
   const auto& layout = flat_.layout();
+  for (int i : u.params) unguard(params_[i]);
   for (int b : u.buckets) {
     const auto& bl = layout.buckets[b];
     at::Tensor& full = full_[b];
@@ -178,6 +196,7 @@ void ParameterStore::release(int unit) {
   for (auto& w : u.works) w->wait(timeout_);  // never free under a collective
   u.works.clear();
   for (int b : u.buckets) full_[b].storage().unsafeGetStorageImpl()->reset();
+  for (int i : u.params) guard_released(params_[i]);
   u.gathered = false;
 }
 

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -20,9 +21,11 @@ namespace shardopt::detail {
 
 class ParameterStore {
  public:
-  // params[i] is layout slot i; unit_of[i] its unit, `units` of them, the last the root unit
-  // (never released). Whole plans pass units = 1 and every unit_of 0.
-  ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int units,
+  // params[i] is layout slot i, named names[i]; `unit_names` has one entry per unit, the last the
+  // root unit (never released). Whole plans pass one unit. Released parameters raise a named
+  // error when read (engine/release_guard.hpp).
+  ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
+                 std::vector<std::string> names, std::vector<std::string> unit_names,
                  CommunicatorPtr comm, Duration timeout, int prefetch);
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~ParameterStore();
@@ -60,6 +63,7 @@ class ParameterStore {
  private:
   struct UnitState {
     std::vector<int> buckets;
+    std::vector<int> params;     // layout slots of its parameters
     bool gathered = false;       // storage allocated (and filled once `works` complete)
     std::vector<WorkPtr> works;  // all-gathers in flight
   };
@@ -70,6 +74,8 @@ class ParameterStore {
   const FlatState& flat_;
   const StagePlan plan_;
   std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<std::string> unit_names_;
   CommunicatorPtr comm_;
   Duration timeout_;
   int prefetch_ = 1;

@@ -62,7 +62,9 @@ struct StepStats {
   double update_s = 0.0;         // the local optimizer update
   double gather_s = 0.0;         // all-gathering updated parameters
   double step_s = 0.0;           // the whole step() call
-  int64_t comm_elements = 0;     // elements this rank sent into collectives since the last step
+  int64_t comm_elements = 0;     // gradient and parameter elements this rank sent into
+                                 // collectives since the last step (one-element flags and norms
+                                 // of the non-finite check, clipping and LAMB not counted)
 };
 
 // Bytes this rank holds for the model state, by category (the DESIGN.md memory model).

@@ -43,7 +43,8 @@ bool LocalUpdate::any_rank_non_finite() {
   double sum = 0;
   for (auto& s : flat_.segments()) sum += at::sum(s.grad, at::kDouble).item<double>();
   at::Tensor flag = at::full({1}, std::isfinite(sum) ? 0.0f : 1.0f, at::kFloat);
-  if (comm_->size() > 1) all_reduce_small(flag, ReduceOp::Max);
+  // Replicated plans hold the same reduced gradients on every rank: the flags agree already.
+  if (comm_->size() > 1 && flat_.plan().sharded()) all_reduce_small(flag, ReduceOp::Max);
   return flag.item<float>() > 0;
 }
 

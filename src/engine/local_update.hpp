@@ -30,8 +30,8 @@ class LocalUpdate {
   // Divides the reduced gradients by `divisor` (world * micro-steps * loss scale).
   void unscale(double divisor);
   // Whether any rank holds a non-finite reduced gradient: each sums its own segments in double (a
-  // NaN or Inf makes the sum non-finite; finite fp32 values cannot overflow a double sum), then
-  // one MAX all-reduce of a flag, so every rank answers the same.
+  // NaN or Inf makes the sum non-finite; finite fp32 values cannot overflow a double sum), then,
+  // when sharded, one MAX all-reduce of a flag, so every rank answers the same.
   bool any_rank_non_finite();
   // Global L2 norm across every rank's segments (the same value on every rank); non-finite when
   // any gradient is.

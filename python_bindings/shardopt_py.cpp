@@ -301,10 +301,13 @@ Duration to_duration(py::handle value, Duration otherwise) {
 
 // Note [Freeing without the GIL]: a communicator's or optimizer's destructor joins the engine's
 // worker and waits for collectives in flight, and the worker may need the GIL to drop the last
-// reference to a tensor created in Python. pybind11 frees its holder with the GIL held, so every
-// communicator and optimizer handed to Python is wrapped in a holder whose deleter releases the
-// GIL while the real last reference goes (the C++ object keeps its own control block, so
-// shared_from_this is unaffected).
+// reference to a tensor created in Python; pybind11 frees its holders with the GIL held.
+// - Optimizers are handed to Python in a holder whose deleter releases the GIL while the real
+//   last reference goes.
+// - Communicators cannot be: they derive from enable_shared_from_this, so pybind11 rebuilds
+//   their holder from shared_from_this() and ignores a custom deleter. The engines instead open
+//   a detail::BlockingRegion around the join, and the hooks installed at import release the GIL
+//   there (set_gil_hooks below).
 template <typename T>
 std::shared_ptr<T> freed_without_gil(std::shared_ptr<T> object) {
   if (!object) return object;
@@ -317,6 +320,16 @@ std::shared_ptr<T> freed_without_gil(std::shared_ptr<T> object) {
       keep.reset();
     }
   });
+}
+
+void set_gil_hooks() {
+  detail::BlockingHooks hooks;
+  hooks.enter = []() -> void* {
+    if (!Py_IsInitialized() || !PyGILState_Check()) return nullptr;
+    return PyEval_SaveThread();
+  };
+  hooks.exit = [](void* state) { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); };
+  detail::set_blocking_hooks(hooks);
 }
 
 // ---- the factory path: any torch.optim optimizer over this rank's shard ------------------------
@@ -497,18 +510,18 @@ void bind_comm(py::module_& m) {
         o.device = device;
         o.timeout = to_duration(timeout, default_timeout());
         py::gil_scoped_release nogil;
-        return freed_without_gil(init_from_env(o));
+        return init_from_env(o);
       },
       "backend"_a = "", "device"_a = "cpu", "timeout"_a = py::none(),
       "The communicator this process was launched for: mpirun/srun -> 'mpi'; torchrun's RANK, "
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
-  m.def("make_single_communicator", [] { return freed_without_gil(make_single_communicator()); });
+  m.def("make_single_communicator", &make_single_communicator);
 #if SHARDOPT_HAS_GLOO
   m.def(
       "_make_process_group_communicator",
       [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
-        return freed_without_gil(make_process_group_communicator(std::move(group)));
+        return make_process_group_communicator(std::move(group));
       },
       "group"_a);
   m.def(
@@ -520,7 +533,7 @@ void bind_comm(py::module_& m) {
         o.store = store;
         o.timeout = to_duration(timeout, default_timeout());
         py::gil_scoped_release nogil;
-        return freed_without_gil(make_gloo_communicator(o));
+        return make_gloo_communicator(o);
       },
       "rank"_a, "size"_a, "store"_a, "timeout"_a = py::none(),
       "A Gloo communicator of its own; store: 'file:/path' or 'tcp://host:port' (rank 0 serves).");
@@ -741,6 +754,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("has_nccl") = bool(SHARDOPT_HAS_NCCL);
   m.attr("has_cuda") = bool(SHARDOPT_HAS_CUDA);
   register_errors(m);
+  set_gil_hooks();  // Note [Freeing without the GIL]
   // Raises the Python type of every ErrorKind, so the tests can check the mapping of each.
   m.def("_raise_for_test", [](const std::string& kind, const std::string& message) {
     for (int k = 0; k < kKinds; ++k) {

@@ -124,6 +124,26 @@ CommunicatorPtr init_from_env(const InitOptions& options = {});
 std::string describe(const at::Tensor& tensor);
 
 namespace detail {
+// Set by the Python bindings: a thread that blocks in a destructor (joining an engine's worker,
+// which may need the interpreter lock to drop a tensor created in Python) releases the lock for
+// the duration. enter() returns what exit() needs to restore, or null when there was nothing to
+// release. Without hooks (C++ programs) a BlockingRegion does nothing.
+struct BlockingHooks {
+  void* (*enter)() = nullptr;
+  void (*exit)(void* token) = nullptr;
+};
+void set_blocking_hooks(BlockingHooks hooks);
+class BlockingRegion {
+ public:
+  BlockingRegion();
+  ~BlockingRegion();
+  BlockingRegion(const BlockingRegion&) = delete;
+  BlockingRegion& operator=(const BlockingRegion&) = delete;
+
+ private:
+  void* token_ = nullptr;
+};
+
 // Whether a Work::wait of this process has timed out. Teardown (the optimizer's destructors) then
 // stops waiting for collectives that can no longer complete; engines keep their tensors alive.
 bool collective_timed_out();

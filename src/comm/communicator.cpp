@@ -34,6 +34,27 @@ std::atomic<bool> g_timed_out{false};
 
 bool detail::collective_timed_out() { return g_timed_out.load(); }
 
+namespace detail {
+namespace {
+std::atomic<void* (*)()> g_blocking_enter{nullptr};
+std::atomic<void (*)(void*)> g_blocking_exit{nullptr};
+}  // namespace
+
+void set_blocking_hooks(BlockingHooks hooks) {
+  g_blocking_exit = hooks.exit;
+  g_blocking_enter = hooks.enter;
+}
+
+BlockingRegion::BlockingRegion() {
+  if (auto* enter = g_blocking_enter.load()) token_ = enter();
+}
+
+BlockingRegion::~BlockingRegion() {
+  if (token_ == nullptr) return;
+  if (auto* exit = g_blocking_exit.load()) exit(token_);
+}
+}  // namespace detail
+
 Duration default_timeout() {
   const char* text = std::getenv("SHARDOPT_TIMEOUT");
   if (text == nullptr || *text == '\0') return kDefaultTimeout;

@@ -141,6 +141,8 @@ class MpiCommunicator final : public Communicator {
 
   ~MpiCommunicator() override {
     if (threaded_) {
+      // The worker may need the GIL to drop a Python tensor: see Note [Freeing without the GIL].
+      detail::BlockingRegion blocking;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         stopping_ = true;
@@ -214,7 +216,8 @@ class MpiCommunicator final : public Communicator {
   // Each task's closure, and with it the last reference to its tensors, is destroyed before the
   // caller learns that the task completed: dropping a tensor created in Python takes the GIL, and
   // a caller that got its result may hold the GIL while it destroys the communicator (which joins
-  // this thread). See Note [Freeing without the GIL] in python_bindings/shardopt_py.cpp.
+  // this thread, releasing the GIL through detail::BlockingRegion). See Note [Freeing without the
+  // GIL] in python_bindings/shardopt_py.cpp.
   void run_worker() {
     for (;;) {
       Task task;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown table from collectives_bench's JSON (--benchmark_out=FILE --benchmark_out_format=json).
 
-    python3 bench/collectives_table.py bench/results/collectives_np2.json
+    python3 bench/collectives_table.py bench/results/raw/collectives_np2.json
 
 Uses the median aggregate when the run had --benchmark_repetitions, else the single run.
 ratio = shardopt busbw / raw MPI busbw.

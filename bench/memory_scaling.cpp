@@ -66,7 +66,7 @@ int64_t mem_available_bytes() {
   return -1;
 }
 
-// The optimizer's flat layout, as src/optimizer.cpp builds it for one parameter group: parameters
+// The optimizer's flat layout, as the engine (src/engine/engine.cpp) builds it for one parameter group: parameters
 // in reverse registration order, buckets of bucket_bytes, padded to world * align.
 shardopt::detail::FlatLayout layout_of(const std::vector<int64_t>& numels_in_order, int world,
                                const shardopt::ZeroOptions& zo) {

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "shardopt/checkpoint.hpp"
+#include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/estimate.hpp"
 #include "shardopt/shardopt.hpp"
 
@@ -182,102 +183,71 @@ class HyperReader {
   std::vector<const char*> known_;
 };
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
+// The codec is written once over each rule's field list (Note [One place per rule] in
+// shardopt/rules.hpp); torch spells the fields beta1, beta2 as one pair, 'betas'.
 template <typename R>
-void read_adam_like(HyperReader& h, R& r) {
-  h.number("lr", 0, [&](double v) { r.lr(v); });
-  h.betas([&](double b1, double b2) { r.beta1(b1).beta2(b2); });
-  h.number("eps", 0, [&](double v) { r.eps(v); });
-  h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
+Rule read_rule_of(HyperReader& h, const py::dict& values, bool strict) {
+  if (detail::kNeedsLr<R>) {
+    // torch.optim.SGD has no default learning rate either.
+    SHARDOPT_CHECK(!strict || values.contains("lr"), InvalidArgument,
+                   "optimizer: {} needs a learning rate, e.g. lr=0.1", R::kName);
+  }
+  R r = detail::blank_rule<R>();
+  double* beta1 = nullptr;
+  R::fields(r, [&](const detail::Field& f, auto& value) {
+    const std::string name = f.name;
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
+      h.flag(f.name, [&](bool v) { value = v; });
+    } else if (name == "beta1") {
+      beta1 = &value;
+    } else if (name == "beta2") {
+      h.betas([&](double b1, double b2) {
+        *beta1 = b1;
+        value = b2;
+      });
+    } else {
+      h.number(f.name, f.lowest, [&](double v) { value = v; });
+    }
+  });
+  const std::string problem = detail::rule_problem(r);
+  SHARDOPT_CHECK(problem.empty(), InvalidArgument, "optimizer: {}: {}", R::kName, problem);
+  return r;
 }
 
 Rule read_rule(const std::string& name, const py::dict& values, bool strict) {
   HyperReader h(name.c_str(), values, strict);
   Rule rule;
-  if (name == "adamw" || name == "adam") {
-    auto fill = [&](auto r) {
-      read_adam_like(h, r);
-      h.flag("amsgrad", [&](bool v) { r.amsgrad(v); });
-      return Rule(r);
-    };
-    rule = name == "adamw" ? fill(AdamW()) : fill(Adam());
-  } else if (name == "sgd") {
-    // torch.optim.SGD has no default learning rate either.
-    SHARDOPT_CHECK(!strict || values.contains("lr"), InvalidArgument,
-                   "optimizer: sgd needs a learning rate, e.g. lr=0.1");
-    SGD r(1e-3);
-    h.number("lr", 0, [&](double v) { r.lr(v); });
-    h.number("momentum", 0, [&](double v) { r.momentum(v); });
-    h.number("dampening", -kInf, [&](double v) { r.dampening(v); });
-    h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
-    h.flag("nesterov", [&](bool v) { r.nesterov(v); });
-    // torch.optim.SGD's rule, same words.
-    SHARDOPT_CHECK(!r.nesterov() || (r.momentum() > 0 && r.dampening() == 0), InvalidArgument,
-                   "optimizer: sgd: Nesterov momentum requires a momentum and zero dampening, got "
-                   "momentum {}, dampening {}", r.momentum(), r.dampening());
-    rule = r;
-  } else if (name == "adagrad") {
-    Adagrad r;
-    h.number("lr", 0, [&](double v) { r.lr(v); });
-    h.number("lr_decay", 0, [&](double v) { r.lr_decay(v); });
-    h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
-    h.number("initial_accumulator_value", 0, [&](double v) { r.initial_accumulator_value(v); });
-    h.number("eps", 0, [&](double v) { r.eps(v); });
-    rule = r;
-  } else if (name == "rmsprop") {
-    RMSprop r;
-    h.number("lr", 0, [&](double v) { r.lr(v); });
-    h.number("alpha", 0, [&](double v) { r.alpha(v); });
-    h.number("eps", 0, [&](double v) { r.eps(v); });
-    h.number("weight_decay", 0, [&](double v) { r.weight_decay(v); });
-    h.number("momentum", 0, [&](double v) { r.momentum(v); });
-    h.flag("centered", [&](bool v) { r.centered(v); });
-    rule = r;
-  } else if (name == "lamb") {
-    Lamb r;
-    read_adam_like(h, r);
-    rule = r;
-  } else {
-    SHARDOPT_FAIL(InvalidArgument,
-                  "optimizer: unknown optimizer '{}'; expected one of adamw, adam, sgd, adagrad, "
-                  "rmsprop, lamb (or a torch.optim.Optimizer class)", name);
-  }
+  const bool known = detail::with_rule_named(name, [&](auto type) {
+    rule = read_rule_of<typename decltype(type)::type>(h, values, strict);
+  });
+  SHARDOPT_CHECK(known, InvalidArgument,
+                 "optimizer: unknown optimizer '{}'; expected one of {} (or a "
+                 "torch.optim.Optimizer class)",
+                 name, fmt::join(detail::rule_names(), ", "));
   h.finish();
   return rule;
 }
 
 // The torch-style hyper-parameter dict of a rule (what param_groups hold).
-struct RuleToDict {
-  py::dict operator()(const AdamW& r) const { return adam(r); }
-  py::dict operator()(const Adam& r) const { return adam(r); }
-  py::dict operator()(const SGD& r) const {
-    return py::dict("lr"_a = r.lr(), "momentum"_a = r.momentum(), "dampening"_a = r.dampening(),
-                    "weight_decay"_a = r.weight_decay(), "nesterov"_a = r.nesterov());
-  }
-  py::dict operator()(const Adagrad& r) const {
-    return py::dict("lr"_a = r.lr(), "lr_decay"_a = r.lr_decay(),
-                    "weight_decay"_a = r.weight_decay(),
-                    "initial_accumulator_value"_a = r.initial_accumulator_value(),
-                    "eps"_a = r.eps());
-  }
-  py::dict operator()(const RMSprop& r) const {
-    return py::dict("lr"_a = r.lr(), "alpha"_a = r.alpha(), "eps"_a = r.eps(),
-                    "weight_decay"_a = r.weight_decay(), "momentum"_a = r.momentum(),
-                    "centered"_a = r.centered());
-  }
-  py::dict operator()(const Lamb& r) const {
-    return py::dict("lr"_a = r.lr(), "betas"_a = py::make_tuple(r.beta1(), r.beta2()),
-                    "eps"_a = r.eps(), "weight_decay"_a = r.weight_decay());
-  }
-  template <typename R>
-  static py::dict adam(const R& r) {
-    return py::dict("lr"_a = r.lr(), "betas"_a = py::make_tuple(r.beta1(), r.beta2()),
-                    "eps"_a = r.eps(), "weight_decay"_a = r.weight_decay(),
-                    "amsgrad"_a = r.amsgrad());
-  }
-};
-py::dict rule_dict(const Rule& rule) { return std::visit(RuleToDict{}, rule); }
+py::dict rule_dict(const Rule& rule) {
+  py::dict d;
+  std::visit(
+      [&](const auto& r) {
+        double beta1 = 0;
+        std::decay_t<decltype(r)>::fields(r, [&](const detail::Field& f, const auto& value) {
+          const std::string name = f.name;
+          if (name == "beta1") {
+            beta1 = value;
+          } else if (name == "beta2") {
+            d["betas"] = py::make_tuple(beta1, value);
+          } else {
+            d[f.name] = value;
+          }
+        });
+      },
+      rule);
+  return d;
+}
 
 // Timeouts from Python: a datetime.timedelta or seconds (int or float); None -> `otherwise`.
 Duration to_duration(py::handle value, Duration otherwise) {
@@ -609,6 +579,7 @@ void bind_optimizer(py::module_& m) {
                            r.total());
       });
 
+  m.def("_rule_names", &detail::rule_names, "The optimizers shardopt runs natively, by name.");
   m.def(
       "_rule_defaults",
       [](const std::string& name, const py::dict& values) {

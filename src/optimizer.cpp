@@ -100,10 +100,7 @@ void DistributedOptimizer::set_group_rule(size_t group, const Rule& rule) {
                  "optimizer: parameter group {} steps with {}, it cannot switch to {}", group,
                  rule_name(current), rule_name(rule));
   // The state buffers were allocated for the construction-time rule: keep their number and order.
-  const auto* rms_new = std::get_if<RMSprop>(&rule);
-  const auto* rms_old = std::get_if<RMSprop>(&current);
-  SHARDOPT_CHECK(detail::state_count(rule) == detail::state_count(current) &&
-                     (!rms_new || rms_new->centered() == rms_old->centered()),
+  SHARDOPT_CHECK(detail::state_names(rule) == detail::state_names(current),
                  InvalidArgument,
                  "optimizer: parameter group {}: this change to the {} hyper-parameters needs "
                  "other optimizer state than was allocated (momentum zero vs non-zero, amsgrad, "

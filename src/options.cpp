@@ -1,9 +1,7 @@
-// ZeroOptions validation, precision names, and the rule helpers shared by the optimizer and the
-// bindings.
+// ZeroOptions validation and precision names.
 #include "shardopt/options.hpp"
 
 #include "shardopt/error.hpp"
-#include "shardopt/rules.hpp"
 
 namespace shardopt {
 
@@ -49,19 +47,6 @@ void ZeroOptions::validate() const {
   SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
                  "options: timeout must be positive, got {} ms", timeout.count());
   loss_scale.validate();
-}
-
-const char* rule_name(const Rule& rule) {
-  return std::visit([](const auto& r) { return std::decay_t<decltype(r)>::kName; }, rule);
-}
-double rule_lr(const Rule& rule) {
-  return std::visit([](const auto& r) { return r.lr(); }, rule);
-}
-void set_rule_lr(Rule& rule, double lr) {
-  std::visit([lr](auto& r) { r.lr(lr); }, rule);
-}
-void set_rule_weight_decay(Rule& rule, double weight_decay) {
-  std::visit([weight_decay](auto& r) { r.weight_decay(weight_decay); }, rule);
 }
 
 }  // namespace shardopt

@@ -1,10 +1,22 @@
 // Hyper-parameters of the optimizers DistributedOptimizer runs natively over its shard. Light
 // structs (no torch/optim headers); fluent like torch's options: AdamW(1e-4).weight_decay(0.01).
 // Defaults equal torch's.
+//
+// Note [One place per rule]
+// Each rule says here, and only here, what the rest of the library needs to know about it:
+//   kName          its name ("adamw"): checkpoints, Python, error messages;
+//   fields(r, v)   every hyper-parameter in torch's order, as v(Field{name, lowest value}, member)
+//                  with member a double or a bool: the checkpoint JSON codec and the Python
+//                  dict codec are written once over it (detail/rule_traits.hpp);
+//   state_names()  the state buffers it keeps, with torch::optim's names, in the engine's order:
+//                  their number is what the engine allocates, the names key checkpoints.
+// A new rule is its struct here, an entry in `Rule`, and its update code in the engine.
 #pragma once
 
+#include <limits>
 #include <string>
 #include <variant>
+#include <vector>
 
 #define SHARDOPT_ARG(T, name, init)                 \
  public:                                            \
@@ -18,6 +30,23 @@
   T name##_ = init
 
 namespace shardopt {
+namespace detail {
+
+// One hyper-parameter as the codecs see it: torch's name, and the lowest value torch accepts
+// (doubles; checked where values come from users, i.e. Python).
+struct Field {
+  constexpr Field(const char* name, double lowest = 0.0) : name(name), lowest(lowest) {}
+  const char* name;
+  double lowest;
+};
+
+inline std::vector<std::string> adam_state_names(bool amsgrad) {
+  std::vector<std::string> names{"exp_avg", "exp_avg_sq"};
+  if (amsgrad) names.push_back("max_exp_avg_sq");
+  return names;
+}
+
+}  // namespace detail
 
 struct Adam {
   explicit Adam(double lr = 1e-3) : lr_(lr) {}
@@ -28,6 +57,14 @@ struct Adam {
   SHARDOPT_ARG(double, eps, 1e-8);
   SHARDOPT_ARG(double, weight_decay, 0.0);  // L2 added to the gradient
   SHARDOPT_ARG(bool, amsgrad, false);
+
+ public:
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v("beta1", r.beta1_); v("beta2", r.beta2_); v("eps", r.eps_);
+    v("weight_decay", r.weight_decay_); v("amsgrad", r.amsgrad_);
+  }
+  std::vector<std::string> state_names() const { return detail::adam_state_names(amsgrad_); }
 };
 
 struct AdamW {
@@ -39,6 +76,16 @@ struct AdamW {
   SHARDOPT_ARG(double, eps, 1e-8);
   SHARDOPT_ARG(double, weight_decay, 1e-2);  // decoupled
   SHARDOPT_ARG(bool, amsgrad, false);
+
+ public:
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    Adam::fields(r, v);  // the same names; only the decay differs
+  }
+  std::vector<std::string> state_names() const { return detail::adam_state_names(amsgrad_); }
+
+ private:
+  friend struct Adam;
 };
 
 struct SGD {
@@ -49,6 +96,22 @@ struct SGD {
   SHARDOPT_ARG(double, dampening, 0.0);
   SHARDOPT_ARG(double, weight_decay, 0.0);
   SHARDOPT_ARG(bool, nesterov, false);
+
+ public:
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v("momentum", r.momentum_); v({"dampening", kAnyValue}, r.dampening_);
+    v("weight_decay", r.weight_decay_); v("nesterov", r.nesterov_);
+  }
+  std::vector<std::string> state_names() const {
+    if (momentum_ == 0.0) return {};
+    return {"momentum_buffer"};
+  }
+  // torch.optim.SGD's constraint, checked where rules come from users (Python): empty when met.
+  std::string problem() const;
+
+ private:
+  static constexpr double kAnyValue = -std::numeric_limits<double>::infinity();
 };
 
 struct Adagrad {
@@ -59,6 +122,14 @@ struct Adagrad {
   SHARDOPT_ARG(double, weight_decay, 0.0);
   SHARDOPT_ARG(double, initial_accumulator_value, 0.0);
   SHARDOPT_ARG(double, eps, 1e-10);
+
+ public:
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v("lr_decay", r.lr_decay_); v("weight_decay", r.weight_decay_);
+    v("initial_accumulator_value", r.initial_accumulator_value_); v("eps", r.eps_);
+  }
+  std::vector<std::string> state_names() const { return {"sum"}; }
 };
 
 struct RMSprop {
@@ -70,6 +141,19 @@ struct RMSprop {
   SHARDOPT_ARG(double, weight_decay, 0.0);
   SHARDOPT_ARG(double, momentum, 0.0);
   SHARDOPT_ARG(bool, centered, false);
+
+ public:
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v("alpha", r.alpha_); v("eps", r.eps_); v("weight_decay", r.weight_decay_);
+    v("momentum", r.momentum_); v("centered", r.centered_);
+  }
+  std::vector<std::string> state_names() const {
+    std::vector<std::string> names{"square_avg"};
+    if (momentum_ > 0.0) names.push_back("momentum_buffer");
+    if (centered_) names.push_back("grad_avg");
+    return names;
+  }
 };
 
 // LAMB (You et al. 2019): Adam's update scaled per tensor by ||w|| / ||update||. The norms span
@@ -82,9 +166,18 @@ struct Lamb {
   SHARDOPT_ARG(double, beta2, 0.999);
   SHARDOPT_ARG(double, eps, 1e-6);
   SHARDOPT_ARG(double, weight_decay, 0.0);
+
+ public:
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v("beta1", r.beta1_); v("beta2", r.beta2_); v("eps", r.eps_);
+    v("weight_decay", r.weight_decay_);
+  }
+  std::vector<std::string> state_names() const { return detail::adam_state_names(false); }
 };
 
-using Rule = std::variant<Adam, AdamW, SGD, Adagrad, RMSprop, Lamb>;
+// The order is the one error messages list the rules in.
+using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb>;
 
 // "adamw", "sgd", ... of whichever rule `rule` holds.
 const char* rule_name(const Rule& rule);

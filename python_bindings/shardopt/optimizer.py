@@ -13,14 +13,10 @@ from .comm import _unsupported, default_communicator
 
 __all__ = ["DistributedOptimizer", "consolidate_checkpoint"]
 
-# torch.optim classes shardopt runs natively over its shard (same formulas, tested against them).
-_NATIVE_CLASSES = {
-    torch.optim.AdamW: "adamw",
-    torch.optim.Adam: "adam",
-    torch.optim.SGD: "sgd",
-    torch.optim.Adagrad: "adagrad",
-    torch.optim.RMSprop: "rmsprop",
-}
+# torch.optim classes shardopt runs natively over its shard (same formulas, tested against them):
+# those named like a native rule (torch.optim.AdamW -> "adamw"; torch has no LAMB).
+_NATIVE_CLASSES = {cls: cls.__name__.lower() for cls in vars(torch.optim).values()
+                   if isinstance(cls, type) and cls.__name__.lower() in _C._rule_names()}
 _OPTION_FIELDS = ("stage", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
                   "max_grad_norm", "precision", "offload", "broadcast_initial_params",
                   "align_bytes", "prefetch", "timeout")
@@ -111,7 +107,7 @@ def _resolve(optimizer, hyperparameters):
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         name = _NATIVE_CLASSES.get(optimizer)
         if name is not None:
-            known = set(_C._rule_defaults(name, {"lr": 1e-3} if name == "sgd" else {}))
+            known = set(_C._rule_defaults(name, {"lr": 1e-3}))  # (SGD has no default lr)
             if set(hyper) <= known:
                 return name, hyper, None
         # Anything else runs as that torch optimizer over this rank's shard (ZeroRedundancy-

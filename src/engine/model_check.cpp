@@ -6,17 +6,11 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "checkpoint/agreement.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt::detail {
 namespace {
-
-// FNV-1a: a digest of parameter descriptions that is the same on every platform.
-int64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return static_cast<int64_t>(h & 0x7fffffffffffffffull);
-}
 
 // Each parameter's unit: the first unit declaring it; declared by two units, or by none, it
 // belongs to the root unit.
@@ -135,47 +129,38 @@ void verify_same_model(const std::vector<ModelParam>& params, bool per_unit, Com
                        Duration timeout) {
   const int world = comm.size();
   if (world == 1) return;
-  std::vector<std::string> desc;
+  std::string mine;
   for (const auto& p : params) {
-    desc.push_back(fmt::format("'{}' {} (group {}{})", p.name, describe(p.tensor), p.group,
-                               per_unit ? fmt::format(", unit {}", p.unit) : std::string()));
+    mine += fmt::format("'{}' {} (group {}{})\n", p.name, describe(p.tensor), p.group,
+                        per_unit ? fmt::format(", unit {}", p.unit) : std::string());
   }
-  at::Tensor count = at::full({1}, static_cast<int64_t>(desc.size()), at::kLong);
-  at::Tensor counts = at::empty({world}, at::kLong);
-  comm.all_gather(count, counts, true)->wait(timeout);
-  const int64_t width = counts.max().item<int64_t>() + 1;
-  at::Tensor mine = at::zeros({width}, at::kLong);
-  auto* m = mine.data_ptr<int64_t>();
-  m[0] = static_cast<int64_t>(desc.size());
-  for (size_t i = 0; i < desc.size(); ++i) m[i + 1] = fnv1a(desc[i]);
-  at::Tensor all = at::empty({world * width}, at::kLong);
-  comm.all_gather(mine, all, true)->wait(timeout);
-  auto* a = all.data_ptr<int64_t>();
-  int64_t first_bad = -1;
-  for (int64_t i = 1; i < width && first_bad < 0; ++i) {
-    for (int r = 1; r < world; ++r) {
-      if (a[r * width + i] != a[i]) first_bad = i - 1;
+  const auto all = all_gather_strings(comm, mine, timeout);
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
+    return;
+  }
+  std::vector<std::vector<std::string>> lines(world);
+  size_t longest = 0;
+  for (int r = 0; r < world; ++r) {
+    for (size_t at = 0, next; (next = all[r].find('\n', at)) != std::string::npos; at = next + 1) {
+      lines[r].push_back(all[r].substr(at, next - at));
     }
+    longest = std::max(longest, lines[r].size());
   }
-  if (first_bad < 0) {
+  auto line = [&](int r, size_t i) {
+    return i < lines[r].size() ? lines[r][i] : std::string("no such parameter");
+  };
+  auto same_at = [&](size_t i) {
     for (int r = 1; r < world; ++r) {
-      if (a[r * width] != a[0]) first_bad = std::min(a[r * width], a[0]);
+      if (line(r, i) != line(0, i)) return false;
     }
-  }
-  if (first_bad < 0) return;
-  // Everyone agrees on first_bad: exchange the descriptions of that parameter.
-  constexpr int64_t kText = 200;
-  std::string text = first_bad < static_cast<int64_t>(desc.size())
-                         ? desc[first_bad] : std::string("no such parameter");
-  text.resize(kText, '\0');
-  at::Tensor line = at::from_blob(text.data(), {kText}, at::kByte).clone();
-  at::Tensor lines = at::empty({world * kText}, at::kByte);
-  comm.all_gather(line, lines, true)->wait(timeout);
+    return true;
+  };
+  size_t first_bad = 0;
+  while (first_bad < longest && same_at(first_bad)) ++first_bad;
   std::string report;
   for (int r = 0; r < world; ++r) {
-    std::string s(reinterpret_cast<const char*>(lines.data_ptr<uint8_t>()) + r * kText, kText);
-    report += fmt::format("\n  rank {}: {} trainable parameters, #{} is {}", r, a[r * width],
-                          first_bad, s.c_str());
+    report += fmt::format("\n  rank {}: {} trainable parameters, #{} is {}", r, lines[r].size(),
+                          first_bad, line(r, first_bad));
   }
   SHARDOPT_FAIL(Mismatch,
                 "optimizer: the model differs across ranks at trainable parameter #{} (in "

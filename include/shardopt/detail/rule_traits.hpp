@@ -1,24 +1,73 @@
-// TEMPORARY (replaced by the rule table when merged): number of state buffers a rule keeps.
+// What the library derives from each rule's own declaration (Note [One place per rule] in
+// shardopt/rules.hpp): its state buffers, the list of rule names, and a rule type picked by name.
+// Torch-free; the engine, the checkpoint codec and the Python codec use it. Internal.
 #pragma once
 
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <variant>
+#include <vector>
 
 #include "shardopt/rules.hpp"
 
 namespace shardopt::detail {
 
-inline int state_count(const Rule& rule) {
-  struct {
-    int operator()(const Adam& r) const { return r.amsgrad() ? 3 : 2; }
-    int operator()(const AdamW& r) const { return r.amsgrad() ? 3 : 2; }
-    int operator()(const SGD& r) const { return r.momentum() != 0.0 ? 1 : 0; }
-    int operator()(const Adagrad&) const { return 1; }
-    int operator()(const RMSprop& r) const {
-      return 1 + (r.momentum() > 0.0 ? 1 : 0) + (r.centered() ? 1 : 0);
-    }
-    int operator()(const Lamb&) const { return 2; }
-  } count;
-  return std::visit(count, rule);
+// The names torch::optim gives the state buffers `rule` keeps, in the engine's order.
+std::vector<std::string> state_names(const Rule& rule);
+// Number of state buffers (each one shard long) `rule` keeps: state_names(rule).size().
+int state_count(const Rule& rule);
+// Every rule's kName, in the order of `Rule`.
+std::vector<std::string> rule_names();
+
+template <class R>
+struct RuleType {
+  using type = R;
+};
+
+template <class F, std::size_t... I>
+bool with_rule_named(const std::string& name, F& f, std::index_sequence<I...>) {
+  return ((name == std::variant_alternative_t<I, Rule>::kName
+               ? (f(RuleType<std::variant_alternative_t<I, Rule>>{}), true)
+               : false) ||
+          ...);
+}
+
+// Calls f(RuleType<R>{}) for the rule R named `name`; false when no rule has that name.
+template <class F>
+bool with_rule_named(const std::string& name, F&& f) {
+  return with_rule_named(name, f, std::make_index_sequence<std::variant_size_v<Rule>>{});
+}
+
+// Rules whose constructor has no default learning rate (SGD, as in torch) must be given one.
+template <class R>
+constexpr bool kNeedsLr = !std::is_default_constructible_v<R>;
+
+// A rule of type R whose fields the caller is about to set.
+template <class R>
+R blank_rule() {
+  if constexpr (kNeedsLr<R>) {
+    return R(0.0);
+  } else {
+    return R();
+  }
+}
+
+template <class R, class = void>
+struct HasProblem : std::false_type {};
+template <class R>
+struct HasProblem<R, std::void_t<decltype(std::declval<const R&>().problem())>> : std::true_type {};
+
+// What is wrong with `r` by its own rule's constraints (R::problem(), where R has one); empty when
+// nothing is.
+template <class R>
+std::string rule_problem(const R& r) {
+  if constexpr (HasProblem<R>::value) {
+    return r.problem();
+  } else {
+    return {};
+  }
 }
 
 }  // namespace shardopt::detail

@@ -1,0 +1,27 @@
+// Agreement across ranks (Note [Agreement before state changes] in shardopt/checkpoint.hpp): a
+// string all-gather, and agree(), which runs a step on every rank and makes all ranks fail together
+// when any rank failed. Internal; the checkpoint code and the optimizer's model check use it.
+#pragma once
+
+#include <functional>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "shardopt/comm.hpp"
+
+namespace shardopt::detail {
+
+// Every rank's `mine`, indexed by rank. Collective.
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
+                                            Duration timeout);
+
+// Runs `body` on every rank and exchanges the outcomes. When any rank failed, `on_failure` runs
+// and every rank throws an Error of the first failing rank's kind; otherwise returns each rank's
+// payload. Collective.
+std::vector<nlohmann::json> agree(Communicator& comm, Duration timeout, const std::string& what,
+                                  const std::string& consequence,
+                                  const std::function<nlohmann::json()>& body,
+                                  const std::function<void()>& on_failure = nullptr);
+
+}  // namespace shardopt::detail

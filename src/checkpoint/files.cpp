@@ -1,0 +1,206 @@
+// Checkpoint files: paths of a save, the checksumming writer, fsync, whole-file reads, CRC-32,
+// and atomic publication (tmp + rename; RENAME_EXCHANGE for directories).
+#include "checkpoint/files.hpp"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "checkpoint/format.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+
+namespace fs = std::filesystem;
+
+Paths paths_of(const std::string& dir) {
+  SHARDOPT_CHECK(!dir.empty(), InvalidArgument, "checkpoint: the directory name is empty");
+  fs::path d = fs::path(dir).lexically_normal();
+  if (d.filename().empty()) d = d.parent_path();  // "out/ckpt/"
+  const std::string name = d.filename().string();
+  SHARDOPT_CHECK(!name.empty() && name != "." && name != "..", InvalidArgument,
+                 "checkpoint: '{}' does not name a directory that can be replaced; give a path "
+                 "such as out/checkpoint",
+                 dir);
+  Paths p;
+  p.dir = d;
+  p.parent = d.has_parent_path() ? d.parent_path() : fs::path(".");
+  p.tmp = p.parent / ("." + name + ".tmp");
+  p.old = p.parent / ("." + name + ".old");
+  return p;
+}
+
+std::string shard_file_name(int rank, int world) {
+  return fmt::format("shard-{:05d}-of-{:05d}.bin", rank, world);
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+FileWriter::FileWriter(fs::path path) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  SHARDOPT_CHECK(fd_ >= 0, Checkpoint, "checkpoint: cannot create {}: {}", path_.string(),
+                 errno_text());
+}
+
+FileWriter::~FileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void FileWriter::write(const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc_ = crc32_z(crc_, p, bytes);
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::write(fd_, p + done, bytes - done);
+    if (n < 0 && errno == EINTR) continue;
+    SHARDOPT_CHECK(n > 0, Checkpoint, "checkpoint: writing {} failed after {} bytes: {}",
+                   path_.string(), bytes_ + done, errno_text());
+    done += static_cast<size_t>(n);
+  }
+  bytes_ += static_cast<int64_t>(bytes);
+}
+
+void FileWriter::pad_to(int64_t alignment) {
+  static const char zeros[kAlign] = {};
+  const int64_t pad = (alignment - bytes_ % alignment) % alignment;
+  if (pad > 0) write(zeros, static_cast<size_t>(pad));
+}
+
+void FileWriter::write_tensor(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kCPU).contiguous();
+  write(c.data_ptr(), c.nbytes());
+}
+
+void FileWriter::sync_and_close() {
+  SHARDOPT_CHECK(::fsync(fd_) == 0, Checkpoint, "checkpoint: fsync of {} failed: {}",
+                 path_.string(), errno_text());
+  const int fd = fd_;
+  fd_ = -1;
+  SHARDOPT_CHECK(::close(fd) == 0, Checkpoint, "checkpoint: closing {} failed: {}",
+                 path_.string(), errno_text());
+}
+
+
+void fsync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  SHARDOPT_CHECK(fd >= 0, Checkpoint, "checkpoint: cannot open directory {}: {}", dir.string(),
+                 errno_text());
+  const int rc = ::fsync(fd);
+  const std::string err = rc == 0 ? "" : errno_text();
+  ::close(fd);
+  SHARDOPT_CHECK(rc == 0, Checkpoint, "checkpoint: fsync of directory {} failed: {}", dir.string(),
+                 err);
+}
+
+at::Tensor read_bytes(const fs::path& path, const std::string& what) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  SHARDOPT_CHECK(fd >= 0, Checkpoint, "checkpoint: {} {} cannot be read: {}", what, path.string(),
+                 errno_text());
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const std::string err = errno_text();
+    ::close(fd);
+    SHARDOPT_FAIL(Checkpoint, "checkpoint: cannot stat {} {}: {}", what, path.string(), err);
+  }
+  at::Tensor bytes = at::empty({static_cast<int64_t>(st.st_size)}, at::kByte);
+  auto* p = static_cast<char*>(bytes.data_ptr());
+  size_t done = 0;
+  while (done < static_cast<size_t>(st.st_size)) {
+    const ssize_t n = ::read(fd, p + done, static_cast<size_t>(st.st_size) - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string err = n == 0 ? "unexpected end of file" : errno_text();
+      ::close(fd);
+      SHARDOPT_FAIL(Checkpoint, "checkpoint: reading {} {} failed: {}", what, path.string(), err);
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return bytes;
+}
+
+std::string crc_text(uint32_t crc) { return fmt::format("{:08x}", crc); }
+
+uint32_t crc_of(const at::Tensor& bytes) {
+  return static_cast<uint32_t>(crc32_z(crc32_z(0L, Z_NULL, 0),
+                                       static_cast<const unsigned char*>(bytes.data_ptr()),
+                                       static_cast<size_t>(bytes.numel())));
+}
+
+void write_file_atomically(const fs::path& path, const void* data, size_t bytes) {
+  const fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  SHARDOPT_CHECK(!ec, Checkpoint, "checkpoint: cannot create directory {}: {}", parent.string(),
+                 ec.message());
+  const fs::path tmp = parent / ("." + path.filename().string() + ".tmp");
+  {
+    FileWriter w(tmp);
+    w.write(data, bytes);
+    w.sync_and_close();
+  }
+  SHARDOPT_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, Checkpoint,
+                 "checkpoint: cannot rename {} to {}: {}", tmp.string(), path.string(),
+                 errno_text());
+  fsync_dir(parent);
+}
+
+void publish(const Paths& p) {
+  std::error_code ec;
+  if (!fs::exists(p.dir, ec)) {
+    SHARDOPT_CHECK(::rename(p.tmp.c_str(), p.dir.c_str()) == 0, Checkpoint,
+                   "checkpoint: cannot rename {} to {}: {}", p.tmp.string(), p.dir.string(),
+                   errno_text());
+    fsync_dir(p.parent);
+    return;
+  }
+  if (::renameat2(AT_FDCWD, p.tmp.c_str(), AT_FDCWD, p.dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fsync_dir(p.parent);
+    fs::remove_all(p.tmp, ec);  // now the previous checkpoint
+    return;
+  }
+  SHARDOPT_CHECK(errno == EINVAL || errno == ENOSYS || errno == ENOTSUP, Checkpoint,
+                 "checkpoint: cannot exchange {} with {}: {}", p.tmp.string(), p.dir.string(),
+                 errno_text());
+  // No RENAME_EXCHANGE on this filesystem: a crash between these renames leaves the previous
+  // checkpoint at .<name>.old, which load_checkpoint points to.
+  fs::remove_all(p.old, ec);
+  SHARDOPT_CHECK(::rename(p.dir.c_str(), p.old.c_str()) == 0, Checkpoint,
+                 "checkpoint: cannot rename {} to {}: {}", p.dir.string(), p.old.string(),
+                 errno_text());
+  SHARDOPT_CHECK(::rename(p.tmp.c_str(), p.dir.c_str()) == 0, Checkpoint,
+                 "checkpoint: cannot rename {} to {}: {}", p.tmp.string(), p.dir.string(),
+                 errno_text());
+  fsync_dir(p.parent);
+  fs::remove_all(p.old, ec);
+}
+
+void prepare_tmp(const Paths& p) {
+  std::error_code ec;
+  fs::create_directories(p.parent, ec);
+  SHARDOPT_CHECK(!ec, Checkpoint, "checkpoint: cannot create directory {}: {}", p.parent.string(),
+                 ec.message());
+  if (fs::exists(p.dir, ec)) {
+    SHARDOPT_CHECK(fs::is_directory(p.dir, ec), Checkpoint,
+                   "checkpoint: {} exists and is not a directory; refusing to replace it",
+                   p.dir.string());
+    SHARDOPT_CHECK(fs::exists(p.dir / kManifest, ec) || fs::is_empty(p.dir, ec), Checkpoint,
+                   "checkpoint: {} exists and is not a shardopt checkpoint (no {}); refusing to "
+                   "replace it",
+                   p.dir.string(), kManifest);
+  }
+  fs::remove_all(p.tmp, ec);
+  SHARDOPT_CHECK(!ec, Checkpoint, "checkpoint: cannot remove the leftover {}: {}", p.tmp.string(),
+                 ec.message());
+  fs::create_directory(p.tmp, ec);
+  SHARDOPT_CHECK(!ec, Checkpoint, "checkpoint: cannot write to directory {} (creating {}): {}",
+                 p.parent.string(), p.tmp.string(), ec.message());
+}
+
+}  // namespace shardopt::detail

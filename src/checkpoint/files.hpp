@@ -1,0 +1,69 @@
+// Checkpoint files on disk: where a save goes (Paths), a writer that checksums and fsyncs, whole
+// file reads, CRC-32, and the atomic publish of files and directories (Note [Atomic checkpoints] in
+// shardopt/checkpoint.hpp). Internal to src/checkpoint/.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <zlib.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace shardopt::detail {
+
+struct Paths {
+  std::filesystem::path dir;  // where the checkpoint is visible
+  std::filesystem::path parent;
+  std::filesystem::path tmp;  // .<name>.tmp: the save in progress (or a crashed one's leftovers)
+  std::filesystem::path old;  // .<name>.old: only on filesystems without RENAME_EXCHANGE
+};
+
+Paths paths_of(const std::string& dir);
+
+std::string shard_file_name(int rank, int world);
+
+std::string errno_text();
+
+// Writes a file sequentially, computing its CRC-32 on the way; sync() makes it durable.
+class FileWriter {
+ public:
+  explicit FileWriter(std::filesystem::path path);
+  ~FileWriter();
+  FileWriter(const FileWriter&) = delete;
+  FileWriter& operator=(const FileWriter&) = delete;
+
+  void write(const void* data, size_t bytes);
+  void pad_to(int64_t alignment);
+  void write_tensor(const at::Tensor& t);
+  void sync_and_close();
+  int64_t bytes() const { return bytes_; }
+  uint32_t crc() const { return static_cast<uint32_t>(crc_); }
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+  int64_t bytes_ = 0;
+  uLong crc_ = crc32_z(0L, Z_NULL, 0);
+};
+
+void fsync_dir(const std::filesystem::path& dir);
+
+// The whole file as bytes (64-byte aligned storage, so sections can be viewed in place).
+at::Tensor read_bytes(const std::filesystem::path& path, const std::string& what);
+
+std::string crc_text(uint32_t crc);
+uint32_t crc_of(const at::Tensor& bytes);
+
+// Writes `bytes` to `path` atomically: a temporary sibling, fsync, rename, fsync of the directory.
+void write_file_atomically(const std::filesystem::path& path, const void* data, size_t bytes);
+
+// Makes `p.tmp` visible as `p.dir` with one rename (exchanging with the previous checkpoint).
+void publish(const Paths& p);
+
+// Rank 0, before a save: the parent exists, leftovers of a crashed save are gone, and an existing
+// `dir` is a checkpoint (never replace a directory that is something else).
+void prepare_tmp(const Paths& p);
+
+}  // namespace shardopt::detail

@@ -1,0 +1,51 @@
+// The on-disk vocabulary of checkpoints: format names and constants, dtype names, the JSON codec of
+// optimizer rules, and small shape helpers. Internal to src/checkpoint/.
+//
+// Note [Checkpoint layout]
+//   <dir>/manifest.json                rank 0: format, world size, stage, precision, step, rule and
+//                                      hyper-parameters per group, layout, every parameter's name,
+//                                      shape, dtype, flat offset and pieces, every file's CRC-32
+//   <dir>/shard-RRRRR-of-NNNNN.bin     rank R: a 64-byte header ("SHARDOPT", version, rank, world),
+//                                      then 64-byte aligned sections: "param" (fp32 master
+//                                      parameters), "state/<name>" per optimizer state buffer,
+//                                      each the rank's owned slices of every bucket concatenated
+//                                      ("shard coordinates"); then "trainer/<key>" tensors.
+// A parameter's piece [rank, shard_begin, param_begin, numel] says that its elements
+// [param_begin, param_begin + numel) sit at element shard_begin of every section of that rank's
+// file, so a reader needs no knowledge of the bucketing that wrote them.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "shardopt/rules.hpp"
+
+namespace shardopt::detail {
+
+using json = nlohmann::json;
+
+inline constexpr const char* kFormat = "shardopt-checkpoint";
+inline constexpr const char* kOptimizerFormat = "shardopt-optimizer-state";
+inline constexpr const char* kManifest = "manifest.json";
+inline constexpr char kMagic[8] = {'S', 'H', 'A', 'R', 'D', 'O', 'P', 'T'};
+inline constexpr int64_t kAlign = 64;
+
+// JSON text; invalid UTF-8 is replaced rather than thrown on.
+std::string dump(const json& j, int indent = -1);
+
+// "float32", "bfloat16", ...: the names manifests give dtypes.
+std::string dtype_name(at::ScalarType t);
+at::ScalarType dtype_from_name(const std::string& name, const std::string& where);
+
+// {"rule": "adamw", "lr": ..., ...}: every field the rule declares, under its own name.
+json rule_to_json(const Rule& rule);
+Rule rule_from_json(const json& j);
+
+std::string shape_text(const std::vector<int64_t>& shape);
+int64_t numel_of(const std::vector<int64_t>& shape);
+
+}  // namespace shardopt::detail

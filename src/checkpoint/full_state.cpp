@@ -1,0 +1,231 @@
+// Whole-model views of a sharded checkpoint, in one process: inspection, the full state and its
+// consolidation into torch.load()-able files; and the way back: a full state (or torch.save files)
+// loaded into a sharded run.
+#include "shardopt/checkpoint.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <set>
+
+#include "checkpoint/agreement.hpp"
+#include "checkpoint/files.hpp"
+#include "checkpoint/format.hpp"
+#include "checkpoint/manifest.hpp"
+#include "checkpoint/staging.hpp"
+#include "shardopt/detail/shard_access.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt {
+
+// The checkpoint internals (src/checkpoint/*.hpp) are all in detail.
+using namespace detail;  // NOLINT(google-build-using-namespace)
+
+// ---- inspection and consolidation (one process) -------------------------------------------
+
+CheckpointInfo read_checkpoint_info(const std::string& dir) {
+  const Manifest m = read_manifest(dir);
+  CheckpointInfo info;
+  info.dir = dir;
+  info.format_version = m.j.at("format_version").get<int>();
+  info.world_size = m.world;
+  info.stage = m.stage;
+  info.precision = m.j.value("precision", "");
+  info.step = m.step;
+  info.rule = m.rule;
+  info.state_names = m.state_names;
+  for (const auto& p : m.params)
+    info.params.push_back({p.name, p.shape, dtype_name(m.dtype), p.group});
+  info.trainer_json = dump(m.j.at("trainer"));
+  info.manifest_json = dump(m.j, 1);
+  return info;
+}
+
+FullState read_full_state(const std::string& dir, bool with_optimizer_state) {
+  const Manifest m = read_manifest(dir);
+  const auto opts = at::TensorOptions().dtype(m.dtype);
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<at::Tensor>> states(with_optimizer_state ? m.state_names.size() : 0);
+  for (const auto& p : m.params) {
+    params.push_back(at::empty(p.shape, opts));
+    for (auto& s : states) s.push_back(at::empty(p.shape, opts));
+  }
+  for (int r = 0; r < m.world; ++r) {
+    const LoadedShard shard = load_shard(m, r);
+    const at::Tensor param = shard.section("param");
+    std::vector<at::Tensor> state;
+    for (size_t k = 0; k < states.size(); ++k) {
+      state.push_back(shard.section("state/" + m.state_names[k]));
+    }
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      for (const auto& piece : m.params[i].pieces) {
+        if (piece.rank != r) continue;
+        params[i]
+            .view({-1})
+            .narrow(0, piece.param_begin, piece.numel)
+            .copy_(param.narrow(0, piece.shard_begin, piece.numel));
+        for (size_t k = 0; k < states.size(); ++k) {
+          states[k][i]
+              .view({-1})
+              .narrow(0, piece.param_begin, piece.numel)
+              .copy_(state[k].narrow(0, piece.shard_begin, piece.numel));
+        }
+      }
+    }
+  }
+  FullState out;
+  for (size_t i = 0; i < m.params.size(); ++i) out.params.insert(m.params[i].name, params[i]);
+  for (size_t k = 0; k < states.size(); ++k) {
+    auto& dict = out.optimizer_state[m.state_names[k]];
+    for (size_t i = 0; i < m.params.size(); ++i) dict.insert(m.params[i].name, states[k][i]);
+  }
+  out.step = m.step;
+  out.rule = m.rule;
+  out.hyperparameters_json = dump(m.j.at("optimizer").at("param_groups"));
+  return out;
+}
+
+void consolidate_checkpoint(const std::string& dir, const std::string& out,
+                            const ConsolidateOptions& options) {
+  const FullState full = read_full_state(dir, !options.optimizer_state_out.empty());
+  c10::Dict<std::string, at::Tensor> model;
+  for (const auto& item : full.params) model.insert(item.key(), item.value());
+  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(model));
+  write_file_atomically(out, bytes.data(), bytes.size());
+  if (options.optimizer_state_out.empty()) return;
+  c10::Dict<std::string, c10::Dict<std::string, at::Tensor>> state;
+  for (const auto& item : full.params) {
+    c10::Dict<std::string, at::Tensor> buffers;
+    for (const auto& [name, dict] : full.optimizer_state) buffers.insert(name, dict[item.key()]);
+    state.insert(item.key(), buffers);
+  }
+  c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
+  top.insert(std::string("format"), std::string(kOptimizerFormat));
+  top.insert(std::string("format_version"), static_cast<int64_t>(kCheckpointFormatVersion));
+  top.insert(std::string("step"), full.step);
+  top.insert(std::string("rule"), full.rule);
+  top.insert(std::string("param_groups"), full.hyperparameters_json);
+  top.insert(std::string("state"), c10::IValue(state));
+  const std::vector<char> obytes = torch::jit::pickle_save(c10::IValue(top));
+  write_file_atomically(options.optimizer_state_out, obytes.data(), obytes.size());
+}
+
+// ---- full state -> sharded run ---------------------------------------------------------------
+
+std::vector<std::string> load_full_state(DistributedOptimizer& optimizer, const FullState& state) {
+  ShardAccess& a = detail::shard_access(optimizer);
+  Communicator& comm = *a.comm();
+  at::NoGradGuard no_grad;
+  Staging staging;
+  std::vector<std::string> unused;
+  const bool with_state = !state.optimizer_state.empty();
+  agree(comm, a.zero_options().timeout, "loading a full state dict",
+        "no rank changed its optimizer", [&] {
+          std::vector<std::string> names;
+          if (with_state) {
+            check_checkpointable(a);
+            names = optimizer_state_names(a);
+            SHARDOPT_CHECK(state.rule == rule_name(a.group_rule(0)), Mismatch,
+                           "checkpoint: the optimizer state is of {}, this optimizer runs {}",
+                           state.rule, rule_name(a.group_rule(0)));
+          }
+          const std::vector<at::Tensor> full = match_full_params(a, state.params, "the state dict");
+          staging = stage_current(a, static_cast<int>(names.size()));
+          stage_from_full(a, staging.param, full);
+          for (size_t k = 0; k < names.size(); ++k) {
+            auto it = state.optimizer_state.find(names[k]);
+            SHARDOPT_CHECK(it != state.optimizer_state.end(), Mismatch,
+                           "checkpoint: the optimizer state has no '{}' buffers ({} keeps {})",
+                           names[k], rule_name(a.group_rule(0)), fmt::join(names, ", "));
+            stage_from_full(
+                a, staging.state[k],
+                match_full_params(a, it->second, fmt::format("optimizer state '{}'", names[k])));
+          }
+          std::set<std::string> mine;
+          for (int i = 0; i < static_cast<int>(a.layout().slots.size()); ++i)
+            mine.insert(a.param_name(i));
+          for (const auto& item : state.params) {
+            if (!mine.count(item.key())) unused.push_back(item.key());
+          }
+          return json();
+        });
+  commit(a, staging);
+  if (with_state) a.set_step_count(state.step);
+  a.after_load();
+  return unused;
+}
+
+std::vector<std::string> load_full_state_dict(
+    DistributedOptimizer& optimizer, const torch::OrderedDict<std::string, at::Tensor>& params) {
+  FullState state;
+  state.params = params;
+  return load_full_state(optimizer, state);
+}
+
+namespace {
+c10::IValue pickle_load_file(const std::string& path, const std::string& what) {
+  const at::Tensor bytes = read_bytes(path, what);
+  const auto* p = static_cast<const char*>(bytes.data_ptr());
+  try {
+    return torch::jit::pickle_load(std::vector<char>(p, p + bytes.numel()));
+  } catch (const std::exception& e) {
+    const std::string why = e.what();
+    SHARDOPT_FAIL(Checkpoint,
+                  "checkpoint: {} {} could not be read as a torch.save/pickle_save "
+                  "file of a dict: {}. From Python, save a plain dict: torch.save(dict("
+                  "model.state_dict()), path) (libtorch does not unpickle collections.OrderedDict)",
+                  what, path, why.substr(0, why.find('\n')));
+  }
+}
+
+torch::OrderedDict<std::string, at::Tensor> tensor_dict(const c10::IValue& v,
+                                                        const std::string& what) {
+  SHARDOPT_CHECK(v.isGenericDict(), Checkpoint,
+                 "checkpoint: {} does not hold a dict, but {}. From Python, save a plain dict: "
+                 "torch.save(dict(model.state_dict()), path) (libtorch reads "
+                 "collections.OrderedDict as None)",
+                 what, v.tagKind());
+  torch::OrderedDict<std::string, at::Tensor> out;
+  for (const auto& entry : v.toGenericDict()) {
+    if (!entry.key().isString() || !entry.value().isTensor()) continue;
+    out.insert(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
+                                              const std::string& model_file,
+                                              const std::string& optimizer_file) {
+  ShardAccess& a = detail::shard_access(optimizer);
+  FullState state;
+  // Reading is local: agree on it before anyone goes on to the collective load.
+  agree(*a.comm(), a.zero_options().timeout, "reading a full state dict",
+        "no rank changed its optimizer", [&] {
+          state.params = tensor_dict(pickle_load_file(model_file, "model state file"), model_file);
+          if (!optimizer_file.empty()) {
+            const c10::IValue v = pickle_load_file(optimizer_file, "optimizer state file");
+            SHARDOPT_CHECK(v.isGenericDict(), Checkpoint, "checkpoint: {} does not hold a dict",
+                           optimizer_file);
+            const auto top = v.toGenericDict();
+            SHARDOPT_CHECK(top.contains("format") && top.at("format").isString() &&
+                               top.at("format").toStringRef() == kOptimizerFormat,
+                           Checkpoint, "checkpoint: {} is not a shardopt optimizer state file",
+                           optimizer_file);
+            state.step = top.at("step").toInt();
+            state.rule = top.at("rule").toStringRef();
+            for (const auto& entry : top.at("state").toGenericDict()) {
+              const std::string param = entry.key().toStringRef();
+              for (const auto& buffer : entry.value().toGenericDict()) {
+                state.optimizer_state[buffer.key().toStringRef()].insert(param,
+                                                                         buffer.value().toTensor());
+              }
+            }
+          }
+          return json();
+        });
+  return load_full_state(optimizer, state);
+}
+
+}  // namespace shardopt

@@ -1,0 +1,247 @@
+// Checkpoint manifests: read and check one, load a shard file it lists, build one at save time.
+#include "checkpoint/manifest.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+
+#include "checkpoint/files.hpp"
+#include "shardopt/checkpoint.hpp"
+#include "shardopt/error.hpp"
+#include "shardopt/version.hpp"
+
+namespace shardopt::detail {
+
+namespace fs = std::filesystem;
+
+Manifest read_manifest(const std::string& dir_text) {
+  Manifest m;
+  m.dir = fs::path(dir_text);
+  m.path = m.dir / kManifest;
+  std::error_code ec;
+  if (!fs::exists(m.path, ec)) {
+    std::string hint;
+    try {
+      const Paths p = paths_of(dir_text);
+      if (fs::exists(p.old / kManifest, ec)) {
+        hint = fmt::format(
+            "; a previous checkpoint survives at {} (a save was interrupted while "
+            "replacing it): move it to {}",
+            p.old.string(), p.dir.string());
+      }
+    } catch (const Error&) {
+    }
+    SHARDOPT_FAIL(Checkpoint, "checkpoint: no checkpoint at {}: {} does not exist{}", dir_text,
+                  m.path.string(), hint);
+  }
+  const at::Tensor bytes = read_bytes(m.path, "manifest");
+  const std::string text(static_cast<const char*>(bytes.data_ptr()),
+                         static_cast<size_t>(bytes.numel()));
+  try {
+    m.j = json::parse(text);
+  } catch (const json::exception& e) {
+    SHARDOPT_FAIL(Checkpoint, "checkpoint: manifest {} is not valid JSON: {}", m.path.string(),
+                  e.what());
+  }
+  try {
+    SHARDOPT_CHECK(m.j.is_object() && m.j.value("format", "") == kFormat, Checkpoint,
+                   "checkpoint: {} is not a shardopt checkpoint manifest (\"format\" should be "
+                   "\"{}\")",
+                   m.path.string(), kFormat);
+    const int format_version = m.j.at("format_version").get<int>();
+    SHARDOPT_CHECK(format_version == kCheckpointFormatVersion, Checkpoint,
+                   "checkpoint: {} has unknown format version {}; this build (shardopt {}) reads "
+                   "version {}",
+                   m.path.string(), format_version, version(), kCheckpointFormatVersion);
+    m.world = m.j.at("world_size").get<int>();
+    m.stage = m.j.at("stage").get<int>();
+    m.dtype = dtype_from_name(m.j.at("dtype").get<std::string>(), m.path.string());
+    m.step = m.j.at("step").get<int64_t>();
+    const json& opt = m.j.at("optimizer");
+    m.rule = opt.at("rule").get<std::string>();
+    m.state_names = opt.at("state").get<std::vector<std::string>>();
+    for (const auto& g : opt.at("param_groups")) m.group_rules.push_back(g);
+    SHARDOPT_CHECK(m.world >= 1, Checkpoint, "checkpoint: {}: world_size {} is not positive",
+                   m.path.string(), m.world);
+    const auto& files = m.j.at("files");
+    SHARDOPT_CHECK(files.is_array() && static_cast<int>(files.size()) == m.world, Checkpoint,
+                   "checkpoint: {} lists {} shard files for world size {}", m.path.string(),
+                   files.size(), m.world);
+    for (int r = 0; r < m.world; ++r) {
+      const json& f = files[r];
+      ShardFile sf;
+      sf.rank = f.at("rank").get<int>();
+      SHARDOPT_CHECK(sf.rank == r, Checkpoint, "checkpoint: {}: file #{} is for rank {}",
+                     m.path.string(), r, sf.rank);
+      sf.path = f.at("path").get<std::string>();
+      SHARDOPT_CHECK(fs::path(sf.path).filename().string() == sf.path, Checkpoint,
+                     "checkpoint: {}: shard path '{}' must be a plain file name", m.path.string(),
+                     sf.path);
+      sf.bytes = f.at("bytes").get<int64_t>();
+      SHARDOPT_CHECK(sf.bytes >= kAlign, Checkpoint,
+                     "checkpoint: {}: {} is {} bytes, shorter "
+                     "than its header",
+                     m.path.string(), sf.path, sf.bytes);
+      sf.crc = static_cast<uint32_t>(std::stoul(f.at("crc32").get<std::string>(), nullptr, 16));
+      for (const auto& s : f.at("sections")) {
+        Section sec;
+        sec.offset = s.at("offset").get<int64_t>();
+        sec.dtype = dtype_from_name(s.at("dtype").get<std::string>(), m.path.string());
+        sec.shape = s.at("shape").get<std::vector<int64_t>>();
+        const int64_t end =
+            sec.offset + numel_of(sec.shape) * static_cast<int64_t>(c10::elementSize(sec.dtype));
+        SHARDOPT_CHECK(sec.offset >= kAlign && sec.offset % kAlign == 0 && end <= sf.bytes,
+                       Checkpoint, "checkpoint: {}: section '{}' of {} lies outside the file",
+                       m.path.string(), s.at("name").get<std::string>(), sf.path);
+        sf.sections[s.at("name").get<std::string>()] = sec;
+      }
+      m.files.push_back(std::move(sf));
+    }
+    for (const auto& p : m.j.at("parameters")) {
+      ManifestParam mp;
+      mp.name = p.at("name").get<std::string>();
+      mp.shape = p.at("shape").get<std::vector<int64_t>>();
+      mp.numel = numel_of(mp.shape);
+      mp.group = p.at("group").get<int>();
+      for (const auto& piece : p.at("pieces")) {
+        SavedPiece sp{piece.at(0).get<int>(), piece.at(1).get<int64_t>(),
+                      piece.at(2).get<int64_t>(), piece.at(3).get<int64_t>()};
+        SHARDOPT_CHECK(sp.rank >= 0 && sp.rank < m.world, Checkpoint,
+                       "checkpoint: {}: a piece of '{}' names rank {} of {}", m.path.string(),
+                       mp.name, sp.rank, m.world);
+        const auto& sections = m.files[sp.rank].sections;
+        auto it = sections.find("param");
+        SHARDOPT_CHECK(it != sections.end() && sp.shard_begin >= 0 &&
+                           sp.shard_begin + sp.numel <= numel_of(it->second.shape),
+                       Checkpoint, "checkpoint: {}: a piece of '{}' lies outside rank {}'s shard",
+                       m.path.string(), mp.name, sp.rank);
+        mp.pieces.push_back(sp);
+      }
+      SHARDOPT_CHECK(detail::covers(mp.pieces, mp.numel), Checkpoint,
+                     "checkpoint: {}: the pieces of parameter '{}' do not cover its {} elements "
+                     "exactly once",
+                     m.path.string(), mp.name, mp.numel);
+      SHARDOPT_CHECK(m.by_name.emplace(mp.name, static_cast<int>(m.params.size())).second,
+                     Checkpoint, "checkpoint: {}: parameter '{}' is listed twice", m.path.string(),
+                     mp.name);
+      m.params.push_back(std::move(mp));
+    }
+  } catch (const json::exception& e) {
+    SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed manifest {}: {}", m.path.string(), e.what());
+  } catch (const std::logic_error& e) {  // std::stoul of a bad checksum
+    SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed manifest {}: {}", m.path.string(), e.what());
+  }
+  return m;
+}
+
+at::Tensor LoadedShard::section(const std::string& name) const {
+  auto it = file->sections.find(name);
+  SHARDOPT_CHECK(it != file->sections.end(), Checkpoint,
+                 "checkpoint: shard file {} has no section '{}'", file->path, name);
+  const Section& s = it->second;
+  const int64_t n = numel_of(s.shape);
+  return bytes.narrow(0, s.offset, n * static_cast<int64_t>(c10::elementSize(s.dtype)))
+      .view(s.dtype)
+      .view(s.shape);
+}
+
+LoadedShard load_shard(const Manifest& m, int rank) {
+  const ShardFile& f = m.files[rank];
+  const fs::path path = m.dir / f.path;
+  std::error_code ec;
+  SHARDOPT_CHECK(fs::exists(path, ec), Checkpoint,
+                 "checkpoint: shard file {} of rank {} is missing (the manifest {} lists it)",
+                 path.string(), rank, m.path.string());
+  LoadedShard s;
+  s.file = &f;
+  s.bytes = read_bytes(path, fmt::format("shard file of rank {}", rank));
+  SHARDOPT_CHECK(s.bytes.numel() == f.bytes, Checkpoint,
+                 "checkpoint: shard file {} is {} bytes, but the manifest says {} (truncated or "
+                 "replaced)",
+                 path.string(), s.bytes.numel(), f.bytes);
+  const uint32_t crc = crc_of(s.bytes);
+  SHARDOPT_CHECK(crc == f.crc, Checkpoint,
+                 "checkpoint: checksum mismatch in shard file {}: CRC-32 is {}, the manifest says "
+                 "{}; the file is corrupt",
+                 path.string(), crc_text(crc), crc_text(f.crc));
+  const auto* h = static_cast<const char*>(s.bytes.data_ptr());
+  uint32_t header[3];
+  std::memcpy(header, h + 8, sizeof(header));
+  SHARDOPT_CHECK(std::memcmp(h, kMagic, 8) == 0 && header[1] == static_cast<uint32_t>(rank) &&
+                     header[2] == static_cast<uint32_t>(m.world),
+                 Checkpoint, "checkpoint: {} is not rank {}'s shard of a {}-rank checkpoint",
+                 path.string(), rank, m.world);
+  return s;
+}
+
+json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,
+                    const std::vector<json>& files) {
+  const auto& layout = a.layout();
+  const int world = a.comm()->size();
+  json m;
+  m["format"] = kFormat;
+  m["format_version"] = kCheckpointFormatVersion;
+  m["shardopt_version"] = version();
+  m["world_size"] = world;
+  m["stage"] = a.zero_options().stage;
+  m["precision"] = to_string(a.zero_options().precision);
+  m["dtype"] = dtype_name(a.master_dtype());
+  m["step"] = a.step_count();
+  json groups = json::array();
+  for (int g = 0; g < a.group_count(); ++g) groups.push_back(rule_to_json(a.group_rule(g)));
+  m["optimizer"] = {
+      {"rule", rule_name(a.group_rule(0))}, {"state", names}, {"param_groups", groups}};
+  m["loss_scaler"] = nullptr;  // fp16 stores its dynamic loss scaler here
+  if (const auto scaler = a.loss_scaler_state()) {
+    m["loss_scaler"] = {{"scale", scaler->scale},
+                        {"good_steps", scaler->good_steps},
+                        {"hysteresis_left", scaler->hysteresis_left},
+                        {"overflows", scaler->overflows}};
+  }
+  json buckets = json::array();
+  for (const auto& b : layout.buckets) {
+    buckets.push_back({{"group", b.group},
+                       {"flat_offset", b.flat_offset},
+                       {"numel", b.numel},
+                       {"padded", b.padded},
+                       {"shard", b.shard},
+                       {"shard_offset", b.shard_offset}});
+  }
+  m["layout"] = {{"numel", layout.numel},
+                 {"padded_numel", layout.padded_numel},
+                 {"shard_numel", layout.shard_numel},
+                 {"buckets", buckets}};
+  // Listed in the model's named_parameters() order, so a consolidated state dict reads like
+  // model.state_dict(); pieces do not depend on the order.
+  std::vector<int> order(layout.slots.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int x, int y) { return a.param_order(x) < a.param_order(y); });
+  json params = json::array();
+  for (const int i : order) {
+    const auto& slot = layout.slots[i];
+    json pieces = json::array();
+    for (const auto& p : detail::saved_pieces(layout, i, world)) {
+      pieces.push_back({p.rank, p.shard_begin, p.param_begin, p.numel});
+    }
+    params.push_back({{"name", a.param_name(i)},
+                      {"shape", a.param_shape(i)},
+                      {"dtype", dtype_name(a.master_dtype())},
+                      {"numel", slot.numel},
+                      {"group", layout.buckets[slot.bucket].group},
+                      {"bucket", slot.bucket},
+                      {"offset", slot.offset},
+                      {"flat_offset", layout.buckets[slot.bucket].flat_offset + slot.offset},
+                      {"pieces", pieces}});
+  }
+  m["parameters"] = params;
+  m["files"] = files;
+  m["trainer"] = trainer;
+  return m;
+}
+
+}  // namespace shardopt::detail

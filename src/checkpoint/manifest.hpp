@@ -1,0 +1,76 @@
+// The manifest of a checkpoint: its parsed form (files, sections, parameters and their pieces),
+// reading and checking it, verified shard loads, and building it from the optimizer at save time.
+// Internal to src/checkpoint/.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "checkpoint/format.hpp"
+#include "shardopt/detail/shard_access.hpp"
+#include "shardopt/detail/shard_plan.hpp"
+
+namespace shardopt::detail {
+
+struct Section {
+  int64_t offset = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;  // 1-D for parameters and state
+};
+
+struct ShardFile {
+  int rank = 0;
+  std::string path;
+  int64_t bytes = 0;
+  uint32_t crc = 0;
+  std::map<std::string, Section> sections;
+};
+
+struct ManifestParam {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int group = 0;
+  std::vector<SavedPiece> pieces;
+};
+
+struct Manifest {
+  std::filesystem::path dir;
+  std::filesystem::path path;
+  json j;
+  int world = 0;
+  int stage = 0;
+  at::ScalarType dtype = at::kFloat;
+  int64_t step = 0;
+  std::string rule;
+  std::vector<std::string> state_names;
+  std::vector<json> group_rules;
+  std::vector<ManifestParam> params;
+  std::unordered_map<std::string, int> by_name;
+  std::vector<ShardFile> files;  // by rank
+};
+
+// A verified shard file: its bytes and typed views of its sections.
+struct LoadedShard {
+  at::Tensor bytes;
+  const ShardFile* file = nullptr;
+  at::Tensor section(const std::string& name) const;
+};
+
+// Reads and checks <dir>/manifest.json (not the shard files).
+Manifest read_manifest(const std::string& dir_text);
+
+// Rank `rank`'s shard file, checked against the manifest (size, CRC-32, header).
+LoadedShard load_shard(const Manifest& m, int rank);
+
+// The manifest of a save: `names` are the state buffers, `files` every rank's shard entry.
+json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,
+                    const std::vector<json>& files);
+
+}  // namespace shardopt::detail

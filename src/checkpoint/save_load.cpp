@@ -1,0 +1,253 @@
+// Collective save and load of sharded checkpoints: each runs as agreed steps (checks, shard files,
+// manifest and publish; or checks and staging, then commit), so that either every rank succeeds or
+// none changes anything (Notes [Atomic checkpoints], [Agreement before state changes]).
+#include "shardopt/checkpoint.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <cstring>
+#include <functional>
+#include <map>
+
+#include "checkpoint/agreement.hpp"
+#include "checkpoint/files.hpp"
+#include "checkpoint/format.hpp"
+#include "checkpoint/manifest.hpp"
+#include "checkpoint/staging.hpp"
+#include "shardopt/detail/shard_access.hpp"
+#include "shardopt/detail/shard_plan.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt {
+
+namespace fs = std::filesystem;
+// The checkpoint internals (src/checkpoint/*.hpp) are all in detail.
+using namespace detail;  // NOLINT(google-build-using-namespace)
+
+namespace {
+
+// Writes this rank's shard file into `tmp`; returns its manifest entry.
+json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::string>& names,
+                 const std::map<std::string, at::Tensor>& tensors) {
+  const auto& layout = a.layout();
+  const int rank = a.comm()->rank(), world = a.comm()->size();
+  const std::string file = shard_file_name(rank, world);
+  FileWriter w(tmp / file);
+  char header[kAlign] = {};
+  std::memcpy(header, kMagic, sizeof(kMagic));
+  const uint32_t fields[3] = {static_cast<uint32_t>(kCheckpointFormatVersion),
+                              static_cast<uint32_t>(rank), static_cast<uint32_t>(world)};
+  std::memcpy(header + 8, fields, sizeof(fields));
+  w.write(header, sizeof(header));
+  json sections = json::array();
+  auto shard_section = [&](const std::string& name, const std::function<at::Tensor(int)>& slice) {
+    w.pad_to(kAlign);
+    const int64_t offset = w.bytes();
+    for (size_t b = 0; b < layout.buckets.size(); ++b) w.write_tensor(slice(static_cast<int>(b)));
+    sections.push_back({{"name", name},
+                        {"offset", offset},
+                        {"dtype", dtype_name(a.master_dtype())},
+                        {"shape", json::array({layout.shard_numel})}});
+  };
+  shard_section("param", [&](int b) { return a.owned_param_slice(b); });
+  for (size_t k = 0; k < names.size(); ++k) {
+    shard_section("state/" + names[k],
+                  [&](int b) { return a.owned_state_slice(static_cast<int>(k), b); });
+  }
+  for (const auto& [key, t] : tensors) {
+    w.pad_to(kAlign);
+    const int64_t offset = w.bytes();
+    w.write_tensor(t);
+    sections.push_back({{"name", "trainer/" + key},
+                        {"offset", offset},
+                        {"dtype", dtype_name(t.scalar_type())},
+                        {"shape", t.sizes().vec()}});
+  }
+  w.sync_and_close();
+  return {{"rank", rank},
+          {"path", file},
+          {"bytes", w.bytes()},
+          {"crc32", crc_text(w.crc())},
+          {"sections", sections}};
+}
+
+}  // namespace
+
+// ---- save -----------------------------------------------------------------------------------
+
+void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
+                     const TrainerState& trainer, const SaveOptions& options) {
+  ShardAccess& a = detail::shard_access(optimizer);
+  Communicator& comm = *a.comm();
+  const Duration timeout = a.zero_options().timeout;
+  const int rank = comm.rank();
+  at::NoGradGuard no_grad;
+  Paths paths;
+  std::vector<std::string> names;
+  json trainer_json;
+  const std::string what = fmt::format("saving checkpoint {}", dir);
+  const std::string nothing = "the previous checkpoint is unchanged";
+
+  // 1. Checks everywhere; rank 0 prepares the temporary directory.
+  agree(comm, timeout, what, nothing, [&] {
+    check_checkpointable(a);
+    paths = paths_of(dir);
+    names = optimizer_state_names(a);
+    try {
+      trainer_json = json::parse(trainer.json);
+    } catch (const json::exception& e) {
+      SHARDOPT_FAIL(InvalidArgument, "checkpoint: TrainerState::json is not valid JSON: {}",
+                    e.what());
+    }
+    SHARDOPT_CHECK(trainer_json.is_object(), InvalidArgument,
+                   "checkpoint: TrainerState::json must be a JSON object, got {}",
+                   trainer_json.type_name());
+    for (const auto& [key, t] : trainer.tensors) {
+      SHARDOPT_CHECK(t.defined() && !key.empty(), InvalidArgument,
+                     "checkpoint: TrainerState::tensors['{}'] is undefined or unnamed", key);
+      dtype_name(t.scalar_type());
+    }
+    if (rank == 0) prepare_tmp(paths);
+    return json();
+  });
+
+  // 2. Every rank writes and syncs its shard.
+  const bool simulated = options.simulate_crash_after_shard_on_rank >= 0;
+  const std::vector<json> files = agree(
+      comm, timeout, what, nothing,
+      [&] {
+        json entry = write_shard(a, paths.tmp, names, trainer.tensors);
+        SHARDOPT_CHECK(options.simulate_crash_after_shard_on_rank != rank, Checkpoint,
+                       "checkpoint: simulated crash on rank {} after writing {} "
+                       "(SaveOptions::simulate_crash_after_shard_on_rank)",
+                       rank, (paths.tmp / entry.at("path").get<std::string>()).string());
+        return entry;
+      },
+      [&] {
+        std::error_code ec;
+        if (rank == 0 && !simulated) fs::remove_all(paths.tmp, ec);  // a crash would leave it
+      });
+
+  // 3. Rank 0 writes the manifest and publishes the directory.
+  agree(
+      comm, timeout, what, nothing,
+      [&] {
+        if (rank != 0) return json();
+        const json manifest = build_manifest(a, names, trainer_json, files);
+        const std::string text = dump(manifest, 1);
+        {
+          FileWriter w(paths.tmp / kManifest);
+          w.write(text.data(), text.size());
+          w.sync_and_close();
+        }
+        fsync_dir(paths.tmp);
+        publish(paths);
+        return json();
+      },
+      [&] {
+        std::error_code ec;
+        if (rank == 0) fs::remove_all(paths.tmp, ec);
+      });
+}
+
+// ---- load -----------------------------------------------------------------------------------
+
+TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
+                             const LoadOptions& options) {
+  ShardAccess& a = detail::shard_access(optimizer);
+  Communicator& comm = *a.comm();
+  const int rank = comm.rank();
+  at::NoGradGuard no_grad;
+  Manifest m;
+  Staging staging;
+  TrainerState trainer;
+  std::vector<Rule> rules;
+
+  // 1. Everything that can fail, without touching the optimizer.
+  agree(comm, a.zero_options().timeout, fmt::format("loading checkpoint {}", dir),
+        "no rank changed its optimizer", [&] {
+          check_checkpointable(a);
+          m = read_manifest(dir);
+          const std::vector<std::string> names = optimizer_state_names(a);
+          check_same_model(a, m);
+          check_same_optimizer(a, m, names);
+          for (const auto& g : m.group_rules) {
+            try {
+              rules.push_back(rule_from_json(g));
+            } catch (const json::exception& e) {
+              SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed param group in {}: {}",
+                            m.path.string(), e.what());
+            }
+          }
+          staging = stage_current(a, static_cast<int>(names.size()));
+          // Which saved rank's file feeds which of my elements.
+          std::map<int, std::vector<detail::CopyOp>> by_file;
+          for (int i = 0; i < static_cast<int>(a.layout().slots.size()); ++i) {
+            const auto& saved = m.params[m.by_name.at(a.param_name(i))].pieces;
+            for (const auto& op : detail::plan_copies(a.layout(), rank, i, saved)) {
+              by_file[op.src_rank].push_back(op);
+            }
+          }
+          if (rank < m.world) by_file[rank];  // my trainer tensors
+          for (const auto& [file_rank, ops] : by_file) {
+            const LoadedShard shard = load_shard(m, file_rank);
+            const at::Tensor param = shard.section("param");
+            std::vector<at::Tensor> state;
+            for (const auto& n : names) state.push_back(shard.section("state/" + n));
+            for (const auto& op : ops) {
+              staging.param.narrow(0, op.dst, op.numel).copy_(param.narrow(0, op.src, op.numel));
+              for (size_t k = 0; k < state.size(); ++k) {
+                staging.state[k]
+                    .narrow(0, op.dst, op.numel)
+                    .copy_(state[k].narrow(0, op.src, op.numel));
+              }
+            }
+            if (file_rank == rank) {
+              for (const auto& [name, section] : shard.file->sections) {
+                if (name.rfind("trainer/", 0) == 0) {
+                  trainer.tensors[name.substr(8)] = shard.section(name).clone();
+                }
+              }
+            }
+          }
+          trainer.json = dump(m.j.at("trainer"));
+          if (options.restore_hyperparameters) {
+            for (size_t g = 0; g < rules.size(); ++g) {
+              SHARDOPT_CHECK(
+                  rule_name(rules[g]) == rule_name(a.group_rule(static_cast<int>(g))), Mismatch,
+                  "checkpoint: {}: param group {} runs {}, this optimizer's {}", m.path.string(), g,
+                  rule_name(rules[g]), rule_name(a.group_rule(static_cast<int>(g))));
+            }
+          }
+          return json();
+        });
+
+  // 2. Every rank succeeded: replace the state.
+  commit(a, staging);
+  a.set_step_count(m.step);
+  if (const auto it = m.j.find("loss_scaler"); it != m.j.end() && it->is_object()) {
+    LossScaler::State scaler;
+    scaler.scale = it->value("scale", 1.0);
+    scaler.good_steps = it->value("good_steps", int64_t{0});
+    scaler.hysteresis_left = it->value("hysteresis_left", 0);
+    scaler.overflows = it->value("overflows", int64_t{0});
+    a.set_loss_scaler_state(scaler);  // an fp16 optimizer continues with it; others ignore it
+  }
+  if (options.restore_hyperparameters) {
+    for (size_t g = 0; g < rules.size(); ++g) a.set_group_rule(static_cast<int>(g), rules[g]);
+  }
+  a.after_load();
+  return trainer;
+}
+
+// ---- DistributedOptimizer shorthands ----------------------------------------------------------
+
+void DistributedOptimizer::save_checkpoint(const std::string& dir) {
+  shardopt::save_checkpoint(*this, dir);
+}
+void DistributedOptimizer::load_checkpoint(const std::string& dir) {
+  shardopt::load_checkpoint(*this, dir);
+}
+
+}  // namespace shardopt

@@ -1,0 +1,128 @@
+// Staging a load: checks that what is loaded fits the optimizer, this rank's staged shard, and
+// the commit into the optimizer's owned slices.
+#include "checkpoint/staging.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <functional>
+#include <set>
+
+#include "shardopt/detail/rule_traits.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+
+void check_checkpointable(ShardAccess& a) {
+  SHARDOPT_CHECK(!a.has_factory_optimizer(), Unsupported,
+                 "checkpoint: optimizers built from a ShardOptimizerFactory cannot be "
+                 "checkpointed: their state lives inside the torch optimizer; use a native rule "
+                 "({})",
+                 fmt::join(rule_names(), ", "));
+}
+
+std::vector<std::string> optimizer_state_names(ShardAccess& a) {
+  std::vector<std::string> names = state_names(a.group_rule(0));
+  SHARDOPT_INTERNAL_ASSERT(static_cast<int>(names.size()) == a.state_buffer_count(),
+                           "rule {} names {} state buffers, the engine keeps {}",
+                           rule_name(a.group_rule(0)), names.size(), a.state_buffer_count());
+  return names;
+}
+
+Staging stage_current(ShardAccess& a, int states) {
+  const auto& layout = a.layout();
+  Staging s;
+  auto gather = [&](const std::function<at::Tensor(int)>& slice) {
+    at::Tensor out = at::empty({layout.shard_numel}, at::TensorOptions().dtype(a.master_dtype()));
+    for (size_t b = 0; b < layout.buckets.size(); ++b) {
+      const auto& bl = layout.buckets[b];
+      out.narrow(0, bl.shard_offset, bl.shard).copy_(slice(static_cast<int>(b)));
+    }
+    return out;
+  };
+  s.param = gather([&](int b) { return a.owned_param_slice(b); });
+  for (int k = 0; k < states; ++k) {
+    s.state.push_back(gather([&](int b) { return a.owned_state_slice(k, b); }));
+  }
+  return s;
+}
+
+void commit(ShardAccess& a, const Staging& s) {
+  const auto& layout = a.layout();
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bl = layout.buckets[b];
+    a.owned_param_slice(static_cast<int>(b)).copy_(s.param.narrow(0, bl.shard_offset, bl.shard));
+    for (size_t k = 0; k < s.state.size(); ++k) {
+      a.owned_state_slice(static_cast<int>(k), static_cast<int>(b))
+          .copy_(s.state[k].narrow(0, bl.shard_offset, bl.shard));
+    }
+  }
+}
+
+void check_same_model(ShardAccess& a, const Manifest& m) {
+  const int n = static_cast<int>(a.layout().slots.size());
+  std::set<std::string> mine;
+  for (int i = 0; i < n; ++i) {
+    const std::string& name = a.param_name(i);
+    mine.insert(name);
+    auto it = m.by_name.find(name);
+    SHARDOPT_CHECK(it != m.by_name.end(), Mismatch,
+                   "checkpoint: {} is of another model: parameter '{}' {} is not in it (it holds "
+                   "{} parameters)",
+                   m.dir.string(), name, shape_text(a.param_shape(i)), m.params.size());
+    const auto& saved = m.params[it->second].shape;
+    SHARDOPT_CHECK(saved == a.param_shape(i), Mismatch,
+                   "checkpoint: {} is of another model: parameter '{}' has shape {} in the model "
+                   "but {} in the checkpoint",
+                   m.dir.string(), name, shape_text(a.param_shape(i)), shape_text(saved));
+  }
+  for (const auto& p : m.params) {
+    SHARDOPT_CHECK(mine.count(p.name) > 0, Mismatch,
+                   "checkpoint: {} is of another model: it holds parameter '{}' {} that the "
+                   "optimizer does not have (renamed, removed or frozen?)",
+                   m.dir.string(), p.name, shape_text(p.shape));
+  }
+}
+
+void check_same_optimizer(ShardAccess& a, const Manifest& m,
+                          const std::vector<std::string>& names) {
+  const std::string rule = rule_name(a.group_rule(0));
+  SHARDOPT_CHECK(m.rule == rule && m.state_names == names, Mismatch,
+                 "checkpoint: {} holds the state of {} ({}), but this optimizer runs {} ({})",
+                 m.dir.string(), m.rule, fmt::join(m.state_names, ", "), rule,
+                 fmt::join(names, ", "));
+  SHARDOPT_CHECK(static_cast<int>(m.group_rules.size()) == a.group_count(), Mismatch,
+                 "checkpoint: {} has {} parameter groups, this optimizer {}", m.dir.string(),
+                 m.group_rules.size(), a.group_count());
+}
+
+std::vector<at::Tensor> match_full_params(ShardAccess& a,
+                                          const torch::OrderedDict<std::string, at::Tensor>& params,
+                                          const std::string& what) {
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < static_cast<int>(a.layout().slots.size()); ++i) {
+    const std::string& name = a.param_name(i);
+    const at::Tensor* t = params.find(name);
+    SHARDOPT_CHECK(t != nullptr && t->defined(), Mismatch,
+                   "checkpoint: parameter '{}' {} is missing from {}", name,
+                   shape_text(a.param_shape(i)), what);
+    SHARDOPT_CHECK(t->sizes().vec() == a.param_shape(i), Mismatch,
+                   "checkpoint: parameter '{}' has shape {} in the model but {} in {}", name,
+                   shape_text(a.param_shape(i)), shape_text(t->sizes().vec()), what);
+    out.push_back(*t);
+  }
+  return out;
+}
+
+void stage_from_full(ShardAccess& a, at::Tensor& staging, const std::vector<at::Tensor>& full) {
+  const int rank = a.comm()->rank();
+  for (int i = 0; i < static_cast<int>(full.size()); ++i) {
+    const at::Tensor flat = full[i].reshape({-1});
+    const std::vector<SavedPiece> whole{{0, 0, 0, flat.numel()}};
+    for (const auto& op : detail::plan_copies(a.layout(), rank, i, whole)) {
+      staging.narrow(0, op.dst, op.numel).copy_(flat.narrow(0, op.src, op.numel));
+    }
+  }
+}
+
+}  // namespace shardopt::detail

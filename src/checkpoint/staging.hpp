@@ -1,0 +1,46 @@
+// What a load stages before it touches the optimizer: the checks that a checkpoint or full state
+// fits this optimizer (model, rule, parameter shapes), this rank's staged shard of parameters and
+// state, and the commit that replaces the optimizer's owned slices. Internal to src/checkpoint/.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/ordered_dict.h>
+
+#include <string>
+#include <vector>
+
+#include "checkpoint/manifest.hpp"
+#include "shardopt/detail/shard_access.hpp"
+
+namespace shardopt::detail {
+
+// Native rules only: a factory-built optimizer keeps its state inside torch.
+void check_checkpointable(ShardAccess& a);
+// The state buffer names of the optimizer's rule (as many as the engine keeps).
+std::vector<std::string> optimizer_state_names(ShardAccess& a);
+
+// This rank's shard of parameters and state, staged before it replaces the optimizer's.
+struct Staging {
+  at::Tensor param;
+  std::vector<at::Tensor> state;
+};
+
+// Starts from the current owned slices, so padding and anything not loaded keep their values.
+Staging stage_current(ShardAccess& a, int states);
+// Replaces the optimizer's owned slices with the staged ones. Cannot fail on user input.
+void commit(ShardAccess& a, const Staging& s);
+
+// The checkpoint holds exactly the optimizer's parameters, with the same shapes.
+void check_same_model(ShardAccess& a, const Manifest& m);
+// ... and the state of the same rule, with as many parameter groups.
+void check_same_optimizer(ShardAccess& a, const Manifest& m,
+                          const std::vector<std::string>& names);
+
+// The model's parameters in a full state: index in the layout -> tensor (checked).
+std::vector<at::Tensor> match_full_params(ShardAccess& a,
+                                          const torch::OrderedDict<std::string, at::Tensor>& params,
+                                          const std::string& what);
+// Copies this rank's owned elements of each parameter from full tensors into staging.
+void stage_from_full(ShardAccess& a, at::Tensor& staging, const std::vector<at::Tensor>& full);
+
+}  // namespace shardopt::detail

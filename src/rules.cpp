@@ -1,0 +1,52 @@
+// What every rule shares, written once over the rules' own declarations (shardopt/rules.hpp):
+// names, learning rate access, state buffers; plus the rules' out-of-line checks.
+#include "shardopt/rules.hpp"
+
+#include <fmt/format.h>
+
+#include "shardopt/detail/rule_traits.hpp"
+
+namespace shardopt {
+
+const char* rule_name(const Rule& rule) {
+  return std::visit([](const auto& r) { return std::decay_t<decltype(r)>::kName; }, rule);
+}
+double rule_lr(const Rule& rule) {
+  return std::visit([](const auto& r) { return r.lr(); }, rule);
+}
+void set_rule_lr(Rule& rule, double lr) {
+  std::visit([lr](auto& r) { r.lr(lr); }, rule);
+}
+void set_rule_weight_decay(Rule& rule, double weight_decay) {
+  std::visit([weight_decay](auto& r) { r.weight_decay(weight_decay); }, rule);
+}
+
+std::string SGD::problem() const {
+  // torch.optim.SGD's rule, same words.
+  if (!nesterov_ || (momentum_ > 0 && dampening_ == 0)) return {};
+  return fmt::format(
+      "Nesterov momentum requires a momentum and zero dampening, got momentum {}, dampening {}",
+      momentum_, dampening_);
+}
+
+namespace detail {
+
+std::vector<std::string> state_names(const Rule& rule) {
+  return std::visit([](const auto& r) { return r.state_names(); }, rule);
+}
+
+int state_count(const Rule& rule) { return static_cast<int>(state_names(rule).size()); }
+
+namespace {
+template <std::size_t... I>
+std::vector<std::string> names_of(std::index_sequence<I...>) {
+  return {std::variant_alternative_t<I, Rule>::kName...};
+}
+}  // namespace
+
+std::vector<std::string> rule_names() {
+  return names_of(std::make_index_sequence<std::variant_size_v<Rule>>{});
+}
+
+}  // namespace detail
+}  // namespace shardopt

@@ -8,6 +8,8 @@ PACKAGES=(
   libfmt-dev nlohmann-json3-dev libcli11-dev zlib1g-dev  # formatting, JSON, CLI, CRC-32
   libgtest-dev libgmock-dev libbenchmark-dev python3-pytest pybind11-dev
   python3-matplotlib                                 # loss-curve and benchmark plots
+  libutf8proc-dev                                    # the BERT tokenizer's Unicode tables
+  manpages-dev manpages-fr-dev manpages-de-dev manpages-es-dev  # the BERT example's default corpus
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -1,6 +1,8 @@
 // Corpus -> pretraining instances -> binary file -> mmap -> per-rank batches. Torch-free.
 #include "data.hpp"
 
+#include "corpus.hpp"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -40,41 +42,22 @@ uint64_t fnv1a(const void* data, size_t bytes, uint64_t hash) {
   return hash;
 }
 
+uint64_t vocab_fingerprint(const Vocab& vocab) {
+  uint64_t h = fnv1a("vocab-v1", 8);
+  for (const auto& t : vocab.tokens()) h = fnv1a(t.c_str(), t.size() + 1, h);
+  return h;
+}
+
 CorpusFormat parse_corpus_format(const std::string& text) {
   if (text == "auto") return CorpusFormat::Auto;
   if (text == "sentences") return CorpusFormat::Sentences;
   if (text == "prose") return CorpusFormat::Prose;
-  throw std::invalid_argument("corpus format must be auto, sentences or prose, got '" + text + "'");
+  if (text == "man") return CorpusFormat::Man;
+  throw std::invalid_argument("corpus format must be auto, sentences, prose or man, got '" + text +
+                              "'");
 }
 
 // ---- corpus -----------------------------------------------------------------------------------
-
-std::vector<std::string> list_corpus_files(const std::string& path) {
-  std::error_code ec;
-  if (fs::is_regular_file(path, ec)) return {path};
-  if (!fs::is_directory(path, ec)) {
-    throw std::runtime_error("corpus: '" + path + "' is neither a file nor a directory");
-  }
-  std::vector<std::string> files;
-  for (auto it = fs::recursive_directory_iterator(path, fs::directory_options::skip_permission_denied);
-       it != fs::recursive_directory_iterator(); ++it) {
-    const auto name = it->path().filename().string();
-    if (!name.empty() && name[0] == '.') {
-      if (it->is_directory(ec)) it.disable_recursion_pending();
-      continue;
-    }
-    if (it->is_regular_file(ec)) files.push_back(it->path().string());
-  }
-  std::sort(files.begin(), files.end());
-  // Debian's GPL -> GPL-3 and friends: keep each real file once.
-  std::set<std::string> seen;
-  std::vector<std::string> unique;
-  for (const auto& f : files) {
-    if (seen.insert(fs::canonical(f, ec).string()).second) unique.push_back(f);
-  }
-  if (unique.empty()) throw std::runtime_error("corpus: no files under '" + path + "'");
-  return unique;
-}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -169,7 +152,13 @@ std::vector<Document> load_documents(const std::vector<std::string>& files,
                                      const Tokenizer& tokenizer, CorpusFormat format) {
   std::vector<Document> documents;
   for (const auto& f : files) {
-    for (const auto& sentences : split_documents(read_file(f), format)) {
+    std::string text = read_text(f);
+    CorpusFormat file_format = format;
+    if (format == CorpusFormat::Man || (format == CorpusFormat::Auto && looks_like_man_page(text))) {
+      text = man_to_text(text);
+      file_format = CorpusFormat::Prose;
+    }
+    for (const auto& sentences : split_documents(text, file_format)) {
       Document doc;
       for (const auto& s : sentences) {
         auto ids = tokenizer.encode(s);
@@ -347,8 +336,9 @@ uint64_t align64(uint64_t x) { return (x + 63) & ~uint64_t{63}; }
 }  // namespace
 
 void write_pretraining_file(const std::string& path, const std::vector<Instance>& instances,
-                            const PretrainOptions& options, int32_t vocab_size, int32_t pad_id,
+                            const PretrainOptions& options, const Vocab& vocab, bool lower_case,
                             uint64_t cache_key) {
+  const int32_t vocab_size = vocab.size(), pad_id = vocab.pad_id();
   const uint64_t n = instances.size();
   const uint64_t L = static_cast<uint64_t>(options.max_seq_length);
   const uint64_t P = static_cast<uint64_t>(options.max_predictions_per_seq);
@@ -362,6 +352,8 @@ void write_pretraining_file(const std::string& path, const std::vector<Instance>
   h.vocab_size = static_cast<uint32_t>(vocab_size);
   h.pad_id = static_cast<uint32_t>(pad_id);
   h.cache_key = cache_key;
+  h.vocab_hash = vocab_fingerprint(vocab);
+  h.lower_case = lower_case ? 1 : 2;
   h.input_ids_offset = align64(sizeof(DataHeader));
   h.masked_positions_offset = align64(h.input_ids_offset + n * L * 4);
   h.masked_labels_offset = align64(h.masked_positions_offset + n * P * 2);
@@ -507,15 +499,16 @@ std::vector<int64_t> BatchLoader::rows(int64_t index) {
   return std::vector<int64_t>(perm.begin() + first, perm.begin() + first + rows_per_rank_);
 }
 
-Batch BatchLoader::batch(int64_t index) {
-  const auto picked = rows(index);
-  const DataHeader& h = data_.header();
+Batch BatchLoader::batch(int64_t index) { return data_.batch(rows(index), trim_); }
+
+Batch PretrainingData::batch(const std::vector<int64_t>& picked, bool trim) const {
+  const DataHeader& h = *header_;
   const int64_t L = h.max_seq_length, P = h.max_predictions;
   Batch b;
-  b.rows = rows_per_rank_;
+  b.rows = static_cast<int64_t>(picked.size());
   b.max_predictions = P;
-  int64_t len = trim_ ? 0 : L;
-  for (int64_t r : picked) len = std::max<int64_t>(len, data_.meta_[r * 4]);
+  int64_t len = trim ? 0 : L;
+  for (int64_t r : picked) len = std::max<int64_t>(len, meta_[r * 4]);
   b.seq_length = len;
   b.input_ids.assign(static_cast<size_t>(b.rows * len), h.pad_id);
   b.token_type_ids.assign(static_cast<size_t>(b.rows * len), 0);
@@ -525,22 +518,28 @@ Batch BatchLoader::batch(int64_t index) {
   b.nsp_labels.assign(static_cast<size_t>(b.rows), 0);
   for (int64_t i = 0; i < b.rows; ++i) {
     const int64_t r = picked[static_cast<size_t>(i)];
-    const int16_t* m = data_.meta_ + r * 4;
-    const int32_t* ids = data_.input_ids_ + r * L;
+    const int16_t* m = meta_ + r * 4;
+    const int32_t* ids = input_ids_ + r * L;
     for (int64_t t = 0; t < m[0]; ++t) {
       b.input_ids[i * len + t] = ids[t];
       b.token_type_ids[i * len + t] = t < m[1] ? 0 : 1;
       b.attention_mask[i * len + t] = 1;
     }
     for (int64_t k = 0; k < m[2]; ++k) {
-      b.masked_positions[i * P + k] = data_.masked_positions_[r * P + k];
-      b.masked_labels[i * P + k] = data_.masked_labels_[r * P + k];
+      b.masked_positions[i * P + k] = masked_positions_[r * P + k];
+      b.masked_labels[i * P + k] = masked_labels_[r * P + k];
     }
     b.nsp_labels[i] = m[3];
     b.num_tokens += m[0];
     b.num_masked += m[2];
   }
   return b;
+}
+
+int64_t PretrainingData::random_next_count() const {
+  int64_t n = 0;
+  for (int64_t i = 0; i < size(); ++i) n += meta_[i * 4 + 3] != 0;
+  return n;
 }
 
 Batch synthetic_batch(int64_t rows, int64_t seq_length, int64_t vocab_size, double mask_prob,

@@ -39,12 +39,10 @@ enum class CorpusFormat {
   Auto,       // Sentences when most lines end a sentence, else Prose (decided per file)
   Sentences,  // one sentence per line, blank lines between documents (BERT's format)
   Prose,      // each file is a document; sentences split on . ? ! + space and blank lines
+  Man,        // each file is a man page (roff, .gz or not) -> Prose (Auto detects them too)
 };
 CorpusFormat parse_corpus_format(const std::string& text);
 
-// The corpus's text files: `path` itself, or the regular files under it (recursively, sorted,
-// symlinks to files already listed skipped, hidden files skipped).
-std::vector<std::string> list_corpus_files(const std::string& path);
 std::string read_file(const std::string& path);
 // Splits one file's text into documents of sentence strings (empty ones dropped).
 std::vector<std::vector<std::string>> split_documents(const std::string& text, CorpusFormat format);
@@ -99,14 +97,16 @@ struct DataHeader {
   uint64_t masked_labels_offset;
   uint64_t meta_offset;
   uint64_t file_bytes;
-  char reserved[128 - 88];
+  uint64_t vocab_hash;  // Vocab::fingerprint() of the vocabulary it was made with; 0: unknown
+  uint32_t lower_case;  // 1: lower-cased text, 2: cased, 0: unknown
+  char reserved[128 - 100];
 };
 static_assert(sizeof(DataHeader) == 128, "DataHeader is 128 bytes");
 inline constexpr uint32_t kDataVersion = 1;
 
 // Writes `instances` via tmp + rename. Throws std::runtime_error on I/O errors.
 void write_pretraining_file(const std::string& path, const std::vector<Instance>& instances,
-                            const PretrainOptions& options, int32_t vocab_size, int32_t pad_id,
+                            const PretrainOptions& options, const Vocab& vocab, bool lower_case,
                             uint64_t cache_key);
 
 // A batch in plain arrays ([rows][seq_length] row-major), ready for torch::from_blob.
@@ -138,6 +138,10 @@ class PretrainingData {
   const DataHeader& header() const { return *header_; }
   int64_t size() const { return static_cast<int64_t>(header_->num_instances); }
   Instance instance(int64_t index) const;
+  // The instances `rows` as a batch; `trim`: to the longest of them, else max_seq_length.
+  Batch batch(const std::vector<int64_t>& rows, bool trim = true) const;
+  // Instances whose B segment is a random one (NSP label 1).
+  int64_t random_next_count() const;
 
  private:
   friend class BatchLoader;
@@ -184,5 +188,7 @@ Batch synthetic_batch(int64_t rows, int64_t seq_length, int64_t vocab_size, doub
 
 // FNV-1a 64, for cache keys.
 uint64_t fnv1a(const void* data, size_t bytes, uint64_t hash = 1469598103934665603ull);
+// Identifies a vocabulary (its tokens in order): stored in data files, checked against --vocab.
+uint64_t vocab_fingerprint(const Vocab& vocab);
 
 }  // namespace bert

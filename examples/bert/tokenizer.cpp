@@ -10,155 +10,99 @@
 #include <tuple>
 #include <unordered_set>
 
+#include <utf8proc.h>
+
 namespace bert {
 
-// ---- UTF-8 ------------------------------------------------------------------------------------
+// ---- UTF-8 and Unicode properties (utf8proc) ------------------------------------------------
 
 std::vector<char32_t> utf8_decode(std::string_view s) {
   std::vector<char32_t> out;
   out.reserve(s.size());
-  size_t i = 0;
-  const size_t n = s.size();
+  const auto* p = reinterpret_cast<const utf8proc_uint8_t*>(s.data());
+  utf8proc_ssize_t i = 0;
+  const auto n = static_cast<utf8proc_ssize_t>(s.size());
   while (i < n) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    int len = 0;
-    char32_t cp = 0;
-    if (c < 0x80) {
-      out.push_back(c);
-      ++i;
-      continue;
-    } else if ((c >> 5) == 0x6) {
-      len = 2, cp = c & 0x1F;
-    } else if ((c >> 4) == 0xE) {
-      len = 3, cp = c & 0x0F;
-    } else if ((c >> 3) == 0x1E) {
-      len = 4, cp = c & 0x07;
-    } else {
+    utf8proc_int32_t cp = 0;
+    const utf8proc_ssize_t len = utf8proc_iterate(p + i, n - i, &cp);
+    if (len <= 0) {  // an invalid byte: one U+FFFD, then resynchronise at the next byte
       out.push_back(0xFFFD);
       ++i;
       continue;
     }
-    bool ok = i + len <= n;
-    for (int k = 1; ok && k < len; ++k) {
-      const auto cc = static_cast<unsigned char>(s[i + k]);
-      if ((cc >> 6) != 0x2) ok = false;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    if (!ok) {
-      out.push_back(0xFFFD);
-      ++i;
-      continue;
-    }
-    out.push_back(cp);
+    out.push_back(static_cast<char32_t>(cp));
     i += len;
   }
   return out;
 }
 
 void utf8_append(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
+  utf8proc_uint8_t buf[4];
+  const auto len = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp), buf);
+  out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(len));
 }
-
-// ---- character classes (the subsets of Unicode categories BERT's tokenizer asks about) ----------
 
 namespace {
 
 bool in(char32_t cp, char32_t lo, char32_t hi) { return cp >= lo && cp <= hi; }
 
-// Zs plus the ASCII whitespace BERT treats as such.
-bool is_whitespace(char32_t cp) {
-  return cp == ' ' || cp == '\t' || cp == '\n' || cp == '\r' || cp == 0xA0 || cp == 0x1680 ||
-         in(cp, 0x2000, 0x200A) || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+utf8proc_category_t category(char32_t cp) {
+  return utf8proc_category(static_cast<utf8proc_int32_t>(cp));
 }
 
-// Cc and Cf, except the whitespace controls.
+// The character classes of BERT's tokenization.py, from the Unicode general category.
+// _is_whitespace: space, \t, \n, \r and Zs; also Zl and Zp, on which whitespace_tokenize's
+// str.split() splits after _clean_text kept them.
+bool is_whitespace(char32_t cp) {
+  if (cp == ' ' || cp == '\t' || cp == '\n' || cp == '\r') return true;
+  const auto c = category(cp);
+  return c == UTF8PROC_CATEGORY_ZS || c == UTF8PROC_CATEGORY_ZL || c == UTF8PROC_CATEGORY_ZP;
+}
+
+// _is_control: C* (Cc, Cf, Cs, Co, Cn) except \t, \n, \r.
 bool is_control(char32_t cp) {
   if (cp == '\t' || cp == '\n' || cp == '\r') return false;
-  return cp < 0x20 || in(cp, 0x7F, 0x9F) || cp == 0xAD || in(cp, 0x600, 0x605) || cp == 0x61C ||
-         cp == 0x6DD || cp == 0x70F || in(cp, 0x200B, 0x200F) || in(cp, 0x202A, 0x202E) ||
-         in(cp, 0x2060, 0x2064) || in(cp, 0x2066, 0x206F) || cp == 0xFEFF ||
-         in(cp, 0xFFF9, 0xFFFB);
+  switch (category(cp)) {
+    case UTF8PROC_CATEGORY_CC: case UTF8PROC_CATEGORY_CF: case UTF8PROC_CATEGORY_CS:
+    case UTF8PROC_CATEGORY_CO: case UTF8PROC_CATEGORY_CN:
+      return true;
+    default:
+      return false;
+  }
 }
 
-// All ASCII non-alphanumeric printable characters (as BERT), plus the P* code points of the
-// Latin-1, General Punctuation, CJK Symbols and full-width blocks.
+// _is_punctuation: every ASCII non-alphanumeric printable character ($, +, ^ ... are not P* in
+// Unicode), and P*.
 bool is_punctuation(char32_t cp) {
   if (in(cp, 33, 47) || in(cp, 58, 64) || in(cp, 91, 96) || in(cp, 123, 126)) return true;
-  if (cp < 0x80) return false;
-  return cp == 0xA1 || cp == 0xA7 || cp == 0xAB || cp == 0xB6 || cp == 0xB7 || cp == 0xBB ||
-         cp == 0xBF || cp == 0x37E || cp == 0x387 || in(cp, 0x55A, 0x55F) || cp == 0x589 ||
-         in(cp, 0x2010, 0x2027) || in(cp, 0x2030, 0x2043) || in(cp, 0x2045, 0x2051) ||
-         in(cp, 0x2053, 0x205E) || in(cp, 0x2E00, 0x2E4F) || in(cp, 0x3001, 0x3003) ||
-         in(cp, 0x3008, 0x3011) || in(cp, 0x3014, 0x301F) || cp == 0x3030 || cp == 0x303D ||
-         cp == 0x30A0 || cp == 0x30FB || in(cp, 0xFE10, 0xFE19) || in(cp, 0xFE30, 0xFE52) ||
-         in(cp, 0xFE54, 0xFE61) || in(cp, 0xFF01, 0xFF03) || in(cp, 0xFF05, 0xFF0A) ||
-         in(cp, 0xFF0C, 0xFF0F) || cp == 0xFF1A || cp == 0xFF1B || cp == 0xFF1F || cp == 0xFF20 ||
-         in(cp, 0xFF3B, 0xFF3D) || cp == 0xFF3F || cp == 0xFF5B || cp == 0xFF5D ||
-         in(cp, 0xFF5F, 0xFF65);
+  const auto c = category(cp);
+  return c >= UTF8PROC_CATEGORY_PC && c <= UTF8PROC_CATEGORY_PO;
 }
 
-// The CJK Unified Ideographs blocks of BERT's _is_chinese_char (not Hiragana/Katakana/Hangul).
+// _is_chinese_char: BERT's list of CJK Unified Ideographs blocks (not Hiragana/Katakana/Hangul).
 bool is_cjk(char32_t cp) {
   return in(cp, 0x4E00, 0x9FFF) || in(cp, 0x3400, 0x4DBF) || in(cp, 0x20000, 0x2A6DF) ||
          in(cp, 0x2A700, 0x2B73F) || in(cp, 0x2B740, 0x2B81F) || in(cp, 0x2B820, 0x2CEAF) ||
          in(cp, 0xF900, 0xFAFF) || in(cp, 0x2F800, 0x2FA1F);
 }
 
-// Simple lower-casing: ASCII, Latin-1, Latin Extended-A, basic Greek and Cyrillic.
-char32_t to_lower(char32_t cp) {
-  if (cp < 0x80) return (cp >= 'A' && cp <= 'Z') ? cp + 32 : cp;
-  if (in(cp, 0xC0, 0xDE) && cp != 0xD7) return cp + 32;
-  if (in(cp, 0x100, 0x17F)) {
-    if (cp == 0x130) return 'i';  // İ -> i + U+0307 in Unicode; the dot is stripped anyway
-    if (cp == 0x178) return 0xFF;
-    if (in(cp, 0x139, 0x148) || in(cp, 0x179, 0x17E)) return (cp % 2 == 1) ? cp + 1 : cp;
-    if (in(cp, 0x131, 0x138) || cp == 0x149 || cp == 0x17F) return cp;
-    return (cp % 2 == 0) ? cp + 1 : cp;
+// token.lower() then _run_strip_accents: NFD, then every Mn (nonspacing mark) dropped. Python's
+// full lower-casing differs from the simple mapping only where the difference is an Mn (U+0130
+// -> "i" + U+0307), which is stripped here anyway.
+void lower_and_strip_accents(char32_t cp, std::string& out) {
+  const auto lower = utf8proc_tolower(static_cast<utf8proc_int32_t>(cp));
+  utf8proc_int32_t nfd[8];
+  int boundclass = 0;
+  const auto n = utf8proc_decompose_char(lower, nfd, 8, UTF8PROC_DECOMPOSE, &boundclass);
+  if (n <= 0 || n > 8) {
+    utf8_append(out, static_cast<char32_t>(lower));
+    return;
   }
-  if (in(cp, 0x391, 0x3A9) && cp != 0x3A2) return cp + 32;
-  if (in(cp, 0x410, 0x42F)) return cp + 32;
-  if (in(cp, 0x400, 0x40F)) return cp + 80;
-  return cp;
-}
-
-// NFD of U+00C0..U+017F reduced to the base letter ('-': no canonical decomposition). Stripping
-// accents = this base letter, and dropping combining marks U+0300-U+036F.
-constexpr const char* kNfdBase =
-    "AAAAAA-CEEEEIIII"   // C0
-    "-NOOOOO--UUUUY--"   // D0
-    "aaaaaa-ceeeeiiii"   // E0
-    "-nooooo--uuuuy-y"   // F0
-    "AaAaAaCcCcCcCcDd"   // 100
-    "--EeEeEeEeEeGgGg"   // 110
-    "GgGgHh--IiIiIiIi"   // 120
-    "I---JjKk-LlLlLl-"   // 130
-    "---NnNnNn---OoOo"   // 140
-    "Oo--RrRrRrSsSsSs"   // 150
-    "SsTtTt--UuUuUuUu"   // 160
-    "UuUuWwYyYZzZzZz-";  // 170
-
-bool is_combining_mark(char32_t cp) { return in(cp, 0x300, 0x36F); }
-
-char32_t strip_accent(char32_t cp) {
-  if (in(cp, 0xC0, 0x17F)) {
-    const char base = kNfdBase[cp - 0xC0];
-    if (base != '-') return static_cast<char32_t>(base);
+  for (utf8proc_ssize_t k = 0; k < n; ++k) {
+    if (utf8proc_category(nfd[k]) != UTF8PROC_CATEGORY_MN) {
+      utf8_append(out, static_cast<char32_t>(nfd[k]));
+    }
   }
-  return cp;
 }
 
 }  // namespace
@@ -176,6 +120,9 @@ std::vector<std::string> basic_tokenize(std::string_view text, bool lower_case) 
     utf8_append(t, cp);
     out.push_back(std::move(t));
   };
+  // BERT's order: clean, isolate CJK, split on whitespace, lower-case and strip accents, then
+  // split on punctuation (an accent-stripped character is tested as punctuation).
+  std::string folded;
   for (char32_t cp : utf8_decode(text)) {
     if (cp == 0 || cp == 0xFFFD || is_control(cp)) continue;
     if (is_whitespace(cp)) {
@@ -183,18 +130,24 @@ std::vector<std::string> basic_tokenize(std::string_view text, bool lower_case) 
       continue;
     }
     if (is_cjk(cp)) {
-      single(cp);
+      flush();
+      std::string t;
+      if (lower_case) lower_and_strip_accents(cp, t);  // compatibility ideographs have an NFD
+      else utf8_append(t, cp);
+      out.push_back(std::move(t));
       continue;
     }
-    if (lower_case) {
-      cp = strip_accent(to_lower(cp));
-      if (is_combining_mark(cp)) continue;
-    }
-    if (is_punctuation(cp)) {
-      single(cp);
+    if (!lower_case) {
+      if (is_punctuation(cp)) single(cp);
+      else utf8_append(cur, cp);
       continue;
     }
-    utf8_append(cur, cp);
+    folded.clear();
+    lower_and_strip_accents(cp, folded);
+    for (char32_t f : utf8_decode(folded)) {
+      if (is_punctuation(f)) single(f);
+      else utf8_append(cur, f);
+    }
   }
   flush();
   return out;
@@ -220,6 +173,16 @@ Vocab::Vocab(std::vector<std::string> tokens) : tokens_(std::move(tokens)) {
   for (const char* s : {kPad, kUnk, kCls, kSep, kMask}) {
     if (find(s) < 0) throw std::runtime_error(std::string("vocab: missing special token ") + s);
   }
+}
+
+bool Vocab::is_cased() const {
+  for (size_t i = 0; i < tokens_.size(); ++i) {
+    if (special_[i]) continue;
+    for (char32_t cp : utf8_decode(tokens_[i])) {
+      if (utf8proc_isupper(static_cast<utf8proc_int32_t>(cp))) return true;
+    }
+  }
+  return false;
 }
 
 int32_t Vocab::find(std::string_view token) const {

@@ -43,6 +43,9 @@ class Vocab {
   bool is_special(int32_t id) const { return special_.at(static_cast<size_t>(id)) != 0; }
   // True for "##" continuation pieces (whole-word masking).
   bool is_continuation(int32_t id) const { return continuation_.at(static_cast<size_t>(id)) != 0; }
+  // The vocabulary's case convention: true when a non-special token has an upper-case letter
+  // (BERT's cased vocab.txt has "The"; an uncased one has none).
+  bool is_cased() const;
 
  private:
   std::vector<std::string> tokens_;
@@ -51,9 +54,10 @@ class Vocab {
   int32_t pad_id_ = -1, unk_id_ = -1, cls_id_ = -1, sep_id_ = -1, mask_id_ = -1;
 };
 
-// BERT's BasicTokenizer: drops control characters, normalises whitespace, puts every CJK ideograph
-// in its own token, lower-cases and strips accents (NFD for Latin-1 / Latin Extended-A, then
-// combining marks U+0300-U+036F removed), and splits punctuation into single-character tokens.
+// BERT's BasicTokenizer (tokenization.py), with Unicode properties from utf8proc: drops control
+// characters (C*), splits on whitespace, puts every CJK ideograph in its own token, and, when
+// `lower_case` (BERT's do_lower_case), lower-cases and strips accents (NFD, then every Mn mark
+// dropped); then splits punctuation (P*, and all ASCII symbols) into single-character tokens.
 std::vector<std::string> basic_tokenize(std::string_view text, bool lower_case = true);
 
 // Greedy longest-match-first WordPiece over a basic-tokenized text; words longer than
@@ -62,6 +66,7 @@ class Tokenizer {
  public:
   explicit Tokenizer(Vocab vocab, bool lower_case = true, int max_chars_per_word = 100);
   const Vocab& vocab() const { return vocab_; }
+  bool lower_case() const { return lower_case_; }
 
   std::vector<std::string> tokenize(std::string_view text) const;
   std::vector<int32_t> encode(std::string_view text) const;

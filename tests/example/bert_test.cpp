@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "corpus.hpp"
 #include "data.hpp"
 #include "model.hpp"
 #include "shardopt/checkpoint.hpp"
@@ -159,7 +160,7 @@ TEST(BuildVocab, FastOnLicenceTexts) {
   const std::string dir = "/usr/share/common-licenses";
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << dir << " is absent";
   std::vector<std::string> texts;
-  for (const auto& f : list_corpus_files(dir)) texts.push_back(read_file(f));
+  for (const auto& f : corpus_files(dir)) texts.push_back(read_file(f));
   VocabBuildOptions opt;
   opt.vocab_size = 8000;
   const auto t0 = std::chrono::steady_clock::now();
@@ -330,7 +331,7 @@ TEST(PretrainingData, FileRoundTripAndLoader) {
   opt.dupe_factor = 3;
   const auto instances = create_instances(synthetic_documents(vocab, 40, 9), vocab, opt);
   const auto path = temp_path("data.bin");
-  write_pretraining_file(path, instances, opt, vocab.size(), vocab.pad_id(), 42);
+  write_pretraining_file(path, instances, opt, vocab, /*lower_case=*/true, 42);
   {
     PretrainingData data(path);
     ASSERT_EQ(data.size(), static_cast<int64_t>(instances.size()));

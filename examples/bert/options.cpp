@@ -1,0 +1,297 @@
+// bert_pretrain's options and their checks (see options.hpp).
+#include "options.hpp"
+
+#include <CLI/CLI.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fmt/format.h>
+
+#include "data.hpp"
+#include "tokenizer.hpp"
+
+namespace bert {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Validators whose message names the allowed range in words CLI11's Range cannot (its numbers
+// are the type's limits printed as doubles); CLI11 prefixes the flag.
+CLI::Validator integer_at_least(int64_t lo) {
+  return CLI::Validator(
+      [lo](std::string& s) -> std::string {
+        int64_t v = 0;
+        if (!CLI::detail::lexical_cast(s, v) || v < lo) {
+          return fmt::format("expected an integer >= {}, got '{}'", lo, s);
+        }
+        return "";
+      },
+      fmt::format("INT>={}", lo));
+}
+
+CLI::Validator integer_in(int64_t lo, int64_t hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& s) -> std::string {
+        int64_t v = 0;
+        if (!CLI::detail::lexical_cast(s, v) || v < lo || v > hi) {
+          return fmt::format("expected an integer in [{}, {}], got '{}'", lo, hi, s);
+        }
+        return "";
+      },
+      fmt::format("INT in [{}, {}]", lo, hi));
+}
+
+// Real numbers: > lo when `open`, else >= lo; <= hi when hi is finite.
+CLI::Validator number(double lo, bool open, double hi = HUGE_VAL) {
+  const std::string range = hi < HUGE_VAL ? fmt::format("in [{}, {}]", lo, hi)
+                                          : fmt::format("{} {}", open ? ">" : ">=", lo);
+  return CLI::Validator(
+      [=](std::string& s) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(s, v) || !std::isfinite(v) || (open ? v <= lo : v < lo) ||
+            v > hi) {
+          return fmt::format("expected a number {}, got '{}'", range, s);
+        }
+        return "";
+      },
+      "NUMBER " + range);
+}
+
+// The header of a data file, or the reason it is not one.
+std::string read_header(const std::string& path, DataHeader* h) {
+  try {
+    PretrainingData d(path);
+    *h = d.header();
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+}  // namespace
+
+int launcher_rank() {
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"}) {
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  }
+  return 0;
+}
+
+std::string vocab_next_to(const std::string& data) {
+  std::error_code ec;
+  for (const fs::path& p : {fs::path(data + ".vocab.txt"), fs::path(data).parent_path() / "vocab.txt"}) {
+    if (fs::is_regular_file(p, ec)) return p.string();
+  }
+  return "";
+}
+
+void add_options(CLI::App& app, Args& a, Commands& c) {
+  // A later occurrence of an option wins (scripts pass defaults, users append overrides).
+  app.option_defaults()->always_capture_default()->multi_option_policy(
+      CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--corpus", a.corpus, "named corpus (manpages-intl: Debian's manpages-dev and its "
+                 "French, German and Spanish translations; manpages: the English pages; licenses: "
+                 "/usr/share/common-licenses) or text files and directories")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--corpus-format", a.corpus_format, "auto | sentences | prose | man")
+      ->check(CLI::IsMember({"auto", "sentences", "prose", "man"}));
+  app.add_option("--vocab", a.vocab, "WordPiece vocab.txt (default: learned from the corpus, or "
+                 "the one next to --data)");
+  app.add_option("--vocab-size", a.vocab_size, "size of the learned vocabulary")
+      ->check(integer_in(6, 1 << 20));
+  auto* cased = app.add_flag("--cased", a.cased, "keep case and accents (BERT's do_lower_case="
+                             "False; default: the vocabulary's convention)");
+  auto* lower = app.add_flag("--lower-case", a.lower_case, "lower-case and strip accents "
+                             "(do_lower_case=True; the default for a learned or uncased vocabulary)");
+  cased->excludes(lower);
+  app.add_option("--data", a.data, "pretraining data file from create-data (default: made from "
+                 "the corpus and cached under OUT/cache)");
+  app.add_option("--eval-data", a.eval_data, "held-out data file (create-data --eval-output; "
+                 "default without --data: the held-out documents of the corpus)");
+  app.add_option("--eval-every", a.eval_every, "evaluate every N steps (0: at the end only)")
+      ->check(integer_at_least(0));
+  app.add_option("--eval-fraction", a.eval_fraction, "documents held out for evaluation when the "
+                 "data is made from the corpus (0: none)")->check(number(0, false, 0.5));
+  app.add_option("--eval-max-instances", a.eval_max_instances, "at most this many held-out "
+                 "instances (the eval set)")->check(integer_at_least(1));
+  app.add_option("--eval-batch-size", a.eval_batch_size, "rows per evaluation batch")
+      ->check(integer_at_least(1));
+  app.add_flag("--eval-only", a.eval_only, "evaluate the model (with --resume: the checkpoint's) "
+               "and exit");
+  app.add_option("--preset", a.preset, "tiny | mini | small | base | large | peer")
+      ->check(CLI::IsMember({"tiny", "mini", "small", "base", "large", "peer"}));
+  app.add_option("--stage", a.stage, "ZeRO stage")->check(integer_in(0, 3));
+  app.add_option("--precision", a.precision, "fp32 | bf16 (CPU) | fp16 (GPU only)")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  app.add_option("--batch-size", a.batch_size, "sequences per rank per micro-step")
+      ->check(integer_at_least(1));
+  app.add_option("--grad-accum", a.grad_accum, "micro-steps per optimizer step")
+      ->check(integer_at_least(1));
+  app.add_option("--lr", a.lr, "peak learning rate (AdamW)")->check(number(0, true));
+  app.add_option("--warmup-steps", a.warmup_steps, "linear warm-up steps")
+      ->check(integer_at_least(0));
+  app.add_option("--steps", a.steps, "optimizer steps (the LR decays linearly to 0 here)")
+      ->check(integer_at_least(1));
+  app.add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay (not on bias and "
+                 "LayerNorm)")->check(number(0, false));
+  app.add_option("--timeout", a.timeout_s, "seconds a rank waits for the others in any collective "
+                 "before the job ends with an error (default: SHARDOPT_TIMEOUT, else 600)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-grad-norm", a.max_grad_norm, "global gradient clipping, 0 disables")
+      ->check(number(0, false));
+  app.add_option("--checkpoint-every", a.checkpoint_every, "also save OUT/checkpoint every N steps "
+                 "of this run (the final state is always saved; atomically: the previous "
+                 "checkpoint stays until the new one is complete)")->check(integer_at_least(0));
+  app.add_flag("--save-model", a.save_model, "at the end, also write OUT/model.pt: the "
+               "consolidated parameters, torch.load()-able");
+  app.add_option("--resume", a.resume, "continue from a checkpoint: optimizer, "
+                                "step, data position, RNG and LR schedule (default directory: "
+                                "OUT/checkpoint)")
+      ->expected(0, 1);
+  app.add_option("--stop-after", a.stop_after, "stop after N steps of this run, as if preempted "
+                 "(the LR schedule still spans --steps; --resume continues)")
+      ->check(integer_at_least(0));
+  app.add_option("--out", a.out, "output directory (metrics.jsonl, loss.png, summary.json, "
+                 "checkpoint/, cache/)");
+  app.add_option("--seed", a.seed, "seed of the data, the model and the batch order");
+  app.add_option("--max-seq-length", a.max_seq_length)->check(integer_in(8, 512));
+  app.add_option("--max-predictions", a.max_predictions, "masked positions per sequence at most")
+      ->check(integer_at_least(1));
+  app.add_option("--masked-lm-prob", a.masked_lm_prob)->check(number(0, false, 1));
+  app.add_option("--short-seq-prob", a.short_seq_prob)->check(number(0, false, 1));
+  app.add_option("--dupe-factor", a.dupe_factor, "times each document is masked differently")
+      ->check(integer_at_least(1));
+  app.add_flag("--whole-word-mask", a.whole_word_mask, "mask all pieces of a word together");
+  app.add_option("--dropout", a.dropout, "hidden and attention dropout (default: 0.1)")
+      ->check(number(0, false, 1));
+  app.add_option("--threads", a.threads, "torch threads per rank")->check(integer_at_least(1));
+  app.add_option("--log-every", a.log_every, "steps between progress lines when not on a terminal")
+      ->check(integer_at_least(1));
+  app.add_option("--bucket-mb", a.bucket_mb, "gradient bucket size in MiB (0: the library's default)")
+      ->check(number(0, false));
+  app.add_option("--progress", a.progress, "tty: a progress bar rewritten with \\r; lines: a plain "
+                 "line every --log-every steps; auto: tty when stdout is a terminal and the process "
+                 "was not started by mpirun (which gives ranks a terminal even when its own output "
+                 "is redirected)")
+      ->check(CLI::IsMember({"auto", "tty", "lines"}));
+  app.add_flag("--synthetic", a.synthetic, "random-token MLM batches (uniform over the preset's "
+               "vocabulary, --masked-lm-prob masked, --max-seq-length long), no corpus; NSP off");
+  app.add_flag("--no-nsp", a.no_nsp, "no pooler and next-sentence head: MLM only");
+  app.add_option("--mlm-positions", a.mlm_positions, "masked: MLM logits only at masked positions "
+                 "(Google); all: at every position (Hugging Face); preset: the preset's choice")
+      ->check(CLI::IsMember({"masked", "all", "preset"}));
+  app.add_option("--timing-warmup", a.timing_warmup, "first steps left out of the timing medians "
+                 "in summary.json")->check(integer_at_least(0));
+  app.add_option("--block-cache-mb", a.block_cache_mb, "keep freed tensor blocks of >= 32 MiB (up "
+                 "to this many MiB) for the next allocation of their size; 0: off")
+      ->check(number(0, false));
+  app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
+               "hooks (ZeroOptions::overlap_comm = false)");
+  app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");
+  app.add_flag("--check-loss-decrease", a.check_loss_decrease,
+               "exit 3 unless the mean of the last 5 losses is below that of the first 5");
+  app.add_option("--golden", a.golden, "compare the per-step loss with this \"step loss\" file; "
+                 "exit 4 beyond --golden-tol");
+  app.add_option("--golden-tol", a.golden_tol, "largest absolute loss difference to the golden file")
+      ->check(number(0, false));
+  app.add_option("--write-golden", a.write_golden, "write the per-step losses as a golden file");
+  // Data preparation alone, one process (the trainer does both itself when --data is absent).
+  app.fallthrough();
+  c.build_vocab = app.add_subcommand(
+      "build-vocab", "learn a WordPiece vocab.txt of --vocab-size tokens from --corpus, then exit");
+  c.build_vocab->add_option("--output,-o", c.output, "vocab.txt to write")->required();
+  c.create_data = app.add_subcommand(
+      "create-data", "write the pretraining data file of --corpus with --vocab and the masking "
+                     "options (and DATA.vocab.txt, a copy of the vocabulary), then exit");
+  c.create_data->add_option("--output,-o", c.output, "data file to write")->required();
+  c.create_data->add_option("--eval-output", c.eval_output, "also hold out --eval-fraction of the "
+                            "documents (by document) into this eval data file");
+}
+
+std::string check_args(const Args& a, const Commands& c) {
+  std::error_code ec;
+  if (a.max_predictions > a.max_seq_length) {
+    return fmt::format("--max-predictions: expected at most --max-seq-length ({}), got {}",
+                       a.max_seq_length, a.max_predictions);
+  }
+  const bool subcommand = c.build_vocab->parsed() || c.create_data->parsed();
+  if (c.create_data->parsed() && a.vocab.empty()) {
+    return "create-data: --vocab is required (bert_pretrain build-vocab -o vocab.txt makes one)";
+  }
+  if (!c.eval_output.empty() && a.eval_fraction <= 0) {
+    return "--eval-output: needs --eval-fraction > 0 (the share of documents held out)";
+  }
+  if (a.synthetic) return "";
+  // Files are checked here, before any work, so that a typo costs no corpus pass.
+  Vocab vocab;
+  std::string vocab_path = a.vocab;
+  if (vocab_path.empty() && !a.data.empty()) {
+    vocab_path = vocab_next_to(a.data);
+    if (vocab_path.empty()) {
+      return fmt::format("--data: needs the vocabulary it was made with: pass --vocab (no {}.vocab.txt "
+                         "or vocab.txt next to it)", a.data);
+    }
+  }
+  if (!vocab_path.empty()) {
+    try {
+      vocab = Vocab::load(vocab_path);
+    } catch (const std::exception& e) {
+      std::string why = e.what();
+      if (why.rfind("vocab: ", 0) == 0) why.erase(0, 7);  // Vocab::load's prefix
+      return fmt::format("--vocab: {}", why);
+    }
+  }
+  auto check_data = [&](const char* flag, const std::string& path) -> std::string {
+    if (!fs::is_regular_file(path, ec)) {
+      return fmt::format("{}: no such file '{}' (bert_pretrain create-data makes one; without --data "
+                         "the trainer makes and caches it)", flag, path);
+    }
+    DataHeader h{};
+    const std::string why = read_header(path, &h);
+    if (!why.empty()) return fmt::format("{}: {}", flag, why);
+    const bool same = h.vocab_hash != 0 ? h.vocab_hash == vocab_fingerprint(vocab)
+                                        : static_cast<int32_t>(h.vocab_size) == vocab.size();
+    if (!same) {
+      return fmt::format("{}: '{}' was made with another vocabulary ({} tokens) than {} ({} tokens)",
+                         flag, path, h.vocab_size, vocab_path, vocab.size());
+    }
+    if (h.max_seq_length > 512) {
+      return fmt::format("{}: '{}' has sequences of {} tokens; at most 512 are supported", flag,
+                         path, h.max_seq_length);
+    }
+    return "";
+  };
+  if (!a.data.empty() && !subcommand) {
+    if (auto why = check_data("--data", a.data); !why.empty()) return why;
+  }
+  if (!a.eval_data.empty() && !subcommand) {
+    if (vocab_path.empty()) {
+      return "--eval-data: needs --data or --vocab (the vocabulary the eval data was made with)";
+    }
+    if (auto why = check_data("--eval-data", a.eval_data); !why.empty()) return why;
+  }
+  if (a.eval_every > 0 && !a.data.empty() && a.eval_data.empty()) {
+    return "--eval-every: needs --eval-data when --data is given (create-data --eval-output "
+           "makes one)";
+  }
+  if (a.data.empty() || subcommand) {
+    for (const auto& spec : a.corpus) {
+      try {
+        corpus_files(spec);
+      } catch (const std::exception& e) {
+        return e.what();
+      }
+    }
+  }
+  if (a.resume_requested && !subcommand) {
+    const fs::path dir = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
+    if (!fs::is_directory(dir, ec) || fs::is_empty(dir, ec)) {
+      return fmt::format("--resume: no checkpoint in '{}'", dir.string());
+    }
+  }
+  if (!a.golden.empty() && !fs::is_regular_file(a.golden, ec)) {
+    return fmt::format("--golden: no such file '{}'", a.golden);
+  }
+  return "";
+}
+
+}  // namespace bert

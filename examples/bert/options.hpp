@@ -1,0 +1,97 @@
+// bert_pretrain's options: the Args struct, their CLI11 registration, and the checks that turn a
+// bad flag or file into one line naming it (exit code 2, printed by rank 0 only). Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "corpus.hpp"
+
+namespace CLI {
+class App;
+}
+
+namespace bert {
+
+struct Args {
+  std::vector<std::string> corpus = {kDefaultCorpus};
+  std::string corpus_format = "auto";
+  std::string vocab;
+  int32_t vocab_size = 8000;
+  bool cased = false, lower_case = false;  // neither: the vocab's convention (uncased if learned)
+  std::string data;
+  std::string eval_data;
+  int64_t eval_every = 0;           // 0: only at the end (when there is eval data)
+  double eval_fraction = 0.05;      // documents held out when the trainer makes the data
+  int64_t eval_max_instances = 2048;
+  int64_t eval_batch_size = 32;     // rows per eval chunk; part of the eval's result (fixed shapes)
+  bool eval_only = false;
+  std::string preset = "mini";
+  int stage = 2;
+  std::string precision = "fp32";
+  int64_t batch_size = 8;
+  int grad_accum = 1;
+  double lr = 5e-4;
+  int64_t warmup_steps = 30;
+  int64_t steps = 300;
+  double weight_decay = 0.01;
+  double max_grad_norm = 1.0;
+  double timeout_s = 0;  // collective deadline; 0: SHARDOPT_TIMEOUT or the library's default
+  int64_t checkpoint_every = 0;  // 0: only the final checkpoint
+  bool save_model = false;       // also OUT/model.pt, consolidated, at the end
+  std::string resume;
+  bool resume_requested = false;  // --resume given (its value may be empty: OUT/checkpoint)
+  int64_t stop_after = 0;
+  std::string out = "out/bert";
+  uint64_t seed = 42;
+  int32_t max_seq_length = 128;
+  int32_t max_predictions = 20;
+  double masked_lm_prob = 0.15;
+  double short_seq_prob = 0.1;
+  int32_t dupe_factor = 5;
+  bool whole_word_mask = false;
+  double dropout = -1;  // < 0: the preset's 0.1
+  int threads = 1;
+  int64_t log_every = 10;
+  std::string progress = "auto";
+  bool no_plot = false;
+  bool check_loss_decrease = false;
+  std::string golden;        // "step loss" lines to compare against
+  double golden_tol = 0.05;  // absolute
+  std::string write_golden;
+  double bucket_mb = 0;  // 0: the library's default
+  bool synthetic = false;             // random-token MLM batches, no corpus
+  bool no_nsp = false;
+  std::string mlm_positions = "preset";  // masked | all | preset
+  int64_t timing_warmup = 5;          // first steps left out of the timing medians
+  double block_cache_mb = 1024;       // freed blocks >= 32 MiB kept for reuse; 0: off
+  bool no_overlap = false;
+
+  bool corpus_given = false;  // --corpus was passed (else the default is announced)
+};
+
+// The subcommands and what they write.
+struct Commands {
+  CLI::App* build_vocab = nullptr;
+  CLI::App* create_data = nullptr;
+  std::string output;       // -o of build-vocab / create-data
+  std::string eval_output;  // create-data --eval-output
+};
+
+// Registers the trainer's options and subcommands on `app`.
+void add_options(CLI::App& app, Args& a, Commands& c);
+
+// What the options mean together and what the files hold: "" when fine, else one line naming the
+// flag and what is allowed. Reads only headers and file metadata (no collective: every rank can
+// call it and reach the same verdict on the same files).
+std::string check_args(const Args& a, const Commands& c);
+
+// The vocabulary next to a data file (DATA.vocab.txt, or vocab.txt in its folder), or "".
+std::string vocab_next_to(const std::string& data);
+
+// The launcher's rank of this process (mpirun, srun, torchrun), 0 when not launched: who prints
+// option errors before the communicator exists.
+int launcher_rank();
+
+}  // namespace bert

@@ -1,0 +1,301 @@
+// The bert_pretrain command line as a user meets it: checkpoints at the end and counted from the
+// resume point, held-out evaluation (identical at 1 and 2 ranks), plain progress lines with
+// throughput, one-line errors with exit code 2, the vocabulary found next to the data. Runs the
+// trainer (BertCli.*: CTest bert_cli); nothing here depends on timing.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "corpus.hpp"
+#include "prepare.hpp"
+#include "progress.hpp"
+#include "shardopt/checkpoint.hpp"
+
+namespace bert {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int rc = -1;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+int count(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+#ifdef BERT_PRETRAIN_EXE
+// A scratch folder with a vocabulary, training data and held-out data from the test corpus.
+class BertCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    work_ = fs::temp_directory_path() / ("bert_cli_" + std::to_string(::getpid()));
+    fs::remove_all(work_);
+    fs::create_directories(work_);
+    const std::string corpus = BERT_TEST_CORPUS;
+    ASSERT_EQ(run("build-vocab --corpus " + corpus + " --vocab-size 2000 -o " + path("vocab.txt")).rc, 0);
+    // Two of the four licence texts are held out: eval NSP then has "random next" documents.
+    const Result r = run("create-data --corpus " + corpus + " --vocab " + path("vocab.txt") +
+                         " --max-seq-length 64 --dupe-factor 2 --eval-fraction 0.5 -o " +
+                         path("data.bin") + " --eval-output " + path("eval.bin"));
+    ASSERT_EQ(r.rc, 0) << r.err;
+  }
+  static void TearDownTestSuite() {
+    if (!::testing::UnitTest::GetInstance()->Failed()) fs::remove_all(work_);
+  }
+
+  static std::string path(const std::string& name) { return (work_ / name).string(); }
+
+  // Runs bert_pretrain (under mpirun with `ranks` > 0) and captures its output.
+  static Result run(const std::string& args, int ranks = 0) {
+    static int n = 0;
+    const std::string out = path("stdout" + std::to_string(n)), err = path("stderr" + std::to_string(n));
+    ++n;
+    std::string cmd = BERT_PRETRAIN_EXE;
+    if (ranks > 0) {
+      cmd = std::string(BERT_MPIEXEC) + " --allow-run-as-root --oversubscribe --bind-to none -np " +
+            std::to_string(ranks) + " " + cmd;
+    }
+    cmd += " " + args + " > " + out + " 2> " + err;
+    std::printf("[ RUN      ] %s\n", cmd.c_str());
+    std::fflush(stdout);
+    const int status = std::system(cmd.c_str());
+    Result r;
+    r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out), r.err = slurp(err);
+    return r;
+  }
+
+  // Tiny BERT on the prepared files, 4 rows per rank.
+  static std::string train(const std::string& out) {
+    return "--preset tiny --batch-size 4 --warmup-steps 1 --lr 2e-3 --no-plot --progress lines "
+           "--log-every 1 --data " + path("data.bin") + " --eval-data " + path("eval.bin") +
+           " --out " + path(out);
+  }
+
+  static fs::path work_;
+};
+fs::path BertCli::work_;
+
+TEST_F(BertCli, FinalStateIsSavedWhenEveryDoesNotDivideSteps) {
+  const Result r = run(train("uneven") + " --steps 5 --checkpoint-every 3 --save-model");
+  ASSERT_EQ(r.rc, 0) << r.out << r.err;
+  EXPECT_EQ(shardopt::read_checkpoint_info(path("uneven/checkpoint")).step, 5);
+  EXPECT_EQ(count(r.out, "checkpoint: step 3 ->"), 1) << r.out;
+  EXPECT_EQ(count(r.out, "checkpoint: step 5 ->"), 1) << r.out;
+  EXPECT_TRUE(fs::exists(path("uneven/model.pt")));
+  const auto summary = nlohmann::json::parse(slurp(path("uneven/summary.json")));
+  EXPECT_EQ(summary.at("model").get<std::string>(), path("uneven/model.pt"));
+  // Without --checkpoint-every the final state is saved all the same.
+  ASSERT_EQ(run(train("default") + " --steps 2").rc, 0);
+  EXPECT_EQ(shardopt::read_checkpoint_info(path("default/checkpoint")).step, 2);
+}
+
+TEST_F(BertCli, CheckpointEveryCountsFromTheResumePoint) {
+  ASSERT_EQ(run(train("resumed") + " --steps 8 --checkpoint-every 3 --stop-after 2").rc, 0);
+  EXPECT_EQ(shardopt::read_checkpoint_info(path("resumed/checkpoint")).step, 2);  // the stop
+  const Result r = run(train("resumed") + " --steps 8 --checkpoint-every 3 --resume --timing-warmup 0");
+  ASSERT_EQ(r.rc, 0) << r.out << r.err;
+  EXPECT_EQ(count(r.out, "checkpoint: step 5 ->"), 1) << r.out;  // 2 + 3
+  EXPECT_EQ(count(r.out, "checkpoint: step 6 ->"), 0) << r.out;
+  EXPECT_EQ(count(r.out, "checkpoint: step 8 ->"), 1) << r.out;
+  EXPECT_EQ(shardopt::read_checkpoint_info(path("resumed/checkpoint")).step, 8);
+  // The timing summary names the steps this run made, not those of the first run.
+  EXPECT_EQ(count(r.out, "median of steps 3-8"), 1) << r.out;
+}
+
+TEST_F(BertCli, EvalIsIdenticalAtOneAndTwoRanks) {
+  const Result t = run(train("evaltrain") + " --steps 3 --eval-every 2", 2);
+  ASSERT_EQ(t.rc, 0) << t.out << t.err;
+  // In the metrics (steps 2 and 3, the last), the summary and the log, next to the baseline.
+  std::ifstream metrics(path("evaltrain/metrics.jsonl"));
+  std::string line;
+  std::vector<int64_t> eval_steps;
+  while (std::getline(metrics, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("eval")) eval_steps.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(eval_steps, (std::vector<int64_t>{2, 3}));
+  const auto summary = nlohmann::json::parse(slurp(path("evaltrain/summary.json")));
+  ASSERT_TRUE(summary.contains("eval"));
+  for (const char* key : {"mlm_loss", "mlm_acc", "nsp_loss", "nsp_acc", "nsp_baseline"}) {
+    EXPECT_TRUE(summary["eval"].contains(key)) << key;
+  }
+  EXPECT_GE(summary["eval"]["nsp_baseline"].get<double>(), 0.5);
+  EXPECT_EQ(count(t.out, "majority baseline"), 3) << t.out;  // two evals + the summary
+
+  // The same checkpoint evaluated on 1 rank, 2 ranks (stage 2) and 2 ranks at stage 3.
+  const std::string ckpt = " --resume " + path("evaltrain/checkpoint") + " --eval-only";
+  ASSERT_EQ(run(train("eval1") + ckpt).rc, 0);
+  ASSERT_EQ(run(train("eval2") + ckpt, 2).rc, 0);
+  ASSERT_EQ(run(train("eval3") + ckpt + " --stage 3", 2).rc, 0);
+  const auto one = nlohmann::json::parse(slurp(path("eval1/eval.json")));
+  const auto two = nlohmann::json::parse(slurp(path("eval2/eval.json")));
+  const auto three = nlohmann::json::parse(slurp(path("eval3/eval.json")));
+  EXPECT_EQ(one["instances"].get<int64_t>(), 35);  // the whole eval set
+  for (const char* key : {"instances", "masked", "mlm_loss", "mlm_acc", "nsp_loss", "nsp_acc",
+                          "nsp_baseline"}) {
+    EXPECT_EQ(one[key], two[key]) << key;  // bitwise: JSON keeps every bit of a double
+    EXPECT_EQ(one[key], three[key]) << key;
+  }
+  // And equal to the training run's final evaluation of the same weights.
+  EXPECT_EQ(one["mlm_loss"], summary["eval"]["mlm_loss"]);
+}
+
+TEST_F(BertCli, ProgressIsPlainLinesWithThroughputWhenNotATerminal) {
+  // --progress auto under mpirun with stdout in a file: rank 0 sees a pseudo-terminal.
+  const Result r = run(train("lines") + " --steps 3 --progress auto", 2);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos);
+  EXPECT_EQ(r.out.find("\033["), std::string::npos);
+  EXPECT_EQ(count(r.out, "steps/s, "), 4) << r.out;  // 3 step lines + the summary
+  EXPECT_EQ(count(r.out, "samples/s, "), 4);
+  EXPECT_EQ(count(r.out, "tokens/s"), 4);
+  std::ifstream metrics(path("lines/metrics.jsonl"));
+  std::string line;
+  std::getline(metrics, line);
+  const auto j = nlohmann::json::parse(line);
+  for (const char* key : {"steps_per_s", "samples_per_s", "tokens_per_s"}) {
+    EXPECT_GT(j.at(key).get<double>(), 0) << key;
+  }
+  EXPECT_FALSE(progress_on_terminal("lines"));
+  EXPECT_TRUE(progress_on_terminal("tty"));
+  EXPECT_EQ(progress_bar(5, 10, 10), "[#####.....]  50%");
+}
+
+TEST_F(BertCli, BadInputsGetOneLineNamingTheFlagAndExitTwo) {
+  fs::create_directories(path("lonely"));
+  fs::copy_file(path("data.bin"), path("lonely/data.bin"), fs::copy_options::overwrite_existing);
+  std::ofstream(path("small_vocab.txt")) << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\n";
+  const std::string data = " --data " + path("data.bin");
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"--batch-size 0", {"--batch-size", "integer >= 1", "'0'"}},
+      {"--stage 4", {"--stage", "[0, 3]"}},
+      {"--lr -1", {"--lr", "> 0"}},
+      {"--eval-fraction 0.9", {"--eval-fraction", "[0, 0.5]"}},
+      {"--cased --lower-case", {"--cased", "--lower-case"}},
+      {"--vocab /nonexistent/vocab.txt", {"--vocab", "/nonexistent/vocab.txt"}},
+      {"--corpus /nonexistent/corpus", {"--corpus", "/nonexistent/corpus"}},
+      {"--data " + path("lonely/data.bin"), {"--data", "--vocab"}},
+      {data + " --vocab " + path("small_vocab.txt"), {"--data", "another vocabulary"}},
+      {data + " --eval-every 2", {"--eval-every", "--eval-data"}},
+      {"--data /nonexistent.bin --vocab " + path("vocab.txt"), {"--data", "no such file"}},
+      {"--corpus licenses --resume --out " + path("never"), {"--resume", "no checkpoint"}},
+      {"--max-predictions 100 --max-seq-length 64", {"--max-predictions", "64"}},
+      {data + " --precision fp16 --steps 1 --out " + path("fp16"), {"--precision", "bf16"}},
+  };
+  for (const auto& [args, words] : cases) {
+    const Result r = run(args);
+    EXPECT_EQ(r.rc, 2) << args << "\n" << r.err;
+    EXPECT_EQ(count(r.err, "\n"), 1) << args << ": one line, got\n" << r.err;
+    EXPECT_EQ(r.err.rfind("bert_pretrain: error: ", 0), 0u) << r.err;
+    for (const auto& w : words) EXPECT_NE(r.err.find(w), std::string::npos) << args << ": " << r.err;
+  }
+  // Under mpirun only rank 0 speaks.
+  const Result r = run("--batch-size 0", 2);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_EQ(count(r.err, "bert_pretrain: error: --batch-size"), 1) << r.err;
+}
+
+TEST_F(BertCli, DataFindsItsVocabularyAndSkipsTheCorpus) {
+  // create-data put data.bin.vocab.txt next to data.bin; the corpus is never listed or read.
+  const Result r = run("--preset tiny --batch-size 4 --steps 1 --no-plot --progress lines --data " +
+                       path("data.bin") + " --corpus /nonexistent --out " + path("found"));
+  ASSERT_EQ(r.rc, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("data.bin.vocab.txt (found next to it)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("corpus:"), std::string::npos) << r.out;
+}
+
+TEST_F(BertCli, OneDocumentCorpusWarns) {
+  std::ofstream(path("one_doc.txt")) << "The first sentence.\nThe second one.\nA third.\n";
+  const Result r = run("create-data --corpus " + path("one_doc.txt") + " --corpus-format sentences"
+                       " --vocab " + path("vocab.txt") + " -o " + path("one.bin"));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("warning: the training data has 1 document(s)"), std::string::npos) << r.out;
+}
+
+TEST_F(BertCli, CasedVocabularyIsLearnedAndReadAsCased) {
+  const std::string corpus = BERT_TEST_CORPUS;
+  ASSERT_EQ(run("build-vocab --cased --corpus " + corpus + " --vocab-size 500 -o " +
+                path("cased.txt")).rc, 0);
+  EXPECT_TRUE(Vocab::load(path("cased.txt")).is_cased());
+  EXPECT_FALSE(Vocab::load(path("vocab.txt")).is_cased());
+  Args a;
+  std::vector<std::string> warnings;
+  const Vocab cased = Vocab::load(path("cased.txt"));
+  EXPECT_FALSE(resolve_lower_case(a, &cased, &warnings));  // the vocab's convention
+  a.lower_case = true;
+  EXPECT_TRUE(resolve_lower_case(a, &cased, &warnings));
+  EXPECT_EQ(warnings.size(), 1u);  // --lower-case against a cased vocabulary
+}
+
+#endif  // BERT_PRETRAIN_EXE
+
+TEST(BertSplit, HeldOutDocumentsAreDisjointAndDeterministic) {
+  std::vector<Document> docs;
+  for (int32_t d = 0; d < 40; ++d) docs.push_back({{d, d}, {d + 100}});
+  std::vector<Document> train, eval, train2, eval2;
+  split_documents_by_seed(docs, 0.1, 7, &train, &eval);
+  split_documents_by_seed(docs, 0.1, 7, &train2, &eval2);
+  EXPECT_EQ(eval.size(), 4u);
+  EXPECT_EQ(train.size(), 36u);
+  EXPECT_EQ(eval, eval2);
+  for (const auto& e : eval) {
+    for (const auto& t : train) EXPECT_NE(e, t);
+  }
+  split_documents_by_seed({docs[0], docs[1]}, 0.01, 7, &train, &eval);
+  EXPECT_EQ(eval.size(), 1u);  // at least one held out, at least one kept
+  EXPECT_EQ(train.size(), 1u);
+}
+
+TEST(BertCorpus, ManPageToText) {
+  const std::string page =
+      ".\\\" SPDX-License-Identifier: Linux-man-pages-copyleft\n"
+      ".TH accept 2 2022-10-30 \"Linux man-pages 6.03\"\n"
+      ".SH NAME\n"
+      "accept \\- accept a connection\n"
+      ".SH SYNOPSIS\n"
+      ".nf\n"
+      ".B #include <sys/socket.h>\n"
+      ".BI \"int accept(int \" sockfd );\n"
+      ".fi\n"
+      ".SH DESCRIPTION\n"
+      "The\n"
+      ".BR accept ()\n"
+      "system call is used with \\fIconnection-based\\fP sockets\\(emsee\n"
+      ".BR socket (2).\n"
+      ".TP\n"
+      ".B EAGAIN\n"
+      "No connection is\\~present.\n"
+      ".TS\n"
+      "l l.\n"
+      "table\tcells\n"
+      ".TE\n";
+  EXPECT_TRUE(looks_like_man_page(page));
+  EXPECT_FALSE(looks_like_man_page("Plain text.\nMore.\n"));
+  EXPECT_EQ(man_to_text(page),
+            "NAME\n\naccept - accept a connection\n\nSYNOPSIS\n\n#include <sys/socket.h>\n\n"
+            "int accept(int sockfd);\n\nDESCRIPTION\n\nThe accept() system call is used with "
+            "connection-based sockets\u2014see socket(2).\n\nEAGAIN\n\nNo connection is present.");
+  EXPECT_EQ(man_to_text(".so man3/other.3\n"), "");
+}
+
+}  // namespace
+}  // namespace bert

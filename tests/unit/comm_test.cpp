@@ -7,6 +7,7 @@
 
 #include "shardopt/comm.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/options.hpp"
 
 namespace shardopt {
 namespace {
@@ -64,6 +65,25 @@ TEST(InitFromEnv, PicksSingleWithoutLauncherAndRejectsUnknownBackends) {
 TEST(Work, TimeoutMustBePositive) {
   auto c = make_single_communicator();
   EXPECT_THROW(c->set_timeout(Duration::zero()), Error);
+}
+
+// One timeout setting: SHARDOPT_TIMEOUT (seconds) becomes the default of ZeroOptions,
+// InitOptions and every communicator; a value that is not a positive number is refused.
+TEST(DefaultTimeout, EnvironmentVariableSetsEveryDefault) {
+  ::setenv("SHARDOPT_TIMEOUT", "2.5", 1);
+  EXPECT_EQ(ZeroOptions{}.timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(InitOptions{}.timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(make_single_communicator()->timeout(), std::chrono::milliseconds(2500));
+  ::setenv("SHARDOPT_TIMEOUT", "ten", 1);
+  try {
+    (void)default_timeout();
+    ADD_FAILURE() << "SHARDOPT_TIMEOUT=ten was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("SHARDOPT_TIMEOUT must be a positive number of seconds, "
+                                         "got 'ten'"), std::string::npos) << e.what();
+  }
+  ::unsetenv("SHARDOPT_TIMEOUT");
+  EXPECT_EQ(ZeroOptions{}.timeout, kDefaultTimeout);
 }
 
 }  // namespace

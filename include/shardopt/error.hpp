@@ -18,6 +18,7 @@ enum class ErrorKind {
   Checkpoint,       // missing, corrupt or incompatible checkpoint files
   Unsupported,      // valid request this build or engine cannot serve
   Internal,         // a bug in shardopt
+  NonFinite,        // NaN/Inf gradients for ZeroOptions::max_nonfinite_steps steps in a row
 };
 
 const char* to_string(ErrorKind kind);

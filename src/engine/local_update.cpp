@@ -41,35 +41,34 @@ void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
 
 // Device shards: the checks and norms stay on the device until one .item() per step.
 bool LocalUpdate::any_rank_non_finite() {
-  at::Tensor bad;
+  at::Tensor sum;  // on the segments' device
   for (auto& s : flat_.segments()) {
-    at::Tensor b = s.grad.isfinite().all().logical_not();
-    bad = bad.defined() ? bad.logical_or(b) : b;
+    const at::Tensor t = at::sum(s.grad, at::kDouble);
+    sum = sum.defined() ? sum + t : t;
   }
-  const bool local = bad.defined() && bad.item<bool>();
-  at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f, at::kFloat);
-  if (comm_->size() > 1) all_reduce_small(flag, ReduceOp::Max);
+  const double total = sum.defined() ? sum.item<double>() : 0.0;
+  at::Tensor flag = at::full({1}, std::isfinite(total) ? 0.0f : 1.0f, at::kFloat);
+  // Replicated plans hold the same reduced gradients on every rank: the flags agree already.
+  if (comm_->size() > 1 && flat_.plan().sharded()) all_reduce_small(flag, ReduceOp::Max);
   return flag.item<float>() > 0;
 }
 
-LocalUpdate::Clip LocalUpdate::clip(double max_norm) {
-  Clip result;
-  if (max_norm <= 0) return result;
-  at::Tensor sq = at::zeros({1}, at::kDouble);
+double LocalUpdate::global_norm() {
   at::Tensor local;  // sum of the segments' squared norms, in double as on the host
   for (auto& s : flat_.segments()) {
     const at::Tensor n = s.grad.norm().to(at::kDouble);
     local = local.defined() ? local + n * n : n * n;
   }
-  if (local.defined()) sq.fill_(local.item<double>());
+  at::Tensor sq = at::full({1}, local.defined() ? local.item<double>() : 0.0, at::kDouble);
   if (flat_.plan().sharded()) all_reduce_small(sq);
-  result.norm = std::sqrt(sq.item<double>());
-  const double coef = max_norm / (result.norm + 1e-6);
-  if (coef < 1) {
-    result.clipped = true;
-    for (auto& s : flat_.segments()) s.grad.mul_(coef);
-  }
-  return result;
+  return std::sqrt(sq.item<double>());
+}
+
+bool LocalUpdate::clip(double max_norm, double norm) {
+  const double coef = max_norm / (norm + 1e-6);
+  if (!(coef < 1)) return false;
+  for (auto& s : flat_.segments()) s.grad.mul_(coef);
+  return true;
 }
 
 void LocalUpdate::update(int64_t step) {

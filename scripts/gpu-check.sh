@@ -5,9 +5,11 @@
 # the GPU tests and benchmarks, and writes report.md plus the raw outputs to $OUT (or the folder
 # given). On a machine without a GPU it goes as far as it can (environment, unpacking, configure)
 # and reports the rest as skipped; it exits 0 then. It exits 1 when a phase that ran failed.
-#   scripts/gpu-check.sh [--out DIR] [--build-without-gpu] [--quick]
+#   scripts/gpu-check.sh [--out DIR] [--build-without-gpu] [--quick] [--skip-tests] [--skip-bench]
 #     --build-without-gpu  build (and run the skipping tests) even where no GPU is visible
 #     --quick              benchmarks on 1e7 parameters and fewer steps (a smoke run)
+#     --skip-tests, --skip-bench  leave a phase out, e.g. to split a run over two calls with a
+#                          time limit each (build-gpu/ is kept: the second call's build is a no-op)
 # Environment: PYTHON (default python3, then /usr/bin/python3), DEBS (default gpu-debs/),
 # BUILD (default build-gpu/), CUDA_ARCHS (default: the GPU's compute capability).
 set -uo pipefail
@@ -15,8 +17,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUTDIR="${OUT:-$ROOT/out/gpu-check}"
 BUILD_WITHOUT_GPU=0
 QUICK=0
+SKIP_TESTS=0
+SKIP_BENCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --skip-tests) SKIP_TESTS=1; shift ;;
+    --skip-bench) SKIP_BENCH=1; shift ;;
     --out) OUTDIR="$2"; shift 2 ;;
     --build-without-gpu) BUILD_WITHOUT_GPU=1; shift ;;
     --quick) QUICK=1; shift ;;
@@ -94,14 +100,21 @@ unpack() {
   rm -rf "$tmp"
 }
 if ls "$DEBS"/*.deb >/dev/null 2>&1; then
-  rm -rf "$PREFIX"
-  mkdir -p "$PREFIX"
-  ok=1
-  for deb in "$DEBS"/*.deb; do unpack "$deb" || { ok=0; log "could not unpack $deb"; }; done
-  if [ "$ok" = 1 ]; then
-    phase unpack ok "$(ls "$DEBS"/*.deb | wc -l) packages into $PREFIX"
+  # Unpacked once per set of packages: fresh header timestamps would rebuild everything.
+  stamp="$(cd "$DEBS" && ls -l -- *.deb | md5sum | cut -d' ' -f1)"
+  if [ "$(cat "$PREFIX/.debs" 2>/dev/null)" = "$stamp" ]; then
+    phase unpack ok "already unpacked in $PREFIX"
   else
-    phase unpack FAILED "see the log above"
+    rm -rf "$PREFIX"
+    mkdir -p "$PREFIX"
+    ok=1
+    for deb in "$DEBS"/*.deb; do unpack "$deb" || { ok=0; log "could not unpack $deb"; }; done
+    if [ "$ok" = 1 ]; then
+      echo "$stamp" >"$PREFIX/.debs"
+      phase unpack ok "$(ls "$DEBS"/*.deb | wc -l) packages into $PREFIX"
+    else
+      phase unpack FAILED "see the log above"
+    fi
   fi
 else
   phase unpack skipped "no .debs in $DEBS (run scripts/fetch-gpu-debs.sh where there is internet)"
@@ -159,7 +172,9 @@ else
 fi
 
 # ---- tests ------------------------------------------------------------------------------------
-if [ "$built" = 1 ] && [ -x "$BUILD/tests/gpu_tests" ]; then
+if [ "$SKIP_TESTS" = 1 ]; then
+  phase tests skipped "--skip-tests"
+elif [ "$built" = 1 ] && [ -x "$BUILD/tests/gpu_tests" ]; then
   run_logged gpu_tests 900 "$BUILD/tests/gpu_tests" --gtest_output="json:$OUTDIR/gpu_tests.json"
   rc=$?
   summary="$(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?[.,]' "$OUTDIR/gpu_tests.log" | sed 's/, listed below://' | tr -s ' []\n' ' ')"
@@ -181,7 +196,9 @@ bench() {  # bench NAME CMD...: JSON on stdout into NAME.json, stderr into NAME.
     phase "bench $name" FAILED "see $name.log"
   fi
 }
-if [ "$HAVE_GPU" = 1 ] && [ "$built" = 1 ]; then
+if [ "$SKIP_BENCH" = 1 ]; then
+  phase benchmarks skipped "--skip-bench"
+elif [ "$HAVE_GPU" = 1 ] && [ "$built" = 1 ]; then
   [ -x "$BUILD/bench/gpu_kernels_bench" ] && bench kernels "$BUILD/bench/gpu_kernels_bench" --numel "$numel"
   bench kernels_torch "$PY" "$ROOT/bench/gpu_adamw_peer.py" --numel "$numel"
   for stage in 2 3; do

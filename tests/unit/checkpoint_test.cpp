@@ -400,6 +400,25 @@ TEST(CheckpointErrors, EditedManifestIsDetected) {
   load_into_fresh(s.dir);
 }
 
+// A parameter gone NaN is refused by the save itself, naming it; the last good checkpoint stays.
+TEST(CheckpointErrors, NonFiniteValuesAreNeverSaved) {
+  Saved s;
+  const std::string before = read_text(s.dir + "/manifest.json");
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(1));
+  ckpt_train(opt, net, 0, 1);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [name, t] : net.named) {
+      if (name == "fc2.bias") t.fill_(std::nanf(""));  // fp32: the model is the master
+    }
+  }
+  expect_error([&] { opt.save_checkpoint(s.dir); }, ErrorKind::NonFinite,
+               {"parameter 'fc2.bias' holds NaN/Inf", "refusing to save"});
+  EXPECT_EQ(read_text(s.dir + "/manifest.json"), before);
+  load_into_fresh(s.dir);
+}
+
 TEST(CheckpointErrors, UnwritableOrForeignDirectory) {
   TempDir tmp;
   std::ofstream(tmp / "file") << "x";

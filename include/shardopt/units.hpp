@@ -23,7 +23,8 @@
 //
 // Between steps, no parameter has storage (its data pointer is null): read them only inside
 // run(), or after DistributedOptimizer::gather_full_parameters(). Any ATen operation on a
-// released parameter throws Error{InvalidArgument} naming it (Python: ValueError). Code that takes
+// released parameter throws Error{InvalidArgument} naming it (Python: a RuntimeError with the same
+// text, raised through torch's dispatcher). Code that takes
 // data_ptr() directly gets null.
 #pragma once
 

@@ -58,7 +58,7 @@ struct ErrorKindInfo {
   const char* doc;
 };
 
-constexpr int kKinds = 7;
+constexpr int kKinds = 8;
 PyObject* g_error_types[kKinds] = {};
 
 const char* kind_name(ErrorKind kind) {
@@ -70,6 +70,7 @@ const char* kind_name(ErrorKind kind) {
     case ErrorKind::Checkpoint: return "Checkpoint";
     case ErrorKind::Unsupported: return "Unsupported";
     case ErrorKind::Internal: return "Internal";
+    case ErrorKind::OutOfMemory: return "OutOfMemory";
   }
   return "Internal";
 }
@@ -96,6 +97,8 @@ void register_errors(py::module_& m) {
       {ErrorKind::Unsupported, "UnsupportedError", "Unsupported", PyExc_NotImplementedError,
        "A valid request this build or engine cannot serve."},
       {ErrorKind::Internal, "InternalError", "Internal", nullptr, "A bug in shardopt."},
+      {ErrorKind::OutOfMemory, "OutOfMemoryError", "OutOfMemory", PyExc_MemoryError,
+       "An allocation over MemoryTracker's cap was refused (as a device would refuse it)."},
   };
   for (const auto& info : infos) {
     py::tuple bases = info.builtin ? py::make_tuple(py::handle(base), py::handle(info.builtin))

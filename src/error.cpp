@@ -19,6 +19,7 @@ const char* to_string(ErrorKind kind) {
     case ErrorKind::Checkpoint: return "checkpoint error";
     case ErrorKind::Unsupported: return "unsupported";
     case ErrorKind::Internal: return "internal error";
+    case ErrorKind::OutOfMemory: return "out of memory";
   }
   return "unknown";
 }

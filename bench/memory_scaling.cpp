@@ -51,7 +51,15 @@ struct Config {
   int ranks = 1;
   int64_t layers = 0;  // overrides of the preset's shape (0: the preset's)
   int64_t vocab = 0;
+  int64_t bucket_bytes = 0;  // 0: ZeroOptions' default
 };
+
+shardopt::ZeroOptions options_of(const Config& c) {
+  shardopt::ZeroOptions zo;
+  zo.stage = shardopt::stage_from_int(c.stage);
+  if (c.bucket_bytes > 0) zo.bucket_bytes = c.bucket_bytes;
+  return zo;
+}
 
 est::BertConfig shape_of(const Config& c) {
   auto bc = est::bert_preset(c.model);
@@ -167,13 +175,12 @@ struct Bounds {
 
 constexpr int64_t kSeq = 16;  // the bench's batch: one sequence of kSeq tokens
 
-// Saved activations of one sequence and their gradients, fp32, generously: per layer the inputs
-// of every matmul, LayerNorm and GELU (16 h + 4 I per token) and three s x s maps per head; the
-// MLM logits four times (logits, log-softmax, their gradients) and the embeddings; doubled for
-// backward's transients.
+// Saved activations of one sequence and backward's transients, fp32, generously: per layer twice
+// the inputs of every matmul, LayerNorm and GELU (16 h + 4 I per token) and three s x s maps per
+// head; the MLM logits four times (logits, log-softmax, their gradients) and the embeddings.
 int64_t activation_bytes(const est::BertConfig& bc) {
   const int64_t per_layer = kSeq * (16 * bc.hidden + 4 * bc.intermediate) + 3 * bc.heads * kSeq * kSeq;
-  return 2 * kP * (bc.layers * per_layer + kSeq * (4 * bc.vocab + 8 * bc.hidden));
+  return kP * (bc.layers * per_layer + kSeq * (4 * bc.vocab + 8 * bc.hidden));
 }
 
 Bounds bounds_of(int stage, int64_t psi, int world, const est::BertConfig& bc, const Sizes& z,
@@ -244,7 +251,8 @@ int plan(const Config& shape, const std::string& ranks, const std::string& stage
   json out = json::array();
   for (int n : parse_list(ranks)) {
     for (int s : parse_list(stages)) {
-      const Config c{model, s, n, shape.layers, shape.vocab};
+      const Config c{model, s, n, shape.layers, shape.vocab, shape.bucket_bytes};
+      zo = options_of(c);
       const auto e = estimator(c, bc, zo);
       // Under a cap a rank holds at most the cap: past it the run is refused.
       const int64_t cap = cap_mb.empty()     ? 0
@@ -260,7 +268,8 @@ int plan(const Config& shape, const std::string& ranks, const std::string& stage
       const int64_t per_rank = need + kProcessOverheadBytes;
       const int64_t total = per_rank * n;
       json j = {{"model", model}, {"stage", s}, {"ranks", n}, {"per_rank_bytes", per_rank},
-                {"total_bytes", total}, {"budget_bytes", budget}, {"run", true}};
+                {"total_bytes", total}, {"budget_bytes", budget}, {"cap_bytes", cap},
+                {"run", true}};
       if (total > budget) {
         j["run"] = false;
         j["reason"] = fmt::format("needs ~{:.1f} GiB across {} ranks, over the {:.1f} GiB budget",
@@ -289,7 +298,7 @@ void write_json(const std::string& path, const json& j) {
 }
 
 int measure(const Config& c, const std::string& json_path, const std::string& cap_mb,
-            double timeout_s) {
+            int cap_rank, double timeout_s) {
   auto comm = shardopt::init_from_env();
   at::set_num_threads(1);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
@@ -298,8 +307,7 @@ int measure(const Config& c, const std::string& json_path, const std::string& ca
   Config cfg = c;
   cfg.ranks = world;
   const auto bc = shape_of(c);
-  shardopt::ZeroOptions zo;
-  zo.stage = shardopt::stage_from_int(c.stage);
+  shardopt::ZeroOptions zo = options_of(c);
   zo.timeout = timeout;
   const int64_t psi_nominal = est::bert_parameter_count(bc);
   const int64_t cap = cap_mb.empty()     ? 0
@@ -310,7 +318,7 @@ int measure(const Config& c, const std::string& json_path, const std::string& ca
   comm->barrier();
   const int64_t base = tracker.live_bytes();
   const int64_t rss_base = vm_kib("VmRSS") * 1024;
-  if (cap > 0) tracker.set_limit(base + cap);
+  if (cap > 0 && (cap_rank < 0 || cap_rank == rank)) tracker.set_limit(base + cap);
 
   json result = {{"model", c.model}, {"stage", c.stage}, {"ranks", world},
                  {"backend", comm->backend()}, {"cap", cap}, {"layers", bc.layers},
@@ -501,7 +509,8 @@ int main(int argc, char** argv) {
   Config c;
   bool plan_only = false;
   std::string json_path, ranks = "1,2,4,8", stages = "0,1,2,3", cap_mb;
-  double budget_gib = 12, timeout_s = 120;
+  double budget_gib = 12, timeout_s = 120, bucket_mb = 0;
+  int cap_rank = -1;
   app.add_option("--model", c.model, "BERT shape: base or large (or any example preset)")
       ->required()->check(CLI::IsMember({"tiny", "mini", "small", "base", "large", "peer"}));
   app.add_option("--stage", c.stage, "ZeRO stage")->check(CLI::Range(0, 3));
@@ -510,6 +519,8 @@ int main(int argc, char** argv) {
   app.add_option("--cap-mb", cap_mb,
                  "per-rank cap on tensor storage in MB (10^6 bytes), enforced by the tracker; "
                  "'auto': halfway between stage 3's peak bound and stage 2's model state");
+  app.add_option("--cap-rank", cap_rank, "apply --cap-mb on this rank only (-1: every rank)");
+  app.add_option("--bucket-mb", bucket_mb, "bucket_bytes in MB (default: ZeroOptions')");
   app.add_option("--timeout-s", timeout_s, "deadline of every collective, seconds");
   app.add_option("--json", json_path, "write the result here too (rank 0)");
   app.add_flag("--plan", plan_only, "print which (stage, ranks) fit --budget-gib, run nothing");
@@ -517,9 +528,10 @@ int main(int argc, char** argv) {
   app.add_option("--stages", stages, "--plan: stages");
   app.add_option("--budget-gib", budget_gib, "--plan: GiB all ranks of one run may use together");
   CLI11_PARSE(app, argc, argv);
+  c.bucket_bytes = static_cast<int64_t>(bucket_mb * 1e6);
   try {
     if (plan_only) return plan(c, ranks, stages, budget_gib, cap_mb);
-    return measure(c, json_path, cap_mb, timeout_s);
+    return measure(c, json_path, cap_mb, cap_rank, timeout_s);
   } catch (const std::exception& e) {
     fmt::print(stderr, "memory_scaling: error: {}\n", e.what());
     return 1;

@@ -26,25 +26,6 @@ using namespace pybind11::literals;
 namespace shardopt {
 namespace {
 
-// Note [Releasing without the GIL]: Python may drop the last reference to a communicator (or to
-// an optimizer, which holds one) with the GIL held. The MPI engine's destructor joins its worker
-// thread, which may at that moment be destroying a tensor created in Python; on torch >= 2 that
-// destroys the tensor's PyObject and needs the GIL: a deadlock (seen under mpirun -np 3 on
-// Debian 13). Objects handed to Python therefore release the GIL while they are destroyed.
-template <class T>
-std::shared_ptr<T> release_without_gil(std::shared_ptr<T> p) {
-  if (!p) return p;
-  T* raw = p.get();
-  return std::shared_ptr<T>(raw, [keep = std::move(p)](T*) mutable {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      keep.reset();
-    } else {
-      keep.reset();
-    }
-  });
-}
-
 // ---- errors ----------------------------------------------------------------------------------
 
 // Note [Python exceptions]: every shardopt::Error becomes an instance of shardopt.Error (a
@@ -58,7 +39,7 @@ struct ErrorKindInfo {
   const char* doc;
 };
 
-constexpr int kKinds = 8;
+constexpr int kKinds = 9;
 PyObject* g_error_types[kKinds] = {};
 
 const char* kind_name(ErrorKind kind) {
@@ -70,6 +51,7 @@ const char* kind_name(ErrorKind kind) {
     case ErrorKind::Checkpoint: return "Checkpoint";
     case ErrorKind::Unsupported: return "Unsupported";
     case ErrorKind::Internal: return "Internal";
+    case ErrorKind::NonFinite: return "NonFinite";
     case ErrorKind::OutOfMemory: return "OutOfMemory";
   }
   return "Internal";
@@ -97,6 +79,8 @@ void register_errors(py::module_& m) {
       {ErrorKind::Unsupported, "UnsupportedError", "Unsupported", PyExc_NotImplementedError,
        "A valid request this build or engine cannot serve."},
       {ErrorKind::Internal, "InternalError", "Internal", nullptr, "A bug in shardopt."},
+      {ErrorKind::NonFinite, "NonFiniteError", "NonFinite", nullptr,
+       "NaN/Inf gradients in max_nonfinite_steps consecutive steps (each one skipped)."},
       {ErrorKind::OutOfMemory, "OutOfMemoryError", "OutOfMemory", PyExc_MemoryError,
        "An allocation over MemoryTracker's cap was refused (as a device would refuse it)."},
   };
@@ -286,6 +270,41 @@ Duration to_duration(py::handle value, Duration otherwise) {
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(seconds));
 }
 
+// ---- teardown without the GIL ------------------------------------------------------------------
+
+// Note [Freeing without the GIL]: a communicator's or optimizer's destructor joins the engine's
+// worker and waits for collectives in flight, and the worker may need the GIL to drop the last
+// reference to a tensor created in Python; pybind11 frees its holders with the GIL held.
+// - Optimizers are handed to Python in a holder whose deleter releases the GIL while the real
+//   last reference goes.
+// - Communicators cannot be: they derive from enable_shared_from_this, so pybind11 rebuilds
+//   their holder from shared_from_this() and ignores a custom deleter. The engines instead open
+//   a detail::BlockingRegion around the join, and the hooks installed at import release the GIL
+//   there (set_gil_hooks below).
+template <typename T>
+std::shared_ptr<T> freed_without_gil(std::shared_ptr<T> object) {
+  if (!object) return object;
+  T* raw = object.get();
+  return std::shared_ptr<T>(raw, [keep = std::move(object)](T*) mutable {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      keep.reset();
+    } else {
+      keep.reset();
+    }
+  });
+}
+
+void set_gil_hooks() {
+  detail::BlockingHooks hooks;
+  hooks.enter = []() -> void* {
+    if (!Py_IsInitialized() || !PyGILState_Check()) return nullptr;
+    return PyEval_SaveThread();
+  };
+  hooks.exit = [](void* state) { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); };
+  detail::set_blocking_hooks(hooks);
+}
+
 // ---- the factory path: any torch.optim optimizer over this rank's shard ------------------------
 
 // A Python optimizer object as the torch::optim::Optimizer the engine steps. step() runs with the
@@ -462,20 +481,20 @@ void bind_comm(py::module_& m) {
         InitOptions o;
         o.backend = backend;
         o.device = device;
-        o.timeout = to_duration(timeout, kDefaultTimeout);
+        o.timeout = to_duration(timeout, default_timeout());
         py::gil_scoped_release nogil;
-        return release_without_gil(init_from_env(o));
+        return init_from_env(o);
       },
       "backend"_a = "", "device"_a = "cpu", "timeout"_a = py::none(),
       "The communicator this process was launched for: mpirun/srun -> 'mpi'; torchrun's RANK, "
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
-  m.def("make_single_communicator", [] { return release_without_gil(make_single_communicator()); });
+  m.def("make_single_communicator", [] { return make_single_communicator(); });
 #if SHARDOPT_HAS_GLOO
   m.def(
       "_make_process_group_communicator",
       [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
-        return release_without_gil(make_process_group_communicator(std::move(group)));
+        return make_process_group_communicator(std::move(group));
       },
       "group"_a);
   m.def(
@@ -485,9 +504,9 @@ void bind_comm(py::module_& m) {
         o.rank = rank;
         o.size = size;
         o.store = store;
-        o.timeout = to_duration(timeout, kDefaultTimeout);
+        o.timeout = to_duration(timeout, default_timeout());
         py::gil_scoped_release nogil;
-        return release_without_gil(make_gloo_communicator(o));
+        return make_gloo_communicator(o);
       },
       "rank"_a, "size"_a, "store"_a, "timeout"_a = py::none(),
       "A Gloo communicator of its own; store: 'file:/path' or 'tcp://host:port' (rank 0 serves).");
@@ -530,6 +549,7 @@ void bind_options(py::module_& m) {
       .def_readwrite("units", &ZeroOptions::units,
                      "Stage 3: the shardopt.Units gathered together (DistributedOptimizer's "
                      "units= builds it and installs the module hooks)")
+      .def_readwrite("max_nonfinite_steps", &ZeroOptions::max_nonfinite_steps)
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })
@@ -560,6 +580,7 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("grad_norm", &StepStats::grad_norm)
       .def_readonly("clipped", &StepStats::clipped)
       .def_readonly("skipped", &StepStats::skipped)
+      .def_readonly("nonfinite_steps", &StepStats::nonfinite_steps)
       .def_readonly("loss_scale", &StepStats::loss_scale)
       .def_readonly("reduce_wait_s", &StepStats::reduce_wait_s)
       .def_readonly("update_s", &StepStats::update_s)
@@ -603,7 +624,7 @@ void bind_optimizer(py::module_& m) {
              Rule rule = read_rule(name, values, /*strict=*/true);
              auto specs = to_groups(groups);
              py::gil_scoped_release nogil;  // construction broadcasts and compares layouts
-             return release_without_gil(std::make_shared<DistributedOptimizer>(
+             return freed_without_gil(std::make_shared<DistributedOptimizer>(
                  std::move(specs), std::move(rule), std::move(comm), options));
            }),
            "groups"_a, "name"_a, "values"_a, "comm"_a, "options"_a)
@@ -612,7 +633,7 @@ void bind_optimizer(py::module_& m) {
              auto specs = to_groups(groups);
              auto make = python_factory(std::move(factory));
              py::gil_scoped_release nogil;
-             return release_without_gil(std::make_shared<DistributedOptimizer>(
+             return freed_without_gil(std::make_shared<DistributedOptimizer>(
                  std::move(specs), std::move(make), std::move(comm), options));
            }),
            "groups"_a, "factory"_a, "comm"_a, "options"_a)
@@ -734,6 +755,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("has_nccl") = bool(SHARDOPT_HAS_NCCL);
   m.attr("has_cuda") = bool(SHARDOPT_HAS_CUDA);
   register_errors(m);
+  set_gil_hooks();  // Note [Freeing without the GIL]
   // Raises the Python type of every ErrorKind, so the tests can check the mapping of each.
   m.def("_raise_for_test", [](const std::string& kind, const std::string& message) {
     for (int k = 0; k < kKinds; ++k) {

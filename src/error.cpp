@@ -17,6 +17,7 @@ const char* to_string(ErrorKind kind) {
     case ErrorKind::Timeout: return "timeout";
     case ErrorKind::Communication: return "communication failure";
     case ErrorKind::Checkpoint: return "checkpoint error";
+    case ErrorKind::NonFinite: return "non-finite gradients";
     case ErrorKind::Unsupported: return "unsupported";
     case ErrorKind::Internal: return "internal error";
     case ErrorKind::OutOfMemory: return "out of memory";

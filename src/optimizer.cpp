@@ -82,6 +82,7 @@ const CommunicatorPtr& DistributedOptimizer::communicator() const { return engin
 int64_t DistributedOptimizer::numel() const { return engine_->numel(); }
 int64_t DistributedOptimizer::padded_numel() const { return engine_->padded_numel(); }
 void DistributedOptimizer::gather_full_parameters() { engine_->gather_full_parameters(); }
+bool DistributedOptimizer::parameters_finite() { return engine_->parameters_finite(); }
 
 Rule DistributedOptimizer::group_rule(size_t group) const {
   SHARDOPT_CHECK(group < param_groups().size(), InvalidArgument,

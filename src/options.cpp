@@ -49,6 +49,9 @@ void ZeroOptions::validate() const {
                  "options: reduce_dtype {} contradicts reduce_in_fp32 = false, which reduces in "
                  "the compute dtype {}; set one of them",
                  to_string(reduce_dtype), to_string(precision));
+  SHARDOPT_CHECK(max_nonfinite_steps >= 0, InvalidArgument,
+                 "options: max_nonfinite_steps must be >= 0 (0: never throw), got {}",
+                 max_nonfinite_steps);
   SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
                  "options: timeout must be positive, got {} ms", timeout.count());
   loss_scale.validate();

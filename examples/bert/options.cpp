@@ -133,6 +133,9 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
       ->check(integer_at_least(1));
   app.add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay (not on bias and "
                  "LayerNorm)")->check(number(0, false));
+  app.add_option("--timeout", a.timeout_s, "seconds a rank waits for the others in any collective "
+                 "before the job ends with an error (default: SHARDOPT_TIMEOUT, else 600)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--max-grad-norm", a.max_grad_norm, "global gradient clipping, 0 disables")
       ->check(number(0, false));
   app.add_option("--checkpoint-every", a.checkpoint_every, "also save OUT/checkpoint every N steps "

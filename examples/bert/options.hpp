@@ -37,6 +37,7 @@ struct Args {
   int64_t steps = 300;
   double weight_decay = 0.01;
   double max_grad_norm = 1.0;
+  double timeout_s = 0;  // collective deadline; 0: SHARDOPT_TIMEOUT or the library's default
   int64_t checkpoint_every = 0;  // 0: only the final checkpoint
   bool save_model = false;       // also OUT/model.pt, consolidated, at the end
   std::string resume;

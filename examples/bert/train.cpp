@@ -116,7 +116,9 @@ struct BatchSource {
 };
 
 int run(const Args& a) {
-  auto comm = shardopt::init_from_env();
+  shardopt::InitOptions init;  // --timeout, else SHARDOPT_TIMEOUT, else the library's default
+  if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));
+  auto comm = shardopt::init_from_env(init);
   const int rank = comm->rank(), world = comm->size();
   at::set_num_threads(a.threads);
   const bool lead = rank == 0;
@@ -184,6 +186,7 @@ int run(const Args& a) {
   zo.units = model->units();  // stage 3 gathers one encoder layer at a time
   zo.grad_accumulation_steps = a.grad_accum;
   zo.max_grad_norm = a.max_grad_norm;
+  zo.timeout = init.timeout;
   zo.precision = precision;
   if (a.bucket_mb > 0) zo.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   zo.overlap_comm = !a.no_overlap;
@@ -263,6 +266,10 @@ int run(const Args& a) {
   int64_t last_saved = -1;
   auto save = [&](int64_t done) {
     const auto t0 = Clock::now();
+    if (!opt.parameters_finite()) {  // never replace the last good checkpoint with NaN/Inf
+      if (lead) fmt::print("\n[bert] checkpoint: step {} NOT saved: NaN/Inf parameters\n", done);
+      return;
+    }
     bert::RunState s{done, data_position, losses, train_s, tokens_total};
     shardopt::save_checkpoint(opt, checkpoint_dir.string(), bert::make_trainer_state(s, schedule));
     last_saved = done;

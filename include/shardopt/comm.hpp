@@ -17,6 +17,10 @@ const char* to_string(ReduceOp op);
 using Duration = std::chrono::milliseconds;
 // Default deadline of every collective (c10d's default is 30 minutes; shorter surfaces hangs sooner).
 inline constexpr Duration kDefaultTimeout = std::chrono::minutes(10);
+// The timeout every default takes (ZeroOptions, InitOptions, GlooOptions, communicators): the
+// environment variable SHARDOPT_TIMEOUT in seconds (e.g. "30" or "2.5") when set, else
+// kDefaultTimeout. Throws Error{InvalidArgument} when SHARDOPT_TIMEOUT is not a positive number.
+Duration default_timeout();
 
 // Handle of an issued collective. wait() blocks until the result is in the output tensors.
 class Work {
@@ -111,7 +115,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   WorkPtr finish(WorkPtr work, const at::Tensor& result, ReduceOp requested, bool async);
   int rank_;
   int size_;
-  Duration timeout_ = kDefaultTimeout;
+  Duration timeout_ = default_timeout();
 };
 
 // A completed Work, for engines whose calls finish before they return.
@@ -142,12 +146,38 @@ struct InitOptions {
   // "cuda"); otherwise "single". SHARDOPT_BACKEND in the environment overrides it too.
   std::string backend;
   std::string device = "cpu";
-  Duration timeout = kDefaultTimeout;
+  Duration timeout = default_timeout();
 };
 // Creates the communicator this process was launched for (see InitOptions::backend).
 CommunicatorPtr init_from_env(const InitOptions& options = {});
 
 // Describes a tensor for messages: "[4, 8] float32 cpu".
 std::string describe(const at::Tensor& tensor);
+
+namespace detail {
+// Set by the Python bindings: a thread that blocks in a destructor (joining an engine's worker,
+// which may need the interpreter lock to drop a tensor created in Python) releases the lock for
+// the duration. enter() returns what exit() needs to restore, or null when there was nothing to
+// release. Without hooks (C++ programs) a BlockingRegion does nothing.
+struct BlockingHooks {
+  void* (*enter)() = nullptr;
+  void (*exit)(void* token) = nullptr;
+};
+void set_blocking_hooks(BlockingHooks hooks);
+class BlockingRegion {
+ public:
+  BlockingRegion();
+  ~BlockingRegion();
+  BlockingRegion(const BlockingRegion&) = delete;
+  BlockingRegion& operator=(const BlockingRegion&) = delete;
+
+ private:
+  void* token_ = nullptr;
+};
+
+// Whether a Work::wait of this process has timed out. Teardown (the optimizer's destructors) then
+// stops waiting for collectives that can no longer complete; engines keep their tensors alive.
+bool collective_timed_out();
+}  // namespace detail
 
 }  // namespace shardopt

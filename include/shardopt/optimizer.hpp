@@ -55,13 +55,16 @@ struct StepStats {
   int64_t step = 0;              // optimizer steps taken so far (skipped ones not counted)
   double grad_norm = -1.0;       // global L2 norm before clipping; -1 when not computed
   bool clipped = false;
-  bool skipped = false;          // non-finite gradients under loss scaling: no update anywhere
+  bool skipped = false;          // non-finite gradients on some rank: no update anywhere
+  int nonfinite_steps = 0;       // consecutive skipped steps so far, this one included
   double loss_scale = 1.0;
   double reduce_wait_s = 0.0;    // waiting for gradient reductions after backward
   double update_s = 0.0;         // the local optimizer update
   double gather_s = 0.0;         // all-gathering updated parameters
   double step_s = 0.0;           // the whole step() call
-  int64_t comm_elements = 0;     // elements this rank sent into collectives since the last step
+  int64_t comm_elements = 0;     // gradient and parameter elements this rank sent into
+                                 // collectives since the last step (one-element flags and norms
+                                 // of the non-finite check, clipping and LAMB not counted)
 };
 
 // Bytes this rank holds for the model state, by category (the DESIGN.md memory model).
@@ -111,6 +114,9 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Units::run); each is freed again when the next forward leaves it or by the next step().
   // No-op for stages 0-2, whose parameters are always whole.
   void gather_full_parameters();
+  // Whether every rank's master weights (its owned shard) are finite; the same answer on every
+  // rank. Trainers check it before saving so a NaN/Inf model never replaces a good checkpoint.
+  bool parameters_finite();
 
   // Sharded, atomic checkpoint of parameters and optimizer state into directory `dir`; loads on
   // any world size and stage. Shorthands of shardopt::save_checkpoint / load_checkpoint

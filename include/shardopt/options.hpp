@@ -72,7 +72,12 @@ struct ZeroOptions {
   // each unit only when it is needed.
   int prefetch = 1;
   // Deadline of every collective the optimizer waits on.
-  Duration timeout = kDefaultTimeout;
+  Duration timeout = default_timeout();
+  // Non-finite (NaN/Inf) gradients on any rank skip the step on every rank at every precision
+  // (last_step().skipped). Without loss scaling (fp32, bf16) this many consecutive skipped steps
+  // make step() throw Error{NonFinite}; 0 never throws. Under fp16 loss scaling a skip is the
+  // scaler's normal back-off and is not counted.
+  int max_nonfinite_steps = 5;
 
   // Throws Error{InvalidArgument} naming the first invalid field and its valid range.
   void validate() const;

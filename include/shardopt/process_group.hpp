@@ -27,7 +27,7 @@ struct GlooOptions {
   // Rendezvous: a file every rank can reach ("file:/path"), or "tcp://host:port" where rank 0
   // serves the store.
   std::string store;
-  Duration timeout = kDefaultTimeout;
+  Duration timeout = default_timeout();
 };
 // A Gloo process group over loopback/the host's interface, wrapped as a Communicator.
 CommunicatorPtr make_gloo_communicator(const GlooOptions& options);

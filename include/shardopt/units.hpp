@@ -22,7 +22,9 @@
 // and once in backward, and reduce-scattered once; parameters in no unit once per step.
 //
 // Between steps, no parameter has storage (its data pointer is null): read them only inside
-// run(), or after DistributedOptimizer::gather_full_parameters().
+// run(), or after DistributedOptimizer::gather_full_parameters(). Any ATen operation on a
+// released parameter throws Error{InvalidArgument} naming it (Python: ValueError). Code that takes
+// data_ptr() directly gets null.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -410,8 +410,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _install_unit_hooks(self, units, unit_modules):
         # Note [Stage 3 from Python]: the C++ Units::run(i, fn) split into two module hooks. The
         # pre-hook gathers unit i (prefetching the next), the hook marks the outputs (a gradient
-        # hook on each gathers the unit again when backward reaches it) and frees the unit. Tied
-        # parameters (in two units, or in none) form the root unit, which stays gathered.
+        # hook on each gathers the unit again when backward reaches it) and frees the unit.
+        # Parameters shared by two units are gathered while either runs; parameters in no unit
+        # from zero_grad() (or the first unit) until step() (Note [Stage 3 units], C++).
         kwargs = {"always_call": True} if _HOOK_ALWAYS_CALL else {}
         for index, (_, module) in enumerate(unit_modules):
             def pre_hook(mod, args, index=index):

@@ -96,3 +96,24 @@ def test_factory_path_on_two_ranks(comm):
         loss_fn(ref, ids, labels).backward()
         ref_opt.step()
     assert all_ranks_ok(comm, max_diff(model, ref) <= TOL)
+
+
+def test_freeing_a_communicator_after_async_collectives_does_not_deadlock(comm):
+    """Issue 15: a communicator used to be destroyed with the GIL held while its worker, finishing
+    a collective, dropped the last reference to a Python tensor and waited for the GIL. Rank 0
+    frees its communicator while the collective still waits for rank 1 (which arrives late), so
+    the worker finishes during the destructor; the optimizer is freed the same way. A regression
+    hangs here until CTest's timeout."""
+    import time
+    for round_ in range(8):
+        c = shardopt.init_from_env(timeout=60)
+        model = make_model()
+        opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=c, stage=2)
+        if c.rank == 1:
+            time.sleep(0.3)  # rank 0 is in the destructors by now
+        t = torch.full((4096,), float(c.rank + round_))
+        kept = c.all_reduce(t, async_op=True)            # a handle kept, waited after the free
+        c.all_reduce(t * 2, async_op=True)               # a handle dropped: the worker holds
+        del t, opt, model, c                             # the last reference to its tensor
+        kept.wait()
+    assert all_ranks_ok(comm, True)

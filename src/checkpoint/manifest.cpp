@@ -18,6 +18,104 @@ namespace shardopt::detail {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// Note [Manifest checksum]: the manifest's own CRC-32, over its compact dump without the
+// "manifest_crc32" field (nlohmann's objects are sorted, so the dump is canonical and survives a
+// parse). An edit that keeps valid JSON (a piece offset changed by one) is caught on load.
+// Manifests written before the field existed carry none and are read as before.
+constexpr const char* kManifestCrc = "manifest_crc32";
+
+uint32_t manifest_crc(json j) {
+  j.erase(kManifestCrc);
+  std::string text = dump(j);
+  return crc_of(at::from_blob(text.data(), {static_cast<int64_t>(text.size())}, at::kByte));
+}
+
+// The flat layout the manifest records (buckets, and each parameter's slot in them), checked for
+// consistency, so that the piece tables can be recomputed from it.
+FlatLayout recorded_layout(const Manifest& m) {
+  const json& lj = m.j.at("layout");
+  FlatLayout layout;
+  int64_t shard_offset = 0;
+  for (const auto& b : lj.at("buckets")) {
+    BucketLayout bl;
+    bl.group = b.at("group").get<int>();
+    bl.flat_offset = b.at("flat_offset").get<int64_t>();
+    bl.numel = b.at("numel").get<int64_t>();
+    bl.padded = b.at("padded").get<int64_t>();
+    bl.shard = b.at("shard").get<int64_t>();
+    bl.shard_offset = b.at("shard_offset").get<int64_t>();
+    SHARDOPT_CHECK(bl.shard >= 0 && bl.shard * m.world == bl.padded && bl.numel <= bl.padded &&
+                       bl.shard_offset == shard_offset,
+                   Checkpoint,
+                   "checkpoint: {}: bucket #{} of the recorded layout is inconsistent (numel {}, "
+                   "padded {}, shard {} at {} for {} ranks); the manifest was edited or is corrupt",
+                   m.path.string(), layout.buckets.size(), bl.numel, bl.padded, bl.shard,
+                   bl.shard_offset, m.world);
+    shard_offset += bl.shard;
+    layout.buckets.push_back(bl);
+  }
+  // A parameter starts at its recorded slot and continues into the next buckets when it is split
+  // (Note [Flat layout]): its pieces are recomputed here as make_layout cuts them.
+  for (const auto& p : m.j.at("parameters")) {
+    ParamSlot slot;
+    slot.bucket = p.at("bucket").get<int>();
+    slot.offset = p.at("offset").get<int64_t>();
+    slot.numel = p.at("numel").get<int64_t>();
+    slot.first_piece = static_cast<int>(layout.pieces.size());
+    slot.piece_count = 0;
+    const std::string name = p.at("name").get<std::string>();
+    const int index = static_cast<int>(layout.slots.size());
+    const int buckets = static_cast<int>(layout.buckets.size());
+    bool inside = slot.bucket >= 0 && slot.bucket < buckets && slot.offset >= 0 && slot.numel >= 0;
+    int64_t done = 0, offset = slot.offset;
+    for (int b = slot.bucket; inside && (done < slot.numel || slot.piece_count == 0); ++b) {
+      inside = b < buckets && layout.buckets[b].group == layout.buckets[slot.bucket].group &&
+               offset <= layout.buckets[b].numel;
+      if (!inside) break;
+      const int64_t take = std::min(slot.numel - done, layout.buckets[b].numel - offset);
+      inside = take > 0 || slot.numel == 0;
+      layout.pieces.push_back(ParamPiece{index, b, offset, done, take});
+      ++slot.piece_count;
+      done += take;
+      offset = 0;
+    }
+    SHARDOPT_CHECK(inside, Checkpoint,
+                   "checkpoint: {}: parameter '{}' lies outside the buckets from #{} on in the "
+                   "recorded layout; the manifest was edited or is corrupt",
+                   m.path.string(), name, slot.bucket);
+    layout.slots.push_back(slot);
+  }
+  return layout;
+}
+
+// Each parameter's piece table must be exactly the one its recorded slot produces.
+void check_piece_tables(const Manifest& m) {
+  const FlatLayout layout = recorded_layout(m);
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    const ManifestParam& mp = m.params[i];
+    SHARDOPT_CHECK(layout.slots[i].numel == mp.numel, Checkpoint,
+                   "checkpoint: {}: parameter '{}' has {} elements in its shape but {} in the "
+                   "layout; the manifest was edited or is corrupt",
+                   m.path.string(), mp.name, mp.numel, layout.slots[i].numel);
+    const auto expected = saved_pieces(layout, static_cast<int>(i), m.world);
+    bool same = expected.size() == mp.pieces.size();
+    for (size_t k = 0; same && k < expected.size(); ++k) {
+      const SavedPiece &e = expected[k], &g = mp.pieces[k];
+      same = e.rank == g.rank && e.shard_begin == g.shard_begin &&
+             e.param_begin == g.param_begin && e.numel == g.numel;
+    }
+    SHARDOPT_CHECK(same, Checkpoint,
+                   "checkpoint: {}: the piece table of parameter '{}' does not match the layout "
+                   "the manifest records (bucket {}, offset {}); the manifest was edited or is "
+                   "corrupt",
+                   m.path.string(), mp.name, layout.slots[i].bucket, layout.slots[i].offset);
+  }
+}
+
+}  // namespace
+
 Manifest read_manifest(const std::string& dir_text) {
   Manifest m;
   m.dir = fs::path(dir_text);
@@ -57,6 +155,14 @@ Manifest read_manifest(const std::string& dir_text) {
                    "checkpoint: {} has unknown format version {}; this build (shardopt {}) reads "
                    "version {}",
                    m.path.string(), format_version, version(), kCheckpointFormatVersion);
+    if (m.j.contains(kManifestCrc)) {  // Note [Manifest checksum]
+      const uint32_t crc = manifest_crc(m.j);
+      const std::string saved = m.j.at(kManifestCrc).get<std::string>();
+      SHARDOPT_CHECK(saved == crc_text(crc), Checkpoint,
+                     "checkpoint: checksum mismatch in manifest {}: CRC-32 is {}, the manifest "
+                     "says {}; it was edited or is corrupt",
+                     m.path.string(), crc_text(crc), saved);
+    }
     m.world = m.j.at("world_size").get<int>();
     m.stage = m.j.at("stage").get<int>();
     m.dtype = dtype_from_name(m.j.at("dtype").get<std::string>(), m.path.string());
@@ -130,6 +236,7 @@ Manifest read_manifest(const std::string& dir_text) {
                      mp.name);
       m.params.push_back(std::move(mp));
     }
+    check_piece_tables(m);
   } catch (const json::exception& e) {
     SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed manifest {}: {}", m.path.string(), e.what());
   } catch (const std::logic_error& e) {  // std::stoul of a bad checksum
@@ -241,6 +348,7 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
   m["parameters"] = params;
   m["files"] = files;
   m["trainer"] = trainer;
+  m[kManifestCrc] = crc_text(manifest_crc(m));
   return m;
 }
 

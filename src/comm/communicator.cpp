@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 
@@ -30,10 +31,49 @@ std::string describe(const at::Tensor& t) {
                      t.device().str());
 }
 
+namespace {
+std::atomic<bool> g_timed_out{false};
+}  // namespace
+
+bool detail::collective_timed_out() { return g_timed_out.load(); }
+
+namespace detail {
+namespace {
+std::atomic<void* (*)()> g_blocking_enter{nullptr};
+std::atomic<void (*)(void*)> g_blocking_exit{nullptr};
+}  // namespace
+
+void set_blocking_hooks(BlockingHooks hooks) {
+  g_blocking_exit = hooks.exit;
+  g_blocking_enter = hooks.enter;
+}
+
+BlockingRegion::BlockingRegion() {
+  if (auto* enter = g_blocking_enter.load()) token_ = enter();
+}
+
+BlockingRegion::~BlockingRegion() {
+  if (token_ == nullptr) return;
+  if (auto* exit = g_blocking_exit.load()) exit(token_);
+}
+}  // namespace detail
+
+Duration default_timeout() {
+  const char* text = std::getenv("SHARDOPT_TIMEOUT");
+  if (text == nullptr || *text == '\0') return kDefaultTimeout;
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  SHARDOPT_CHECK(end != text && *end == '\0' && seconds > 0 && seconds < 1e9, InvalidArgument,
+                 "comm: SHARDOPT_TIMEOUT must be a positive number of seconds, got '{}'", text);
+  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(seconds));
+}
+
 void Work::wait(Duration timeout) {
   if (done_) return;
   const Duration deadline = timeout > Duration::zero() ? timeout : default_timeout_;
-  SHARDOPT_CHECK(wait_for(deadline), Timeout,
+  const bool completed = wait_for(deadline);
+  if (!completed) g_timed_out = true;
+  SHARDOPT_CHECK(completed, Timeout,
                  "comm: {} did not complete within {} ms; a rank may have died, hung, or not made "
                  "the same call",
                  description_, deadline.count());

@@ -7,13 +7,20 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
+#include <functional>
 #include <future>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "comm/engines.hpp"
 #include "shardopt/error.hpp"
@@ -55,7 +62,38 @@ int mpi_count(int64_t numel, const char* op) {
 
 struct Shared {
   std::atomic<bool> timed_out{false};
+  std::atomic<bool> busy{false};  // the worker is inside a collective
 };
+
+// Note [MPI timeouts] (shardopt/mpi.hpp): a worker still inside a collective after a timeout can
+// never be joined, and MPI_Finalize would block behind it, so mpirun would never end the job.
+// When the process tears MPI down in that state (the communicator's destructor, or the MPI
+// runtime's at exit), it repeats the timeout on stderr and calls MPI_Abort, which makes the
+// launcher end every rank. A timeout whose collective completed later leaves nothing stuck and
+// finalises normally.
+std::mutex g_live_mutex;
+std::vector<std::weak_ptr<Shared>> g_live;  // every threaded engine's state
+std::string g_last_timeout;                 // guarded by g_live_mutex
+
+bool stuck(const Shared& s) { return s.timed_out && s.busy; }
+
+[[noreturn]] void abort_stuck_job(const char* when) {
+  std::string last;
+  {
+    std::lock_guard<std::mutex> lock(g_live_mutex);
+    last = g_last_timeout;
+  }
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(stderr,
+               "shardopt[rank %d] comm.mpi: %s while a collective is still blocked in MPI after a "
+               "timeout (%s); MPI cannot cancel it and MPI_Finalize would hang, so calling "
+               "MPI_Abort to end the job\n",
+               rank, when, last.empty() ? "no description" : last.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);  // MPI_Abort does not return; in case it does
+}
 
 class MpiWork final : public Work {
  public:
@@ -70,6 +108,9 @@ class MpiWork final : public Work {
   bool wait_for(Duration timeout) override {
     if (done_.wait_for(timeout) != std::future_status::ready) {
       shared_->timed_out = true;  // the worker may never return: see Note [MPI timeouts]
+      std::lock_guard<std::mutex> lock(g_live_mutex);
+      g_last_timeout = fmt::format("{} did not complete within {} ms", description(),
+                                   timeout.count());
       return false;
     }
     done_.get();  // rethrows the engine's error
@@ -86,6 +127,10 @@ class MpiCommunicator final : public Communicator {
   MpiCommunicator(MPI_Comm comm, int rank, int size, bool threaded)
       : Communicator(rank, size), comm_(comm), threaded_(threaded) {
     if (threaded_) {
+      {
+        std::lock_guard<std::mutex> lock(g_live_mutex);
+        g_live.push_back(shared_);
+      }
       exited_ = exit_signal_.get_future();
       worker_ = std::thread([this] {
         run_worker();
@@ -96,6 +141,8 @@ class MpiCommunicator final : public Communicator {
 
   ~MpiCommunicator() override {
     if (threaded_) {
+      // The worker may need the GIL to drop a Python tensor: see Note [Freeing without the GIL].
+      detail::BlockingRegion blocking;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         stopping_ = true;
@@ -103,8 +150,7 @@ class MpiCommunicator final : public Communicator {
       ready_.notify_one();
       // After a timeout the worker may be blocked inside MPI for good; joining would hang.
       if (shared_->timed_out && exited_.wait_for(std::chrono::seconds(2)) != std::future_status::ready) {
-        worker_.detach();
-        return;
+        abort_stuck_job("communicator destroyed");
       }
       worker_.join();
     }
@@ -194,11 +240,11 @@ class MpiCommunicator final : public Communicator {
     return comm;
   }
 
-  // Note [Closures die before completion]: a task's closure holds tensors the caller may own
-  // from Python. Destroying the last reference to such a tensor needs the GIL on torch >= 2, so
-  // if the closure outlived the work's completion, a caller that holds the GIL and waits for this
-  // thread (joining it in the destructor) would deadlock. The closure is therefore destroyed
-  // before the work is marked complete.
+  // Each task's closure, and with it the last reference to its tensors, is destroyed before the
+  // caller learns that the task completed: dropping a tensor created in Python takes the GIL, and
+  // a caller that got its result may hold the GIL while it destroys the communicator (which joins
+  // this thread, releasing the GIL through detail::BlockingRegion). See Note [Freeing without the
+  // GIL] in python_bindings/shardopt_py.cpp.
   void run_worker() {
     for (;;) {
       Task task;
@@ -209,6 +255,7 @@ class MpiCommunicator final : public Communicator {
         task = std::move(queue_.front());
         queue_.pop_front();
       }
+      shared_->busy = true;
       std::exception_ptr error;
       try {
         task.fn();
@@ -216,6 +263,7 @@ class MpiCommunicator final : public Communicator {
         error = std::current_exception();
       }
       task.fn = nullptr;
+      shared_->busy = false;
       if (error) {
         task.done.set_exception(error);
       } else {
@@ -326,7 +374,18 @@ struct MpiRuntime {
   ~MpiRuntime() {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned && !finalized) MPI_Finalize();
+    if (!owned || finalized) return;
+    {
+      std::unique_lock<std::mutex> lock(g_live_mutex);
+      for (const auto& weak : g_live) {
+        const auto s = weak.lock();
+        if (s && stuck(*s)) {
+          lock.unlock();
+          abort_stuck_job("exiting");
+        }
+      }
+    }
+    MPI_Finalize();
   }
 };
 MpiRuntime g_runtime;

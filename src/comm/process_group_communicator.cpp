@@ -20,9 +20,13 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <sstream>
+#include <thread>
 
 #include "comm/engines.hpp"
 #include "shardopt/error.hpp"
@@ -56,6 +60,9 @@ c10d::ReduceOp c10d_op(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
+// c10's messages end in a C++ stack trace: users get the first line.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
 class ProcessGroupWork final : public Work {
  public:
   ProcessGroupWork(std::string description, Duration timeout, c10::intrusive_ptr<c10d::Work> work,
@@ -69,11 +76,10 @@ class ProcessGroupWork final : public Work {
       work_->wait(timeout);
     } catch (const std::exception& e) {
       const std::string what = e.what();
-      // c10d reports both deadlines (ours and Gloo's own) as exceptions.
+      // c10d reports both deadlines (ours and Gloo's own) as exceptions; returning false lets
+      // Work::wait raise the Timeout (and record it, so teardown stops waiting).
       if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) {
-        SHARDOPT_FAIL(Timeout, "comm: {} did not complete within {} ms; a rank may have died, "
-                               "hung, or not made the same call ({})",
-                      description(), timeout.count(), first_line(what));
+        return false;
       }
       SHARDOPT_FAIL(Communication, "comm: {} failed: {}", description(), first_line(what));
     }
@@ -84,7 +90,6 @@ class ProcessGroupWork final : public Work {
   }
 
  private:
-  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> then_;
 };
@@ -95,7 +100,7 @@ at::Tensor transport_bits(const at::Tensor& t, bool gloo) {
 }
 
 CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                          Duration timeout);
+                          Duration timeout, const std::string& where);
 
 // Group: c10d::ProcessGroup, or c10d::Backend on torch >= 2 (Note [c10d across torch versions]).
 template <class Group>
@@ -104,6 +109,18 @@ class ProcessGroupCommunicator final : public Communicator {
   ProcessGroupCommunicator(c10::intrusive_ptr<Group> group, c10::intrusive_ptr<c10d::Store> store)
       : Communicator(group->getRank(), group->getSize()), group_(std::move(group)),
         store_(std::move(store)), name_(group_->getBackendName()) {}
+
+  // Note [Process groups after a timeout]: a collective that timed out may still be blocked in
+  // the group's worker thread, and the group's destructor joins it, which can take as long as the
+  // group's own timeout (torch's default: 30 min; torchrun's groups: whatever the user gave at
+  // creation), however short ZeroOptions::timeout is. Once a collective of this process timed out,
+  // the group and its store are therefore left to the process's exit instead of destroyed, so
+  // that the error ends the process promptly (and the launcher tears the job down).
+  ~ProcessGroupCommunicator() override {
+    if (!detail::collective_timed_out()) return;
+    (void)group_.release();  // leaked on purpose: see above
+    (void)store_.release();
+  }
 
   std::string backend() const override { return name_; }
   Capabilities capabilities() const override {
@@ -203,7 +220,8 @@ class ProcessGroupCommunicator final : public Communicator {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
         fmt::format("shardopt.split{}.color{}", sequence, color), store_);
     return make_gloo(prefixed, static_cast<int>(me - members.begin()),
-                     static_cast<int>(members.size()), timeout());
+                     static_cast<int>(members.size()), timeout(),
+                     fmt::format("the parent group's store (split {}, color {})", sequence, color));
   }
 
  private:
@@ -244,11 +262,18 @@ std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices() {
 }
 
 CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                          Duration timeout) {
+                          Duration timeout, const std::string& where) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   opts->devices = gloo_devices();
-  c10::intrusive_ptr<GlooGroup> group =
-      c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  c10::intrusive_ptr<GlooGroup> group;
+  try {
+    group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  } catch (const std::exception& e) {  // c10's message carries a C++ stack trace: first line only
+    SHARDOPT_FAIL(Communication,
+                  "comm.gloo: rank {} of {} could not connect to its peers through the store at "
+                  "{} within {} ms: {}",
+                  rank, size, where, timeout.count(), first_line(e.what()));
+  }
   CommunicatorPtr comm =
       std::make_shared<ProcessGroupCommunicator<GlooGroup>>(std::move(group), store);
   comm->set_timeout(timeout);
@@ -275,7 +300,7 @@ CommunicatorPtr make_gloo_communicator(const GlooOptions& options) {
   const std::string& spec = options.store;
   if (spec.rfind("file:", 0) == 0) {
     auto store = c10::make_intrusive<c10d::FileStore>(spec.substr(5), options.size);
-    return make_gloo(store, options.rank, options.size, options.timeout);
+    return make_gloo(store, options.rank, options.size, options.timeout, spec);
   }
   if (spec.rfind("tcp://", 0) == 0) {
     const auto colon = spec.rfind(':');
@@ -289,19 +314,60 @@ CommunicatorPtr make_gloo_communicator(const GlooOptions& options) {
                 spec);
 }
 
+namespace {
+// Every rank checks in under its own key; rank 0 waits for all of them and names the ranks that
+// never came (a rank that never started, or one pointed at another address).
+void rendezvous(c10d::Store& store, int rank, int size, Duration timeout, const std::string& where) {
+  const auto key = [](int r) { return fmt::format("shardopt/joined/{}", r); };
+  store.set(key(rank), std::vector<uint8_t>{1});
+  if (rank != 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<int> missing;
+  for (;;) {
+    missing.clear();
+    for (int r = 1; r < size; ++r) {
+      if (!store.check({key(r)})) missing.push_back(r);
+    }
+    if (missing.empty()) return;
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  SHARDOPT_FAIL(Timeout,
+                "comm.gloo: rendezvous at {} timed out after {} ms: rank{} {} of {} never joined "
+                "(not started, crashed, or given another MASTER_ADDR/MASTER_PORT)",
+                where, timeout.count(), missing.size() > 1 ? "s" : "", fmt::join(missing, ", "),
+                size);
+}
+}  // namespace
+
 namespace detail {
 CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string& host, int port,
                                            Duration timeout) {
   SHARDOPT_CHECK(port > 0 && port < 65536, InvalidArgument,
                  "comm.gloo: port must lie in (0, 65536), got {}", port);
+  const std::string where = fmt::format("{}:{}", host, port);
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(port);
   opts.isServer = rank == 0;
   opts.numWorkers = size;
+  opts.waitWorkers = false;  // rank 0 waits below, to name the ranks that are missing
   opts.timeout = timeout;
   use_classic_tcp_store(opts, 0);
-  auto store = c10::make_intrusive<c10d::TCPStore>(host, opts);
-  return make_gloo(store, rank, size, timeout);
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(host, opts);
+  } catch (const std::exception& e) {  // c10's message carries a C++ stack trace: first line only
+    SHARDOPT_CHECK(rank != 0, Communication,
+                   "comm.gloo: rank 0 could not serve the rendezvous store at {} (within {} ms): "
+                   "{}; is the port in use?",
+                   where, timeout.count(), first_line(e.what()));
+    SHARDOPT_FAIL(Communication,
+                  "comm.gloo: rank {} could not reach the rendezvous store at {}, served by rank "
+                  "0, within {} ms: {}",
+                  rank, where, timeout.count(), first_line(e.what()));
+  }
+  rendezvous(*store, rank, size, timeout, where);
+  return make_gloo(store, rank, size, timeout, where);
 }
 }  // namespace detail
 

@@ -59,6 +59,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "shardopt/error.hpp"
@@ -84,6 +85,30 @@ std::vector<at::Tensor> tensors_of(const std::vector<ModelParam>& params) {
   std::vector<at::Tensor> out;
   for (const auto& p : params) out.push_back(p.tensor);
   return out;
+}
+
+std::vector<std::string> names_of(const std::vector<ModelParam>& params) {
+  std::vector<std::string> out;
+  for (const auto& p : params) out.push_back(p.name);
+  return out;
+}
+
+// How a released parameter's error names the units that gather its part (release_guard.hpp):
+// "unit 'layer'", "units 'embeddings', 'heads'" for a shared part, "no unit" for the root part.
+std::vector<std::string> part_labels(const CollectedModel& model, const Units& units) {
+  std::vector<std::vector<std::string>> users(model.root_unit + 1);
+  for (size_t u = 0; u < model.unit_parts.size(); ++u) {
+    for (int part : model.unit_parts[u]) {
+      users[part].push_back(fmt::format("'{}'", units.name(static_cast<int>(u))));
+    }
+  }
+  std::vector<std::string> labels;
+  for (const auto& names : users) {
+    labels.push_back(names.empty()       ? std::string("no unit: gathered from zero_grad() to step()")
+                     : names.size() == 1 ? fmt::format("unit {}", names[0])
+                                         : fmt::format("units {}", fmt::join(names, ", ")));
+  }
+  return labels;
 }
 
 }  // namespace
@@ -174,9 +199,9 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   // into this rank's shard instead (ParameterStore::adopt_shards), never holding a second copy.
   if (plan_.per_unit()) {
     at::NoGradGuard no_grad;
-    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1,
-                                              model_.unit_parts, comm_, options_.timeout,
-                                              options_.prefetch);
+    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
+                                              part_labels(model_, *unit_plan_), model_.unit_parts,
+                                              comm_, options_.timeout, options_.prefetch);
     const at::Tensor initial = store_->adopt_shards(base.dtype(master_options.dtype()),
                                                     options_.broadcast_initial_params);
     flat_->init_master_shard(initial);
@@ -212,7 +237,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
     if (options_.broadcast_initial_params && world_ > 1) {
       comm_->broadcast(initial, 0, true)->wait(options_.timeout);
     }
-    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), root + 1,
+    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
+                                              std::vector<std::string>{"the whole model"},
                                               std::vector<std::vector<int>>{}, comm_,
                                               options_.timeout, options_.prefetch);
     store_->adopt(initial);
@@ -252,7 +278,9 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
 
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
-  if (!tracker_->begin_pass()) return;
+  if (tracker_->in_pass()) return;
+  check_micro_step_open();
+  tracker_->begin_pass();
   torch::autograd::Engine::get_default_engine().queue_callback([this] {
     if (tracker_->in_pass()) on_backward_end();
   });
@@ -261,7 +289,6 @@ void Engine::begin_pass() {
 void Engine::on_grad_ready(int index) {
   begin_pass();
   const auto& p = params()[index];
-  reducer_->check_open(index, p.name, options_.grad_accumulation_steps);
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
   const int micro = tracker_->micro_steps();
@@ -296,11 +323,24 @@ void Engine::on_backward_end() {
   tracker_->end_pass();
 }
 
+// One rule at every stage: at most grad_accumulation_steps backward passes per step(). Checked
+// before autograd runs when the pass comes through backward(), and by the first hook of a plain
+// loss.backward() (in-place gradients of one parameter may already hold the extra pass then).
+void Engine::check_micro_step_open() const {
+  const int k = options_.grad_accumulation_steps;
+  SHARDOPT_CHECK(tracker_->micro_steps() < k, InvalidArgument,
+                 "optimizer: backward pass {} since the last step(), but "
+                 "grad_accumulation_steps is {}; call backward() at most grad_accumulation_steps "
+                 "times per step() (zero_grad() starts over)",
+                 tracker_->micro_steps() + 1, k);
+}
+
 // Note [Gradient accumulation convention]: gradients of the k = grad_accumulation_steps
 // micro-steps are summed, and backward(loss) scales the loss by 1/k (DeepSpeed's convention). So
 // opt.backward(loss) and torch's (and FSDP's) own (loss / k).backward() both give the gradient of
 // the average loss over the big batch; nothing divides by k behind the caller's back.
 void Engine::backward(const at::Tensor& loss) {
+  if (!tracker_->in_pass()) check_micro_step_open();
   const double factor =
       (scaler_ ? scaler_->scale() : 1.0) / static_cast<double>(options_.grad_accumulation_steps);
   if (factor != 1.0) {
@@ -330,7 +370,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
   stats_ = StepStats{};
   stats_.step = steps_;
   finish_reduction();
-  if (skip_on_overflow()) {
+  if (skip_non_finite()) {
     end_step(t0);
     return loss;
   }
@@ -360,21 +400,44 @@ void Engine::finish_reduction() {
   stats_.reduce_wait_s = seconds_since(t);
 }
 
-// Phase 2: fp16 overflow on any rank: no update anywhere; the scaler has backed off.
-bool Engine::skip_on_overflow() {
-  if (!scaler_) return false;
-  RECORD_FUNCTION("shardopt::skip_on_overflow", std::vector<c10::IValue>());
-  stats_.loss_scale = scaler_->scale();
-  stats_.skipped = scaler_->update(update_->any_rank_non_finite());
-  return stats_.skipped;
+// Phase 2: non-finite gradients on any rank, at every precision: no update anywhere, parameters
+// and optimizer state untouched. With clipping the global norm (needed anyway) is the check;
+// otherwise a sum per segment and a one-element all-reduce. fp16's scaler backs off; without one,
+// options_.max_nonfinite_steps skipped steps in a row throw on every rank (they agree on the flag).
+bool Engine::skip_non_finite() {
+  RECORD_FUNCTION("shardopt::skip_non_finite", std::vector<c10::IValue>());
+  bool non_finite = false;
+  if (options_.max_grad_norm > 0) {
+    stats_.grad_norm = update_->global_norm();
+    non_finite = !std::isfinite(stats_.grad_norm);
+  } else {
+    non_finite = update_->any_rank_non_finite();
+  }
+  if (scaler_) {
+    stats_.loss_scale = scaler_->scale();
+    stats_.skipped = scaler_->update(non_finite);
+    return stats_.skipped;
+  }
+  stats_.skipped = non_finite;
+  nonfinite_run_ = non_finite ? nonfinite_run_ + 1 : 0;
+  stats_.nonfinite_steps = nonfinite_run_;
+  if (non_finite && options_.max_nonfinite_steps > 0 &&
+      nonfinite_run_ >= options_.max_nonfinite_steps) {
+    nonfinite_run_ = 0;
+    SHARDOPT_FAIL(NonFinite,
+                  "optimizer: gradients were NaN/Inf on some rank in {} consecutive steps (all "
+                  "skipped, parameters unchanged since step {}); check the loss and the learning "
+                  "rate, or raise ZeroOptions::max_nonfinite_steps (0: only skip)",
+                  options_.max_nonfinite_steps, steps_);
+  }
+  return non_finite;
 }
 
-// Phase 3: global gradient-norm clipping.
+// Phase 3: global gradient-norm clipping (the norm was computed by phase 2).
 void Engine::clip() {
+  if (options_.max_grad_norm <= 0) return;
   RECORD_FUNCTION("shardopt::clip", std::vector<c10::IValue>());
-  const auto c = update_->clip(options_.max_grad_norm);
-  stats_.grad_norm = c.norm;
-  stats_.clipped = c.clipped;
+  stats_.clipped = update_->clip(options_.max_grad_norm, stats_.grad_norm);
 }
 
 // Phase 4: the local update of this rank's segments, cast into the model's dtype.
@@ -400,6 +463,19 @@ void Engine::end_step(Clock::time_point t0) {
   tracker_->reset_micro_steps();
   stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
   stats_.step_s = seconds_since(t0);
+}
+
+// A double sum of each owned slice is finite exactly when the slice is (fp32 values cannot
+// overflow it); one MAX all-reduce makes every rank answer alike.
+bool Engine::parameters_finite() {
+  at::NoGradGuard no_grad;
+  double sum = 0;
+  for (int b = 0; b < static_cast<int>(flat_->layout().buckets.size()); ++b) {
+    sum += at::sum(owned_param_slice(b), at::kDouble).item<double>();
+  }
+  at::Tensor flag = at::full({1}, std::isfinite(sum) ? 0.0f : 1.0f, at::kFloat);
+  if (world_ > 1) comm_->all_reduce(flag, ReduceOp::Max, true)->wait(options_.timeout);
+  return flag.item<float>() == 0;
 }
 
 MemoryReport Engine::memory() const {

@@ -5,7 +5,7 @@
 //   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per unit
 //   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
 //   BackwardTracker  (backward_tracker.hpp)  micro-steps, and which buckets/units are complete
-//   LocalUpdate      (local_update.hpp)      unscale, overflow check, clip, the rules and kernels
+//   LocalUpdate      (local_update.hpp)      unscale, non-finite check, clip, the rules and kernels
 // It also implements ShardAccess, what checkpoints read and write (src/checkpoint).
 #pragma once
 
@@ -60,6 +60,7 @@ class Engine final : public UnitRuntime, public ShardAccess {
   int64_t numel() const { return flat_->layout().numel; }
   int64_t padded_numel() const { return flat_->layout().padded_numel; }
   void gather_full_parameters() { store_->gather_full(); }
+  bool parameters_finite();
   // The torch param groups DistributedOptimizer registers, and their rules.
   const CollectedModel& model() const { return model_; }
 
@@ -103,12 +104,13 @@ class Engine final : public UnitRuntime, public ShardAccess {
   void attach_hooks();
   // Autograd events.
   void begin_pass();
+  void check_micro_step_open() const;
   void on_grad_ready(int index);
   void on_backward_end();
   bool reduces_this_micro_step() const;
   // The phases of step().
   void finish_reduction();
-  bool skip_on_overflow();
+  bool skip_non_finite();
   void clip();
   void update();
   void after_update();
@@ -136,6 +138,7 @@ class Engine final : public UnitRuntime, public ShardAccess {
   };
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
+  int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };
 

@@ -33,6 +33,7 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
 }
 
 GradientReducer::~GradientReducer() {
+  if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
   for (auto& b : buckets_) {
     if (!b.work) continue;
     try {
@@ -46,18 +47,6 @@ at::Tensor GradientReducer::reduced(int bucket, const UpdatedRange& range) const
   if (plan_.bucketed()) return grad_reduced_.narrow(0, range.state_offset, range.length);
   const auto& bl = flat_.layout().buckets[bucket];
   return grad_flat_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
-}
-
-void GradientReducer::check_open(int index, const std::string& name,
-                                 int accumulation_steps) const {
-  if (plan_.bucketed()) return;
-  const auto& layout = flat_.layout();
-  for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
-    SHARDOPT_CHECK(buckets_[p->bucket].launched_micro < 0, InvalidArgument,
-                   "optimizer: gradient of '{}' arrived after its bucket was reduced; call "
-                   "backward() at most grad_accumulation_steps ({}) times per step()",
-                   name, accumulation_steps);
-  }
 }
 
 void GradientReducer::accept(int index, int micro,

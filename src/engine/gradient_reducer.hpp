@@ -14,7 +14,6 @@
 
 #include <deque>
 #include <functional>
-#include <string>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -33,9 +32,6 @@ class GradientReducer {
   // The reduced gradients of a bucket's updated range (the update's input).
   at::Tensor reduced(int bucket, const UpdatedRange& range) const;
 
-  // In-place gradients cannot arrive once their bucket was reduced this step (more backward()
-  // calls than grad_accumulation_steps): throws InvalidArgument naming the parameter.
-  void check_open(int index, const std::string& name, int accumulation_steps) const;
   // Parameter `index`'s gradient arrived in micro-step `micro`: move it into the sink. After each
   // of its pieces is in, `piece_in(bucket)` runs (the engine launches the buckets this arrival
   // completed there, so a buffer is in flight before the next piece needs one).

@@ -40,31 +40,30 @@ void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
 }
 
 bool LocalUpdate::any_rank_non_finite() {
-  bool bad = false;
-  for (auto& s : flat_.segments()) bad = bad || !s.grad.isfinite().all().item<bool>();
-  at::Tensor flag = at::full({1}, bad ? 1.0f : 0.0f, at::kFloat);
-  if (comm_->size() > 1) all_reduce_small(flag, ReduceOp::Max);
+  double sum = 0;
+  for (auto& s : flat_.segments()) sum += at::sum(s.grad, at::kDouble).item<double>();
+  at::Tensor flag = at::full({1}, std::isfinite(sum) ? 0.0f : 1.0f, at::kFloat);
+  // Replicated plans hold the same reduced gradients on every rank: the flags agree already.
+  if (comm_->size() > 1 && flat_.plan().sharded()) all_reduce_small(flag, ReduceOp::Max);
   return flag.item<float>() > 0;
 }
 
-LocalUpdate::Clip LocalUpdate::clip(double max_norm) {
-  Clip result;
-  if (max_norm <= 0) return result;
-  at::Tensor sq = at::zeros({1}, at::kDouble);
+double LocalUpdate::global_norm() {
   double local = 0;
   for (auto& s : flat_.segments()) {
     const double n = s.grad.norm().item<double>();
     local += n * n;
   }
-  sq.fill_(local);
+  at::Tensor sq = at::full({1}, local, at::kDouble);
   if (flat_.plan().sharded()) all_reduce_small(sq);
-  result.norm = std::sqrt(sq.item<double>());
-  const double coef = max_norm / (result.norm + 1e-6);
-  if (coef < 1) {
-    result.clipped = true;
-    for (auto& s : flat_.segments()) s.grad.mul_(coef);
-  }
-  return result;
+  return std::sqrt(sq.item<double>());
+}
+
+bool LocalUpdate::clip(double max_norm, double norm) {
+  const double coef = max_norm / (norm + 1e-6);
+  if (!(coef < 1)) return false;
+  for (auto& s : flat_.segments()) s.grad.mul_(coef);
+  return true;
 }
 
 void LocalUpdate::update(int64_t step) {

@@ -29,14 +29,15 @@ class LocalUpdate {
 
   // Divides the reduced gradients by `divisor` (world * micro-steps * loss scale).
   void unscale(double divisor);
-  // Whether any rank holds a non-finite reduced gradient (each checks its own segments).
+  // Whether any rank holds a non-finite reduced gradient: each sums its own segments in double (a
+  // NaN or Inf makes the sum non-finite; finite fp32 values cannot overflow a double sum), then,
+  // when sharded, one MAX all-reduce of a flag, so every rank answers the same.
   bool any_rank_non_finite();
-  // Global L2 norm across every rank's segments; scales the gradients down to `max_norm`.
-  struct Clip {
-    double norm = -1.0;
-    bool clipped = false;
-  };
-  Clip clip(double max_norm);
+  // Global L2 norm across every rank's segments (the same value on every rank); non-finite when
+  // any gradient is.
+  double global_norm();
+  // Scales the gradients down to `max_norm` given their global `norm`; returns whether it did.
+  bool clip(double max_norm, double norm);
   // One optimizer step, number `step` (1-based); leaves the result in the segments' params (and,
   // where the kernels wrote it, their compute-dtype copies).
   void update(int64_t step);

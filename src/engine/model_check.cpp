@@ -73,6 +73,9 @@ CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, b
   SHARDOPT_CHECK(!groups.empty(), InvalidArgument, "optimizer: no parameter groups given");
   CollectedModel m;
   std::unordered_map<const c10::TensorImpl*, std::pair<std::string, int>> seen;  // name, group
+  // Checkpoints key parameters by name (shardopt/checkpoint.hpp): a name given to two different
+  // tensors, or an empty one, would save a checkpoint that can never be loaded.
+  std::unordered_map<std::string, const c10::TensorImpl*> names;
   int64_t order = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     Rule group_rule = rule;
@@ -88,6 +91,14 @@ CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, b
                      "optimizer: parameter '{}' is an undefined tensor", np.name);
       ++order;
       if (!np.tensor.requires_grad()) continue;  // frozen: not ours to shard
+      SHARDOPT_CHECK(!np.name.empty(), InvalidArgument,
+                     "optimizer: trainable parameter #{} has an empty name; checkpoints key "
+                     "parameters by name", order - 1);
+      auto [named, new_name] = names.emplace(np.name, np.tensor.unsafeGetTensorImpl());
+      SHARDOPT_CHECK(new_name || named->second == np.tensor.unsafeGetTensorImpl(), InvalidArgument,
+                     "optimizer: parameter name '{}' is given to two different tensors; names "
+                     "must be unique (checkpoints key parameters by name, so such a checkpoint "
+                     "could never be loaded)", np.name);
       auto [it, fresh] = seen.emplace(np.tensor.unsafeGetTensorImpl(),
                                       std::make_pair(np.name, static_cast<int>(g)));
       if (!fresh) {

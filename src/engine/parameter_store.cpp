@@ -7,20 +7,29 @@
 
 #include <algorithm>
 
+#include "engine/release_guard.hpp"
+#include "shardopt/error.hpp"
+
 namespace shardopt::detail {
 
-ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int parts,
+ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
+                               std::vector<std::string> names, std::vector<std::string> part_labels,
                                std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm,
                                Duration timeout, int prefetch)
-    : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
-      timeout_(timeout), prefetch_(prefetch), rank_(flat.rank()) {
-  units_.resize(parts);
+    : flat_(flat), plan_(flat.plan()), params_(std::move(params)), names_(std::move(names)),
+      part_labels_(std::move(part_labels)), comm_(std::move(comm)), timeout_(timeout),
+      prefetch_(prefetch), rank_(flat.rank()) {
+  units_.resize(part_labels_.size());
   unit_parts_ = std::move(unit_parts);
-  root_unit_ = parts - 1;
+  root_unit_ = static_cast<int>(units_.size()) - 1;
   units_[root_unit_].gathered = !plan_.per_unit();
 }
 
 ParameterStore::~ParameterStore() {
+  for (const auto& u : units_) {
+    for (int i : u.params) forget_parameter(params_[i]);
+  }
+  if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
   for (auto& u : units_) {
     for (auto& w : u.works) {
       try {
@@ -61,9 +70,8 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
   }
   // Views are checked against the storage's size, not its bytes: each part's buffer is a storage
   // that has its size and no bytes (as released), so taking the views allocates nothing.
-  std::vector<std::vector<int>> params_of(units_.size());
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
-    params_of[layout.buckets[layout.slots[i].bucket].unit].push_back(i);
+    units_[layout.buckets[layout.slots[i].bucket].unit].params.push_back(i);
   }
   full_.resize(layout.buckets.size());
   std::vector<at::Tensor> views(params_.size());
@@ -76,7 +84,7 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
     for (int b : part.buckets) {
       full_[b] = part.full.narrow(0, at_in_unit[b], layout.buckets[b].padded);
     }
-    for (int i : params_of[u]) {
+    for (int i : part.params) {
       const auto& slot = layout.slots[i];
       views[i] = part.full.narrow(0, at_in_unit[slot.bucket] + slot.offset, slot.numel)
                      .view(params_[i].sizes());
@@ -123,7 +131,12 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
       }
     }
     // Same TensorImpl (autograd identity), no storage until gathered.
-    for (int i : done_after[b]) params_[i].set_data(views[i]);
+    for (int i : done_after[b]) {
+      params_[i].set_data(views[i]);
+      const int part = layout.buckets[layout.slots[i].bucket].unit;
+      remember_parameter(params_[i], names_[i], part_labels_[part]);
+      guard_released(params_[i]);
+    }
   }
   shard_ = initial.to(options);  // no copy when the model computes in master precision
   // The parameters in no unit stay gathered for the first forward, until the first step.
@@ -254,6 +267,7 @@ void ParameterStore::launch_gather(int unit) {
     storage->set_data_ptr_noswap(c10::GetAllocator(u.full.device().type())->allocate(nbytes));
     storage->set_nbytes(nbytes);
   }
+  for (int i : u.params) unguard(params_[i]);
   for (int b : u.buckets) {
     const auto& bl = layout.buckets[b];
     u.works.push_back(
@@ -277,6 +291,7 @@ void ParameterStore::release(int unit) {
   for (auto& w : u.works) w->wait(timeout_);  // never free under a collective
   u.works.clear();
   if (u.full.defined()) u.full.storage().unsafeGetStorageImpl()->reset();
+  for (int i : u.params) guard_released(params_[i]);
   u.gathered = false;
 }
 

@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -21,11 +22,14 @@ namespace shardopt::detail {
 
 class ParameterStore {
  public:
-  // params[i] is layout slot i. PerUnit: parameters are gathered in `parts` (the buckets' unit
-  // field), the last the root part (parameters in no unit: gathered from construction or
-  // gather_root() until the end of the step); unit_parts[u]: the parts declared unit u needs.
-  // Whole plans pass parts = 1 and no unit_parts.
-  ParameterStore(const FlatState& flat, std::vector<at::Tensor> params, int parts,
+  // params[i] is layout slot i, named names[i]. PerUnit: parameters are gathered in parts (the
+  // buckets' unit field), the last the root part (parameters in no unit: gathered from
+  // construction or gather_root() until the end of the step); unit_parts[u]: the parts declared
+  // unit u needs; part_labels[p]: how errors name part p's units (Note [Released parameters] in
+  // release_guard.cpp: released parameters raise a named error when read). Whole plans pass one
+  // part and no unit_parts.
+  ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
+                 std::vector<std::string> names, std::vector<std::string> part_labels,
                  std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm, Duration timeout,
                  int prefetch);
   // Lets in-flight all-gathers land before the buffers they write go away.
@@ -79,6 +83,7 @@ class ParameterStore {
   struct UnitState {
     std::vector<int> buckets;
     at::Tensor full;             // the buckets' full buffers back to back
+    std::vector<int> params;     // layout slots of its parameters (guarded while released)
     bool gathered = false;       // storage allocated (and filled once `works` complete)
     std::vector<WorkPtr> works;  // all-gathers in flight
     int active = 0;              // declared units using it in forward right now
@@ -91,6 +96,8 @@ class ParameterStore {
   const FlatState& flat_;
   const StagePlan plan_;
   std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<std::string> part_labels_;
   CommunicatorPtr comm_;
   Duration timeout_;
   int prefetch_ = 1;

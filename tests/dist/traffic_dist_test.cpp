@@ -73,10 +73,12 @@ TEST(Traffic, FlatShardingFormulas) {
     const Counted c = train_counted(zo, counting, *counting);
     const int64_t psi = c.padded_numel;
     const int64_t sent = c.per_step.sent_bytes();
-    const int64_t expected = stage == 3 ? c.per_step.elements * 4 * (n - 1) / n
-                                        : 2 * psi * 4 * (n - 1) / n;
+    const int64_t flag = test::nonfinite_flag_elements(stage, n);
+    const int64_t expected =
+        (stage == 3 ? (c.per_step.elements - flag) * 4 * (n - 1) / n : 2 * psi * 4 * (n - 1) / n) +
+        test::nonfinite_flag_peer_bytes(stage, n) * (n - 1);
     EXPECT_EQ(sent, expected) << "stage " << stage;
-    if (stage < 3) EXPECT_EQ(c.per_step.elements, 2 * psi) << "stage " << stage;
+    if (stage < 3) EXPECT_EQ(c.per_step.elements, 2 * psi + flag) << "stage " << stage;
     EXPECT_EQ(c.per_step.inter_host_bytes, expected / std::max<int64_t>(1, n - 1) * (n - local))
         << "stage " << stage << ", " << local << " of " << n << " ranks on this host";
     ok = ok && sent == expected &&
@@ -105,12 +107,15 @@ TEST(Traffic, HybridShardingSendsOnlyTheShardAcrossHosts) {
     zo.shard_group_size = static_cast<int>(local);
     const Counted c = train_counted(zo, counting, *counting);
     const int64_t psi = c.padded_numel;  // padded for groups of `local`; shards divide by h
-    const int64_t inter = 2 * (psi / local) * 4 * (h - 1) / h;
+    // The non-finite flag is all-reduced within the host, then across hosts.
+    const int64_t flag = test::nonfinite_flag_peer_bytes(stage, n);
+    const int64_t inter = 2 * (psi / local) * 4 * (h - 1) / h + flag * (h - 1);
     EXPECT_EQ(c.per_step.inter_host_bytes, inter) << "stage " << stage;
     ok = ok && c.per_step.inter_host_bytes == inter;
     if (stage < 3) {
-      EXPECT_EQ(c.per_step.intra_host_bytes, 2 * psi * 4 * (local - 1) / local) << "stage " << stage;
-      ok = ok && c.per_step.intra_host_bytes == 2 * psi * 4 * (local - 1) / local;
+      const int64_t intra = 2 * psi * 4 * (local - 1) / local + flag * (local - 1);
+      EXPECT_EQ(c.per_step.intra_host_bytes, intra) << "stage " << stage;
+      ok = ok && c.per_step.intra_host_bytes == intra;
     }
   }
   EXPECT_TRUE(test::all_ranks(ok));

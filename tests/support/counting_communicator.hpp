@@ -22,7 +22,7 @@ struct Traffic {
   int64_t calls = 0;
   int64_t intra_host_bytes = 0;
   int64_t inter_host_bytes = 0;
-  int64_t reduction_bytes = 0;  // of all_reduce and reduce_scatter (gradients), all links
+  int64_t reduction_bytes = 0;  // of summing all_reduce and reduce_scatter (gradients), all links
   int64_t sent_bytes() const { return intra_host_bytes + inter_host_bytes; }
 };
 
@@ -60,7 +60,8 @@ class CountingCommunicator final : public Communicator {
  protected:
   WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op) override {
     const int64_t shard = (t.numel() + size() - 1) / size();
-    count(2 * t.numel(), 2 * shard * t.element_size(), -1, true);
+    // Max/Min reductions are flags (the engine's non-finite check), not gradients.
+    count(2 * t.numel(), 2 * shard * t.element_size(), -1, op == ReduceOp::Sum || op == ReduceOp::Avg);
     return inner_->all_reduce(t, op, true);
   }
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op) override {
@@ -110,5 +111,14 @@ class CountingCommunicator final : public Communicator {
   std::vector<int> host_of_;
   std::shared_ptr<Traffic> traffic_;
 };
+
+// Engine::skip_non_finite all-reduces a one-element fp32 flag each step at the sharded stages
+// with more than one rank: counted as 2 elements, and 2 * 4 bytes to every other rank.
+inline int64_t nonfinite_flag_elements(int stage, int64_t ranks) {
+  return stage >= 1 && ranks > 1 ? 2 : 0;
+}
+inline int64_t nonfinite_flag_peer_bytes(int stage, int64_t ranks) {
+  return stage >= 1 && ranks > 1 ? 2 * 4 : 0;
+}
 
 }  // namespace shardopt::test

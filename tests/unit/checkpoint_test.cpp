@@ -371,6 +371,54 @@ TEST(CheckpointErrors, UnknownFormatVersionAndBadJson) {
   expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint, {path, "not valid JSON"});
 }
 
+// A manifest edit that keeps valid JSON (a piece's shard offset moved by one element) used to
+// load silently wrong: the manifest's own checksum catches it, and without a checksum (manifests
+// written before it existed) the piece tables are checked against the recorded layout.
+TEST(CheckpointErrors, EditedManifestIsDetected) {
+  Saved s;
+  const std::string path = s.dir + "/manifest.json";
+  const auto original = nlohmann::json::parse(read_text(path));
+  ASSERT_TRUE(original.contains("manifest_crc32"));
+  auto edited = original;
+  nlohmann::json* first = nullptr;  // the piece stored first: moving it by one stays in the file
+  for (auto& p : edited["parameters"]) {
+    if (!first || p["pieces"][0][1] < (*first)["pieces"][0][1]) first = &p;
+  }
+  ASSERT_NE(first, nullptr);
+  const std::string name = (*first)["name"].get<std::string>();
+  (*first)["pieces"][0][1] = (*first)["pieces"][0][1].get<int64_t>() + 1;
+  std::ofstream(path) << edited.dump(1);
+  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+               {path, "checksum mismatch in manifest"});
+  edited.erase("manifest_crc32");
+  std::ofstream(path) << edited.dump(1);
+  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+               {"the piece table of parameter '" + name + "' does not match the layout"});
+  auto unsigned_original = original;  // an older manifest, unedited: still loads
+  unsigned_original.erase("manifest_crc32");
+  std::ofstream(path) << unsigned_original.dump(1);
+  load_into_fresh(s.dir);
+}
+
+// A parameter gone NaN is refused by the save itself, naming it; the last good checkpoint stays.
+TEST(CheckpointErrors, NonFiniteValuesAreNeverSaved) {
+  Saved s;
+  const std::string before = read_text(s.dir + "/manifest.json");
+  CkptNet net;
+  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(1));
+  ckpt_train(opt, net, 0, 1);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [name, t] : net.named) {
+      if (name == "fc2.bias") t.fill_(std::nanf(""));  // fp32: the model is the master
+    }
+  }
+  expect_error([&] { opt.save_checkpoint(s.dir); }, ErrorKind::NonFinite,
+               {"parameter 'fc2.bias' holds NaN/Inf", "refusing to save"});
+  EXPECT_EQ(read_text(s.dir + "/manifest.json"), before);
+  load_into_fresh(s.dir);
+}
+
 TEST(CheckpointErrors, UnwritableOrForeignDirectory) {
   TempDir tmp;
   std::ofstream(tmp / "file") << "x";

@@ -3,10 +3,21 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
 
 #include "shardopt/comm.hpp"
+#include "shardopt/config.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/options.hpp"
+#include "shardopt/process_group.hpp"
 
 namespace shardopt {
 namespace {
@@ -65,6 +76,69 @@ TEST(Work, TimeoutMustBePositive) {
   auto c = make_single_communicator();
   EXPECT_THROW(c->set_timeout(Duration::zero()), Error);
 }
+
+// One timeout setting: SHARDOPT_TIMEOUT (seconds) becomes the default of ZeroOptions,
+// InitOptions and every communicator; a value that is not a positive number is refused.
+TEST(DefaultTimeout, EnvironmentVariableSetsEveryDefault) {
+  ::setenv("SHARDOPT_TIMEOUT", "2.5", 1);
+  EXPECT_EQ(ZeroOptions{}.timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(InitOptions{}.timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(make_single_communicator()->timeout(), std::chrono::milliseconds(2500));
+  ::setenv("SHARDOPT_TIMEOUT", "ten", 1);
+  try {
+    (void)default_timeout();
+    ADD_FAILURE() << "SHARDOPT_TIMEOUT=ten was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("SHARDOPT_TIMEOUT must be a positive number of seconds, "
+                                         "got 'ten'"), std::string::npos) << e.what();
+  }
+  ::unsetenv("SHARDOPT_TIMEOUT");
+  EXPECT_EQ(ZeroOptions{}.timeout, kDefaultTimeout);
+}
+
+#if SHARDOPT_HAS_GLOO
+// A free TCP port on 127.0.0.1 (bound, read and closed: the store binds it right after).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Rendezvous failures over tcp:// name the missing ranks (rank 0) or the address that could not
+// be reached (the others), with no C++ stack trace from c10.
+TEST(GlooRendezvous, FailuresNameTheMissingRanksAndTheAddress) {
+  const int port = free_port();
+  GlooOptions o;
+  o.rank = 0;
+  o.size = 3;
+  o.store = fmt::format("tcp://127.0.0.1:{}", port);
+  o.timeout = std::chrono::seconds(2);  // c10d's client connects in whole seconds
+  auto expect_error = [](const GlooOptions& options, ErrorKind kind,
+                         const std::vector<std::string>& needles) {
+    try {
+      make_gloo_communicator(options);
+      ADD_FAILURE() << "expected a rendezvous error";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(e.kind(), kind) << what;
+      for (const auto& n : needles) EXPECT_NE(what.find(n), std::string::npos) << n << " in " << what;
+      EXPECT_EQ(what.find("Exception raised from"), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+  };
+  expect_error(o, ErrorKind::Timeout,
+               {"ranks 1, 2 of 3 never joined", fmt::format("127.0.0.1:{}", port)});
+  o.rank = 1;  // nobody serves the store now
+  expect_error(o, ErrorKind::Communication,
+               {"rank 1 could not reach the rendezvous store", fmt::format("127.0.0.1:{}", port)});
+}
+#endif  // SHARDOPT_HAS_GLOO
 
 }  // namespace
 }  // namespace shardopt

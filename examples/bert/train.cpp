@@ -30,6 +30,7 @@
 #include "model.hpp"
 #include "options.hpp"
 #include "prepare.hpp"
+#include "prepare_on_rank0.hpp"
 #include "progress.hpp"
 #include "report.hpp"
 #include "shardopt/optimizer.hpp"
@@ -66,41 +67,7 @@ double lr_at(const Args& a, int64_t step) {
   return rest <= 0 ? a.lr : a.lr * std::max(0.0, static_cast<double>(a.steps - step) / rest);
 }
 
-// Rank 0 prepares; the others learn the outcome (paths or rank 0's error) by broadcast.
-bert::Prepared prepare_on_rank0(const Args& a, shardopt::Communicator& comm) {
-  bert::Prepared p;
-  std::string message;
-  if (comm.rank() == 0) {
-    try {
-      p = bert::prepare(a);
-      message = fmt::format("ok\n{}\n{}\n{}\n{}", p.vocab_path, p.data_path, p.eval_path,
-                            p.lower_case ? 1 : 0);
-    } catch (const std::exception& e) {
-      message = std::string("error\n") + e.what();
-    }
-  }
-  auto len = torch::tensor({static_cast<int64_t>(message.size())}, torch::kLong);
-  comm.broadcast(len, 0);
-  auto bytes = torch::zeros({len.item<int64_t>()}, torch::kByte);
-  if (comm.rank() == 0) std::memcpy(bytes.data_ptr(), message.data(), message.size());
-  comm.broadcast(bytes, 0);
-  message.assign(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-  std::istringstream in(message);
-  std::string status, lower;
-  std::getline(in, status);
-  if (status != "ok") {
-    std::string what((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    throw std::runtime_error(comm.rank() == 0 ? what : "rank 0 could not prepare the data: " + what);
-  }
-  std::getline(in, p.vocab_path);
-  std::getline(in, p.data_path);
-  std::getline(in, p.eval_path);
-  std::getline(in, lower);
-  p.lower_case = lower == "1";
-  return p;
-}
-
-// Where batches come from: the pretraining file of prepare_on_rank0, or random tokens.
+// Where batches come from: the pretraining file of bert::prepare_on_rank0, or random tokens.
 struct BatchSource {
   std::unique_ptr<bert::PretrainingData> data;
   std::unique_ptr<bert::BatchLoader> loader;
@@ -145,7 +112,7 @@ int run(const Args& a) {
     loader.vocab_size = config.vocab_size;  // the preset's (BERT's 30522)
     config.nsp = false;                     // random tokens have no sentence pairs
   } else {
-    prepared = prepare_on_rank0(a, *comm);
+    prepared = bert::prepare_on_rank0(a, *comm);
     if (lead) {
       for (const auto& n : prepared.notes) fmt::print("[bert] {}\n", n);
       for (const auto& w : prepared.warnings) fmt::print("[bert] warning: {}\n", w);

@@ -21,10 +21,10 @@
 // Communication per micro-step: each unit's parameters are all-gathered once per run in forward
 // and once in backward, and reduce-scattered once; parameters in no unit once per step.
 //
-// Between steps, no parameter has storage (its data pointer is null): read them only inside
-// run(), or after DistributedOptimizer::gather_full_parameters(). Any ATen operation on a
-// released parameter throws Error{InvalidArgument} naming it (Python: ValueError). Code that takes
-// data_ptr() directly gets null.
+// Between steps, no parameter has storage (zero bytes): read them only inside run(), or after
+// DistributedOptimizer::gather_full_parameters(). Any ATen operation on a released parameter
+// throws Error{InvalidArgument} naming it (Python: a RuntimeError with the same text, raised
+// through torch's dispatcher). Code that takes data_ptr() directly gets no valid address.
 #pragma once
 
 #include <ATen/core/Tensor.h>

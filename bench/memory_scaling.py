@@ -10,6 +10,12 @@ documented bounded buffers and the estimator, checks that the measurement is wit
 formula plus those buffers, and draws a PNG. Exit status 1 when a measured configuration misses
 the 5% or fails. Stage 3 reports "pending" while the library refuses it.
 
+Each row also gives the peak during construction (the model built, then the optimizer) and the
+peak during the step, each next to its bound (Note [Peak bounds] in memory_scaling.cpp); a peak
+over its bound is a MISS. With --cap-mb, every rank's tensor storage is capped by the tracker
+(`auto`: halfway between stage 3's peak bound and stage 2's model state at that N); a run refused
+for lack of memory is a row "refused (out of memory)" with the error, not a failure.
+
 Usually started through bench/memory_scaling.sh.
 """
 import argparse
@@ -32,9 +38,19 @@ def env():
     return e
 
 
+def shape_args(args):
+    extra = []
+    for flag, value in (("--layers", args.layers), ("--vocab", args.vocab),
+                        ("--bucket-mb", args.bucket_mb), ("--cap-mb", args.cap_mb)):
+        if value:
+            extra += [flag, str(value)]
+    return extra
+
+
 def plan(args, model):
     out = subprocess.run([args.binary, "--plan", "--model", model, "--ranks", args.ranks,
-                          "--stages", args.stages, "--budget-gib", str(args.budget_gib)],
+                          "--stages", args.stages, "--budget-gib", str(args.budget_gib)] +
+                         shape_args(args),
                          capture_output=True, text=True, check=True, env=env())
     return json.loads(out.stdout)
 
@@ -44,7 +60,7 @@ def measure(args, cfg, outdir):
     path = os.path.join(outdir, f"{m}_s{s}_n{n}.json")
     log = os.path.join(outdir, f"{m}_s{s}_n{n}.log")
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n), args.binary,
-           "--model", m, "--stage", str(s), "--json", path]
+           "--model", m, "--stage", str(s), "--json", path] + shape_args(args)
     t0 = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=args.timeout)
@@ -60,6 +76,8 @@ def measure(args, cfg, outdir):
     else:
         r = {"status": "failed", "reason": f"exit {rc}, see {log}"}
     r.update(model=m, stage=s, ranks=n, seconds=time.time() - t0)
+    if r["status"] == "oom":
+        r["reason"] = f"rank {r['refused_rank']} during {r['phase']}: " + r["reason"]
     if r["status"] == "failed" and rc == 0:
         r["reason"] = r.get("reason", "") + f" (see {log})"
     return r
@@ -73,19 +91,23 @@ def table(results):
     lines = [
         "| model | stage | N | formula (MB) | + documented buffers (MB) | estimator (MB) | "
         "memory(): params / grads / state / buffers (MB) | tracker: live after step (MB) | "
-        "vs formula + buffers | tracker peak in step (MB) | peak RSS (MB) | verdict |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+        "vs formula + buffers | construction peak: tracker / bound / RSS rise (MB) | "
+        "step peak: tracker / bound (MB) | peak RSS (MB) | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|---:|---|"]
     for r in results:
         head = f"| {r['model']} | {r['stage']} | {r['ranks']} |"
         if r["status"] == "skipped":
-            lines.append(f"{head}" + " |" * 8 + f" skipped: {r['reason']} |")
+            lines.append(f"{head}" + " |" * 9 + f" skipped: {r['reason']} |")
             continue
-        if r["status"] in ("pending", "failed"):
+        if r["status"] in ("pending", "failed", "oom"):
             reason = re.sub(r"^shardopt\[rank \d+/\d+\] ", "", r.get("reason", "").strip())
             reason = re.sub(r" \([\w./]+:\d+\)$", "", reason).replace("|", "/")
-            label = "pending" if r["status"] == "pending" else "FAILED"
+            label = {"pending": "pending", "oom": "refused (out of memory)"}.get(r["status"], "FAILED")
             formula = mb(r["formula"]["total"]) if "formula" in r else ""
-            lines.append(f"{head} {formula} |" + " |" * 7 + f" {label}: {reason} |")
+            bounds = r.get("bounds", {})
+            peaks = (f" - / {mb(bounds['construction'])} / - | - / {mb(bounds['step'])} |"
+                     if bounds else " | |")
+            lines.append(f"{head} {formula} |" + " |" * 5 + peaks + f" | {label}: {reason} |")
             continue
         f, b = r["formula"], r["documented_buffers"]
         worst = max(r["per_rank"], key=lambda p: p["tracker_live"])
@@ -94,9 +116,13 @@ def table(results):
             f"{head} {mb(f['total'])} | {mb(b['optimizer'] + b['engine_scratch'])} | "
             f"{mb(r['estimator']['total'])} | {mb(mem['params'])} / {mb(mem['grads'])} / "
             f"{mb(mem['optimizer_state'])} / {mb(mem['buffers'])} | {mb(worst['tracker_live'])} | "
-            f"{100 * r['deviation']:+.3f}% | {mb(max(p['tracker_peak'] for p in r['per_rank']))} | "
+            f"{100 * r['deviation']:+.3f}% | {mb(r['construction_peak_max'])} / "
+            f"{mb(r['bounds']['construction'])} / "
+            f"{mb(max(p['rss_construction_peak'] for p in r['per_rank']))} | "
+            f"{mb(r['step_peak_max'])} / {mb(r['bounds']['step'])} | "
             f"{mb(max(p['rss_peak'] for p in r['per_rank']))} | "
-            f"{'ok (within 5%)' if r['within_5pct'] else 'MISS (over 5%)'} |")
+            f"{'ok (within 5%' if r['within_5pct'] else 'MISS (over 5%'}"
+            f"{', peaks under bounds)' if r['peaks_within_bounds'] else '; PEAK OVER BOUND)'} |")
     return "\n".join(lines)
 
 
@@ -147,6 +173,11 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=12.0,
                     help="GiB one run may use across all its ranks (the machine is shared)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    ap.add_argument("--layers", type=int, default=0, help="encoder layers instead of the preset's")
+    ap.add_argument("--vocab", type=int, default=0, help="vocabulary instead of the preset's")
+    ap.add_argument("--bucket-mb", default="", help="bucket_bytes in MB")
+    ap.add_argument("--cap-mb", default="",
+                    help="per-rank cap on tensor storage in MB, or 'auto' (see memory_scaling.cpp)")
     ap.add_argument("--out", default="", help="directory for logs and results.json")
     ap.add_argument("--png", default="", help="the plot (default: OUT/memory_scaling.png)")
     args = ap.parse_args()
@@ -171,7 +202,8 @@ def main():
             else:
                 r = measure(args, cfg, outdir)
                 what = (f"{100 * r['deviation']:+.3f}% vs formula + buffers, "
-                        f"{'ok' if r['within_5pct'] else 'MISS'}" if r["status"] == "ok"
+                        f"{'ok' if r['within_5pct'] and r['peaks_within_bounds'] else 'MISS'}"
+                        if r["status"] == "ok"
                         else f"{r['status']}: {r.get('reason', '')[:160]}")
                 print(f"[memory] BERT-{model} stage {cfg['stage']} N={cfg['ranks']}: {what} "
                       f"({r['seconds']:.0f} s)")
@@ -181,7 +213,8 @@ def main():
     png = args.png or os.path.join(outdir, "memory_scaling.png")
     plot(results, png)
     measured = [r for r in results if r["status"] == "ok"]
-    missed = [r for r in measured if not r["within_5pct"]]
+    missed = [r for r in measured if not (r["within_5pct"] and r["peaks_within_bounds"])]
+    refused = [r for r in results if r["status"] == "oom"]
     failed = [r for r in results if r["status"] == "failed"]
     pending = [r for r in results if r["status"] == "pending"]
     skipped = [r for r in results if r["status"] == "skipped"]
@@ -194,7 +227,13 @@ def main():
           "gathered after a step) + the MPI engine's reduction scratch (one piece of the largest bucket "
           "shard, at most 64 MiB, N > 1); estimator = shardopt/estimate.hpp with the same "
           "alignment, buckets and largest parameter (no engine scratch); tracker = live tensor "
-          "storage after the step minus before the model was built (worst rank); MB = 10^6 bytes.")
+          "storage after the step minus before the model was built (worst rank); construction peak = the "
+          "tracker's peak from before the model was built until the optimizer exists, its bound "
+          "(one model + what is in flight, or the model state once built) and the rise of the "
+          "resident set (VmHWM) over the same span; step peak = the tracker's peak during "
+          "zero_grad/forward/backward/step and its bound (model state + buffers + backward's "
+          "transient gradients or gathered units + activations), Note [Peak bounds] in "
+          "memory_scaling.cpp; MB = 10^6 bytes.")
     # ZeRO's promise: each stage holds less model state (memory()'s parameters, gradients and
     # optimizer state; the bounded buffers aside) than the one before it (N >= 2), for every model,
     # among the stages measured at that N.
@@ -215,8 +254,10 @@ def main():
         print(f"[memory] stage ordering violated: {d}")
     verdict = ("PASS" if not missed and not failed and not disordered else "FAIL")
     print(f"\n[memory] verdict: {verdict}: {len(measured) - len(missed)}/{len(measured)} measured "
-          f"configurations within 5% of the formula plus the documented buffers; {len(failed)} "
-          f"failed, {len(pending)} pending (stage 3), {len(skipped)} skipped over the budget; "
+          f"configurations within 5% of the formula plus the documented buffers with peaks under their "
+          f"bounds; {len(failed)} "
+          f"failed, {len(refused)} refused for lack of memory under the cap, {len(pending)} pending "
+          f"(stage 3), {len(skipped)} skipped over the budget; "
           f"{time.time() - t_start:.0f} s in all")
     print(f"[memory] plot: {png}")
     with open(os.path.join(outdir, "results.json"), "w") as f:

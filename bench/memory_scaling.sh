@@ -5,6 +5,9 @@
 #
 #   bench/memory_scaling.sh                                  # all, 12 GiB budget per run
 #   bench/memory_scaling.sh --models base --ranks 1,2,4 --budget-gib 8 --png bench/results/x.png
+#   bench/memory_scaling.sh --models large --ranks 8 --stages 2,3 --cap-mb auto --budget-gib 20
+#       # per-rank cap on tensor storage (the tracker refuses past it): stage 3 runs, stage 2 is
+#       # refused; 'auto' = halfway between stage 3's peak bound and stage 2's model state
 #
 # Options are those of bench/memory_scaling.py (--help). SHARDOPT_BUILD_DIR names the build dir.
 set -euo pipefail

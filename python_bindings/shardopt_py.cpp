@@ -39,7 +39,7 @@ struct ErrorKindInfo {
   const char* doc;
 };
 
-constexpr int kKinds = 8;
+constexpr int kKinds = 9;
 PyObject* g_error_types[kKinds] = {};
 
 const char* kind_name(ErrorKind kind) {
@@ -52,6 +52,7 @@ const char* kind_name(ErrorKind kind) {
     case ErrorKind::Unsupported: return "Unsupported";
     case ErrorKind::Internal: return "Internal";
     case ErrorKind::NonFinite: return "NonFinite";
+    case ErrorKind::OutOfMemory: return "OutOfMemory";
   }
   return "Internal";
 }
@@ -80,6 +81,8 @@ void register_errors(py::module_& m) {
       {ErrorKind::Internal, "InternalError", "Internal", nullptr, "A bug in shardopt."},
       {ErrorKind::NonFinite, "NonFiniteError", "NonFinite", nullptr,
        "NaN/Inf gradients in max_nonfinite_steps consecutive steps (each one skipped)."},
+      {ErrorKind::OutOfMemory, "OutOfMemoryError", "OutOfMemory", PyExc_MemoryError,
+       "An allocation over MemoryTracker's cap was refused (as a device would refuse it)."},
   };
   for (const auto& info : infos) {
     py::tuple bases = info.builtin ? py::make_tuple(py::handle(base), py::handle(info.builtin))

@@ -20,6 +20,7 @@ const char* to_string(ErrorKind kind) {
     case ErrorKind::NonFinite: return "non-finite gradients";
     case ErrorKind::Unsupported: return "unsupported";
     case ErrorKind::Internal: return "internal error";
+    case ErrorKind::OutOfMemory: return "out of memory";
   }
   return "unknown";
 }

@@ -41,18 +41,45 @@ struct Counters {
   std::atomic<int64_t> peak{0};
   std::atomic<int64_t> live_allocations{0};
   std::atomic<int64_t> total_allocations{0};
+  std::atomic<int64_t> limit{0};  // 0: no cap
 
-  void add(int64_t bytes) {
-    const int64_t now = live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    int64_t seen = peak.load(std::memory_order_relaxed);
-    while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+  // Counts `bytes` as live unless that would pass the cap; refuses (nothing counted) otherwise.
+  void reserve(int64_t bytes) {
+    const int64_t cap = limit.load(std::memory_order_relaxed);
+    int64_t seen = live.load(std::memory_order_relaxed);
+    while (true) {
+      if (cap > 0 && seen + bytes > cap) refuse(bytes, seen, cap);
+      if (live.compare_exchange_weak(seen, seen + bytes, std::memory_order_relaxed)) break;
+    }
+    note(seen + bytes);
+  }
+  void note(int64_t now) {
+    int64_t high = peak.load(std::memory_order_relaxed);
+    while (now > high && !peak.compare_exchange_weak(high, now, std::memory_order_relaxed)) {
     }
     live_allocations.fetch_add(1, std::memory_order_relaxed);
     total_allocations.fetch_add(1, std::memory_order_relaxed);
   }
+  void unreserve(int64_t bytes) {
+    live.fetch_sub(bytes, std::memory_order_relaxed);
+    live_allocations.fetch_sub(1, std::memory_order_relaxed);
+    total_allocations.fetch_sub(1, std::memory_order_relaxed);
+  }
   void remove(int64_t bytes) {
     live.fetch_sub(bytes, std::memory_order_relaxed);
     live_allocations.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  // As a device allocator reports it: the request, the cap, what is live and what is left.
+  [[noreturn]] void refuse(int64_t bytes, int64_t live_now, int64_t cap) const {
+    constexpr double kMB = 1e6;
+    SHARDOPT_FAIL(OutOfMemory,
+                  "memory_tracker: out of memory: tried to allocate {:.1f} MB ({} bytes) with "
+                  "{:.1f} MB of tensor storage live in {} allocations, over the per-rank cap of "
+                  "{:.1f} MB ({} bytes; {:.1f} MB free under it)",
+                  bytes / kMB, bytes, live_now / kMB,
+                  live_allocations.load(std::memory_order_relaxed), cap / kMB, cap,
+                  (cap - live_now) / kMB);
   }
 };
 
@@ -64,15 +91,23 @@ struct Record {
 class TrackingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) SHARDOPT_ALLOCATE_CONST override {
-    c10::DataPtr inner = inner_.load(std::memory_order_acquire)->allocate(n);
+    const auto bytes = static_cast<int64_t>(n);
+    if (n > 0) counters_.reserve(bytes);
+    c10::DataPtr inner;
+    try {
+      inner = inner_.load(std::memory_order_acquire)->allocate(n);
+    } catch (...) {
+      if (n > 0) counters_.unreserve(bytes);
+      throw;
+    }
     void* data = inner.get();
     const c10::Device device = inner.device();
     if (data != nullptr) {
-      {
-        std::lock_guard<std::mutex> lock(table_mutex_);
-        table_.emplace(data, Record{static_cast<int64_t>(n), std::move(inner)});
-      }
-      counters_.add(static_cast<int64_t>(n));
+      if (n == 0) counters_.note(counters_.live.load(std::memory_order_relaxed));
+      std::lock_guard<std::mutex> lock(table_mutex_);
+      table_.emplace(data, Record{bytes, std::move(inner)});
+    } else if (n > 0) {
+      counters_.unreserve(bytes);
     }
     return {data, data, &release, device};
   }
@@ -143,6 +178,15 @@ int64_t MemoryTracker::total_allocations() const {
 int64_t MemoryTracker::reset_peak() {
   auto& c = TrackingAllocator::get().counters();
   return c.peak.exchange(c.live.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
+void MemoryTracker::set_limit(int64_t bytes) {
+  SHARDOPT_CHECK(bytes >= 0, InvalidArgument,
+                 "memory_tracker: the cap must be >= 0 bytes (0: none), got {}", bytes);
+  TrackingAllocator::get().counters().limit.store(bytes, std::memory_order_relaxed);
+}
+int64_t MemoryTracker::limit() const {
+  return TrackingAllocator::get().counters().limit.load(std::memory_order_relaxed);
 }
 
 void MemoryTracker::install() {

@@ -19,6 +19,7 @@ enum class ErrorKind {
   Unsupported,      // valid request this build or engine cannot serve
   Internal,         // a bug in shardopt
   NonFinite,        // NaN/Inf gradients for ZeroOptions::max_nonfinite_steps steps in a row
+  OutOfMemory,      // an allocation refused: over MemoryTracker's cap (as a device would refuse)
 };
 
 const char* to_string(ErrorKind kind);

@@ -14,6 +14,12 @@
 // is freed through its own, original deleter and never touches the counts. Views, from_blob
 // tensors and memory that does not come from the c10 CPU allocator (MPI/Gloo internals, BLAS
 // workspaces, malloc in third-party code) are not counted: this is tensor storage, not RSS.
+//
+// Note [Memory cap]
+// set_limit(bytes) makes the tracker refuse, as a device allocator would, any allocation that
+// would take live_bytes() over the cap: it throws Error{OutOfMemory} naming the rank, the request,
+// the cap and what is live, and nothing is allocated. The check and the count are one atomic step,
+// so concurrent allocations cannot pass the cap together. A cap applies only while installed.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +40,9 @@ class MemoryTracker {
   int64_t total_allocations() const;
   // Starts a new peak window at the current live bytes; returns the previous peak.
   int64_t reset_peak();
+  // The cap on live_bytes() (Note [Memory cap]); 0 (the default) means none.
+  void set_limit(int64_t bytes);
+  int64_t limit() const;
 
   // Makes the tracker the CPU allocator (c10::SetAllocator), wrapping the one in place. Nested
   // calls are counted; the wrapped allocator comes back with the last uninstall(). Call it before

@@ -208,10 +208,31 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   } else {
     at::NoGradGuard no_grad;
     const auto& lay = flat_->layout();
-    at::Tensor initial = at::zeros({lay.padded_numel}, base.dtype(master_options.dtype()));
+    // Note [One copy at construction] (stages 0-2): the flat buffer is one allocation (buckets
+    // split parameters, so no boundary between parameters is also one between buckets), but its
+    // pages are touched only as it fills: each parameter is copied in (ranks that receive rank
+    // 0's values skip the copy) and, when the model keeps the master's dtype and device, becomes
+    // its view at once, so its original storage is freed before the next one is copied. The
+    // resident peak is about one model plus one parameter; an allocator that reserves (a device,
+    // the bench's tracker) still counts the model plus the flat buffer.
+    at::Tensor initial = at::empty({lay.padded_numel}, base.dtype(master_options.dtype()));
+    const bool same_storage = initial.dtype() == model_options.dtype() &&
+                              initial.device() == model_options.device();
+    const bool receives = options_.broadcast_initial_params && world_ > 1 && comm_->rank() != 0;
+    for (const auto& bl : lay.buckets) {  // padding: alignment gaps and each bucket's tail
+      int64_t end = 0;
+      for (int k : bl.pieces) {
+        const auto& piece = lay.pieces[k];
+        if (piece.offset > end) initial.narrow(0, bl.flat_offset + end, piece.offset - end).zero_();
+        end = std::max(end, piece.offset + piece.numel);
+      }
+      if (bl.padded > end) initial.narrow(0, bl.flat_offset + end, bl.padded - end).zero_();
+    }
     for (size_t i = 0; i < params().size(); ++i) {
-      initial.narrow(0, lay.flat_offset(static_cast<int>(i)), lay.slots[i].numel)
-          .copy_(params()[i].tensor.reshape(-1));
+      auto& param = params()[i].tensor;
+      at::Tensor slot = initial.narrow(0, lay.flat_offset(static_cast<int>(i)), lay.slots[i].numel);
+      if (!receives) slot.copy_(param.reshape(-1));
+      if (same_storage) param.set_data(slot.view(param.sizes()));
     }
     if (options_.broadcast_initial_params && world_ > 1) {
       comm_->broadcast(initial, 0, true)->wait(options_.timeout);

@@ -68,8 +68,8 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
     unit_numel[bl.unit] += bl.padded;
     max_padded = std::max(max_padded, bl.padded);
   }
-  // Views can only be taken while the storage exists: one part's buffer at a time is allocated,
-  // viewed and freed again.
+  // Views are checked against the storage's size, not its bytes: each part's buffer is a storage
+  // that has its size and no bytes (as released), so taking the views allocates nothing.
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     units_[layout.buckets[layout.slots[i].bucket].unit].params.push_back(i);
   }
@@ -77,7 +77,10 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
   std::vector<at::Tensor> views(params_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& part = units_[u];
-    part.full = at::empty({unit_numel[u]}, options);
+    part.full = at::empty({0}, options);
+    part.full.storage().unsafeGetStorageImpl()->set_nbytes(
+        static_cast<size_t>(unit_numel[u]) * part.full.element_size());
+    part.full.set_(part.full.storage(), 0, {unit_numel[u]}, {1});
     for (int b : part.buckets) {
       full_[b] = part.full.narrow(0, at_in_unit[b], layout.buckets[b].padded);
     }

@@ -39,10 +39,12 @@ check "the torchrun-style launch sets RANK and MASTER_ADDR on each host" \
 "$EH" mpi -- sh -c 'exit 3' >/dev/null 2>&1
 rc=$?
 check "a failing mpirun run fails (exit $rc)" test "$rc" != 0
-"$EH" gloo -- sh -c '[ "$RANK" != 2 ] || exit 5; sleep 300' >/dev/null 2>&1
+# The sleepers carry this run's pid in their duration, so other runs on the machine do not count.
+tag="300.$$"
+"$EH" gloo -- sh -c "[ \"\$RANK\" != 2 ] || exit 5; sleep $tag" >/dev/null 2>&1
 rc=$?
 check "a failing Gloo rank ends the run with its code (exit $rc)" test "$rc" = 5
 check "no namespace is left" leftovers
-check "no rank is left" test -z "$(pgrep -f 'sleep 300' || true)"
+check "no rank is left" test -z "$(pgrep -f "sleep $tag" || true)"
 check "no host name file is left" test -z "$(ls /etc/netns 2>/dev/null | grep '^so-mh-' || true)"
 exit "$fail"

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "shardopt/error.hpp"
 #include "shardopt/memory_tracker.hpp"
 
 namespace shardopt {
@@ -158,6 +159,36 @@ TEST(MemoryTracker, ManyAllocationsBalance) {
 
 TEST(MemoryTracker, UninstallWithoutInstallIsAnError) {
   EXPECT_THROW(MemoryTracker::cpu().uninstall(), std::exception);
+}
+
+// Note [Memory cap]: a request over the cap is refused with OutOfMemory, allocates nothing and
+// leaves the counts as they were; under the cap, allocation goes on; 0 lifts the cap.
+TEST(MemoryTracker, CapRefusesAllocationsOverItAndCountsNothing) {
+  ScopedMemoryTracking tracking;
+  auto& t = tracking.tracker();
+  const int64_t base = t.live_bytes(), total = t.total_allocations();
+  t.set_limit(base + 2 * kMiB);
+  at::Tensor a = floats(kMiB / 4);  // 1 MiB: fits
+  try {
+    at::Tensor b = floats(kMiB / 2);  // 2 MiB more: 3 MiB over a 2 MiB cap
+    ADD_FAILURE() << "allocation over the cap was not refused";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::OutOfMemory);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("out of memory"), std::string::npos) << what;
+    EXPECT_NE(what.find(fmt::format("({} bytes)", 2 * kMiB)), std::string::npos) << what;
+    EXPECT_NE(what.find(fmt::format("cap of {:.1f} MB", (base + 2 * kMiB) / 1e6)),
+              std::string::npos) << what;
+  }
+  EXPECT_EQ(t.live_bytes(), base + kMiB);
+  EXPECT_EQ(t.total_allocations(), total + 1);
+  at::Tensor c = floats(kMiB / 4);  // exactly at the cap: allowed
+  EXPECT_EQ(t.live_bytes(), base + 2 * kMiB);
+  EXPECT_THROW(t.set_limit(-1), Error);
+  t.set_limit(0);
+  at::Tensor d = floats(kMiB);
+  EXPECT_EQ(t.live_bytes(), base + 6 * kMiB);
+  EXPECT_EQ(t.limit(), 0);
 }
 
 }  // namespace

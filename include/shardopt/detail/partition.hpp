@@ -147,4 +147,28 @@ inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vec
   return layout;
 }
 
+// Runs of consecutive buckets joined by split parameters ("chunks"): a bucket starts a new run
+// unless a parameter continues into it from the one before. Each run is contiguous in the full
+// flat buffer and holds whole parameters, so it can be its own allocation while every parameter
+// stays one view (stages 0-2 build their parameter storage chunk by chunk).
+struct BucketRun {
+  int first_bucket = 0;
+  int bucket_count = 0;
+  int64_t flat_offset = 0;  // in the full flat buffer
+  int64_t numel = 0;        // padded elements of its buckets
+};
+
+inline std::vector<BucketRun> bucket_runs(const FlatLayout& layout) {
+  std::vector<BucketRun> runs;
+  for (int b = 0; b < static_cast<int>(layout.buckets.size()); ++b) {
+    const auto& bl = layout.buckets[b];
+    const bool continues = !runs.empty() && !bl.pieces.empty() &&
+                           layout.pieces[bl.pieces.front()].param_offset > 0;
+    if (!continues) runs.push_back({b, 0, bl.flat_offset, 0});
+    ++runs.back().bucket_count;
+    runs.back().numel += bl.padded;
+  }
+  return runs;
+}
+
 }  // namespace shardopt::detail

@@ -1,4 +1,5 @@
-// Python bindings (module shardopt._C): the one TU with <torch/extension.h>. The Python package
+// Python bindings (module shardopt._C): errors, options, units and the optimizer; communicators
+// in bind_comm.cpp, the estimator in bind_estimate.cpp (bindings.hpp). The Python package
 // (shardopt/*.py) wraps the optimizer core as a torch.optim.Optimizer; this file only converts.
 // Invariant: every call that communicates or runs the optimizer releases the GIL (autograd hooks
 // and collectives never need Python), and every call back into Python re-acquires it.
@@ -9,22 +10,19 @@
 
 #include <map>
 
+#include "bindings.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/estimate.hpp"
 #include "shardopt/shardopt.hpp"
-
-#if SHARDOPT_HAS_GLOO
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-
-#include "shardopt/process_group.hpp"
-#endif
 
 namespace py = pybind11;
 using namespace pybind11::literals;
 
 namespace shardopt {
 namespace {
+
+using python::to_duration;
 
 // ---- errors ----------------------------------------------------------------------------------
 
@@ -252,24 +250,6 @@ py::dict rule_dict(const Rule& rule) {
   return d;
 }
 
-// Timeouts from Python: a datetime.timedelta or seconds (int or float); None -> `otherwise`.
-Duration to_duration(py::handle value, Duration otherwise) {
-  if (value.is_none()) return otherwise;
-  double seconds = 0;
-  if (py::hasattr(value, "total_seconds")) {
-    seconds = value.attr("total_seconds")().cast<double>();
-  } else {
-    SHARDOPT_CHECK(!py::isinstance<py::bool_>(value) &&
-                       (PyFloat_Check(value.ptr()) || PyLong_Check(value.ptr())),
-                   InvalidArgument,
-                   "timeout must be a datetime.timedelta or a number of seconds, got {}",
-                   py::str(py::repr(value)).cast<std::string>());
-    seconds = py::cast<double>(value);
-  }
-  SHARDOPT_CHECK(seconds > 0, InvalidArgument, "timeout must be positive, got {} s", seconds);
-  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(seconds));
-}
-
 // ---- teardown without the GIL ------------------------------------------------------------------
 
 // Note [Freeing without the GIL]: a communicator's or optimizer's destructor joins the engine's
@@ -395,123 +375,6 @@ void apply_kwargs(T& object, const py::kwargs& kwargs, const char* type_name) {
 }
 
 // ---- the module ------------------------------------------------------------------------------
-
-void bind_comm(py::module_& m) {
-  py::enum_<ReduceOp>(m, "ReduceOp")
-      .value("SUM", ReduceOp::Sum)
-      .value("AVG", ReduceOp::Avg)
-      .value("MAX", ReduceOp::Max)
-      .value("MIN", ReduceOp::Min);
-
-  py::class_<Capabilities>(m, "Capabilities")
-      .def_readonly("native_avg", &Capabilities::native_avg)
-      .def_readonly("native_reduce_scatter", &Capabilities::native_reduce_scatter)
-      .def_readonly("overlaps_caller", &Capabilities::overlaps_caller)
-      .def_readonly("cpu_tensors", &Capabilities::cpu_tensors)
-      .def_readonly("cuda_tensors", &Capabilities::cuda_tensors)
-      .def_readonly("can_time_out", &Capabilities::can_time_out);
-
-  py::class_<Work, std::shared_ptr<Work>>(m, "Work",
-                                          "Handle of an issued collective (async_op=True).")
-      .def(
-          "wait",
-          [](Work& w, py::object timeout) {
-            const Duration deadline = to_duration(timeout, Duration::zero());
-            py::gil_scoped_release nogil;
-            w.wait(deadline);
-          },
-          "timeout"_a = py::none(),
-          "Blocks until the result is in the output tensors. timeout: a datetime.timedelta or "
-          "seconds; None means the communicator's. Raises CommTimeoutError after it.")
-      .def("is_completed", &Work::is_completed, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("description", &Work::description);
-
-  auto none_if_sync = [](WorkPtr w, bool async) { return async ? w : WorkPtr(); };
-  py::class_<Communicator, std::shared_ptr<Communicator>>(
-      m, "Communicator",
-      "Collectives on flat contiguous tensors; every rank must make the same calls in the same "
-      "order. reduce_scatter/all_gather follow NCCL's in-place contract: rank r's shard is "
-      "[r*S, (r+1)*S) of the full buffer.")
-      .def_property_readonly("rank", &Communicator::rank)
-      .def_property_readonly("size", &Communicator::size)
-      .def_property_readonly("backend", &Communicator::backend)
-      .def_property_readonly("capabilities", &Communicator::capabilities)
-      .def_property(
-          "timeout", &Communicator::timeout,
-          [](Communicator& c, py::object t) { c.set_timeout(to_duration(t, c.timeout())); })
-      .def(
-          "all_reduce",
-          [none_if_sync](Communicator& c, const at::Tensor& t, ReduceOp op, bool async) {
-            py::gil_scoped_release nogil;
-            return none_if_sync(c.all_reduce(t, op, async), async);
-          },
-          "tensor"_a, "op"_a = ReduceOp::Sum, "async_op"_a = false)
-      .def(
-          "reduce_scatter",
-          [none_if_sync](Communicator& c, const at::Tensor& in, const at::Tensor& out,
-                         ReduceOp op, bool async) {
-            py::gil_scoped_release nogil;
-            return none_if_sync(c.reduce_scatter(in, out, op, async), async);
-          },
-          "input"_a, "output"_a, "op"_a = ReduceOp::Sum, "async_op"_a = false)
-      .def(
-          "all_gather",
-          [none_if_sync](Communicator& c, const at::Tensor& in, const at::Tensor& out,
-                         bool async) {
-            py::gil_scoped_release nogil;
-            return none_if_sync(c.all_gather(in, out, async), async);
-          },
-          "input"_a, "output"_a, "async_op"_a = false)
-      .def(
-          "broadcast",
-          [none_if_sync](Communicator& c, const at::Tensor& t, int root, bool async) {
-            py::gil_scoped_release nogil;
-            return none_if_sync(c.broadcast(t, root, async), async);
-          },
-          "tensor"_a, "root"_a = 0, "async_op"_a = false)
-      .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
-      .def("__repr__", [](const Communicator& c) {
-        return fmt::format("<shardopt.Communicator backend={} rank={} size={}>", c.backend(),
-                           c.rank(), c.size());
-      });
-
-  m.def(
-      "init_from_env",
-      [](const std::string& backend, const std::string& device, py::object timeout) {
-        InitOptions o;
-        o.backend = backend;
-        o.device = device;
-        o.timeout = to_duration(timeout, default_timeout());
-        py::gil_scoped_release nogil;
-        return init_from_env(o);
-      },
-      "backend"_a = "", "device"_a = "cpu", "timeout"_a = py::none(),
-      "The communicator this process was launched for: mpirun/srun -> 'mpi'; torchrun's RANK, "
-      "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
-      "backend= override the choice.");
-  m.def("make_single_communicator", [] { return make_single_communicator(); });
-#if SHARDOPT_HAS_GLOO
-  m.def(
-      "_make_process_group_communicator",
-      [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
-        return make_process_group_communicator(std::move(group));
-      },
-      "group"_a);
-  m.def(
-      "make_gloo_communicator",
-      [](int rank, int size, const std::string& store, py::object timeout) {
-        GlooOptions o;
-        o.rank = rank;
-        o.size = size;
-        o.store = store;
-        o.timeout = to_duration(timeout, default_timeout());
-        py::gil_scoped_release nogil;
-        return make_gloo_communicator(o);
-      },
-      "rank"_a, "size"_a, "store"_a, "timeout"_a = py::none(),
-      "A Gloo communicator of its own; store: 'file:/path' or 'tcp://host:port' (rank 0 serves).");
-#endif
-}
 
 void bind_options(py::module_& m) {
   py::class_<ZeroOptions>(m, "ZeroOptions",
@@ -682,67 +545,6 @@ void bind_optimizer(py::module_& m) {
       "directory"_a, "out"_a, py::call_guard<py::gil_scoped_release>());
 }
 
-void bind_estimate(py::module_& m) {
-  namespace est = shardopt::estimate;
-  py::class_<est::Breakdown>(m, "MemoryBreakdown", "Bytes of one kind of memory per rank.")
-      .def_readonly("params", &est::Breakdown::params)
-      .def_readonly("grads", &est::Breakdown::grads)
-      .def_readonly("optimizer_state", &est::Breakdown::optimizer_state)
-      .def_readonly("buffers", &est::Breakdown::buffers)
-      .def_property_readonly("model_state", &est::Breakdown::model_state)
-      .def_property_readonly("total", &est::Breakdown::total)
-      .def("__repr__", [](const est::Breakdown& b) {
-        return fmt::format("MemoryBreakdown(params={}, grads={}, optimizer_state={}, buffers={})",
-                           b.params, b.grads, b.optimizer_state, b.buffers);
-      });
-  py::class_<est::Estimate>(m, "Estimate", "Analytic memory/communication model of one rank.")
-      .def_readonly("padded_params", &est::Estimate::padded_params)
-      .def_readonly("p", &est::Estimate::p)
-      .def_readonly("g", &est::Estimate::g)
-      .def_readonly("k", &est::Estimate::k)
-      .def_readonly("device", &est::Estimate::device)
-      .def_readonly("host", &est::Estimate::host)
-      .def_readonly("comm_elements", &est::Estimate::comm_elements)
-      .def_readonly("comm_bytes", &est::Estimate::comm_bytes)
-      .def_readonly("wire_bytes", &est::Estimate::wire_bytes)
-      .def_readonly("gathered_units_params", &est::Estimate::gathered_units_params)
-      .def_property_readonly("total", &est::Estimate::total)
-      .def_property_readonly("model_state", &est::Estimate::model_state)
-      .def("__repr__", [](const est::Estimate& e) {
-        return fmt::format("Estimate(stage={}, world={}, params={}, device_total={}, "
-                           "host_total={}, comm_elements={})",
-                           e.options.stage, e.options.world, e.padded_params, e.device.total(),
-                           e.host.total(), e.comm_elements);
-      });
-  m.def(
-      "estimate",
-      [](int64_t params, int world, int stage, const std::string& precision,
-         const std::string& offload, const std::string& optimizer, int state_bytes,
-         int64_t bucket_bytes, int64_t align_bytes, int64_t gathered_units_params) {
-        est::Options o;
-        o.params = params;
-        o.world = world;
-        o.stage = stage;
-        o.precision = est::parse_precision(precision);
-        o.offload = est::parse_offload(offload);
-        o.optimizer = est::parse_optimizer(optimizer);
-        o.state_bytes = state_bytes;
-        o.bucket_bytes = bucket_bytes;
-        o.align_bytes = align_bytes;
-        o.gathered_units_params = gathered_units_params;
-        return est::model_states(o);
-      },
-      "params"_a, "world"_a = 1, "stage"_a = 2, "precision"_a = "fp32", "offload"_a = "none",
-      "optimizer"_a = "adamw", "state_bytes"_a = -1, "bucket_bytes"_a = int64_t{16} << 20,
-      "align_bytes"_a = 0, "gathered_units_params"_a = 0,
-      "Bytes of model state per rank for `params` trainable parameters on `world` ranks "
-      "(DESIGN.md memory model). Raises ValueError on invalid arguments.");
-  m.def(
-      "bert_parameter_count",
-      [](const std::string& preset) { return est::bert_parameter_count(preset); }, "preset"_a,
-      "Parameters of BERT pretraining (tied decoder): tiny, mini, small, base or large.");
-}
-
 }  // namespace
 }  // namespace shardopt
 
@@ -763,9 +565,9 @@ PYBIND11_MODULE(_C, m) {
     }
     SHARDOPT_FAIL(InvalidArgument, "_raise_for_test: unknown kind '{}'", kind);
   });
-  bind_comm(m);
+  python::bind_comm(m);
   bind_units(m);
   bind_options(m);
   bind_optimizer(m);
-  bind_estimate(m);
+  python::bind_estimate(m);
 }

@@ -40,13 +40,27 @@ if(SHARDOPT_WITH_CUDA_KERNELS)
     set(CMAKE_CUDA_ARCHITECTURES 75-real 80-real 90)
   endif()
   enable_language(CUDA)
-  add_library(shardopt_cuda_kernels STATIC src/kernels/adam_cuda.cu)
+  add_library(shardopt_cuda_kernels STATIC src/kernels/adam_cuda.cu src/kernels/sgd_lamb_cuda.cu)
   set_target_properties(shardopt_cuda_kernels PROPERTIES POSITION_INDEPENDENT_CODE ON
                         CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
   target_include_directories(shardopt_cuda_kernels
     PUBLIC ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
   # It calls into libshardopt (errors, the shared coefficients): link-only, so nvcc never sees
-  # torch's compile flags.
+  # torch's compile flags, except the C++ ABI flag, which its std::string arguments must share
+  # (pip wheels before torch 2.7 build with _GLIBCXX_USE_CXX11_ABI=0).
+  if(TORCH_CXX_FLAGS MATCHES "_GLIBCXX_USE_CXX11_ABI=([01])")
+    target_compile_definitions(shardopt_cuda_kernels PRIVATE _GLIBCXX_USE_CXX11_ABI=${CMAKE_MATCH_1})
+  endif()
   target_link_libraries(shardopt_cuda_kernels PUBLIC CUDA::cudart fmt::fmt INTERFACE shardopt)
+  # The FusedKernels seam's CUDA side: a plugin library that libshardopt loads on first need
+  # (src/plugins.hpp), so that libshardopt itself never links CUDA. It needs torch's CPU headers
+  # only (c10's device-guard interface for stream order), so it builds in CI as well.
+  add_library(shardopt_cuda SHARED src/engine/fused_kernels_cuda.cpp)
+  add_library(shardopt::cuda ALIAS shardopt_cuda)
+  target_include_directories(shardopt_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(shardopt_cuda PUBLIC shardopt
+                        PRIVATE $<BUILD_INTERFACE:shardopt_cuda_kernels> CUDA::cudart)
+  shardopt_warnings(shardopt_cuda)
+  install(TARGETS shardopt_cuda LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
   message(STATUS "shardopt: CUDA kernels for architectures ${CMAKE_CUDA_ARCHITECTURES}")
 endif()

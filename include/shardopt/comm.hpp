@@ -142,10 +142,13 @@ CommunicatorPtr make_hybrid_communicator(const CommunicatorPtr& world, int shard
 
 struct InitOptions {
   // "" picks from the environment: mpirun/srun variables (OMPI_*, PMI_*, PMIX_*, SLURM_*) -> "mpi";
-  // RANK + WORLD_SIZE + MASTER_ADDR + MASTER_PORT (torchrun) -> "gloo" (or "nccl" with device
-  // "cuda"); otherwise "single". SHARDOPT_BACKEND in the environment overrides it too.
+  // RANK + WORLD_SIZE + MASTER_ADDR + MASTER_PORT (torchrun) -> "gloo"; otherwise "single".
+  // With device "cuda" in a build with NCCL, a launched job takes "nccl" instead: MPI or Gloo
+  // carry its ncclUniqueId (and later its host tensors), and the local rank (LOCAL_RANK, else
+  // OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID) picks the GPU, which becomes the
+  // current CUDA device. SHARDOPT_BACKEND in the environment overrides the choice.
   std::string backend;
-  std::string device = "cpu";
+  std::string device = "cpu";  // "cpu" or "cuda": where the tensors to communicate live
   Duration timeout = default_timeout();
 };
 // Creates the communicator this process was launched for (see InitOptions::backend).

@@ -9,6 +9,7 @@
 #include <cstdlib>
 
 #include "comm/engines.hpp"
+#include "plugins.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"
@@ -337,6 +338,15 @@ int env_int(const char* name) {
   return static_cast<int>(value);
 }
 
+// The GPU of this process on its node: LOCAL_RANK (torchrun), else the launcher's local rank.
+int local_rank() {
+  for (const char* var : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                          "SLURM_LOCALID", "PMI_LOCAL_RANK"}) {
+    if (!env(var).empty()) return env_int(var);
+  }
+  return 0;
+}
+
 }  // namespace
 
 CommunicatorPtr make_single_communicator() { return std::make_shared<SingleCommunicator>(); }
@@ -345,17 +355,31 @@ CommunicatorPtr init_from_env(const InitOptions& options) {
   std::string backend = options.backend.empty() ? env("SHARDOPT_BACKEND") : options.backend;
   const bool torchrun = !env("RANK").empty() && !env("WORLD_SIZE").empty() &&
                         !env("MASTER_ADDR").empty() && !env("MASTER_PORT").empty();
+  const bool cuda = options.device == "cuda";
+  SHARDOPT_CHECK(cuda || options.device == "cpu", InvalidArgument,
+                 "init_from_env: device must be 'cpu' or 'cuda', got '{}'", options.device);
   if (backend.empty()) {
+    // CUDA tensors take NCCL wherever it was built; MPI or Gloo only bootstrap it.
+    const bool nccl = cuda && SHARDOPT_HAS_NCCL;
     if (launched_by_mpi()) {
-      backend = "mpi";
+      backend = nccl ? "nccl" : "mpi";
     } else if (torchrun) {
-      backend = options.device == "cuda" ? "nccl" : "gloo";
+      backend = nccl ? "nccl" : "gloo";
     } else {
       backend = "single";
     }
   }
   CommunicatorPtr comm;
-  if (backend == "single") {
+  if (backend == "nccl") {
+    SHARDOPT_CHECK(SHARDOPT_HAS_NCCL, Unsupported,
+                   "init_from_env: backend 'nccl' requested, but this build of shardopt has no "
+                   "NCCL (configure where CUDA and NCCL are found, SHARDOPT_WITH_NCCL=ON)");
+    // The ncclUniqueId travels over the launcher's engine, which then carries host tensors.
+    InitOptions boot = options;
+    boot.device = "cpu";
+    boot.backend = launched_by_mpi() ? "mpi" : torchrun ? "gloo" : "single";
+    comm = detail::nccl_factory()(init_from_env(boot), local_rank());
+  } else if (backend == "single") {
     comm = make_single_communicator();
   } else if (backend == "mpi") {
 #if SHARDOPT_HAS_MPI
@@ -379,7 +403,7 @@ CommunicatorPtr init_from_env(const InitOptions& options) {
   } else {
     SHARDOPT_FAIL(InvalidArgument,
                   "init_from_env: unknown backend '{}'; expected one of single, mpi, gloo{}",
-                  backend, SHARDOPT_HAS_NCCL ? ", nccl (via make_nccl_communicator)" : "");
+                  backend, SHARDOPT_HAS_NCCL ? ", nccl" : "");
   }
   comm->set_timeout(options.timeout);
   return comm;

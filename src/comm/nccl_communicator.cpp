@@ -1,5 +1,8 @@
 // The NCCL engine on raw device pointers and one CUDA stream; needs only the CUDA runtime and
 // NCCL, so it compiles wherever they are installed (CI included) and runs on a GPU machine.
+// Collectives on CUDA tensors wait for torch's current stream (torch_stream.hpp); collectives on
+// host tensors (the optimizer's flags and partial norms, checkpoint agreement) go through the
+// bootstrap engine. Loading libshardopt_nccl registers the engine for init_from_env().
 #include "shardopt/nccl.hpp"
 
 #include <ATen/core/Tensor.h>
@@ -10,7 +13,9 @@
 #include <atomic>
 #include <thread>
 
+#include "plugins.hpp"
 #include "shardopt/error.hpp"
+#include "torch_stream.hpp"
 
 #define SHARDOPT_CUDA_CHECK(call, context)                                                     \
   do {                                                                                         \
@@ -94,8 +99,9 @@ class NcclWork final : public Work {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(int rank, int size, int device, const ncclUniqueId& id)
-      : Communicator(rank, size), device_(device) {
+  NcclCommunicator(int rank, int size, int device, const ncclUniqueId& id,
+                   CommunicatorPtr bootstrap)
+      : Communicator(rank, size), device_(device), bootstrap_(std::move(bootstrap)) {
     SHARDOPT_CUDA_CHECK(cudaSetDevice(device_), "make_nccl_communicator");
     SHARDOPT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                         "make_nccl_communicator");
@@ -110,13 +116,14 @@ class NcclCommunicator final : public Communicator {
   Capabilities capabilities() const override {
     Capabilities caps;
     caps.native_avg = true;
-    caps.cpu_tensors = false;
+    caps.cpu_tensors = bootstrap_->capabilities().cpu_tensors;  // through the bootstrap engine
     caps.cuda_tensors = true;
     return caps;
   }
 
  protected:
   WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op) override {
+    if (t.is_cpu()) return bootstrap_->all_reduce(t, op, true);
     check_device(t);
     SHARDOPT_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(),
                                       nccl_type(t.scalar_type()), nccl_op(op), state_->comm, stream_),
@@ -124,6 +131,7 @@ class NcclCommunicator final : public Communicator {
     return record(fmt::format("all_reduce({}, {}) on nccl", describe(t), to_string(op)));
   }
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op) override {
+    if (in.is_cpu()) return bootstrap_->reduce_scatter(in, out, op, true);
     check_device(in);
     SHARDOPT_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(),
                                           nccl_type(out.scalar_type()), nccl_op(op), state_->comm,
@@ -132,6 +140,7 @@ class NcclCommunicator final : public Communicator {
     return record(fmt::format("reduce_scatter({} -> {}) on nccl", describe(in), describe(out)));
   }
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
+    if (in.is_cpu()) return bootstrap_->all_gather(in, out, true);
     check_device(in);
     SHARDOPT_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(),
                                       nccl_type(in.scalar_type()), state_->comm, stream_),
@@ -139,6 +148,7 @@ class NcclCommunicator final : public Communicator {
     return record(fmt::format("all_gather({} -> {}) on nccl", describe(in), describe(out)));
   }
   WorkPtr do_broadcast(const at::Tensor& t, int root) override {
+    if (t.is_cpu()) return bootstrap_->broadcast(t, root, true);
     check_device(t);
     SHARDOPT_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(),
                                       nccl_type(t.scalar_type()), root, state_->comm, stream_),
@@ -156,13 +166,16 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // Checks the device, then orders the collective after what torch's current stream has queued
+  // (the producer of the tensor), without blocking the host.
   void check_device(const at::Tensor& t) const {
     SHARDOPT_CHECK(t.device().index() == device_, InvalidArgument,
                    "comm.nccl: tensor is on {}, but this communicator serves cuda:{}",
                    t.device().str(), device_);
+    detail::stream_waits_for_torch(stream_, device_, "comm.nccl");
   }
-  // Work is stream-ordered: the caller's producer stream must be synchronised before the call
-  // (the optimizer synchronises its stream before issuing collectives).
+  // Work completes when its event has: Work::wait polls it against the deadline (the host waits
+  // for each collective it waits on, as with the other engines).
   WorkPtr record(std::string description) {
     cudaEvent_t event;
     SHARDOPT_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), description);
@@ -171,6 +184,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   int device_;
+  CommunicatorPtr bootstrap_;
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<NcclState> state_ = std::make_shared<NcclState>();
 };
@@ -184,7 +198,16 @@ CommunicatorPtr make_nccl_communicator(const CommunicatorPtr& bootstrap, int dev
   // The id travels as bytes over the bootstrap engine (CPU memory).
   at::Tensor bytes = at::from_blob(&id, {static_cast<int64_t>(sizeof(id))}, at::kByte);
   bootstrap->broadcast(bytes, 0);
-  return std::make_shared<NcclCommunicator>(bootstrap->rank(), bootstrap->size(), device, id);
+  return std::make_shared<NcclCommunicator>(bootstrap->rank(), bootstrap->size(), device, id,
+                                            bootstrap);
 }
+
+namespace {
+// Loading the library makes the engine available to init_from_env() (src/plugins.hpp).
+const bool kRegistered = [] {
+  detail::register_nccl_factory(&make_nccl_communicator);
+  return true;
+}();
+}  // namespace
 
 }  // namespace shardopt

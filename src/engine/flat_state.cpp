@@ -88,7 +88,9 @@ at::Tensor FlatState::owned_state_slice(int k, int bucket) {
 void FlatState::write_back_master() {
   if (!plan_.separate_master()) return;
   for (auto& s : segments_) {
-    if (!s.low_done) s.low.copy_(s.param);  // master -> model dtype/device
+    // master -> model dtype/device; from pinned host memory (offload) the copy is asynchronous,
+    // in the device's stream order, like everything else that reads the parameters.
+    if (!s.low_done) s.low.copy_(s.param, /*non_blocking=*/s.param.is_cpu() && !s.low.is_cpu());
   }
 }
 

@@ -1,8 +1,13 @@
 // The CPU implementation of the FusedKernels seam: fp32 host shards, writing a bf16/fp16 host copy
-// in the same pass.
+// in the same pass (a copy on a device, under offload, is cast by FlatState::write_back_master).
 #include "engine/fused_kernels.hpp"
 
 #include <ATen/ATen.h>
+
+#include <atomic>
+
+#include "plugins.hpp"
+#include "shardopt/error.hpp"
 
 namespace shardopt::detail {
 namespace {
@@ -12,7 +17,7 @@ class CpuKernels final : public FusedKernels {
   bool accepts(const Segment& s) const override {
     const bool fp32_host = s.param.is_cpu() && s.param.scalar_type() == at::kFloat &&
                            s.grad.is_cpu() && s.grad.scalar_type() == at::kFloat;
-    return fp32_host && (!s.low.defined() || low_out(s, 0).kind != kernels::LowPrecision::None);
+    return fp32_host;  // a compute-dtype copy elsewhere (offload: on the GPU) is cast afterwards
   }
   kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
     kernels::LowPrecisionOut out;
@@ -40,12 +45,26 @@ class CpuKernels final : public FusedKernels {
   }
 };
 
+std::atomic<const FusedKernels*>& cuda_slot() {
+  static std::atomic<const FusedKernels*> slot{nullptr};
+  return slot;
+}
+
 }  // namespace
 
 const FusedKernels* fused_kernels_for(c10::DeviceType device) {
   static const CpuKernels cpu;
   if (device == c10::DeviceType::CPU) return &cpu;
-  return nullptr;  // CUDA shards: torch's ops until the CUDA kernels are wired in here
+  if (device != c10::DeviceType::CUDA) return nullptr;
+  if (cuda_slot().load() == nullptr) (void)load_plugin("shardopt_cuda");  // registers itself
+  return cuda_slot().load();  // null without it: torch's ops step CUDA shards
+}
+
+void register_fused_kernels(c10::DeviceType device, const FusedKernels* kernels) {
+  SHARDOPT_INTERNAL_ASSERT(device == c10::DeviceType::CUDA,
+                           "fused kernels can only be registered for CUDA, got {}",
+                           c10::DeviceTypeName(device));
+  cuda_slot().store(kernels);
 }
 
 }  // namespace shardopt::detail

@@ -1,7 +1,8 @@
 // FusedKernels: the seam where one device's fused one-pass update kernels (src/kernels, on raw
 // pointers) plug into the local update. The CPU kernels (AVX-512/AVX2/scalar, threaded) are built
-// in; a CUDA implementation registers for CUDA shards in fused_kernels_for(). Where no kernels
-// accept a segment, torch's ops step it (RuleStep).
+// in; the CUDA implementation (fused_kernels_cuda.cpp, libshardopt_cuda, built where nvcc is)
+// registers itself for CUDA shards when loaded, and fused_kernels_for(CUDA) loads it on first
+// need. Where no kernels accept a segment, torch's ops step it (RuleStep).
 #pragma once
 
 #include <c10/core/DeviceType.h>
@@ -15,9 +16,10 @@ class FusedKernels {
  public:
   virtual ~FusedKernels() = default;
   // Whether these kernels can step the segment: device and dtypes of the master weights and
-  // gradients, and, with a separate master, a compute-dtype copy they can write in the same pass.
+  // gradients.
   virtual bool accepts(const Segment& s) const = 0;
-  // The compute-dtype copy of a segment from element `begin` (none without a separate master).
+  // The compute-dtype copy of a segment from element `begin`, when these kernels can write it in
+  // the same pass (kind None without a separate master, or for a copy they cannot reach).
   virtual kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const = 0;
   virtual void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const = 0;
   virtual void sgd(const kernels::SgdHyper& h, const kernels::SgdSegment& s) const = 0;
@@ -29,5 +31,9 @@ class FusedKernels {
 
 // The kernels for shards on `device`, or null where none are built.
 const FusedKernels* fused_kernels_for(c10::DeviceType device);
+// Registers `kernels` (static lifetime) for shards on `device`; called by libshardopt_cuda.
+void register_fused_kernels(c10::DeviceType device, const FusedKernels* kernels);
+// The CUDA kernels, defined in libshardopt_cuda (link it to call this; loading registers them).
+const FusedKernels* cuda_fused_kernels();
 
 }  // namespace shardopt::detail

@@ -168,8 +168,20 @@ void GradientReducer::complete(int bucket) {
   if (!plan_.bucketed()) return;
   const auto range = flat_.updated(bucket);
   at::Tensor reduced = pool_[b.buffer].narrow(0, range.bucket_begin, range.length);
-  grad_reduced_.narrow(0, range.state_offset, range.length)
-      .add_(reduced.to(grad_reduced_.device()));
+  at::Tensor into = grad_reduced_.narrow(0, range.state_offset, range.length);
+  if (reduced.device() == into.device()) {
+    into.add_(reduced);
+  } else {
+    // Offload: device -> host through one pinned staging buffer (DMA at full speed, no fresh
+    // pageable pages per bucket), then added in master precision.
+    if (host_staging_.numel() < max_bucket_numel_) {
+      host_staging_ = at::empty({max_bucket_numel_},
+                                reduced.options().device(at::kCPU).pinned_memory(true));
+    }
+    at::Tensor host = host_staging_.narrow(0, 0, range.length);
+    host.copy_(reduced);
+    into.add_(host);
+  }
   free_buffers_.push_back(b.buffer);
   b.buffer = -1;
   in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), bucket));
@@ -207,6 +219,7 @@ int64_t GradientReducer::grad_bytes() const {
 int64_t GradientReducer::buffer_bytes() const {
   int64_t bytes = 0;
   for (const auto& b : pool_) bytes += static_cast<int64_t>(b.nbytes());
+  if (host_staging_.defined()) bytes += static_cast<int64_t>(host_staging_.nbytes());
   return bytes;
 }
 

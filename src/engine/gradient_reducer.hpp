@@ -50,7 +50,7 @@ class GradientReducer {
 
   int64_t take_comm_elements();
   int64_t grad_bytes() const;    // gradients kept between backward and step
-  int64_t buffer_bytes() const;  // the bucket pool
+  int64_t buffer_bytes() const;  // the bucket pool (+ offload's pinned staging buffer)
 
  private:
   static constexpr int kMaxBuffers = 2;
@@ -75,6 +75,7 @@ class GradientReducer {
   std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it
   at::Tensor grad_reduced_;            // Bucketed: update coordinates, master options
   std::vector<at::Tensor> pool_;       // Bucketed: bucket buffers
+  at::Tensor host_staging_;            // offload of device gradients: pinned, one bucket
   std::vector<int> free_buffers_;
   std::deque<int> in_flight_;
   int64_t max_bucket_numel_ = 0;

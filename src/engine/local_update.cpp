@@ -39,22 +39,27 @@ void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
   comm_->all_reduce(t, op, true)->wait(timeout_);
 }
 
+// Device shards: the checks and norms stay on the device until one .item() per step.
 bool LocalUpdate::any_rank_non_finite() {
-  double sum = 0;
-  for (auto& s : flat_.segments()) sum += at::sum(s.grad, at::kDouble).item<double>();
-  at::Tensor flag = at::full({1}, std::isfinite(sum) ? 0.0f : 1.0f, at::kFloat);
+  at::Tensor sum;  // on the segments' device
+  for (auto& s : flat_.segments()) {
+    const at::Tensor t = at::sum(s.grad, at::kDouble);
+    sum = sum.defined() ? sum + t : t;
+  }
+  const double total = sum.defined() ? sum.item<double>() : 0.0;
+  at::Tensor flag = at::full({1}, std::isfinite(total) ? 0.0f : 1.0f, at::kFloat);
   // Replicated plans hold the same reduced gradients on every rank: the flags agree already.
   if (comm_->size() > 1 && flat_.plan().sharded()) all_reduce_small(flag, ReduceOp::Max);
   return flag.item<float>() > 0;
 }
 
 double LocalUpdate::global_norm() {
-  double local = 0;
+  at::Tensor local;  // sum of the segments' squared norms, in double as on the host
   for (auto& s : flat_.segments()) {
-    const double n = s.grad.norm().item<double>();
-    local += n * n;
+    const at::Tensor n = s.grad.norm().to(at::kDouble);
+    local = local.defined() ? local + n * n : n * n;
   }
-  at::Tensor sq = at::full({1}, local, at::kDouble);
+  at::Tensor sq = at::full({1}, local.defined() ? local.item<double>() : 0.0, at::kDouble);
   if (flat_.plan().sharded()) all_reduce_small(sq);
   return std::sqrt(sq.item<double>());
 }
@@ -80,15 +85,14 @@ void LocalUpdate::update(int64_t step) {
     const Rule& rule = rule_of_(s.group);
     std::vector<at::Tensor> st;
     for (auto& full : state) st.push_back(full.narrow(0, s.state_offset, s.param.numel()));
-    s.low_done = fused_step(rule, step, s, st);
-    if (!s.low_done) {
-      std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
-    }
+    const bool fused = fused_step(rule, step, s, st);
+    if (!fused) std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
+    s.low_done = fused && kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
   }
 }
 
 // Steps the segment with a fused kernel when one exists for the rule; returns whether it did
-// (and then also wrote the compute-dtype copy, when there is one).
+// (the copy low_out names, if any, is then written too).
 bool LocalUpdate::fused_step(const Rule& rule, int64_t step, Segment& s,
                              std::vector<at::Tensor>& st) {
   if (!kernels_ || !kernels_->accepts(s)) return false;
@@ -168,7 +172,7 @@ bool LocalUpdate::fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
       kernels_->lamb_phase2(h, (w > 0 && u > 0) ? w / u : 1.0, piece(s, begin, len, true));
     });
     // Padding between parameters keeps a zero compute-dtype copy; nothing else to write.
-    s.low_done = true;
+    s.low_done = kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
   }
   return true;
 }

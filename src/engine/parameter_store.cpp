@@ -264,7 +264,9 @@ void ParameterStore::launch_gather(int unit) {
   auto* storage = u.full.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == 0 && u.full.numel() > 0) {
     const size_t nbytes = static_cast<size_t>(u.full.numel()) * u.full.element_size();
-    storage->set_data_ptr_noswap(c10::GetAllocator(u.full.device().type())->allocate(nbytes));
+    auto* allocator = storage->allocator() ? storage->allocator()  // CUDA: torch's caching one
+                                           : c10::GetAllocator(u.full.device().type());
+    storage->set_data_ptr_noswap(allocator->allocate(nbytes));
     storage->set_nbytes(nbytes);
   }
   for (int i : u.params) unguard(params_[i]);

@@ -2,17 +2,16 @@
 // block b finds its segment from the chunk prefix sums in the kernel arguments (no device-side
 // metadata, no allocation), then updates one chunk of kChunk elements. Every operation is an
 // explicit round-to-nearest intrinsic, so nvcc fuses nothing the CPU kernels do not fuse.
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include "kernels/cpu_kernels.hpp"
+#include "kernels/cuda_common.cuh"
 #include "kernels/fused_cuda.hpp"
-#include "shardopt/error.hpp"
 
 namespace shardopt::detail::kernels {
 namespace {
 
-constexpr int kThreads = 256;
+using cuda::bf16_bits;
+using cuda::fp16_bits;
+using cuda::kThreads;
 constexpr int64_t kChunk = 64 * kThreads;  // elements per block
 
 struct LaunchArgs {
@@ -32,17 +31,6 @@ struct LaunchArgs {
 __device__ __forceinline__ float max_nan(float a, float b) {
   if (isnan(a) || isnan(b)) return __int_as_float(-1);  // as the CPU kernels
   return a > b ? a : b;
-}
-
-__device__ __forceinline__ uint16_t bf16_bits(float x) {
-  if (isnan(x)) return 0x7FC0;
-  const uint32_t u = __float_as_uint(x);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ uint16_t fp16_bits(float x) {
-  if (isnan(x)) return static_cast<uint16_t>(((__float_as_uint(x) >> 16) & 0x8000u) | 0x7E00u);
-  return __half_as_ushort(__float2half_rn(x));
 }
 
 template <int kDecay, bool kAmsgrad>
@@ -81,16 +69,6 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const LaunchArgs a) {
     if (low_kind == LowPrecision::BFloat16) low[i] = bf16_bits(p);
     if (low_kind == LowPrecision::Float16) low[i] = fp16_bits(p);
   }
-}
-
-void cuda_check(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return;
-  const bool unsupported = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
-                           err == cudaErrorNoKernelImageForDevice;
-  const std::string msg = fmt::format("kernels: {} failed: {} ({})", what, cudaGetErrorString(err),
-                                      cudaGetErrorName(err));
-  if (unsupported) SHARDOPT_FAIL(Unsupported, "{}", msg);
-  SHARDOPT_FAIL(Internal, "{}", msg);
 }
 
 template <int kDecay, bool kAmsgrad>
@@ -153,7 +131,7 @@ void fused_adam_cuda(const AdamHyper& hyper, const AdamSegment* segments, int64_
                     : launch<AdamCoeffs::kDecayGrad, false>(a, blocks, st);
         break;
     }
-    cuda_check(cudaGetLastError(), "launching the fused Adam kernel");
+    cuda::check(cudaGetLastError(), "launching the fused Adam kernel");
     a.count = 0;
     blocks = 0;
   };

@@ -4,6 +4,8 @@
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "shardopt/comm.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/nccl.hpp"
@@ -35,8 +37,27 @@ TEST_F(NcclTest, CollectivesOnOneRank) {
   comm_->barrier();
 }
 
-TEST_F(NcclTest, CpuTensorsAreRefused) {
-  EXPECT_THROW(comm_->all_reduce(at::ones({4})), Error);
+// Host tensors (the optimizer's flags and partial norms) travel over the bootstrap engine.
+TEST_F(NcclTest, CpuTensorsGoThroughTheBootstrap) {
+  at::Tensor t = at::ones({4});
+  comm_->all_reduce(t, ReduceOp::Avg);
+  EXPECT_TRUE(t.equal(at::ones({4})));
+}
+
+// torchrun's variables with device "cuda": NCCL over a single-rank Gloo bootstrap (or the
+// single engine where Gloo is not built), on the GPU that LOCAL_RANK names.
+TEST_F(NcclTest, InitFromEnvPicksNcclForCuda) {
+  setenv("SHARDOPT_BACKEND", "nccl", 1);
+  setenv("LOCAL_RANK", "0", 1);
+  InitOptions o;
+  o.device = "cuda";
+  auto comm = init_from_env(o);
+  unsetenv("SHARDOPT_BACKEND");
+  unsetenv("LOCAL_RANK");
+  EXPECT_EQ(comm->backend(), "nccl");
+  at::Tensor t = at::ones({8}, at::TensorOptions().device(at::kCUDA, 0));
+  comm->all_reduce(t, ReduceOp::Sum);
+  EXPECT_TRUE(t.cpu().equal(at::ones({8})));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "plugins.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"
@@ -70,6 +71,32 @@ TEST(InitFromEnv, PicksSingleWithoutLauncherAndRejectsUnknownBackends) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("unknown backend 'carrier-pigeon'"), std::string::npos);
   }
+}
+
+// A single process with device "cuda" stays on the single engine (it serves CUDA tensors);
+// only launched jobs take NCCL. Devices other than cpu/cuda are refused by name.
+TEST(InitFromEnv, CudaWithoutLauncherIsSingleAndBadDevicesAreNamed) {
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  unsetenv("RANK");
+  unsetenv("SHARDOPT_BACKEND");
+  InitOptions cuda;
+  cuda.device = "cuda";
+  EXPECT_EQ(init_from_env(cuda)->backend(), "single");
+  InitOptions bad;
+  bad.device = "tpu";
+  try {
+    init_from_env(bad);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("'tpu'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Plugins, AMissingLibrarySaysWhy) {
+  const std::string why = detail::load_plugin("shardopt_no_such_part");
+  EXPECT_NE(why.find("libshardopt_no_such_part.so"), std::string::npos) << why;
+  EXPECT_EQ(detail::load_plugin("shardopt_no_such_part"), why);  // tried once, remembered
 }
 
 TEST(Work, TimeoutMustBePositive) {

@@ -1,0 +1,52 @@
+// Device helpers shared by the CUDA kernel translation units (adam_cuda.cu, sgd_lamb_cuda.cu):
+// the 16-bit conversions the CPU kernels perform in software, and the launch-error translation.
+// Every arithmetic operation in the kernels is an explicit round-to-nearest intrinsic
+// (Note [Kernel arithmetic] in fused.hpp), so nvcc contracts nothing the CPU kernels do not.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/fused.hpp"
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail::kernels::cuda {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint16_t bf16_bits(float x) {
+  if (isnan(x)) return 0x7FC0;
+  const uint32_t u = __float_as_uint(x);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ uint16_t fp16_bits(float x) {
+  if (isnan(x)) return static_cast<uint16_t>(((__float_as_uint(x) >> 16) & 0x8000u) | 0x7E00u);
+  return __half_as_ushort(__float2half_rn(x));
+}
+
+__device__ __forceinline__ void store_low(LowPrecision kind, uint16_t* low, int64_t i, float p) {
+  if (kind == LowPrecision::BFloat16) low[i] = bf16_bits(p);
+  if (kind == LowPrecision::Float16) low[i] = fp16_bits(p);
+}
+
+// Throws Unsupported where there is no usable device or driver, Internal otherwise.
+inline void check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  const bool unsupported = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
+                           err == cudaErrorNoKernelImageForDevice;
+  const std::string msg = fmt::format("kernels: {} failed: {} ({})", what, cudaGetErrorString(err),
+                                      cudaGetErrorName(err));
+  if (unsupported) SHARDOPT_FAIL(Unsupported, "{}", msg);
+  SHARDOPT_FAIL(Internal, "{}", msg);
+}
+
+// Blocks for a grid-stride loop over n elements (at least one, at most `cap`).
+inline unsigned grid_for(int64_t n, int64_t cap = 65535) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+
+}  // namespace shardopt::detail::kernels::cuda

@@ -20,14 +20,7 @@ class CpuKernels final : public FusedKernels {
     return fp32_host;  // a compute-dtype copy elsewhere (offload: on the GPU) is cast afterwards
   }
   kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
-    kernels::LowPrecisionOut out;
-    if (!s.low.defined() || !s.low.is_cpu()) return out;
-    const auto dtype = s.low.scalar_type();
-    if (dtype != at::kBFloat16 && dtype != at::kHalf) return out;
-    out.kind = dtype == at::kBFloat16 ? kernels::LowPrecision::BFloat16
-                                      : kernels::LowPrecision::Float16;
-    out.data = reinterpret_cast<uint16_t*>(s.low.data_ptr()) + begin;
-    return out;
+    return low_precision_out(s, begin, at::kCPU);
   }
   void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const override {
     kernels::fused_adam(h, s);

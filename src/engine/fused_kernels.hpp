@@ -29,6 +29,20 @@ class FusedKernels {
                            const kernels::LambSegment& s) const = 0;
 };
 
+// The compute-dtype copy of segment `s` from element `begin`, when it is bf16/fp16 on `device`
+// (where the kernels can write it in the same pass); otherwise none, and it is cast afterwards.
+inline kernels::LowPrecisionOut low_precision_out(const Segment& s, int64_t begin,
+                                                  c10::Device device) {
+  kernels::LowPrecisionOut out;
+  if (!s.low.defined() || s.low.device() != device) return out;
+  const auto dtype = s.low.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return out;
+  out.kind = dtype == at::kBFloat16 ? kernels::LowPrecision::BFloat16
+                                    : kernels::LowPrecision::Float16;
+  out.data = reinterpret_cast<uint16_t*>(s.low.data_ptr()) + begin;
+  return out;
+}
+
 // The kernels for shards on `device`, or null where none are built.
 const FusedKernels* fused_kernels_for(c10::DeviceType device);
 // Registers `kernels` (static lifetime) for shards on `device`; called by libshardopt_cuda.

@@ -81,14 +81,7 @@ class CudaKernels final : public FusedKernels {
     return fp32_device;  // a copy the kernels cannot write is cast afterwards
   }
   kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
-    kernels::LowPrecisionOut out;
-    if (!s.low.defined() || s.low.device() != s.param.device()) return out;
-    const auto dtype = s.low.scalar_type();
-    if (dtype != at::kBFloat16 && dtype != at::kHalf) return out;
-    out.kind = dtype == at::kBFloat16 ? kernels::LowPrecision::BFloat16
-                                      : kernels::LowPrecision::Float16;
-    out.data = reinterpret_cast<uint16_t*>(s.low.data_ptr()) + begin;
-    return out;
+    return low_precision_out(s, begin, s.param.device());
   }
   void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const override {
     if (s.numel == 0) return;

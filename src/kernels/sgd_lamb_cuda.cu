@@ -47,13 +47,31 @@ __device__ __forceinline__ float lamb_update(const LambCoeffs& c, float p, float
   return u;
 }
 
+// The block's two sums of (a, b), in a fixed tree order, into out[0..1] (thread 0 writes).
+__device__ __forceinline__ void block_sum2(double a, double b, double* out) {
+  __shared__ double sa[kThreads];
+  __shared__ double sb[kThreads];
+  sa[threadIdx.x] = a;
+  sb[threadIdx.x] = b;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      sa[threadIdx.x] += sa[threadIdx.x + half];
+      sb[threadIdx.x] += sb[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    out[0] = sa[0];
+    out[1] = sb[0];
+  }
+}
+
 // Phase 1: moments in place; per-block sums of p*p and u*u (double) into partial[2*block].
 __global__ void __launch_bounds__(kThreads)
     lamb_phase1_kernel(const LambCoeffs c, const float* __restrict__ param,
                        const float* __restrict__ grad, float* __restrict__ exp_avg,
                        float* __restrict__ exp_avg_sq, int64_t n, double* __restrict__ partial) {
-  __shared__ double sp[kThreads];
-  __shared__ double su[kThreads];
   double acc_p = 0, acc_u = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
@@ -69,45 +87,17 @@ __global__ void __launch_bounds__(kThreads)
     acc_p = __dadd_rn(acc_p, __dmul_rn(p, p));  // as the CPU's acc_sq: no fma
     acc_u = __dadd_rn(acc_u, __dmul_rn(u, u));
   }
-  sp[threadIdx.x] = acc_p;
-  su[threadIdx.x] = acc_u;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) {
-      sp[threadIdx.x] += sp[threadIdx.x + half];
-      su[threadIdx.x] += su[threadIdx.x + half];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    partial[2 * blockIdx.x] = sp[0];
-    partial[2 * blockIdx.x + 1] = su[0];
-  }
+  block_sum2(acc_p, acc_u, partial + 2 * blockIdx.x);
 }
 
 // One block: the partial sums of `blocks` blocks, in a fixed tree order, into partial[0..1].
 __global__ void __launch_bounds__(kThreads) lamb_sum_kernel(double* partial, int blocks) {
-  __shared__ double sp[kThreads];
-  __shared__ double su[kThreads];
   double acc_p = 0, acc_u = 0;
   for (int b = threadIdx.x; b < blocks; b += kThreads) {
     acc_p += partial[2 * b];
     acc_u += partial[2 * b + 1];
   }
-  sp[threadIdx.x] = acc_p;
-  su[threadIdx.x] = acc_u;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) {
-      sp[threadIdx.x] += sp[threadIdx.x + half];
-      su[threadIdx.x] += su[threadIdx.x + half];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    partial[0] = sp[0];
-    partial[1] = su[0];
-  }
+  block_sum2(acc_p, acc_u, partial);  // its barrier orders every read above before the write
 }
 
 // Phase 2: p = fma(u, -lr*trust, p) with u recomputed from the updated moments.

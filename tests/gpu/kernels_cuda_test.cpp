@@ -169,17 +169,23 @@ TEST_F(CudaKernels, ManySegmentsSplitOverLaunches) {
   check_against_cpu(AdamHyper{}, sizes, 2, nullptr);
 }
 
-TEST_F(CudaKernels, MatchesTorchAdamWOnHost) {
-  const int64_t n = 100003;
-  const auto init = normal(n, 1.0f, 9);
-  at::Tensor param = at::from_blob(const_cast<float*>(init.data()), {n}).clone();
+// Ten AdamW steps of torch's own optimizer (its parameter on `device`) and of the CUDA kernel on
+// the same gradients: the kernel's parameters after them, and its segment (for its bf16 copy).
+struct AdamWRun {
+  at::Tensor torch_param, kernel_param;
+  std::vector<uint16_t> low;
+};
+AdamWRun adamw_against_torch(int64_t n, at::Device device, LowPrecision low, uint32_t seed,
+                             uint32_t grad_seed) {
+  const auto init = normal(n, 1.0f, seed);
+  at::Tensor param = at::from_blob(const_cast<float*>(init.data()), {n}).to(device, false, true);
   param.set_requires_grad(true);
   const double lr = 2e-3, wd = 0.01;
   torch::optim::AdamW opt({param}, torch::optim::AdamWOptions(lr).weight_decay(wd));
-  Segment seg(n, LowPrecision::BFloat16, 9);
+  Segment seg(n, low, seed);
   for (int step = 1; step <= 10; ++step) {
-    const auto g = normal(n, 0.3f, 300 + step);
-    param.mutable_grad() = at::from_blob(const_cast<float*>(g.data()), {n}).clone();
+    const auto g = normal(n, 0.3f, grad_seed + step);
+    param.mutable_grad() = at::from_blob(const_cast<float*>(g.data()), {n}).to(device, false, true);
     opt.step();
     seg.dg.upload(g);
     AdamHyper h;
@@ -187,13 +193,21 @@ TEST_F(CudaKernels, MatchesTorchAdamWOnHost) {
     const AdamSegment d = seg.device(false);
     fused_adam_cuda(h, &d, 1);
   }
-  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // CUDA_OK asserts: only in void functions
   auto p = seg.dp.download();
-  const at::Tensor got = at::from_blob(p.data(), {n});
-  EXPECT_LE((param.detach() - got).abs().max().item<double>(), 1e-6);
-  const auto low = seg.dlow.download();
-  const at::Tensor want = got.to(at::kBFloat16);
-  EXPECT_EQ(std::memcmp(low.data(), want.data_ptr(), n * sizeof(uint16_t)), 0) << "bf16 copy";
+  AdamWRun run;
+  run.torch_param = param.detach().cpu();
+  run.kernel_param = at::from_blob(p.data(), {n}).clone();
+  if (low != LowPrecision::None) run.low = seg.dlow.download();
+  return run;
+}
+
+TEST_F(CudaKernels, MatchesTorchAdamWOnHost) {
+  const int64_t n = 100003;
+  const AdamWRun run = adamw_against_torch(n, at::kCPU, LowPrecision::BFloat16, 9, 300);
+  EXPECT_LE((run.torch_param - run.kernel_param).abs().max().item<double>(), 1e-6);
+  const at::Tensor want = run.kernel_param.to(at::kBFloat16);
+  EXPECT_EQ(std::memcmp(run.low.data(), want.data_ptr(), n * sizeof(uint16_t)), 0) << "bf16 copy";
 }
 
 // SGD (momentum, dampening, nesterov, weight decay) and LAMB's two phases against the CPU scalar
@@ -252,27 +266,8 @@ TEST_F(CudaKernels, SgdAndLambMatchCpuKernelBitwise) {
 // torch's own AdamW on the GPU (torch 2.x: its CUDA foreach path) within 1e-6 after 10 steps.
 TEST_F(CudaKernels, MatchesTorchAdamWOnCuda) {
   if (!at::hasCUDA()) GTEST_SKIP() << "this libtorch has no CUDA";
-  const int64_t n = 100003;
-  const auto init = normal(n, 1.0f, 11);
-  at::Tensor param = at::from_blob(const_cast<float*>(init.data()), {n}).to(at::kCUDA);
-  param.set_requires_grad(true);
-  const double lr = 2e-3, wd = 0.01;
-  torch::optim::AdamW opt({param}, torch::optim::AdamWOptions(lr).weight_decay(wd));
-  Segment seg(n, LowPrecision::None, 11);
-  for (int step = 1; step <= 10; ++step) {
-    const auto g = normal(n, 0.3f, 400 + step);
-    param.mutable_grad() = at::from_blob(const_cast<float*>(g.data()), {n}).to(at::kCUDA);
-    opt.step();
-    seg.dg.upload(g);
-    AdamHyper h;
-    h.lr = lr, h.weight_decay = wd, h.step = step;
-    const AdamSegment d = seg.device(false);
-    fused_adam_cuda(h, &d, 1);
-  }
-  CUDA_OK(cudaDeviceSynchronize());
-  auto p = seg.dp.download();
-  const at::Tensor got = at::from_blob(p.data(), {n});
-  EXPECT_LE((param.detach().cpu() - got).abs().max().item<double>(), 1e-6);
+  const AdamWRun run = adamw_against_torch(100003, at::kCUDA, LowPrecision::None, 11, 400);
+  EXPECT_LE((run.torch_param - run.kernel_param).abs().max().item<double>(), 1e-6);
 }
 
 // No device needed: malformed segments are refused before anything touches CUDA.

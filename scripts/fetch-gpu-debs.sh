@@ -9,7 +9,7 @@
 # runtime is carried. fmt is used header-only (FMT_HEADER_ONLY), nlohmann-json and CLI11 are header-
 # only, GoogleTest travels as sources (Debian's googletest package) and is built there with torch's
 # flags, zlib is C. Not carried: Google Benchmark (the GPU benchmarks time with CUDA events) and
-# OpenMPI (the GPU tests run NCCL at one rank and two ranks on one GPU as threads over torch's
+# OpenMPI (the GPU tests run NCCL at one rank and two ranks on one GPU as two processes over torch's
 # Gloo; a carried MPI would have to match the machine's glibc and its own plugins).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

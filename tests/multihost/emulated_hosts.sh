@@ -58,8 +58,15 @@ reap_stale() {
 
 delete_ns() {
   local ns="$1" pid
-  # Processes still inside the namespace were started by the run that made it.
-  for pid in $(ip netns pids "$ns" 2>/dev/null || true); do kill -KILL "$pid" 2>/dev/null || true; done
+  # Processes still inside the namespace were started by the run that made it. Repeat until none
+  # is left: one being killed may just have forked (a rank's timeout starting its command).
+  local pids round
+  for round in $(seq 50); do
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    [ -n "$pids" ] || break
+    for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
+    sleep 0.1
+  done
   ip netns del "$ns" 2>/dev/null || true
   rm -rf "/etc/netns/$ns"
 }

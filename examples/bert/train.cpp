@@ -346,10 +346,14 @@ int run(const Args& a) {
     const auto* av = all.data_ptr<double>();
     for (int k = 0; k < world; ++k) slowest = std::max(slowest, av[k * bert::kTimings + bert::kStep]);
     train_s += slowest;  // the step's time is its slowest rank's: the same number on every rank
-    if (a.checkpoint_every > 0 && (done - start_step) % a.checkpoint_every == 0 && !last_of_run) {
-      save(done);  // counted from this run's start, so a resumed run keeps the same spacing
+    // Counted from this run's start, so a resumed run keeps the same spacing. Rank 0 writes the
+    // step's metrics line first: a published checkpoint never holds a step the log lacks.
+    const bool save_now =
+        a.checkpoint_every > 0 && (done - start_step) % a.checkpoint_every == 0 && !last_of_run;
+    if (!lead) {
+      if (save_now) save(done);
+      continue;
     }
-    if (!lead) continue;
 
     std::vector<int64_t> mem_bytes;
     timings.emplace_back(av, av + bert::kTimings * world);
@@ -387,6 +391,7 @@ int run(const Args& a) {
     metrics << j.dump() << '\n';
     metrics.flush();
     last = j;
+    if (save_now) save(done);
 
     const bool show = tty || done % a.log_every == 0 || step == start_step || last_of_run;
     if (show) {

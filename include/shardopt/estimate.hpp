@@ -16,9 +16,9 @@
 //   stage 0  (P + G + K)·Ψ      stage 1  (P + G)·Ψ + K·Ψ/N
 //   stage 2  P·Ψ + (G + K)·Ψ/N  stage 3  (P + G + K)·Ψ/N
 //
-// plus bounded buffers: stage 2 keeps at most two bucket buffers (of bucket_bytes, or of the
-// largest parameter when that is bigger, since a bucket never splits one; never more than the
-// whole gradient); stage 3 holds the two largest gathered units with their full gradients,
+// plus bounded buffers: stage 2 keeps at most two bucket buffers of bucket_bytes (buckets split
+// parameters, so no buffer is sized by the largest one; never more than the whole gradient);
+// stage 3 holds the two largest gathered units with their full gradients,
 // (P + G)·(U1 + U2). Stages 0-1 reduce in place in the flat gradient buffer (no extra buffer),
 // as shardopt's optimizer does (tests/dist/stages_dist_test.cpp, StageMemory).
 //

@@ -19,7 +19,8 @@ Precision parse_precision(const std::string& text);
 struct ZeroOptions {
   // What is sharded (shardopt/sharding.hpp); stage_from_int(0..3) converts ZeRO's numbers.
   Stage stage = Stage::Gradients;
-  // Gradients are reduced in buckets of about this many bytes (one parameter never splits).
+  // Gradients are reduced in buckets of this many bytes (plus alignment); a parameter that does
+  // not fit continues in the next bucket, so bucket buffers never grow with the largest one.
   int64_t bucket_bytes = int64_t{16} << 20;
   // Start each bucket's reduction from the backward hooks as soon as it is complete.
   bool overlap_comm = true;

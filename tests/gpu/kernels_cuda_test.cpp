@@ -18,19 +18,12 @@
 #include "kernels/fused.hpp"
 #include "kernels/fused_cuda.hpp"
 #include "shardopt/error.hpp"
+#include "unit/kernels_support.hpp"  // normal(), first_difference(), the CPU references
 
 namespace shardopt::detail::kernels {
 namespace {
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
-
-std::vector<float> normal(size_t n, float scale, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> out(n);
-  for (auto& x : out) x = scale * dist(rng);
-  return out;
-}
 
 template <class T>
 struct DeviceBuffer {
@@ -96,12 +89,10 @@ struct Segment {
   DeviceBuffer<uint16_t> dlow;
 };
 
+// First index where a and b (same length) differ in bits, or -1.
 template <class T>
 int64_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<int64_t>(i);
-  }
-  return -1;
+  return first_difference(a.data(), b.data(), static_cast<int64_t>(a.size()));
 }
 
 class CudaKernels : public ::testing::Test {

@@ -124,6 +124,23 @@ struct BatchSource {
 int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::InitOptions& init) {
   const int rank = comm->rank(), world = comm->size();
   const TestFault fault = TestFault::from_env();
+  const fs::path checkpoint_dir = fs::path(a.out) / "checkpoint";
+  const std::string resume_from = a.resume.empty() ? checkpoint_dir.string() : a.resume;
+  // A checkpoint at or past the last step: nothing to train. Found from its manifest before any
+  // data or model is built; every rank reads it and stops alike, with no collective.
+  if (a.resume_requested && !a.eval_only) {
+    const auto info = shardopt::read_checkpoint_info(resume_from);
+    const auto trainer = nlohmann::json::parse(info.trainer_json, nullptr, false);
+    const int64_t saved = trainer.is_object() ? trainer.value("step", int64_t{-1}) : -1;
+    if (saved >= a.steps) {
+      if (rank == 0) {
+        fmt::print("[bert] checkpoint {} is at step {} of {}: nothing to train; raise --steps to "
+                   "continue\n",
+                   resume_from, saved, a.steps);
+      }
+      return 0;
+    }
+  }
   at::set_num_threads(a.threads);
   const bool lead = rank == 0;
   const auto t_start = Clock::now();
@@ -242,28 +259,18 @@ int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::
   nlohmann::json last, first_eval, last_eval;
 
   // ---- checkpoints: --resume restores; --checkpoint-every and the end of the run save ----------
-  const fs::path checkpoint_dir = fs::path(a.out) / "checkpoint";
   const nlohmann::json schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps},
                                    {"lr", a.lr}, {"seed", a.seed}, {"batch-size", a.batch_size},
                                    {"grad-accum", a.grad_accum}, {"ranks", world}};
   bert::RunState run_state;
   if (a.resume_requested) {
-    const std::string from = a.resume.empty() ? checkpoint_dir.string() : a.resume;
+    const std::string& from = resume_from;
     const auto t0 = Clock::now();
     const auto notes = bert::restore_run_state(shardopt::load_checkpoint(opt, from), schedule,
                                                &run_state);
     losses = run_state.losses;
     train_s = run_state.train_s;
     tokens_total = run_state.tokens;
-    // Every rank holds the checkpoint's step: all of them stop here alike, with no collective.
-    if (run_state.step >= a.steps && !a.eval_only) {
-      if (lead) {
-        fmt::print("[bert] checkpoint {} is at step {} of {}: nothing to train; raise --steps to "
-                   "continue\n",
-                   from, run_state.step, a.steps);
-      }
-      return 0;
-    }
     shardopt::agree_on_errors(*comm, "resuming the metrics log", [&] {
       if (!lead) return;
       fmt::print("[bert] resumed from {} at step {} ({:.1f} s)\n", from, run_state.step,

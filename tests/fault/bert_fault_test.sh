@@ -77,7 +77,6 @@ faulty() {
   echo "[bert_fault] $name: BERT_TEST_FAULT=$fault; mpirun exited with $rc after ${elapsed} s" \
        "(uninterrupted run ${WHOLE_S} s, allowed + ${slack} s)"
   [ "$rc" -ne 0 ] || fail "$name: the job reported success"
-  [ "$rc" -ne 137 ] || fail "$name: the job hung until the test's 300 s limit"
   within "$elapsed" "$(python3 -c "print($WHOLE_S + $slack)")" ||
     fail "$name: the job took ${elapsed} s to end"
   grep -qF -- "$message" "$WORK/$name.log" || fail "$name: no '$message' in the output"

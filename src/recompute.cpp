@@ -18,7 +18,7 @@ namespace {
 
 // ---- generators (Note [Same randomness]) -------------------------------------------------------
 
-std::vector<c10::Device> rng_devices(const std::vector<at::Tensor>& inputs) {
+std::vector<c10::Device> rng_devices(at::TensorList inputs) {
   std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
   auto add = [&](c10::Device d) {
     if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
@@ -101,11 +101,22 @@ class NestedBackward {
 
 // ---- the autograd Function -------------------------------------------------------------------
 
+// torch's Function takes defined tensors only (it records each input's and output's metadata):
+// undefined inputs and outputs of fn are kept out of it and put back at their places.
 struct State : torch::CustomClassHolder {
   RecomputeFn fn;
-  size_t user_inputs = 0;  // inputs[user_inputs] is the anchor, when there is one
-  std::vector<bool> requires_grad;
+  size_t user_inputs = 0;            // fn's inputs, defined or not
+  std::vector<size_t> slots;         // the Function's input k is fn's input slots[k] (else anchor)
+  std::vector<bool> requires_grad;   // per Function input
+  std::vector<bool> output_defined;  // per fn output, from the forward
   RngStates rng;
+
+  // fn's input vector from the Function's inputs.
+  std::vector<at::Tensor> user(const std::vector<at::Tensor>& passed) const {
+    std::vector<at::Tensor> in(user_inputs);
+    for (size_t k = 0; k < slots.size(); ++k) in[slots[k]] = passed[k];
+    return in;
+  }
 };
 
 using torch::autograd::AutogradContext;
@@ -116,15 +127,19 @@ struct Recompute : torch::autograd::Function<Recompute> {
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<State> state,
                                at::TensorList inputs) {
     state->rng = RngStates::capture(rng_devices(inputs));
-    std::vector<at::Tensor> user(inputs.begin(), inputs.begin() + state->user_inputs);
     variable_list outputs;
     {
       at::NoGradGuard no_grad;
-      outputs = state->fn(user);
+      outputs = state->fn(state->user(inputs.vec()));
     }
-    ctx->save_for_backward(inputs);
+    variable_list defined;
+    for (const auto& t : outputs) {
+      state->output_defined.push_back(t.defined());
+      if (t.defined()) defined.push_back(t);
+    }
+    ctx->save_for_backward(inputs.vec());
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return outputs;
+    return defined;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -133,42 +148,37 @@ struct Recompute : torch::autograd::Function<Recompute> {
                    "(backward with create_graph=true reached shardopt::recompute); recompute "
                    "without create_graph, or call the block directly");
     auto state = c10::static_intrusive_pointer_cast<State>(ctx->saved_data["state"].toCapsule());
-    const auto saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> inputs;
-    inputs.reserve(state->user_inputs);
-    for (size_t i = 0; i < state->user_inputs; ++i) {
-      at::Tensor t = saved[i].defined() ? saved[i].detach() : at::Tensor();
-      if (t.defined()) t.requires_grad_(state->requires_grad[i]);
-      inputs.push_back(std::move(t));
+    std::vector<at::Tensor> passed;
+    for (const auto& saved : ctx->get_saved_variables()) {
+      passed.push_back(saved.detach().requires_grad_(state->requires_grad[passed.size()]));
     }
     std::vector<at::Tensor> outputs;
     {
       RngFork fork(state->rng);
       at::AutoGradMode grad(true);
-      outputs = state->fn(inputs);
+      outputs = state->fn(state->user(passed));
     }
-    SHARDOPT_CHECK(outputs.size() == grad_outputs.size(), InvalidArgument,
+    SHARDOPT_CHECK(outputs.size() == state->output_defined.size(), InvalidArgument,
                    "recompute: fn returned {} tensors when run again in backward, {} in forward; "
                    "it must compute the same thing both times",
-                   outputs.size(), grad_outputs.size());
+                   outputs.size(), state->output_defined.size());
     variable_list roots, grads;
+    size_t g = 0;  // grad_outputs follow the outputs that were defined in forward
     for (size_t i = 0; i < outputs.size(); ++i) {
-      if (outputs[i].defined() && outputs[i].requires_grad() && grad_outputs[i].defined()) {
+      if (!state->output_defined[i]) continue;
+      const at::Tensor& grad = grad_outputs.at(g++);
+      if (outputs[i].defined() && outputs[i].requires_grad() && grad.defined()) {
         roots.push_back(outputs[i]);
-        grads.push_back(grad_outputs[i]);
+        grads.push_back(grad);
       }
     }
     if (!roots.empty()) {
       NestedBackward nested;
       torch::autograd::backward(roots, grads);
     }
-    // One gradient per forward argument: the state, then each input (the anchor gets none).
+    // One gradient per forward argument: the state, then each tensor (the anchor gets none).
     variable_list result{at::Tensor()};
-    for (size_t i = 0; i < saved.size(); ++i) {
-      result.push_back(i < inputs.size() && inputs[i].defined() && inputs[i].requires_grad()
-                           ? inputs[i].grad()
-                           : at::Tensor());
-    }
+    for (const auto& t : passed) result.push_back(t.requires_grad() ? t.grad() : at::Tensor());
     return result;
   }
 };
@@ -181,16 +191,28 @@ std::vector<at::Tensor> recompute_impl(RecomputeFn fn, std::vector<at::Tensor> i
   auto state = c10::make_intrusive<State>();
   state->fn = std::move(fn);
   state->user_inputs = inputs.size();
+  std::vector<at::Tensor> passed;
   bool any = false;
-  for (const auto& t : inputs) {
-    state->requires_grad.push_back(t.defined() && t.requires_grad());
-    any = any || state->requires_grad.back();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    state->slots.push_back(i);
+    state->requires_grad.push_back(inputs[i].requires_grad());
+    any = any || inputs[i].requires_grad();
+    passed.push_back(inputs[i]);
   }
   // No input requires grad (the first block of a model fed raw data): the result must still
   // lead backward here, or the parameters inside fn would get no gradient. An empty leaf that
   // requires grad anchors the call in the graph; it never receives a gradient.
-  if (!any) inputs.push_back(at::empty({0}, at::TensorOptions().requires_grad(true)));
-  return Recompute::apply(std::move(state), at::TensorList(inputs));
+  if (!any) {
+    passed.push_back(at::empty({0}).requires_grad_(true));
+    state->requires_grad.push_back(false);  // recomputed without grad: fn never sees it
+  }
+  const auto st = state;  // apply() takes the state; its output mask is read after
+  auto defined = Recompute::apply(std::move(state), at::TensorList(passed));
+  std::vector<at::Tensor> out;
+  size_t k = 0;
+  for (bool d : st->output_defined) out.push_back(d ? defined.at(k++) : at::Tensor());
+  return out;
 }
 
 void queue_after_backward(std::function<void()> callback) {

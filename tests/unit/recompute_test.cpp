@@ -19,18 +19,18 @@ namespace {
 using test::DropoutBlocks;
 using test::Mode;
 
-struct Run {
+struct TrainRun {
   std::vector<at::Tensor> grads;  // every parameter's, then the input's (when it requires grad)
   at::Tensor output, after;       // the forward's result; a draw from the generator after backward
 };
 
-Run train(Mode mode, bool input_requires_grad, bool with_units = false) {
+TrainRun train(Mode mode, bool input_requires_grad, bool with_units = false) {
   DropoutBlocks net(4, 16, 32, mode);
   at::manual_seed(7);
   at::Tensor x = at::randn({8, 16}).set_requires_grad(input_requires_grad);
   at::Tensor y = net.forward(x, mode, with_units);
   y.pow(2).mean().backward();
-  Run r;
+  TrainRun r;
   for (auto& [name, p] : net.named) r.grads.push_back(p.grad());
   if (input_requires_grad) r.grads.push_back(x.grad());
   r.output = y.detach();
@@ -38,7 +38,7 @@ Run train(Mode mode, bool input_requires_grad, bool with_units = false) {
   return r;
 }
 
-void expect_bitwise(const Run& a, const Run& b) {
+void expect_bitwise(const TrainRun& a, const TrainRun& b) {
   ASSERT_EQ(a.grads.size(), b.grads.size());
   for (size_t i = 0; i < a.grads.size(); ++i) {
     ASSERT_TRUE(a.grads[i].defined() && b.grads[i].defined()) << "gradient #" << i;
@@ -51,7 +51,7 @@ void expect_bitwise(const Run& a, const Run& b) {
 TEST(Recompute, GradientsBitwiseThePlainRunsWithDropout) {
   for (bool input_grad : {true, false}) {
     SCOPED_TRACE(input_grad ? "input requires grad" : "input does not require grad");
-    const Run plain = train(Mode::Plain, input_grad);
+    const TrainRun plain = train(Mode::Plain, input_grad);
     expect_bitwise(train(Mode::Direct, input_grad), plain);
     expect_bitwise(train(Mode::Direct, input_grad, /*with_units=*/true), plain);
     expect_bitwise(train(Mode::Declared, input_grad), plain);

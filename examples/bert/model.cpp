@@ -198,7 +198,7 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
     x = units_->run(
         static_cast<int>(i),
         [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
-          return layer->forward(in[0], mask_bias);
+          return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
         },
         {x});
   }

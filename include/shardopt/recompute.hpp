@@ -66,7 +66,7 @@ auto recompute(Fn&& fn, std::vector<at::Tensor> inputs)
                 "shardopt::recompute: fn must return at::Tensor or std::vector<at::Tensor>");
   if constexpr (std::is_same_v<Result, at::Tensor>) {
     auto out = detail::recompute_impl(
-        [f = std::forward<Fn>(fn)](const std::vector<at::Tensor>& in) {
+        [f = std::forward<Fn>(fn)](const std::vector<at::Tensor>& in) mutable {
           return std::vector<at::Tensor>{f(in)};
         },
         std::move(inputs));

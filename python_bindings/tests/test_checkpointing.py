@@ -3,16 +3,13 @@ nn.TransformerEncoderLayer blocks (dropout 0.1) are checkpointed trains to the s
 the same model run plainly, through DistributedOptimizer at stages 2 and 3 (stage 3: the layers
 are the units). CTest runs this file in one process (entry `python`) and under mpirun -np 2
 (python_checkpointing_np2)."""
-import os
-
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import shardopt
-from helpers import all_ranks_ok, global_batch, rank_slice
+from helpers import all_ranks_ok, train_sharded_steps, world_or_single
 
 VOCAB, WIDTH, STEPS = 11, 8, 5
 
@@ -39,10 +36,7 @@ class Encoder(nn.Module):
 
 @pytest.fixture(scope="module")
 def comm():
-    torch.set_num_threads(1)
-    if os.environ.get("OMPI_COMM_WORLD_SIZE"):
-        return shardopt.init_from_env(timeout=120)
-    return shardopt.make_single_communicator()
+    return world_or_single()
 
 
 def train(comm, stage, mode):
@@ -52,13 +46,7 @@ def train(comm, stage, mode):
     opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=comm, stage=stage,
                                         bucket_bytes=512, lr=0.01, **units)
     torch.manual_seed(100 + comm.rank)  # each rank its own dropout masks
-    for step in range(STEPS):
-        ids, labels = global_batch(step)
-        opt.zero_grad()
-        out = model(rank_slice(ids, comm.rank, comm.size))
-        opt.backward(F.cross_entropy(out, rank_slice(labels, comm.rank, comm.size)))
-        opt.step()
-    opt.gather_full_parameters()
+    train_sharded_steps(model, opt, comm, STEPS)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -5,6 +5,9 @@
 #   torchrun_agent_test.sh local <bert_pretrain> <mpiexec> <corpus>   2 ranks on this host
 #   torchrun_agent_test.sh hosts <bert_pretrain> <mpiexec> <corpus>   2 emulated hosts x 1 rank
 #                                                                     (exit 77 where none can be made)
+#   torchrun_agent_test.sh rank-error <bert_pretrain> <mpiexec> <corpus>
+#     rank 1 of 2 raises outside any collective (BERT_TEST_FAULT, Note [Test faults] in
+#     examples/bert/train.cpp): the job fails with the message within 10 s, far below --timeout.
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CASE=$1 EXE=$2 MPIEXEC=$3 CORPUS=$4
@@ -23,6 +26,20 @@ TRAIN=("$EXE" --preset tiny --stage 2 --steps 5 --warmup-steps 2 --lr 2e-3 --bat
        --max-seq-length 64 --vocab "$WORK/vocab.txt" --data "$WORK/data.bin" --no-plot
        --progress lines --log-every 1 --timeout 60)
 
+if [ "$CASE" = rank-error ]; then
+  start=$(date +%s%N)
+  env -u SHARDOPT_BACKEND BERT_TEST_FAULT=1:3:throw "$HERE/torchrun_env.sh" 2 "${TRAIN[@]}" \
+    --out "$WORK/agent" >"$WORK/agent.log" 2>&1
+  rc=$?
+  elapsed_ms=$((($(date +%s%N) - start) / 1000000))
+  cat "$WORK/agent.log"
+  echo "[torchrun_agent] exit $rc after $elapsed_ms ms (collective timeout 60 s)"
+  [ "$rc" -ne 0 ] || fail "the job succeeded although rank 1 failed"
+  grep -q "rank 1 fails before step 3" "$WORK/agent.log" || fail "the job did not report rank 1's error"
+  [ "$elapsed_ms" -lt 10000 ] || fail "the job took $elapsed_ms ms to end (limit 10 s)"
+  echo "[torchrun_agent] ok: $CASE"
+  exit 0
+fi
 timeout -s KILL 300 "$MPIEXEC" --allow-run-as-root --oversubscribe --bind-to none -np 2 \
   "${TRAIN[@]}" --out "$WORK/mpi" >"$WORK/mpi.log" 2>&1 || { cat "$WORK/mpi.log"; fail "mpirun run"; }
 case "$CASE" in

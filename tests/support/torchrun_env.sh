@@ -73,7 +73,7 @@ for ((l = 0; l < nproc; l++)); do
     TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=$run_id TORCHELASTIC_USE_AGENT_STORE=True \
     NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 \
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
-    setsid "$@" > >(sed "s/^/[rank $r] /") 2>&1 &
+    setsid "$@" > >(sed -u "s/^/[rank $r] /") 2>&1 &
   pids+=($!)
   rank_of[$!]=$r
 done

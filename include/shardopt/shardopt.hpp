@@ -11,5 +11,6 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/options.hpp"
 #include "shardopt/rules.hpp"
+#include "shardopt/state_dict.hpp"
 #include "shardopt/units.hpp"
 #include "shardopt/version.hpp"

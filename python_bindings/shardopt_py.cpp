@@ -525,7 +525,9 @@ void bind_optimizer(py::module_& m) {
       .def(
           "step", [](DistributedOptimizer& o) { o.step(); },
           py::call_guard<py::gil_scoped_release>())
-      .def("zero_grad", &DistributedOptimizer::zero_grad, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "zero_grad", [](DistributedOptimizer& o) { o.zero_grad(); },
+          py::call_guard<py::gil_scoped_release>())
       // The autograd engine refuses to start while the GIL is held; it takes it back for Python
       // hooks of the model, ours are C++.
       .def("backward", &DistributedOptimizer::backward, "loss"_a,

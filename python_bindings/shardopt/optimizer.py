@@ -483,6 +483,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (rank 0's), so that ``consolidate_checkpoint``'s file loads into it with
         ``load_state_dict(strict=True)``. Collective."""
         text = json.dumps({} if client_state is None else client_state)
+        self._push_hyperparameters()  # what a scheduler wrote since the last step() is saved
         module_state, aliases = self._module_extras(module) if module is not None else ({}, {})
         _C.save_checkpoint(self._core, os.fspath(directory), text, dict(tensors or {}),
                            module_state, aliases)

@@ -153,7 +153,7 @@ def test_layout_is_fixed_and_state_is_sharded(comm):
     opt.step()
     with pytest.raises(shardopt.UnsupportedError, match="consolidated at step 0 is stale"):
         opt.state_dict()
-    with pytest.raises(ValueError, match=r"to must be a rank in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"`to` must be a rank in \[0, 1\)"):
         opt.consolidate_state_dict(1)
 
 
@@ -166,7 +166,7 @@ def test_factory_errors(comm):
         shardopt.DistributedOptimizer(groups, torch.optim.Adamax, comm=comm)
     opt = shardopt.DistributedOptimizer(model.named_parameters(), torch.optim.Adamax, comm=comm)
     for call in (lambda: opt.consolidate_state_dict(0), lambda: opt.save_checkpoint("x")):
-        with pytest.raises(shardopt.UnsupportedError, match="factory-built optimizer"):
+        with pytest.raises(shardopt.UnsupportedError, match="factory-built|ShardOptimizerFactory"):
             call()
 
 

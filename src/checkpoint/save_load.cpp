@@ -161,12 +161,13 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
       comm, timeout, what, nothing,
       [&] {
         if (rank != 0) return json();
-        json manifest = build_manifest(a, names, trainer_json, files);
+        json module;  // null unless the save was given the model's extras
         if (!options.module_state.empty() || !options.aliases.empty()) {
           json stored = json::array();
           for (const auto& item : options.module_state) stored.push_back(item.first);
-          manifest["module"] = {{"tensors", stored}, {"aliases", options.aliases}};
+          module = {{"tensors", stored}, {"aliases", options.aliases}};
         }
+        const json manifest = build_manifest(a, names, trainer_json, files, module);
         const std::string text = dump(manifest, 1);
         {
           FileWriter w(paths.tmp / kManifest);

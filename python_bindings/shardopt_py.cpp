@@ -232,21 +232,13 @@ Rule read_rule(const std::string& name, const py::dict& values, bool strict) {
 // The torch-style hyper-parameter dict of a rule (what param_groups hold).
 py::dict rule_dict(const Rule& rule) {
   py::dict d;
-  std::visit(
-      [&](const auto& r) {
-        double beta1 = 0;
-        std::decay_t<decltype(r)>::fields(r, [&](const detail::Field& f, const auto& value) {
-          const std::string name = f.name;
-          if (name == "beta1") {
-            beta1 = value;
-          } else if (name == "beta2") {
-            d["betas"] = py::make_tuple(beta1, value);
-          } else {
-            d[f.name] = value;
-          }
-        });
-      },
-      rule);
+  detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
+      d[name] = py::make_tuple(value.first, value.second);
+    } else {
+      d[name] = value;
+    }
+  });
   return d;
 }
 

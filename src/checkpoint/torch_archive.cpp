@@ -16,6 +16,8 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "checkpoint/agreement.hpp"
 #include "checkpoint/format.hpp"
@@ -36,21 +38,13 @@ bool keeps_step(const Rule& rule) { return !std::holds_alternative<SGD>(rule); }
 
 // A rule's hyper-parameters under torch::optim's option names (beta1, beta2 are "betas").
 void write_options(OutputArchive& archive, const Rule& rule) {
-  std::visit(
-      [&](const auto& r) {
-        double beta1 = 0;
-        std::decay_t<decltype(r)>::fields(r, [&](const detail::Field& f, const auto& value) {
-          const std::string name = f.name;
-          if (name == "beta1") {
-            beta1 = value;
-          } else if (name == "beta2") {
-            archive.write("betas", c10::IValue(std::make_tuple(beta1, static_cast<double>(value))));
-          } else {
-            archive.write(name, c10::IValue(value));
-          }
-        });
-      },
-      rule);
+  detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
+      archive.write(name, c10::IValue(std::make_tuple(value.first, value.second)));
+    } else {
+      archive.write(name, c10::IValue(value));
+    }
+  });
 }
 
 // The same back, over `rule` (fields the archive lacks keep their value).

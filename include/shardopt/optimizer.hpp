@@ -14,7 +14,6 @@
 
 #include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
-#include <torch/version.h>
 
 #include <functional>
 #include <memory>
@@ -26,14 +25,6 @@
 #include "shardopt/options.hpp"
 #include "shardopt/rules.hpp"
 #include "shardopt/state_dict.hpp"
-
-// torch 2.x made Optimizer::zero_grad(bool set_to_none) virtual; on 1.13 it is zero_grad(), not
-// virtual (DistributedOptimizer does not depend on it being called: step() consumes gradients).
-#if TORCH_VERSION_MAJOR >= 2
-#define SHARDOPT_ZERO_GRAD_OVERRIDE override
-#else
-#define SHARDOPT_ZERO_GRAD_OVERRIDE
-#endif
 
 namespace shardopt {
 
@@ -107,10 +98,11 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // The closure, when given, is called first (under grad mode) and its loss returned.
   at::Tensor step(LossClosure closure = nullptr) override;
   // Clears gradients (in place for stages 0-1; shards for stage 2); `set_to_none` does not
-  // matter (gradients live in shardopt's buffers). Overrides the base's on torch 2.x. Optional
-  // between steps: step() consumes the gradients, so the next backward starts from zero also
-  // when a trainer calls torch's own Optimizer::zero_grad (torch 1.13) or none at all.
-  void zero_grad(bool set_to_none = true) SHARDOPT_ZERO_GRAD_OVERRIDE;
+  // matter (gradients live in shardopt's buffers). Optional between steps: step() consumes the
+  // gradients, so the next backward starts from zero also when a trainer holding a
+  // torch::optim::Optimizer& calls the base's zero_grad, which is not virtual (torch 1.13's
+  // zero_grad(), 2.6's zero_grad(bool)), or none at all.
+  void zero_grad(bool set_to_none = true);
   // (loss / grad_accumulation_steps).backward() plus micro-step bookkeeping (and loss scaling
   // with fp16). Gradients are summed over micro-steps, so torch's own (loss / k).backward() gives
   // the same big-batch gradient (Note [Gradient accumulation convention], src/engine/engine.cpp).

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "engine/finite_check.hpp"
 #include "engine/group_options.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/recompute.hpp"
@@ -233,6 +234,7 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
+  grads_clean_ = false;
   check_micro_step_open();
   tracker_->begin_pass();
   // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
@@ -287,8 +289,13 @@ void Engine::backward(const at::Tensor& loss) {
   if (tracker_->in_pass()) on_backward_end();  // no final callback ran (no hook fired)
 }
 
+// Note [step() consumes the gradients]: a trainer may hold only a torch::optim::Optimizer&, whose
+// zero_grad() on torch 1.13 is the base's (not virtual): it zeroes .grad in place and resets
+// nothing of ours. So step() itself leaves the gradient sinks zeroed and the micro-step count at
+// zero (end_step), and zero_grad() only repeats the zeroing when a backward ran since.
 void Engine::zero_grad() {
-  reducer_->zero();
+  reducer_->zero(/*values=*/!grads_clean_);
+  grads_clean_ = true;
   tracker_->reset_micro_steps();
   store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
@@ -319,7 +326,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
 }
 
 // Phase 1: every bucket reduced and folded in; gradients averaged over ranks, summed over
-// micro-steps (Note [Gradient accumulation convention]) and unscaled.
+// micro-steps (Note [Gradient accumulation convention]); phase 2 unscales them.
 void Engine::finish_reduction() {
   RECORD_FUNCTION("shardopt::reduce", std::vector<c10::IValue>());
   const auto t = Clock::now();
@@ -330,24 +337,24 @@ void Engine::finish_reduction() {
     reducer_->reduce_manual(tracker_->micro_steps());
   }
   reducer_->complete_all();
-  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
-  update_->unscale(static_cast<double>(world_) * loss_scale);
   stats_.reduce_wait_s = seconds_since(t);
 }
 
-// Phase 2: non-finite gradients on any rank, at every precision: no update anywhere, parameters
-// and optimizer state untouched. With clipping the global norm (needed anyway) is the check;
-// otherwise a sum per segment and a one-element all-reduce. fp16's scaler backs off; without one,
-// options_.max_nonfinite_steps skipped steps in a row throw on every rank (they agree on the flag).
+// Phase 2: gradients unscaled (averaged over ranks, divided by the loss scale) and checked in one
+// pass (src/engine/finite_check.hpp), with the global norm when clipping: non-finite gradients on
+// any rank, at every precision, mean no update anywhere, parameters and optimizer state untouched.
+// fp16's scaler backs off; without one, options_.max_nonfinite_steps skipped steps in a row throw
+// on every rank (they agree on the flag).
 bool Engine::skip_non_finite() {
   RECORD_FUNCTION("shardopt::skip_non_finite", std::vector<c10::IValue>());
-  bool non_finite = false;
-  if (options_.max_grad_norm > 0) {
-    stats_.grad_norm = update_->global_norm();
-    non_finite = !std::isfinite(stats_.grad_norm);
-  } else {
-    non_finite = update_->any_rank_non_finite();
-  }
+  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  const bool clipping = options_.max_grad_norm > 0;
+  const auto check =
+      update_->unscale_and_check(static_cast<double>(world_) * loss_scale, clipping);
+  if (clipping) stats_.grad_norm = check.norm;
+  stats_.unscale_s = check.unscale_s;
+  stats_.check_s = check.check_s;
+  const bool non_finite = check.non_finite;
   if (scaler_) {
     stats_.loss_scale = scaler_->scale();
     stats_.skipped = scaler_->update(non_finite);
@@ -372,7 +379,9 @@ bool Engine::skip_non_finite() {
 void Engine::clip() {
   if (options_.max_grad_norm <= 0) return;
   RECORD_FUNCTION("shardopt::clip", std::vector<c10::IValue>());
+  const auto t = Clock::now();
   stats_.clipped = update_->clip(options_.max_grad_norm, stats_.grad_norm);
+  stats_.clip_s = seconds_since(t);
 }
 
 // Phase 4: the local update of this rank's segments, cast into the model's dtype.
@@ -380,8 +389,10 @@ void Engine::update() {
   RECORD_FUNCTION("shardopt::update", std::vector<c10::IValue>());
   const auto t = Clock::now();
   update_->update(steps_ + 1);
-  update_->write_back();
   stats_.update_s = seconds_since(t);
+  const auto w = Clock::now();
+  update_->write_back();
+  stats_.write_back_s = seconds_since(w);
 }
 
 // Phase 5: parameters whole again where the model reads them (all-gather, or units released).
@@ -396,21 +407,21 @@ void Engine::after_update() {
 void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
+  reducer_->zero();  // Note [step() consumes the gradients]
+  grads_clean_ = true;
   stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
   stats_.step_s = seconds_since(t0);
 }
 
-// A double sum of each owned slice is finite exactly when the slice is (fp32 values cannot
-// overflow it); one MAX all-reduce makes every rank answer alike.
+// The master weights (each rank's owned slices) through the gradients' check: one read, one
+// all-reduce, the same answer everywhere.
 bool Engine::parameters_finite() {
   at::NoGradGuard no_grad;
-  double sum = 0;
+  std::vector<at::Tensor> slices;
   for (int b = 0; b < static_cast<int>(flat_->layout().buckets.size()); ++b) {
-    sum += at::sum(checkpoint_->owned_param_slice(b), at::kDouble).item<double>();
+    slices.push_back(checkpoint_->owned_param_slice(b));
   }
-  at::Tensor flag = at::full({1}, std::isfinite(sum) ? 0.0f : 1.0f, at::kFloat);
-  if (world_ > 1) comm_->all_reduce(flag, ReduceOp::Max, true)->wait(options_.timeout);
-  return flag.item<float>() == 0;
+  return !scan_finite(slices, 1.0, false, comm_.get(), options_.timeout).non_finite;
 }
 
 MemoryReport Engine::memory() const {

@@ -4,6 +4,8 @@
 // rank 0 logs metrics.jsonl, plots the curves and writes summary.json; the final state is always
 // checkpointed. --synthetic trains on random tokens instead (benchmarks: bench/compare_peers.sh).
 #include <sys/resource.h>
+
+#include <csignal>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -60,6 +62,43 @@ double process_cpu_s() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
+// Note [Test faults]: BERT_TEST_FAULT="RANK:STEP:ACTION" makes one rank fail at a chosen point, so
+// the fault tests (tests/fault/) never race the clock: `throw` raises an error before training
+// step STEP (1-based, outside any collective), `stop` sends SIGSTOP to itself there (a stalled
+// rank), `kill-in-save` SIGKILLs itself inside the save of step STEP, after writing its shard.
+struct TestFault {
+  int rank = -1;
+  int64_t step = -1;
+  std::string action;
+
+  static TestFault from_env() {
+    TestFault f;
+    const char* env = std::getenv("BERT_TEST_FAULT");
+    if (env == nullptr || *env == '\0') return f;
+    char action[32] = {};
+    long long step = -1;
+    if (std::sscanf(env, "%d:%lld:%31s", &f.rank, &step, action) != 3 ||
+        (std::strcmp(action, "throw") != 0 && std::strcmp(action, "stop") != 0 &&
+         std::strcmp(action, "kill-in-save") != 0)) {
+      throw std::runtime_error(fmt::format(
+          "BERT_TEST_FAULT='{}': expected RANK:STEP:ACTION with ACTION throw, stop or kill-in-save",
+          env));
+    }
+    f.step = step;
+    f.action = action;
+    return f;
+  }
+  bool is(const char* what, int r, int64_t s) const { return action == what && rank == r && step == s; }
+  // Before training step `s` (1-based) on rank `r`.
+  void before_step(int r, int64_t s) const {
+    if (is("stop", r, s)) std::raise(SIGSTOP);
+    if (is("throw", r, s)) {
+      throw std::runtime_error(
+          fmt::format("test fault (BERT_TEST_FAULT): rank {} fails before step {}", r, s));
+    }
+  }
+};
+
 // Linear warm-up to the peak, then linear decay to 0 at the last step (BERT's schedule).
 double lr_at(const Args& a, int64_t step) {
   if (step < a.warmup_steps) return a.lr * static_cast<double>(step + 1) / a.warmup_steps;
@@ -82,11 +121,26 @@ struct BatchSource {
   static constexpr int64_t kSyntheticMaskId = 103;  // [MASK] in BERT's uncased vocabulary
 };
 
-int run(const Args& a) {
-  shardopt::InitOptions init;  // --timeout, else SHARDOPT_TIMEOUT, else the library's default
-  if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));
-  auto comm = shardopt::init_from_env(init);
+int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::InitOptions& init) {
   const int rank = comm->rank(), world = comm->size();
+  const TestFault fault = TestFault::from_env();
+  const fs::path checkpoint_dir = fs::path(a.out) / "checkpoint";
+  const std::string resume_from = a.resume.empty() ? checkpoint_dir.string() : a.resume;
+  // A checkpoint at or past the last step: nothing to train. Found from its manifest before any
+  // data or model is built; every rank reads it and stops alike, with no collective.
+  if (a.resume_requested && !a.eval_only) {
+    const auto info = shardopt::read_checkpoint_info(resume_from);
+    const auto trainer = nlohmann::json::parse(info.trainer_json, nullptr, false);
+    const int64_t saved = trainer.is_object() ? trainer.value("step", int64_t{-1}) : -1;
+    if (saved >= a.steps) {
+      if (rank == 0) {
+        fmt::print("[bert] checkpoint {} is at step {} of {}: nothing to train; raise --steps to "
+                   "continue\n",
+                   resume_from, saved, a.steps);
+      }
+      return 0;
+    }
+  }
   at::set_num_threads(a.threads);
   const bool lead = rank == 0;
   const auto t_start = Clock::now();
@@ -193,10 +247,11 @@ int run(const Args& a) {
 
   std::ofstream metrics;
   const fs::path metrics_path = fs::path(a.out) / "metrics.jsonl";
-  if (lead && !a.eval_only) {
+  shardopt::agree_on_errors(*comm, "opening the metrics log", [&] {
+    if (!lead || a.eval_only) return;
     metrics.open(metrics_path, a.resume_requested ? std::ios::app : std::ios::trunc);
     if (!metrics) throw std::runtime_error("cannot write " + metrics_path.string());
-  }
+  });
   const bool tty = lead && bert::progress_on_terminal(a.progress);
   std::vector<double> losses;
   std::vector<std::vector<double>> timings;  // rank 0: [step of this run][rank * kTimings + Timing]
@@ -205,20 +260,20 @@ int run(const Args& a) {
   nlohmann::json last, first_eval, last_eval;
 
   // ---- checkpoints: --resume restores; --checkpoint-every and the end of the run save ----------
-  const fs::path checkpoint_dir = fs::path(a.out) / "checkpoint";
   const nlohmann::json schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps},
                                    {"lr", a.lr}, {"seed", a.seed}, {"batch-size", a.batch_size},
                                    {"grad-accum", a.grad_accum}, {"ranks", world}};
   bert::RunState run_state;
   if (a.resume_requested) {
-    const std::string from = a.resume.empty() ? checkpoint_dir.string() : a.resume;
+    const std::string& from = resume_from;
     const auto t0 = Clock::now();
     const auto notes = bert::restore_run_state(shardopt::load_checkpoint(opt, from), schedule,
                                                &run_state);
     losses = run_state.losses;
     train_s = run_state.train_s;
     tokens_total = run_state.tokens;
-    if (lead) {
+    shardopt::agree_on_errors(*comm, "resuming the metrics log", [&] {
+      if (!lead) return;
       fmt::print("[bert] resumed from {} at step {} ({:.1f} s)\n", from, run_state.step,
                  seconds_since(t0));
       for (const auto& n : notes) fmt::print("[bert] note: {}\n", n);
@@ -226,8 +281,9 @@ int run(const Args& a) {
         bert::truncate_metrics(metrics_path, run_state.step);
         metrics.close();
         metrics.open(metrics_path, std::ios::app);
+        if (!metrics) throw std::runtime_error("cannot write " + metrics_path.string());
       }
-    }
+    });
   }
   const int64_t start_step = run_state.step;
   int64_t data_position = run_state.data_position;
@@ -239,7 +295,12 @@ int run(const Args& a) {
       return;
     }
     bert::RunState s{done, data_position, losses, train_s, tokens_total};
-    shardopt::save_checkpoint(opt, checkpoint_dir.string(), bert::make_trainer_state(s, schedule));
+    shardopt::SaveOptions save_options;
+    save_options.after_shard_written = [&](int r) {
+      if (fault.is("kill-in-save", r, done)) std::raise(SIGKILL);
+    };
+    shardopt::save_checkpoint(opt, checkpoint_dir.string(), bert::make_trainer_state(s, schedule),
+                              save_options);
     last_saved = done;
     if (lead) {
       fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", tty ? "\r\033[K" : "", done,
@@ -259,10 +320,14 @@ int run(const Args& a) {
   if (a.eval_only) {
     if (!eval_data) throw UsageError("--eval-only: there is no eval data (--eval-data FILE)");
     run_eval(start_step);
-    if (lead) {
-      std::ofstream(fs::path(a.out) / "eval.json") << last_eval.dump(2) << '\n';
-      fmt::print("[bert] eval results: {}\n", (fs::path(a.out) / "eval.json").string());
-    }
+    shardopt::agree_on_errors(*comm, "writing eval.json", [&] {
+      if (!lead) return;
+      const fs::path path = fs::path(a.out) / "eval.json";
+      std::ofstream out(path);
+      out << last_eval.dump(2) << '\n';
+      if (!out) throw std::runtime_error("cannot write " + path.string());
+      fmt::print("[bert] eval results: {}\n", path.string());
+    });
     return 0;
   }
 
@@ -273,6 +338,7 @@ int run(const Args& a) {
   int64_t run_samples = 0, run_tokens = 0;
   for (; step < a.steps; ++step) {
     if (a.stop_after > 0 && step - start_step >= a.stop_after) break;
+    fault.before_step(rank, step + 1);
     const auto t0 = Clock::now();
     const double cpu0 = process_cpu_s();
     const double lr = lr_at(a, step);
@@ -423,11 +489,11 @@ int run(const Args& a) {
   if (step > start_step && last_saved != step) save(step);
   const fs::path model_path = fs::path(a.out) / "model.pt";
   if (a.save_model && step > start_step) {
-    comm->barrier();
-    if (lead) {
+    shardopt::agree_on_errors(*comm, "writing model.pt", [&] {
+      if (!lead) return;
       shardopt::consolidate_checkpoint(checkpoint_dir.string(), model_path.string());
       fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
-    }
+    });
   }
 
   // Peak resident memory and peak tensor storage of every rank.
@@ -440,7 +506,10 @@ int run(const Args& a) {
   comm->all_gather(peaks, all_peaks);
 
   int rc = 0;
-  if (lead) {
+  // Rank 0 alone writes the summary; an error there reaches every rank (no rank waits in the
+  // verdict's broadcast for a rank that is gone).
+  shardopt::agree_on_errors(*comm, "writing the summary", [&] {
+    if (!lead) return;
     metrics.close();
     const fs::path plot = fs::path(a.out) / "loss.png";
     std::string plot_note = "skipped (--no-plot)";
@@ -540,11 +609,30 @@ int run(const Args& a) {
       rc = 3;
     }
     std::fflush(stdout);
-  }
+  });
   // Every rank exits with rank 0's verdict.
   auto verdict = torch::tensor({static_cast<int64_t>(rc)}, torch::kLong);
   comm->broadcast(verdict, 0);
   return static_cast<int>(verdict.item<int64_t>());
+}
+
+// Note [Errors on one rank]: an error that escapes train() on one rank (a file, the data, JSON)
+// ends the whole job at once through shardopt::run_or_abort, so no rank waits for the collective
+// timeout. Usage errors are found alike on every rank (the same arguments and files), so every
+// rank returns 2 and rank 0 alone prints the one line.
+int run(const Args& a) {
+  shardopt::InitOptions init;  // --timeout, else SHARDOPT_TIMEOUT, else the library's default
+  if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));
+  auto comm = shardopt::init_from_env(init);
+  return shardopt::run_or_abort(*comm, [&] {
+    try {
+      return train(a, comm, init);
+    } catch (const UsageError& e) {
+      std::fflush(stdout);
+      if (comm->rank() == 0) fmt::print(stderr, "bert_pretrain: error: {}\n", e.what());
+      return 2;
+    }
+  });
 }
 
 }  // namespace

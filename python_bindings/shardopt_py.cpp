@@ -12,6 +12,7 @@
 
 #include "bindings.hpp"
 #include "shardopt/checkpoint.hpp"
+#include "shardopt/detail/names.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/estimate.hpp"
 #include "shardopt/shardopt.hpp"
@@ -344,8 +345,7 @@ std::vector<ParamGroup> to_groups(const std::vector<GroupSpec>& specs) {
 }
 
 Offload parse_offload(const std::string& text) {
-  if (text == "none") return Offload::None;
-  if (text == "cpu") return Offload::CPU;
+  if (const auto o = detail::offload_named(text)) return *o;
   SHARDOPT_FAIL(InvalidArgument, "options: offload must be one of none, cpu, got '{}'", text);
 }
 
@@ -355,7 +355,7 @@ std::string repr_options(const ZeroOptions& o) {
       "max_grad_norm={}, precision='{}', offload='{}', broadcast_initial_params={}, "
       "align_bytes={}, prefetch={}, timeout={}s)",
       to_int(o.stage), o.bucket_bytes, o.overlap_comm ? "True" : "False", o.grad_accumulation_steps,
-      o.max_grad_norm, to_string(o.precision), o.offload == Offload::CPU ? "cpu" : "none",
+      o.max_grad_norm, to_string(o.precision), detail::offload_name(o.offload),
       o.broadcast_initial_params ? "True" : "False", o.align_bytes, o.prefetch,
       o.timeout.count() / 1000.0);
 }
@@ -398,7 +398,7 @@ void bind_options(py::module_& m) {
           [](ZeroOptions& o, const std::string& p) { o.precision = parse_precision(p); })
       .def_property(
           "offload",
-          [](const ZeroOptions& o) { return std::string(o.offload == Offload::CPU ? "cpu" : "none"); },
+          [](const ZeroOptions& o) { return std::string(detail::offload_name(o.offload)); },
           [](ZeroOptions& o, const std::string& p) { o.offload = parse_offload(p); })
       .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
       .def_readwrite("align_bytes", &ZeroOptions::align_bytes)

@@ -96,7 +96,9 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Finishes the gradient reduction, clips, updates the local shard and gathers parameters.
   // The closure, when given, is called first (under grad mode) and its loss returned.
   at::Tensor step(LossClosure closure = nullptr) override;
-  // Clears gradients (in place for stages 0-1; shards for stage 2). Hides the base's.
+  // Clears gradients: zeroes the flat gradient buffer the parameters' .grad are views of, or the
+  // reduced-gradient shard and .grad (where the plan buckets gradients: stages 2-3, and every stage
+  // under fp16/bf16 or offload). Stage 3: gathers the parameters in no unit. Hides the base's.
   void zero_grad();
   // (loss / grad_accumulation_steps).backward() plus micro-step bookkeeping (and loss scaling
   // with fp16). Gradients are summed over micro-steps, so torch's own (loss / k).backward() gives

@@ -27,7 +27,8 @@ class LocalUpdate {
   LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout, const Rule& rule,
               const ShardOptimizerFactory& factory, RuleOf rule_of, bool fused);
 
-  // Divides the reduced gradients by `divisor` (world * micro-steps * loss scale).
+  // Divides the reduced gradients by `divisor` (world * loss scale; micro-steps are summed, Note
+  // [Gradient accumulation convention] in engine.cpp).
   void unscale(double divisor);
   // Whether any rank holds a non-finite reduced gradient: each sums its own segments in double (a
   // NaN or Inf makes the sum non-finite; finite fp32 values cannot overflow a double sum), then,

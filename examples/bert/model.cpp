@@ -6,37 +6,30 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "shardopt/estimate.hpp"
+
 namespace bert {
 
 namespace F = torch::nn::functional;
 using torch::nn::Module;
 
 BertConfig BertConfig::preset(const std::string& name) {
+  const auto& p = shardopt::estimate::find_bert_preset(name);  // the library's table
   BertConfig c;
   c.name = name;
-  auto set = [&](int64_t layers, int64_t hidden, int64_t heads, int64_t inter) {
-    c.num_layers = layers, c.hidden_size = hidden, c.num_heads = heads;
-    c.intermediate_size = inter;
-  };
-  if (name == "tiny") set(2, 128, 2, 512);
-  else if (name == "mini") set(4, 256, 4, 1024);
-  else if (name == "small") set(4, 512, 8, 2048);
-  else if (name == "base") set(12, 768, 12, 3072);
-  else if (name == "large") set(24, 1024, 16, 4096);
-  else if (name == "peer") {
-    // The PyTorch peer baseline's model (/work/shared/peers/torch_zero_bert.py): BERT-mini's
-    // shape with BERT's 30522-token vocabulary, MLM only, logits at every position.
-    set(4, 256, 4, 1024);
-    c.nsp = false;
-    c.mlm_all_positions = true;
-  }
-  else throw std::invalid_argument("unknown BERT preset '" + name +
-                                   "'; expected tiny, mini, small, base, large or peer");
+  c.num_layers = p.layers, c.hidden_size = p.hidden, c.num_heads = p.heads;
+  c.intermediate_size = p.intermediate;
+  // peer: the PyTorch peer baseline's model (/work/shared/peers/torch_zero_bert.py), MLM only
+  // with logits at every position.
+  c.nsp = p.heads_for_pretraining;
+  c.mlm_all_positions = !p.heads_for_pretraining;
   return c;
 }
 
 std::vector<std::string> BertConfig::preset_names() {
-  return {"tiny", "mini", "small", "base", "large", "peer"};
+  std::vector<std::string> names;
+  for (const auto& p : shardopt::estimate::kBertPresets) names.push_back(p.name);
+  return names;
 }
 
 void BertConfig::validate() const {

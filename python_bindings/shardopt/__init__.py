@@ -19,7 +19,7 @@ from . import _C
 from ._C import (CheckpointError, CommTimeoutError, CommunicationError, Error, InternalError,
                  InvalidArgumentError, MismatchError, UnsupportedError)
 from ._C import (Capabilities, Communicator, Estimate, MemoryBreakdown, MemoryReport, ReduceOp,
-                 StepStats, Units, Work, ZeroOptions)
+                 StepStats, UnitPolicy, Units, Work, ZeroOptions)
 from .comm import default_communicator, from_process_group, init_from_env, make_single_communicator
 from .estimate import bert_parameter_count, estimate, estimate_model
 from .optimizer import DistributedOptimizer, consolidate_checkpoint, modules_of_type

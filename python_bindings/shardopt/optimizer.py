@@ -22,7 +22,7 @@ _NATIVE_CLASSES = {cls: cls.__name__.lower() for cls in vars(torch.optim).values
                    if isinstance(cls, type) and cls.__name__.lower() in _C._rule_names()}
 _OPTION_FIELDS = ("stage", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
                   "max_grad_norm", "precision", "offload", "broadcast_initial_params",
-                  "align_bytes", "prefetch", "timeout", "shard_group_size", "reduce_dtype")
+                  "align_bytes", "prefetch", "timeout", "shard_group_size", "reduce_dtype", "unit_policy")
 _GROUP_KEYS = ("params", "param_names")
 
 
@@ -238,6 +238,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             installed on them, so the model's code does not change. Parameters in no unit or in
             two (a decoder tied to the embedding) stay gathered. Between steps the units'
             parameters hold no storage: call :meth:`gather_full_parameters` before reading them.
+            Without ``units=``, stage 3 derives units from the parameters' names (every element
+            of a ``ModuleList``/``Sequential`` and every other top-level child; groups under
+            ``unit_policy.persist_below`` elements stay gathered) and gathers them on first use,
+            with no hooks and no change to the model.
+        unit_policy: stage 3 without ``units=``: a :class:`shardopt.UnitPolicy` or a dict
+            ``{"patterns": [regex, ...], "persist_below": elements}``.
         **hyperparameters: torch's names: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad``, ``momentum``, ``dampening``, ``nesterov``, ... (defaults are torch's).
 
@@ -249,14 +255,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer="adamw", *, comm=None, options=None, stage=None,
                  bucket_bytes=None, overlap_comm=None, grad_accumulation_steps=None,
                  max_grad_norm=None, precision=None, offload=None, broadcast_initial_params=None,
-                 align_bytes=None, prefetch=None, timeout=None, units=None, **hyperparameters):
+                 align_bytes=None, prefetch=None, timeout=None, units=None, unit_policy=None,
+                 **hyperparameters):
         unit_modules = _unit_modules(units, params) if units is not None else []
         zero = _zero_options(options, dict(
             stage=stage, bucket_bytes=bucket_bytes, overlap_comm=overlap_comm,
             grad_accumulation_steps=grad_accumulation_steps, max_grad_norm=max_grad_norm,
             precision=precision, offload=offload,
             broadcast_initial_params=broadcast_initial_params, align_bytes=align_bytes,
-            prefetch=prefetch, timeout=timeout))
+            prefetch=prefetch, timeout=timeout,
+            unit_policy=_C.UnitPolicy(**unit_policy) if isinstance(unit_policy, dict)
+            else unit_policy))
         zero.validate()
         name, hyper, factory = _resolve(optimizer, hyperparameters)
         groups = _named_groups(params)

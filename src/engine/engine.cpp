@@ -154,7 +154,7 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   if (plan_.per_unit()) {
     unit_plan_ = options_.units;
     if (!unit_plan_) {
-      unit_plan_ = derived_units(groups, options_.unit_policy, world_comm_->rank() == 0);
+      unit_plan_ = derived_units(groups, options_.unit_policy, ranks_.world->rank() == 0);
       automatic_ = true;
     }
   }

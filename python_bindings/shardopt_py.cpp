@@ -448,7 +448,11 @@ void bind_units(py::module_& m) {
   py::class_<Units, std::shared_ptr<Units>>(m, "Units",
                                              "Stage-3 units (include/shardopt/units.hpp)")
       .def(py::init<>())
-      .def("add", &Units::add, "name"_a, "parameters"_a,
+      .def("add",
+           [](Units& u, std::string name, std::vector<at::Tensor> parameters) {
+             return u.add(std::move(name), std::move(parameters));
+           },
+           "name"_a, "parameters"_a,
            "Declares a unit gathered as one; returns its index.")
       .def("begin", &Units::begin, "index"_a, py::call_guard<py::gil_scoped_release>(),
            "Before the unit's forward: gathers its parameters (collective).")

@@ -138,6 +138,7 @@ int run(const Args& a) {
   }
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
   bert::BertForPreTraining model(config);
+  model->set_recompute(a.recompute);
   // The optimizer casts the parameters to the compute dtype itself and keeps the fp32 master
   // copy of these fp32 initial values.
   const auto precision = shardopt::parse_precision(a.precision);

@@ -44,6 +44,7 @@
 
 #include "engine/group_options.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/recompute.hpp"
 
 namespace shardopt::detail {
 namespace {
@@ -285,7 +286,8 @@ void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
   check_micro_step_open();
   tracker_->begin_pass();
-  torch::autograd::Engine::get_default_engine().queue_callback([this] {
+  // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
+  queue_after_backward([this] {
     if (tracker_->in_pass()) on_backward_end();
   });
 }

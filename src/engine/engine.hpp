@@ -57,7 +57,7 @@ class Engine final : public UnitRuntime {
   const CollectedModel& model() const { return model_; }
 
   // ---- UnitRuntime (stage 3): called by Units::run and the output hooks ---------------------
-  void enter(int unit) override { store_->enter(unit); }
+  void enter(int unit) override { store_->enter(unit, tracker_->in_pass()); }
   void exit(int unit) override { store_->exit(unit); }
   void mark_for_backward(int unit, const at::Tensor& output) override;
 

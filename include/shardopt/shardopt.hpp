@@ -12,5 +12,6 @@
 #include "shardopt/options.hpp"
 #include "shardopt/recompute.hpp"
 #include "shardopt/rules.hpp"
+#include "shardopt/state_dict.hpp"
 #include "shardopt/units.hpp"
 #include "shardopt/version.hpp"

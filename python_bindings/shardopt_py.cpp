@@ -373,6 +373,9 @@ void bind_options(py::module_& m) {
                      "unit (empty: numbered module-list elements and top-level children)")
       .def_readwrite("persist_below", &UnitPolicy::persist_below,
                      "groups with fewer elements stay gathered through the step")
+      .def("__eq__", [](const UnitPolicy& a, const UnitPolicy& b) {
+        return a.patterns == b.patterns && a.persist_below == b.persist_below;
+      })
       .def("__repr__", [](const UnitPolicy& p) {
         return fmt::format("UnitPolicy(patterns=[{}], persist_below={})",
                            fmt::join(p.patterns, ", "), p.persist_below);

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <unordered_map>
 
 #include "engine/finite_check.hpp"
 #include "engine/group_options.hpp"
@@ -76,6 +77,46 @@ std::vector<std::string> names_of(const std::vector<ModelParam>& params) {
   for (const auto& p : params) out.push_back(p.name);
   return out;
 }
+
+// Stage 3 without declared units: units from the parameters' names (shardopt/unit_policy.hpp),
+// as a Units object no model code runs (Note [Automatic units] in auto_gather.cpp). Without the
+// release guard's key (another library holds it) nothing can gather on use: every parameter is
+// then in the root part, gathered through the step.
+UnitsPtr derived_units(const std::vector<ParamGroup>& groups, const UnitPolicy& policy,
+                       bool report) {
+  std::vector<std::string> names;
+  std::vector<int64_t> numels, ids;
+  std::vector<at::Tensor> tensors;
+  std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
+  for (const auto& g : groups) {
+    for (const auto& np : g.params) {
+      if (!np.tensor.defined() || !np.tensor.requires_grad()) continue;
+      names.push_back(np.name);
+      numels.push_back(np.tensor.numel());
+      auto [it, fresh] = id_of.emplace(np.tensor.unsafeGetTensorImpl(),
+                                       static_cast<int64_t>(id_of.size()));
+      ids.push_back(it->second);
+      tensors.push_back(np.tensor);
+    }
+  }
+  auto units = std::make_shared<Units>();
+  if (!release_guard_available()) {
+    if (report) {
+      fmt::print(stderr, "shardopt: stage 3: automatic units need the dispatch key {} that "
+                 "another library holds; every parameter stays gathered from zero_grad() to "
+                 "step()\n", "TESTING_ONLY_GenericWrapper");
+    }
+    return units;
+  }
+  const DerivedUnits derived = derive_units(names, numels, ids, policy);
+  for (size_t u = 0; u < derived.names.size(); ++u) {
+    std::vector<at::Tensor> members;
+    for (int i : derived.members[u]) members.push_back(tensors[i]);
+    units->add(derived.names[u], std::move(members));
+  }
+  return units;
+}
+
 }  // namespace
 
 Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
@@ -96,23 +137,29 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
-  if (plan_.per_unit()) unit_plan_ = options_.units;
+  if (plan_.per_unit()) {
+    unit_plan_ = options_.units;
+    if (!unit_plan_) {
+      unit_plan_ = derived_units(groups, options_.unit_policy, ranks_.world->rank() == 0);
+      automatic_ = true;
+    }
+  }
   model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
                          plan_.per_unit() ? unit_plan_.get() : nullptr);
   verify_same_model(params(), plan_.per_unit(), *ranks_.world, options_.timeout);
   build(rule, factory);
   attach_hooks();
-  if (plan_.per_unit() && !model_.loose_names.empty() && comm_->rank() == 0) {
+  if (plan_.per_unit() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
     fmt::print(stderr,
                "shardopt: stage 3: {} parameter(s) in no unit, gathered for every forward and "
                "backward until step(): {}\n",
                model_.loose_names.size(), fmt::join(model_.loose_names, ", "));
   }
-  if (unit_plan_) unit_plan_->attach(this);
+  if (unit_plan_ && !automatic_) unit_plan_->attach(this);
 }
 
 Engine::~Engine() {
-  if (unit_plan_) unit_plan_->detach(this);
+  if (unit_plan_ && !automatic_) unit_plan_->detach(this);
   for (auto& h : hooks_) {
     if (h.accumulator && h.key) h.accumulator->del_post_hook(h.key);
   }
@@ -147,6 +194,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
   // the master weights (ParameterStore::adopt).
   store_ = make_store();
+  if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
+    auto_ = std::make_unique<AutoGather>(*store_, model_.root_unit, options_.prefetch, comm_,
+                                         options_.timeout);
+    store_->set_automatic(auto_.get());
+  }
   flat_->init_master(store_->adopt(where.initial, options_.broadcast_initial_params));
   reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
                                                options_.overlap_comm,
@@ -230,6 +282,7 @@ void Engine::on_grad_ready(int index) {
 // End of one backward pass: the reducer reduces what is still pending.
 void Engine::on_backward_end() {
   if (plan_.per_unit()) store_->end_backward();
+  if (auto_) auto_->end_backward();
   reducer_->end_pass(tracker_->micro_steps());
   tracker_->end_pass();
 }
@@ -373,6 +426,7 @@ void Engine::after_update() {
   RECORD_FUNCTION("shardopt::gather", std::vector<c10::IValue>());
   const auto t = Clock::now();
   store_->after_update();
+  if (auto_) auto_->after_update();
   stats_.gather_s = seconds_since(t);
 }
 

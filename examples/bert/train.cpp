@@ -22,6 +22,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "block_cache.hpp"
 #include "checkpointing.hpp"
@@ -31,6 +32,7 @@
 #include "options.hpp"
 #include "prepare.hpp"
 #include "prepare_on_rank0.hpp"
+#include "pretrained.hpp"
 #include "progress.hpp"
 #include "report.hpp"
 #include "shardopt/optimizer.hpp"
@@ -60,13 +62,6 @@ double process_cpu_s() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-// Linear warm-up to the peak, then linear decay to 0 at the last step (BERT's schedule).
-double lr_at(const Args& a, int64_t step) {
-  if (step < a.warmup_steps) return a.lr * static_cast<double>(step + 1) / a.warmup_steps;
-  const double rest = static_cast<double>(a.steps - a.warmup_steps);
-  return rest <= 0 ? a.lr : a.lr * std::max(0.0, static_cast<double>(a.steps - step) / rest);
-}
-
 // Where batches come from: the pretraining file of bert::prepare_on_rank0, or random tokens.
 struct BatchSource {
   std::unique_ptr<bert::PretrainingData> data;
@@ -82,9 +77,29 @@ struct BatchSource {
   static constexpr int64_t kSyntheticMaskId = 103;  // [MASK] in BERT's uncased vocabulary
 };
 
+// --export-hf DIR (and OUT/hf with --save-model): the fp32 master parameters of `checkpoint` when
+// given, else the model's own, gathered (collective: every rank calls it); rank 0 writes.
+void export_model(const Args& a, shardopt::DistributedOptimizer& opt, bert::BertForPreTraining& model,
+                  const bert::BertConfig& config, const bert::Prepared& prepared,
+                  const std::string& checkpoint, bool lead) {
+  const std::string dir = a.export_hf.empty() ? (fs::path(a.out) / "hf").string() : a.export_hf;
+  bert::StateDict params;
+  if (checkpoint.empty()) {
+    opt.gather_full_parameters();
+    if (lead) params = model->named_parameters();
+  } else if (lead) {
+    params = shardopt::read_full_state(checkpoint).params;
+  }
+  if (!lead) return;
+  const auto files = bert::export_hf(dir, config, params, prepared.vocab_path, prepared.lower_case);
+  fmt::print("[bert] Hugging Face export: {} ({})\n", dir, fmt::join(files, ", "));
+}
+
 int run(const Args& a) {
   shardopt::InitOptions init;  // --timeout, else SHARDOPT_TIMEOUT, else the library's default
   if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));
+  const torch::Device device(a.device);
+  init.device = device.is_cuda() ? "cuda" : "cpu";
   auto comm = shardopt::init_from_env(init);
   const int rank = comm->rank(), world = comm->size();
   at::set_num_threads(a.threads);
@@ -101,7 +116,10 @@ int run(const Args& a) {
         int64_t{32} << 20, static_cast<int64_t>(a.block_cache_mb * (1 << 20)));
   }
   shardopt::ScopedMemoryTracking tracking;
-  bert::BertConfig config = bert::BertConfig::preset(a.preset);
+  std::vector<std::string> ignored_keys;  // of --bert-config, reported below
+  bert::BertConfig config = a.bert_config.empty()
+                                ? bert::BertConfig::preset(a.preset)
+                                : bert::BertConfig::load(a.bert_config, &ignored_keys);
   BatchSource loader;
   loader.args = &a;
   loader.rank = rank;
@@ -126,7 +144,15 @@ int run(const Args& a) {
       eval_data = std::make_unique<bert::PretrainingData>(prepared.eval_path);
     }
     loader.loader = std::make_unique<bert::BatchLoader>(*loader.data, a.batch_size, rank, world, a.seed);
-    config.vocab_size = vocab.size();
+    if (a.bert_config.empty()) {
+      config.vocab_size = vocab.size();
+    } else if (config.vocab_size < vocab.size()) {
+      throw UsageError(fmt::format("--bert-config: vocab_size {} is smaller than the vocabulary's {} "
+                                   "tokens ({})", config.vocab_size, vocab.size(), prepared.vocab_path));
+    } else if (lead && config.vocab_size > vocab.size()) {
+      fmt::print("[bert] note: vocab_size {} of --bert-config exceeds the vocabulary's {} tokens: "
+                 "the extra rows are never used\n", config.vocab_size, vocab.size());
+    }
     max_seq_length = loader.data->header().max_seq_length;
   }
   if (a.no_nsp) config.nsp = false;
@@ -138,14 +164,27 @@ int run(const Args& a) {
   }
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
   bert::BertForPreTraining model(config);
+  if (lead) {
+    std::ofstream(fs::path(a.out) / "config.json") << config.to_hf_json().dump(2) << '\n';
+    if (!ignored_keys.empty()) {
+      fmt::print("[bert] --bert-config: keys that do not change the model, ignored: {}\n",
+                 fmt::join(ignored_keys, ", "));
+    }
+  }
+  if (!a.init_checkpoint.empty()) {
+    std::string kind;
+    const auto state = bert::read_init_checkpoint(a.init_checkpoint, &kind);
+    try {
+      const auto report = bert::load_pretrained(model, state);
+      if (lead) bert::print_init_report(a.init_checkpoint, kind, report);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
+  }
+  model->to(device);
   // The optimizer casts the parameters to the compute dtype itself and keeps the fp32 master
   // copy of these fp32 initial values.
   const auto precision = shardopt::parse_precision(a.precision);
-  if (precision == shardopt::Precision::FP16) {
-    throw UsageError(
-        "--precision: fp16 needs a GPU (libtorch's CPU kernels have no fp16 matrix products); "
-        "use bf16 on CPU");
-  }
   model->train();
 
   shardopt::ZeroOptions zo;
@@ -163,8 +202,14 @@ int run(const Args& a) {
   });
   zo.shard_group_size = a.shard_group_size;  // hybrid sharding: shard within, replicate across
   zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
-  shardopt::DistributedOptimizer opt(groups, shardopt::AdamW(a.lr).weight_decay(a.weight_decay),
-                                     comm, zo);
+  const double beta1 = a.adam_betas.at(0), beta2 = a.adam_betas.at(1), eps = bert::adam_eps(a);
+  const shardopt::Rule rule =
+      a.optimizer == "lamb"
+          ? shardopt::Rule(shardopt::Lamb(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(
+                a.weight_decay))
+          : shardopt::Rule(shardopt::AdamW(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(
+                a.weight_decay));
+  shardopt::DistributedOptimizer opt(groups, rule, comm, zo);
 
   const int64_t global_batch = a.batch_size * world * a.grad_accum;
   if (lead) {
@@ -179,14 +224,16 @@ int run(const Args& a) {
                                       static_cast<double>(loader.data->size()),
                                   loader.data->size())
                     : fmt::format("synthetic: random tokens, {} per row", max_seq_length);
-    fmt::print("[bert] training: {} ranks ({}), ZeRO stage {}, {}, {} rows/rank x {} micro-steps = "
-               "{} sequences/step, {} steps ({}), lr {} (warm-up {}), {} thread(s)/rank\n",
+    fmt::print("[bert] training: {} ranks ({}) on {}, ZeRO stage {}, {}, global batch {} = {} "
+               "rows/rank x {} ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, "
+               "weight decay {}), lr {} (warm-up {}, then {}), {} thread(s)/rank\n",
                world, a.shard_group_size > 0
                    ? fmt::format("{}, hybrid: shard groups of {}", comm->backend(),
                                  a.shard_group_size)
                    : comm->backend(),
-               a.stage, a.precision, a.batch_size, a.grad_accum,
-               global_batch, a.steps, epochs, a.lr, a.warmup_steps, a.threads);
+               a.device, a.stage, a.precision, global_batch, a.batch_size, world, a.grad_accum,
+               a.steps, epochs, a.optimizer, beta1, beta2, eps, a.weight_decay, a.lr,
+               a.warmup_steps, a.lr_schedule, a.threads);
     std::fflush(stdout);
   }
 
@@ -205,9 +252,11 @@ int run(const Args& a) {
 
   // ---- checkpoints: --resume restores; --checkpoint-every and the end of the run save ----------
   const fs::path checkpoint_dir = fs::path(a.out) / "checkpoint";
-  const nlohmann::json schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps},
-                                   {"lr", a.lr}, {"seed", a.seed}, {"batch-size", a.batch_size},
-                                   {"grad-accum", a.grad_accum}, {"ranks", world}};
+  nlohmann::json schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps},
+                             {"lr", a.lr}, {"seed", a.seed}, {"batch-size", a.batch_size},
+                             {"grad-accum", a.grad_accum}, {"ranks", world}};
+  schedule["optimizer"] = a.optimizer;
+  schedule["lr-schedule"] = a.lr_schedule;
   bert::RunState run_state;
   if (a.resume_requested) {
     const std::string from = a.resume.empty() ? checkpoint_dir.string() : a.resume;
@@ -262,6 +311,11 @@ int run(const Args& a) {
       std::ofstream(fs::path(a.out) / "eval.json") << last_eval.dump(2) << '\n';
       fmt::print("[bert] eval results: {}\n", (fs::path(a.out) / "eval.json").string());
     }
+    if (!a.dump_logits.empty()) {
+      bert::dump_logits(model, *eval_data, a.eval_batch_size, device, lead ? a.dump_logits : "");
+      if (lead) fmt::print("[bert] logits of the first eval batch: {}\n", a.dump_logits);
+    }
+    if (!a.export_hf.empty()) export_model(a, opt, model, config, prepared, "", lead);
     return 0;
   }
 
@@ -283,7 +337,7 @@ int run(const Args& a) {
     for (int micro = 0; micro < a.grad_accum; ++micro) {
       const auto td = Clock::now();
       const bert::Batch batch = loader.batch(data_position++);
-      const bert::BertInputs inputs = bert::to_inputs(batch);
+      const bert::BertInputs inputs = bert::to_inputs(batch, device);
       data_s += seconds_since(td);
       const auto tf = Clock::now();
       const bert::BertOutputs out = model->forward(inputs);
@@ -427,6 +481,10 @@ int run(const Args& a) {
       shardopt::consolidate_checkpoint(checkpoint_dir.string(), model_path.string());
       fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
     }
+  }
+  if ((a.save_model || !a.export_hf.empty()) && step > start_step) {
+    export_model(a, opt, model, config, prepared, last_saved == step ? checkpoint_dir.string() : "",
+                 lead);
   }
 
   // Peak resident memory and peak tensor storage of every rank.
@@ -572,7 +630,12 @@ int main(int argc, char** argv) {
     if (opt->get_name() == "--corpus") a.corpus_given = opt->count() > 0;
     if (opt->get_name() == "--resume") a.resume_requested = opt->count() > 0;
   }
+  bert::resolve_args(a);
   if (const std::string why = bert::check_args(a, commands); !why.empty()) return usage_error(why);
+  if (a.device != "cpu" && !torch::cuda::is_available()) {
+    return usage_error(fmt::format("--device {}: no CUDA device is visible to this libtorch (a "
+                                   "build without CUDA, or no GPU); use --device cpu", a.device));
+  }
   try {
     if (commands.build_vocab->parsed()) return bert::build_vocab_command(a, commands.output);
     if (commands.create_data->parsed()) {

@@ -493,54 +493,6 @@ std::string plot(const Run& r) {
   return std::system(cmd.c_str()) == 0 ? png.string() : "failed (command: " + cmd + ")";
 }
 
-void print_closing_lines(const Run& r, const nlohmann::json& s, const bert::TimingSummary& timing,
-                         int64_t skip) {
-  const int64_t step = r.state.step, ran = step - r.start_step;
-  fmt::print("[bert] done: step {} of {} ({} steps in this run, {} of training, {} wall), loss "
-             "{:.3f} -> {:.3f} (mean of first/last {}), {}\n",
-             step, r.a.steps, ran, bert::human_time(r.state.train_s - r.start_train_s),
-             bert::human_time(seconds_since(r.t_start)), s["first5_loss"].get<double>(),
-             s["last5_loss"].get<double>(), std::min<size_t>(5, r.state.losses.size()),
-             bert::format_rates(bert::Rates{s["steps_per_s"].get<double>(),
-                                            s["samples_per_s"].get<double>(),
-                                            s["tokens_per_s"].get<double>()}));
-  if (!r.last_eval.is_null()) {
-    const auto &e = r.last_eval, &f = r.first_eval;
-    std::string nsp;
-    if (r.config.nsp) {
-      nsp = fmt::format("; NSP acc {:.3f} vs majority baseline {:.3f} ({:+.3f})",
-                        e["nsp_acc"].get<double>(), e["nsp_baseline"].get<double>(),
-                        s["nsp_above_baseline"].get<double>());
-    }
-    fmt::print("[bert] held-out eval ({} instances): MLM loss {:.3f} (step {}) -> {:.3f} (step {}), "
-               "MLM acc {:.3f}{}\n",
-               e["instances"].get<int64_t>(), f["mlm_loss"].get<double>(), f["step"].get<int64_t>(),
-               e["mlm_loss"].get<double>(), e["step"].get<int64_t>(), e["mlm_acc"].get<double>(), nsp);
-  }
-  if (ran > 0) {
-    const auto& t = timing.slowest;
-    fmt::print("[bert] step time (median of steps {}-{}, slowest rank {}): {:.4f} s = data {:.4f} + "
-               "fwd {:.4f} + bwd {:.4f} + step() {:.4f} (comm wait {:.4f}, update {:.4f}, gather "
-               "{:.4f}); process CPU {:.4f} s/step\n",
-               r.start_step + skip + 1, step, timing.slowest_rank, timing.median_step_s,
-               t["data_s"].get<double>(), t["fwd_s"].get<double>(), t["bwd_s"].get<double>(),
-               t["opt_s"].get<double>(), t["comm_wait_s"].get<double>(),
-               t["update_s"].get<double>(), t["gather_s"].get<double>(), t["cpu_s"].get<double>());
-  }
-  std::string peaks;
-  for (int q = 0; q < r.world; ++q) {
-    peaks += fmt::format(" r{} {} ({} tensors)", q, bert::human_bytes(s["peak_rss_bytes"][q].get<double>()),
-                         bert::human_bytes(s["peak_tensor_bytes"][q].get<double>()));
-  }
-  fmt::print("[bert] peak RSS:{}\n", peaks);
-  fmt::print("[bert] metrics: {}\n[bert] loss plot: {}\n[bert] summary: {}\n", r.metrics_path.string(),
-             s["plot"].get<std::string>(), (fs::path(r.a.out) / "summary.json").string());
-  fmt::print("[bert] checkpoint: {}\n",
-             r.last_saved >= 0 ? fmt::format("{} (step {}; --resume continues)",
-                                             r.checkpoint_dir.string(), r.last_saved)
-                               : std::string("none written (no step ran)"));
-}
-
 // Rank 0: summary.json and the closing lines; returns the exit code (--golden, --check-loss-decrease).
 int write_summary(Run& r, const std::vector<double>& peaks) {
   const Args& a = r.a;
@@ -568,7 +520,8 @@ int write_summary(Run& r, const std::vector<double>& peaks) {
       {"optimizer", a.optimizer}, {"lr_schedule", a.lr_schedule}, {"device", a.device},
       {"steps", a.steps}, {"step", r.state.step}, {"steps_this_run", ran},
       {"global_batch", r.global_batch}, {"first5_loss", first}, {"last5_loss", final_},
-      {"train_s", r.state.train_s}, {"wall_s", seconds_since(r.t_start)}, {"tokens", r.state.tokens},
+      {"train_s", r.state.train_s}, {"train_s_this_run", r.state.train_s - r.start_train_s},
+      {"wall_s", seconds_since(r.t_start)}, {"tokens", r.state.tokens}, {"loss_window", k},
       {"steps_per_s", overall.steps_per_s}, {"samples_per_s", overall.samples_per_s},
       {"tokens_per_s", overall.tokens_per_s}, {"last", r.last},
       {"vocab", r.prepared.vocab_path}, {"data", r.prepared.data_path},
@@ -576,8 +529,9 @@ int write_summary(Run& r, const std::vector<double>& peaks) {
       {"synthetic", a.synthetic}, {"nsp", r.config.nsp},
       {"mlm_all_positions", r.config.mlm_all_positions}, {"batch_size", a.batch_size},
       {"threads", a.threads}, {"timing", timing.json}, {"peak_rss_bytes", rss},
-      {"peak_tensor_bytes", tensor_peak}, {"plot", plot_note},
+      {"peak_tensor_bytes", tensor_peak}, {"plot", plot_note}, {"metrics", r.metrics_path.string()},
       {"checkpoint", r.last_saved >= 0 ? r.checkpoint_dir.string() : ""},
+      {"checkpoint_step", r.last_saved},
       {"model", a.save_model && ran > 0 ? model_path.string() : ""}, {"hf_export", r.hf_export},
       {"model_state_rank0", r.last.value("memory_rank0", nlohmann::json::object())}};
   if (!r.last_eval.is_null()) {
@@ -592,8 +546,9 @@ int write_summary(Run& r, const std::vector<double>& peaks) {
                                     {"peak_cached_bytes", c.peak_cached_bytes},
                                     {"dropped_unused", c.dropped_unused}};
   }
-  std::ofstream(fs::path(a.out) / "summary.json") << summary.dump(2) << '\n';
-  print_closing_lines(r, summary, timing, skip);
+  const fs::path summary_path = fs::path(a.out) / "summary.json";
+  std::ofstream(summary_path) << summary.dump(2) << '\n';
+  bert::print_summary(summary, timing, r.start_step + skip + 1, summary_path.string());
   int rc = 0;
   if (!a.write_golden.empty()) bert::write_golden(a.write_golden, losses);
   if (!a.golden.empty() && !bert::matches_golden(a.golden, losses, a.golden_tol)) rc = 4;

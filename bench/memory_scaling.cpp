@@ -153,7 +153,7 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
 // allocator reserves) sees two copies there, while the resident set grows by about one copy,
 // because each parameter's original storage is freed as soon as it is copied and the flat
 // buffer's pages are touched only as they are filled (Note [One copy at construction] in
-// src/engine/engine.cpp). The bench reports both.
+// src/engine/parameter_store.cpp). The bench reports both.
 // Step: the model state and documented buffers plus what backward holds for a moment: at stages
 // 0-2 three gradients of the largest parameter (BERT's tied embedding is used twice: two incoming
 // gradients and their sum); at stage 3 the two largest units gathered with their gradients

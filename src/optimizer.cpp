@@ -3,6 +3,7 @@
 #include "shardopt/optimizer.hpp"
 
 #include "engine/engine.hpp"
+#include "engine/group_options.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/error.hpp"
 
@@ -69,7 +70,9 @@ DistributedOptimizer::DistributedOptimizer(std::vector<ParamGroup> groups,
 DistributedOptimizer::~DistributedOptimizer() = default;
 
 namespace detail {
-ShardAccess& shard_access(DistributedOptimizer& optimizer) { return *optimizer.engine_; }
+ShardAccess& shard_access(DistributedOptimizer& optimizer) {
+  return optimizer.engine_->checkpoint_access();
+}
 }  // namespace detail
 
 at::Tensor DistributedOptimizer::step(LossClosure closure) { return engine_->step(closure); }
@@ -88,14 +91,14 @@ Rule DistributedOptimizer::group_rule(size_t group) const {
   SHARDOPT_CHECK(group < param_groups().size(), InvalidArgument,
                  "optimizer: parameter group {} does not exist, there are {}", group,
                  param_groups().size());
-  return static_cast<const detail::GroupOptions&>(param_groups()[group].options()).rule;
+  return detail::group_rule_of(*this, static_cast<int>(group));
 }
 
 void DistributedOptimizer::set_group_rule(size_t group, const Rule& rule) {
   SHARDOPT_CHECK(group < param_groups().size(), InvalidArgument,
                  "optimizer: parameter group {} does not exist, there are {}", group,
                  param_groups().size());
-  Rule& current = static_cast<detail::GroupOptions&>(param_groups()[group].options()).rule;
+  Rule& current = detail::group_rule_of(*this, static_cast<int>(group));
   SHARDOPT_CHECK(rule.index() == current.index(), InvalidArgument,
                  "optimizer: parameter group {} steps with {}, it cannot switch to {}", group,
                  rule_name(current), rule_name(rule));

@@ -57,7 +57,7 @@ FlatLayout recorded_layout(const Manifest& m) {
     layout.buckets.push_back(bl);
   }
   // A parameter starts at its recorded slot and continues into the next buckets when it is split
-  // (Note [Flat layout]): its pieces are recomputed here as make_layout cuts them.
+  // (Note [Flat layout] in src/engine/flat_state.hpp): its pieces are recomputed here as make_layout cuts them.
   for (const auto& p : m.j.at("parameters")) {
     ParamSlot slot;
     slot.bucket = p.at("bucket").get<int>();

@@ -41,6 +41,9 @@ class LocalUpdate {
   // One optimizer step, number `step` (1-based); leaves the result in the segments' params (and,
   // where the kernels wrote it, their compute-dtype copies).
   void update(int64_t step);
+  // Separate master: casts the result into the model's storage where the kernels did not (also
+  // after a checkpoint load overwrote the master weights).
+  void write_back();
 
   bool has_factory_optimizer() const { return inner_ != nullptr; }
 
@@ -63,6 +66,7 @@ class LocalUpdate {
   const FusedKernels* kernels_ = nullptr;
   std::unique_ptr<torch::optim::Optimizer> inner_;
   std::vector<at::Tensor> inner_params_;
+  std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
 };
 
 }  // namespace shardopt::detail

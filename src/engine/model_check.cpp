@@ -139,7 +139,7 @@ CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, b
                  "optimizer: precision {} needs float32 parameters (the master copy is fp32), "
                  "'{}' is {}", to_string(precision), params.front().name, describe(first));
   if (units) assign_units(m, *units);
-  // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout]).
+  // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout] in flat_state.hpp).
   std::stable_sort(params.begin(), params.end(), [](const ModelParam& a, const ModelParam& b) {
     if (a.group != b.group) return a.group < b.group;
     if (a.unit != b.unit) return a.unit < b.unit;

@@ -1,5 +1,5 @@
 // Model check: what the optimizer is given, validated and put in layout order (Note [Flat
-// layout]), and the check that every rank was given the same model.
+// layout] in flat_state.hpp), and the check that every rank was given the same model.
 #pragma once
 
 #include <ATen/core/Tensor.h>

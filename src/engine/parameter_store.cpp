@@ -40,19 +40,55 @@ ParameterStore::~ParameterStore() {
   }
 }
 
-void ParameterStore::adopt(const at::Tensor& initial) {
+at::Tensor ParameterStore::adopt(const at::TensorOptions& master_options, bool broadcast) {
   at::NoGradGuard no_grad;
+  return plan_.per_unit() ? adopt_shards(master_options, broadcast)
+                          : adopt_whole(master_options, broadcast);
+}
+
+// Note [One copy at construction] (Whole): the flat buffer is one allocation (buckets split
+// parameters, so no boundary between parameters is also one between buckets), but its pages are
+// touched only as it fills: each parameter is copied in (ranks that receive rank 0's values skip
+// the copy) and, when the model keeps the master's dtype and device, becomes its view at once, so
+// its original storage is freed before the next one is copied. The resident peak is about one
+// model plus one parameter; an allocator that reserves (a device, the bench's tracker) still
+// counts the model plus the flat buffer.
+at::Tensor ParameterStore::adopt_whole(const at::TensorOptions& master_options, bool broadcast) {
   const auto& layout = flat_.layout();
-  flat_params_ = initial.to(flat_.model_options());  // no copy when nothing changes
+  at::Tensor initial = at::empty({layout.padded_numel}, master_options);
+  const auto& model_options = flat_.model_options();
+  const bool same_storage = initial.dtype() == model_options.dtype() &&
+                            initial.device() == model_options.device();
+  const bool from_rank0 = broadcast && comm_->size() > 1;
+  for (const auto& bl : layout.buckets) {  // padding: alignment gaps and each bucket's tail
+    int64_t end = 0;
+    for (int k : bl.pieces) {
+      const auto& piece = layout.pieces[k];
+      if (piece.offset > end) initial.narrow(0, bl.flat_offset + end, piece.offset - end).zero_();
+      end = std::max(end, piece.offset + piece.numel);
+    }
+    if (bl.padded > end) initial.narrow(0, bl.flat_offset + end, bl.padded - end).zero_();
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& param = params_[i];
+    at::Tensor slot = initial.narrow(0, layout.flat_offset(static_cast<int>(i)), layout.slots[i].numel);
+    if (!from_rank0 || rank_ == 0) slot.copy_(param.reshape(-1));
+    if (same_storage) param.set_data(slot.view(param.sizes()));
+  }
+  if (from_rank0) comm_->broadcast(initial, 0, true)->wait(timeout_);
+  flat_params_ = initial.to(model_options);  // no copy when nothing changes
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     p.set_data(flat_params_.narrow(0, layout.flat_offset(static_cast<int>(i)), p.numel())
                    .view(p.sizes()));  // same TensorImpl (autograd identity), our storage
   }
+  return initial;
 }
 
+// PerUnit: the parameters move into this rank's shard bucket by bucket, each parameter's own
+// storage given back after its last bucket, so construction holds the model once plus the shard
+// and one bucket.
 at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options, bool broadcast) {
-  at::NoGradGuard no_grad;
   const auto& layout = flat_.layout();
   const auto& options = flat_.model_options();
   const int world = comm_->size();

@@ -35,15 +35,14 @@ class ParameterStore {
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~ParameterStore();
 
-  // Whole: takes the initial full flat values (master precision) as the model's storage; the
-  // parameters become views into it (same TensorImpl, so autograd identity is kept).
-  void adopt(const at::Tensor& initial);
-  // PerUnit: moves the parameters into this rank's shard bucket by bucket (rank 0's values when
-  // `broadcast`), each parameter's own storage given back after its last bucket, so construction
-  // holds the model once plus the shard and one bucket. The parameters become views into their
-  // parts' full buffers, released; the root part is gathered. Returns the initial shard in
-  // `master_options` (the master weights' initial values).
-  at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
+  // Takes over the parameters' storage with their initial values (rank 0's on every rank when
+  // `broadcast`, as DDP does) and returns those values in `master_options`, the master weights'
+  // start (FlatState::init_master): the full flat buffer (Whole), or this rank's shard
+  // (PerUnit). The parameters become views into the store's storage (same TensorImpl, so
+  // autograd identity is kept); construction holds about one copy of the model (Note [One copy
+  // at construction] in parameter_store.cpp). PerUnit: the parameters start released but the
+  // root part, which is gathered.
+  at::Tensor adopt(const at::TensorOptions& master_options, bool broadcast);
   // The model's storage of a bucket's updated range (the update's target or its low copy).
   at::Tensor model_slice(int bucket, const UpdatedRange& range) const;
   // This rank's owned slice of a bucket in the model's storage.
@@ -88,6 +87,8 @@ class ParameterStore {
     std::vector<WorkPtr> works;  // all-gathers in flight
     int active = 0;              // declared units using it in forward right now
   };
+  at::Tensor adopt_whole(const at::TensorOptions& master_options, bool broadcast);
+  at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
   void launch_gather(int part);
   void ensure_gathered(int part);
   void prefetch_unit(int unit);

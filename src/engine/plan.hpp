@@ -1,6 +1,16 @@
 // StagePlan: what the ZeRO stage, the precision and offload mean for the engine, decided once at
 // construction. It is the only code that reads the stage number, the precision and offload to
 // choose behaviour; every other piece asks the plan. Torch-free (tests/unit/plan_test.cpp).
+//
+// Note [Stages] (what StagePlan::make turns each stage into)
+//   stage 0: Replicated, InPlace gradients (flat buffer, .grad are views), each complete bucket
+//            all-reduced in place; every rank updates the whole buffer.
+//   stage 1: Sharded: buckets are reduce-scattered into the owned slice; each rank updates its
+//            slices; then every bucket is all-gathered in place.
+//   stage 2: + Bucketed gradients: a hook copies each fresh .grad into a pooled bucket buffer and
+//            frees it; a complete bucket is reduce-scattered and folded into the gradient shard.
+//   stage 3: + PerUnit parameters (Note [Stage 3 units] in engine.cpp).
+// fp16/bf16 and offload make the master Separate and the gradients Bucketed at every stage.
 #pragma once
 
 #include "shardopt/precision.hpp"

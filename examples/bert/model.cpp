@@ -130,6 +130,10 @@ void BertForPreTrainingImpl::init_weights() {
   }
 }
 
+void BertForPreTrainingImpl::set_recompute(bool on) {
+  for (size_t i = 0; i < layers_.size(); ++i) units_->set_recompute(static_cast<int>(i), on);
+}
+
 int64_t BertForPreTrainingImpl::num_parameters() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();
@@ -155,7 +159,13 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   const auto mask_bias =
       ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
   for (size_t i = 0; i < layers_.size(); ++i) {
-    x = units_->run(static_cast<int>(i), [&] { return layers_[i]->forward(x, mask_bias); });
+    // Through run(i, fn, inputs): recomputed in backward when set_recompute(true) declared it.
+    x = units_->run(
+        static_cast<int>(i),
+        [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
+          return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
+        },
+        {x});
   }
   at::Tensor pooled;
   if (pooler_) pooled = units_->run(pooler_unit_, [&] { return torch::tanh(pooler_(x.select(1, 0))); });

@@ -81,6 +81,9 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   // so stage 3 gathers them at the lookup and again at the decoder. Hand it to the optimizer as
   // ZeroOptions::units.
   const shardopt::UnitsPtr& units() const { return units_; }
+  // Recompute every encoder layer's activations in backward instead of keeping them
+  // (shardopt/recompute.hpp): less memory, about one more forward per step.
+  void set_recompute(bool on);
   // Parameters counted once each (the tied decoder is the word embedding matrix).
   int64_t num_parameters() const;
 

@@ -222,6 +222,8 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
                  "fp16 (half the bytes on the wire)")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
                "hooks (ZeroOptions::overlap_comm = false)");
+  app.add_flag("--recompute", a.recompute, "recompute every encoder layer's activations in "
+               "backward instead of keeping them (less memory, about a third more compute)");
   app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");
   app.add_flag("--check-loss-decrease", a.check_loss_decrease,
                "exit 3 unless the mean of the last 5 losses is below that of the first 5");

@@ -77,6 +77,7 @@ struct Args {
   int64_t timing_warmup = 5;          // first steps left out of the timing medians
   double block_cache_mb = 1024;       // freed blocks >= 32 MiB kept for reuse; 0: off
   bool no_overlap = false;
+  bool recompute = false;  // every encoder layer recomputed in backward
   int shard_group_size = 0;            // hybrid sharding; 0: over all ranks
   std::string reduce_dtype = "fp32";  // dtype gradients are reduced in
 

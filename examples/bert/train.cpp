@@ -228,6 +228,7 @@ void build_model(Run& r) {
   const Args& a = r.a;
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
   r.model = bert::BertForPreTraining(r.config);
+  r.model->set_recompute(a.recompute);
   if (r.lead) std::ofstream(fs::path(a.out) / "config.json") << r.config.to_hf_json().dump(2) << '\n';
   if (!a.init_checkpoint.empty()) {
     try {

@@ -10,6 +10,8 @@
 #include "shardopt/memory_tracker.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/options.hpp"
+#include "shardopt/recompute.hpp"
 #include "shardopt/rules.hpp"
+#include "shardopt/state_dict.hpp"
 #include "shardopt/units.hpp"
 #include "shardopt/version.hpp"

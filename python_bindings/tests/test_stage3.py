@@ -2,15 +2,13 @@
 unit modules, so an unchanged PyTorch model trains sharded. Parity with torch.optim on the global
 batch (<= 1e-6 after 10 steps) for AdamW and SGD with an embedding tied to the decoder. CTest runs
 this file in one process (entry `python`) and under mpirun -np 2 and 3 (python_stage3_np2/3)."""
-import os
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import shardopt
-from helpers import STEPS, TOL, all_ranks_ok, global_batch, rank_slice
+from helpers import train_sharded_steps, world_or_single, STEPS, TOL, all_ranks_ok, global_batch, rank_slice
 
 VOCAB, HIDDEN = 11, 7
 
@@ -63,10 +61,7 @@ UNITS = {
 
 @pytest.fixture(scope="module")
 def comm():
-    torch.set_num_threads(1)
-    if os.environ.get("OMPI_COMM_WORLD_SIZE"):
-        return shardopt.init_from_env(timeout=120)
-    return shardopt.make_single_communicator()
+    return world_or_single()
 
 
 def train_stage3(comm, rule, units):
@@ -74,13 +69,7 @@ def train_stage3(comm, rule, units):
     model = make_model()
     opt = shardopt.DistributedOptimizer(optimizer=cls, comm=comm, stage=3, bucket_bytes=256,
                                         **UNITS[units](model), **hyper)
-    for step in range(STEPS):
-        ids, labels = global_batch(step)
-        opt.zero_grad()
-        out = model(rank_slice(ids, comm.rank, comm.size))
-        opt.backward(F.cross_entropy(out, rank_slice(labels, comm.rank, comm.size)))
-        opt.step()
-    opt.gather_full_parameters()
+    train_sharded_steps(model, opt, comm, STEPS)
     return model, opt
 
 

@@ -43,6 +43,7 @@
 
 #include "engine/group_options.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/recompute.hpp"
 
 namespace shardopt::detail {
 namespace {
@@ -232,9 +233,11 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
+  grads_clean_ = false;
   check_micro_step_open();
   tracker_->begin_pass();
-  torch::autograd::Engine::get_default_engine().queue_callback([this] {
+  // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
+  queue_after_backward([this] {
     if (tracker_->in_pass()) on_backward_end();
   });
 }
@@ -285,8 +288,13 @@ void Engine::backward(const at::Tensor& loss) {
   if (tracker_->in_pass()) on_backward_end();  // no final callback ran (no hook fired)
 }
 
+// Note [step() consumes the gradients]: a trainer may hold only a torch::optim::Optimizer&, whose
+// zero_grad() on torch 1.13 is the base's (not virtual): it zeroes .grad in place and resets
+// nothing of ours. So step() itself leaves the gradient sinks zeroed and the micro-step count at
+// zero (end_step), and zero_grad() only repeats the zeroing when a backward ran since.
 void Engine::zero_grad() {
-  reducer_->zero();
+  reducer_->zero(/*values=*/!grads_clean_);
+  grads_clean_ = true;
   tracker_->reset_micro_steps();
   store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
@@ -394,6 +402,8 @@ void Engine::after_update() {
 void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
+  reducer_->zero();  // Note [step() consumes the gradients]
+  grads_clean_ = true;
   stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
   stats_.step_s = seconds_since(t0);
 }

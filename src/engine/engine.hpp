@@ -54,9 +54,10 @@ class Engine final : public UnitRuntime {
   bool parameters_finite();
   // The torch param groups DistributedOptimizer registers, and their rules.
   const CollectedModel& model() const { return model_; }
+  torch::optim::Optimizer* factory_optimizer() const { return update_->factory_optimizer(); }
 
   // ---- UnitRuntime (stage 3): called by Units::run and the output hooks ---------------------
-  void enter(int unit) override { store_->enter(unit); }
+  void enter(int unit) override { store_->enter(unit, tracker_->in_pass()); }
   void exit(int unit) override { store_->exit(unit); }
   void mark_for_backward(int unit, const at::Tensor& output) override;
 
@@ -104,6 +105,7 @@ class Engine final : public UnitRuntime {
   };
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
+  bool grads_clean_ = false;  // the gradient sinks are zero: no backward since they were zeroed
   int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };

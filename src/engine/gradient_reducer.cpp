@@ -28,9 +28,11 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
   }
   grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
   for (size_t i = 0; i < params_.size(); ++i) {
-    grad_views_.push_back(grad_flat_.narrow(0, layout.flat_offset(static_cast<int>(i)),
-                                            layout.slots[i].numel)
-                              .view(params_[i].sizes()));
+    // Aliases of the flat buffer that are not autograd views: torch 1.13's C++
+    // Optimizer::zero_grad calls detach_() on every .grad, which autograd refuses for views.
+    grad_views_.push_back(at::empty({0}, grad_flat_.options())
+                              .set_(grad_flat_.storage(), layout.flat_offset(static_cast<int>(i)),
+                                    params_[i].sizes(), {}));
     params_[i].mutable_grad() = grad_views_.back();
   }
 }
@@ -242,14 +244,14 @@ void GradientReducer::complete_all() {
   for (auto& b : buckets_) b.launched_micro = -1;
 }
 
-void GradientReducer::zero() {
+void GradientReducer::zero(bool values) {
   at::NoGradGuard no_grad;
   if (grad_flat_.defined()) {
-    grad_flat_.zero_();
+    if (values) grad_flat_.zero_();
     for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grad_views_[i];
   }
   if (grad_reduced_.defined()) {
-    grad_reduced_.zero_();
+    if (values) grad_reduced_.zero_();
     for (auto& p : params_) p.mutable_grad().reset();
   }
   for (auto& b : buckets_) b.launched_micro = -1;

@@ -59,8 +59,9 @@ class GradientReducer {
   void reduce_manual(int micro);
   // Waits for every reduction and folds it in; the next step starts with nothing launched.
   void complete_all();
-  // zero_grad(): reduced gradients to zero, .grad back to the in-place views (or none).
-  void zero();
+  // Reduced gradients to zero (unless `values` is false: they are zero already), .grad back to
+  // the in-place views (or none).
+  void zero(bool values = true);
 
   int64_t take_comm_elements();
   int64_t grad_bytes() const;    // gradients kept between backward and step

@@ -46,6 +46,8 @@ class LocalUpdate {
   void write_back();
 
   bool has_factory_optimizer() const { return inner_ != nullptr; }
+  // The factory-built torch optimizer (null for native rules): LR changes are handed to it.
+  torch::optim::Optimizer* factory_optimizer() const { return inner_.get(); }
 
  private:
   bool fused_step(const Rule& rule, int64_t step, Segment& s, std::vector<at::Tensor>& st);

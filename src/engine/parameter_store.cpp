@@ -211,7 +211,14 @@ void ParameterStore::after_update() {
 
 // ---- PerUnit (see Note [Stage 3 units]) -------------------------------------------------------
 
-void ParameterStore::enter(int unit) {
+void ParameterStore::enter(int unit, bool in_backward) {
+  if (in_backward) {
+    for (int part : unit_parts_[unit]) {
+      ++units_[part].active;
+      ensure_gathered(part);
+    }
+    return;
+  }
   if (forward_order_.size() > 4 * units_.size() + 16) {  // forwards without backward (eval)
     previous_order_ = std::move(forward_order_);
     forward_order_.clear();
@@ -240,13 +247,18 @@ void ParameterStore::exit(int unit) {
   for (int part : unit_parts_[unit]) {
     if (--units_[part].active <= 0) {
       units_[part].active = 0;
-      release(part);
+      // A recomputation inside the unit's backward (Note [Recompute and ZeRO], recompute.hpp)
+      // ends while backward still needs the parameters: they go when their gradients are in.
+      if (!units_[part].backward) release(part);
     }
   }
 }
 
 void ParameterStore::before_backward(int unit) {
-  for (int part : unit_parts_[unit]) ensure_gathered(part);
+  for (int part : unit_parts_[unit]) {
+    ensure_gathered(part);
+    units_[part].backward = true;
+  }
   prefetch_after(unit);
 }
 
@@ -331,6 +343,7 @@ void ParameterStore::release(int unit) {
   if (u.full.defined()) u.full.storage().unsafeGetStorageImpl()->reset();
   for (int i : u.params) guard_released(params_[i]);
   u.gathered = false;
+  u.backward = false;
 }
 
 int64_t ParameterStore::take_comm_elements() {

@@ -58,7 +58,10 @@ class ParameterStore {
   int root_unit() const { return root_unit_; }
   // A declared unit's forward starts / ends: its parts are gathered for it (a unit may run
   // several times in one forward; a part shared by two units is gathered while either runs).
-  void enter(int unit);
+  // enter(unit, /*in_backward=*/true): a unit run again inside backward (a recomputation that
+  // calls Units::run or the Python hooks): gathered as usual, but the run is not part of the
+  // forward order that guides prefetch.
+  void enter(int unit, bool in_backward = false);
   void exit(int unit);
   // Backward reached the unit's outputs: gather its parts, prefetch the unit backward reaches
   // next.
@@ -86,6 +89,7 @@ class ParameterStore {
     bool gathered = false;       // storage allocated (and filled once `works` complete)
     std::vector<WorkPtr> works;  // all-gathers in flight
     int active = 0;              // declared units using it in forward right now
+    bool backward = false;       // gathered for its backward: a recomputation's exit keeps it
   };
   at::Tensor adopt_whole(const at::TensorOptions& master_options, bool broadcast);
   at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """shardopt's BERT trainer vs the PyTorch peer baseline, side by side on this machine.
 
-Runs, in one go and interleaved by round, the peer (/work/shared/peers/torch_zero_bert.py, its
+Runs, in one go and interleaved by round (the order rotates every round, after one untimed
+warm-up run of every variant), the peer (/work/shared/peers/torch_zero_bert.py, its
 README: DDP + AdamW and DDP + ZeroRedundancyOptimizer over Gloo) and `bert_pretrain --preset peer
 --synthetic` for each requested ZeRO stage, with the same model (vocab 30522, hidden 256, 4 layers,
 4 heads, intermediate 1024, MLM only with the decoder tied to the word embeddings), data (uniform
 random tokens, 15% masked, seq 128), batch (8 per rank), AdamW (lr 1e-4, weight decay 0.01, no
 clipping), one torch/BLAS thread per rank, the same ranks and the same number of warm-up + timed
 steps. Then prints a markdown table: median step time (the slowest rank's median over the timed
-steps, as the peer reports it), samples/s, ratio to the peers, per-rank peak RSS.
+steps, as the peer reports it), samples/s, ratio to the peers and to stage 0, CPU time per step
+next to it (a row whose wall time exceeds its CPU time by more than 10% is flagged), system time
+and page faults per run, per-rank peak RSS. Stage 0 always runs: it is what sharding costs against.
 
 Variants of shardopt's model (--variants):
   all     MLM logits at every position, as the peer computes them (same work: the comparison).
@@ -24,6 +27,7 @@ import datetime
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -106,6 +110,7 @@ def run(cmd, log_path, timeout, done_marker=None, grace=60):
     """
     t0 = time.time()
     load = loadavg()
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log_path + ".out", "w") as sink:
         p = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env(),
                              start_new_session=True)
@@ -134,12 +139,28 @@ def run(cmd, log_path, timeout, done_marker=None, grace=60):
             rc = 0 if marker_at is not None else 124
         else:
             rc = p.returncode
+    usage = rusage_delta(usage0, resource.getrusage(resource.RUSAGE_CHILDREN))
     with open(log_path + ".out") as f:
         out = f.read() + note
     os.remove(log_path + ".out")
     with open(log_path, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n" + out)
-    return rc, out, load, time.time() - t0
+    return rc, out, load, time.time() - t0, usage
+
+
+def rusage_delta(before, after):
+    """What the run's processes (mpirun and the ranks it waited for) used: user and system CPU
+    seconds and page faults, summed over all of them (a rank killed by the teardown note is
+    counted once mpirun has reaped it)."""
+    return {"user_s": after.ru_utime - before.ru_utime, "sys_s": after.ru_stime - before.ru_stime,
+            "minflt": after.ru_minflt - before.ru_minflt, "majflt": after.ru_majflt - before.ru_majflt}
+
+
+def per_rank(args, usage):
+    """System CPU seconds and page faults (thousands) of a whole run, per rank."""
+    n = float(args.ranks)
+    return {"sys_s": usage["sys_s"] / n, "minflt_k": usage["minflt"] / n / 1e3,
+            "majflt": usage["majflt"] / n}
 
 
 # ---- the peer ------------------------------------------------------------------------------------
@@ -174,13 +195,13 @@ def run_peer(args, mode, outdir, rnd):
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", "128",
         "--lr", "1e-4", "--threads", "1", "--port", str(free_port())]
     log = os.path.join(outdir, f"peer_{mode}_r{rnd}.log")
-    rc, out, load, wall = run(cmd, log, args.timeout, done_marker="global samples/s")
+    rc, out, load, wall, usage = run(cmd, log, args.timeout, done_marker="global samples/s")
     rows = parse_peer(out) if rc == 0 else None
     if not rows:
         return {"status": "failed", "reason": f"exit {rc}, see {log}", "load": load}
     cpu = [float(x) for x in re.findall(r"\[peer-cpu\] rank \d+ cpu_step_s ([0-9.]+)", out)]
     return {
-        "status": "ok", "load": load, "wall_s": wall, "log": log,
+        "status": "ok", "load": load, "wall_s": wall, "log": log, **per_rank(args, usage),
         "step_s": max(r["med_step_s"] for r in rows),
         "cpu_s": max(cpu) if cpu else float("nan"),
         "fwdbwd_s": statistics.median(r["fwdbwd_s"] for r in rows),
@@ -205,7 +226,7 @@ def run_ours(args, stage, variant, outdir, rnd):
         "--threads", "1", "--seed", "0", "--no-plot", "--progress", "lines",
         "--log-every", "1000", "--out", out_dir] + args.trainer_args
     log = out_dir + ".log"
-    rc, out, load, wall = run(cmd, log, args.timeout)
+    rc, out, load, wall, usage = run(cmd, log, args.timeout)
     if rc != 0:
         m = re.search(r"error: (.*)", out)
         reason = m.group(1).strip() if m else f"exit {rc}"
@@ -220,7 +241,7 @@ def run_ours(args, stage, variant, outdir, rnd):
     slow = max(t["per_rank_median"], key=lambda r: r["step_s"])
     ms = s.get("model_state_rank0", {})
     return {
-        "status": "ok", "load": load, "wall_s": wall, "log": log,
+        "status": "ok", "load": load, "wall_s": wall, "log": log, **per_rank(args, usage),
         "step_s": t["median_step_s"],
         "cpu_s": max(r["cpu_s"] for r in t["per_rank_median"]),
         "fwd_s": slow["fwd_s"], "bwd_s": slow["bwd_s"], "opt_s": slow["opt_s"],
@@ -256,9 +277,10 @@ def fmt_rss(rss):
 def table(args, runs):
     ddp, zero = runs.get(("peer", "ddp")), runs.get(("peer", "zero"))
     head = ("| run | MLM logits | median step (s) | samples/s | vs DDP+ZeRO | vs DDP | "
-            "CPU s/step | CPU vs DDP+ZeRO | peak RSS per rank (MB) | model state r0 (MB) | "
-            "breakdown (s) | load |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+            "vs stage 0 | CPU s/step | wall / CPU | CPU vs DDP+ZeRO | sys s per run | "
+            "page faults per run (k minor / major) | peak RSS per rank (MB) | "
+            "model state r0 (MB) | breakdown (s) | load |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     gb = args.ranks * args.batch
 
     def ratio(r, base, key="step_s"):
@@ -275,18 +297,26 @@ def table(args, runs):
             stage, variant = what
             name, logits = f"shardopt stage {stage}", variant
         if r["status"] != "ok":
-            lines.append(f"| {name} | {logits} | {r['status']} | | | | | | | | {r['reason']} | "
-                         f"{r['load']:.1f} |")
+            lines.append(f"| {name} | {logits} | {r['status']} | | | | | | | | | | | | "
+                         f"{r['reason']} | {r['load']:.1f} |")
             continue
+        stage0 = runs.get(("shardopt", (0, logits))) if kind == "shardopt" else None
         if kind == "peer":
             bd = f"fwd+bwd {r['fwdbwd_s']:.3f}, step {r['opt_s']:.3f}"
         else:
             bd = (f"fwd {r['fwd_s']:.3f}, bwd {r['bwd_s']:.3f}, step {r['opt_s']:.3f} (comm wait "
                   f"{r['comm_wait_s']:.3f}, update {r['update_s']:.3f}, gather {r['gather_s']:.3f})")
+        wall_cpu = r["step_s"] / r["cpu_s"] if r["cpu_s"] > 0 else float("nan")
+        # Note [Wall beyond CPU]: a rank that waits (for another rank, for the page allocator, for
+        # a core another job holds) shows wall time its CPU time lacks; such a row measures the
+        # machine more than the code.
+        flag = " **wall > 1.1x CPU**" if wall_cpu > 1.1 else ""
         lines.append(f"| {name} | {logits} | {r['step_s']:.3f} | {gb / r['step_s']:.2f} | "
-                     f"{ratio(r, zero)} | {ratio(r, ddp)} | {r['cpu_s']:.3f} | "
-                     f"{ratio(r, zero, 'cpu_s')} | {fmt_rss(r['rss'])} | "
-                     f"{r['model_state'] / MB:.1f} | {bd} | {r['load']:.1f} |")
+                     f"{ratio(r, zero)} | {ratio(r, ddp)} | {ratio(r, stage0) if stage0 else ''} | "
+                     f"{r['cpu_s']:.3f} | {wall_cpu:.2f}{flag} | {ratio(r, zero, 'cpu_s')} | "
+                     f"{r['sys_s']:.1f} | {r['minflt_k']:.0f} / {r['majflt']:.0f} | "
+                     f"{fmt_rss(r['rss'])} | {r['model_state'] / MB:.1f} | {bd} | "
+                     f"{r['load']:.1f} |")
     return "\n".join(lines)
 
 
@@ -326,6 +356,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, report medians")
+    ap.add_argument("--warmup-runs", type=int, default=1, choices=(0, 1),
+                    help="one untimed run of every variant before the rounds (1) or none (0)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     ap.add_argument("--out", default="", help="logs and results.json (default: a fresh dir under "
                     "the trainer's build dir)")
@@ -346,6 +378,8 @@ def main():
     if shutil.which("mpirun") is None:
         sys.exit("[compare] mpirun is not on PATH")
     stages = [int(s) for s in args.stages.split(",") if s != ""]
+    if 0 not in stages:  # the cost of sharding is measured against stage 0
+        stages.insert(0, 0)
     variants = [v for v in args.variants.split(",") if v]
     peers = [p for p in args.peers.split(",") if p]
     for v in variants:
@@ -365,14 +399,25 @@ def main():
 
     keys = [("peer", m) for m in peers] + [("shardopt", (s, v)) for v in variants for s in stages]
     results = {k: [] for k in keys}
+
+    def one(key, rnd):
+        if key[0] == "peer":
+            return run_peer(args, key[1], outdir, rnd), f"peer {key[1]}"
+        return (run_ours(args, key[1][0], key[1][1], outdir, rnd),
+                f"shardopt stage {key[1][0]} ({key[1][1]})")
+
+    # Note [Untimed warm-up run]: the first run of a binary after other jobs pays for page cache
+    # misses and for memory the kernel must reclaim first (three times the system time of a
+    # repeat, measured); one untimed run of every variant comes before the rounds.
+    for key in keys if args.warmup_runs else []:
+        r, label = one(key, "warm")
+        print(f"[compare] warm-up {label}: {r['status']} (untimed, load {r['load']:.1f})")
+        sys.stdout.flush()
     for rnd in range(args.rounds):
-        for key in keys:
-            if key[0] == "peer":
-                r = run_peer(args, key[1], outdir, rnd)
-                label = f"peer {key[1]}"
-            else:
-                r = run_ours(args, key[1][0], key[1][1], outdir, rnd)
-                label = f"shardopt stage {key[1][0]} ({key[1][1]})"
+        # The order rotates every round, so no variant always runs first or right after another.
+        shift = rnd % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            r, label = one(key, rnd)
             results[key].append(r)
             state = f"{r['step_s']:.3f} s/step" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
             print(f"[compare] round {rnd + 1}/{args.rounds} {label}: {state} (load {r['load']:.1f})")
@@ -389,8 +434,12 @@ def main():
     print(f"\nmedian step = the slowest rank's median over {args.steps} timed steps (median over "
           f"{args.rounds} round(s)); samples/s = {args.ranks * args.batch} / median step; CPU "
           "s/step = the largest per-rank median of the process's CPU time per step (all threads; "
-          "steadier than wall time on a shared machine); MB = 10^6 bytes; load = 1-minute load "
-          "average when the run started (2 cores: above ~2 means other work shared them).")
+          "steadier than wall time on a shared machine); wall / CPU = median step / CPU s/step, "
+          "flagged above 1.1 (the rank waited for something other than its own work); sys s and "
+          "page faults per run = the whole run's (start-up, warm-up and timed steps) system CPU "
+          "seconds and page faults per rank, from getrusage of the finished processes; vs stage 0 "
+          "= the cost of sharding; MB = 10^6 bytes; load = 1-minute load average when the run "
+          "started (2 cores: above ~2 means other work shared them).")
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump({"machine": info, "args": vars(args),
                    "runs": [{"key": list(map(str, k)), "rounds": v} for k, v in results.items()],

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/fused.hpp"
+#include "triad.hpp"
 
 namespace {
 
@@ -28,7 +29,7 @@ namespace k = shardopt::detail::kernels;
 int64_t g_numel = 100'000'000;
 constexpr double kAdamBytes = 28;     // read p, g, m, v; write p, m, v (fp32)
 constexpr double kAdamLowBytes = 30;  // + the bf16 copy
-constexpr double kTriadBytes = 12;    // STREAM's count: read b, c; write a
+using shardopt::bench::kTriadBytes;
 
 // One set of pre-faulted buffers shared by every benchmark (first touch is slow, DESIGN.md).
 struct Data {
@@ -100,17 +101,7 @@ void BM_TorchAdamW(benchmark::State& state) {
   set_counters(state, kAdamBytes);  // the bytes a fused pass needs, for comparison
 }
 
-// STREAM triad a = b + s*c over g_numel floats, the same threads and chunking as the kernels,
-// compiled for the widest vectors this CPU has (function multi-versioning), so the reference
-// bandwidth is not held back by baseline SSE2 code.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-void triad(float* __restrict a, const float* __restrict b, const float* __restrict c, float s,
-           int64_t n) {
-  for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
-}
-
+// STREAM triad (bench/triad.hpp) over g_numel floats, the threads and chunks of the kernels.
 void BM_Triad(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
   Data& d = data();
@@ -118,9 +109,7 @@ void BM_Triad(benchmark::State& state) {
   const float* b = d.g.data_ptr<float>();
   const float* c = d.v.data_ptr<float>();
   for (auto _ : state) {
-    at::parallel_for(0, g_numel, k::kChunkNumel, [&](int64_t begin, int64_t end) {
-      triad(a + begin, b + begin, c + begin, 3.0f, end - begin);
-    });
+    shardopt::bench::triad(a, b, c, 3.0f, g_numel);
     benchmark::ClobberMemory();
   }
   set_counters(state, kTriadBytes);

@@ -40,7 +40,8 @@ if(SHARDOPT_WITH_CUDA_KERNELS)
     set(CMAKE_CUDA_ARCHITECTURES 75-real 80-real 90)
   endif()
   enable_language(CUDA)
-  add_library(shardopt_cuda_kernels STATIC src/kernels/adam_cuda.cu src/kernels/sgd_lamb_cuda.cu)
+  add_library(shardopt_cuda_kernels STATIC src/kernels/adam_cuda.cu src/kernels/sgd_lamb_cuda.cu
+                                          src/kernels/finite_cuda.cu)
   set_target_properties(shardopt_cuda_kernels PROPERTIES POSITION_INDEPENDENT_CODE ON
                         CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
   target_include_directories(shardopt_cuda_kernels

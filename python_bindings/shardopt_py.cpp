@@ -7,6 +7,7 @@
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <fmt/ranges.h>
 
 #include <map>
 
@@ -358,6 +359,27 @@ void apply_kwargs(T& object, const py::dict& kwargs, const char* type_name) {
 // ---- the module ------------------------------------------------------------------------------
 
 void bind_options(py::module_& m) {
+  py::class_<UnitPolicy>(m, "UnitPolicy",
+                         "Stage 3 without units=: how units are derived from the parameters' "
+                         "names (include/shardopt/unit_policy.hpp). UnitPolicy(patterns=[...], "
+                         "persist_below=100000).")
+      .def(py::init([](const py::kwargs& kwargs) {
+        UnitPolicy p;
+        apply_kwargs(p, kwargs, "UnitPolicy");
+        return p;
+      }))
+      .def_readwrite("patterns", &UnitPolicy::patterns,
+                     "regular expressions matched at the start of a name; the match names the "
+                     "unit (empty: numbered module-list elements and top-level children)")
+      .def_readwrite("persist_below", &UnitPolicy::persist_below,
+                     "groups with fewer elements stay gathered through the step")
+      .def("__eq__", [](const UnitPolicy& a, const UnitPolicy& b) {
+        return a.patterns == b.patterns && a.persist_below == b.persist_below;
+      })
+      .def("__repr__", [](const UnitPolicy& p) {
+        return fmt::format("UnitPolicy(patterns=[{}], persist_below={})",
+                           fmt::join(p.patterns, ", "), p.persist_below);
+      });
   py::class_<LossScaleOptions>(m, "LossScaleOptions",
                                "fp16 dynamic loss scaling (include/shardopt/precision.hpp). "
                                "LossScaleOptions(initial_scale=1024, ...).")
@@ -427,6 +449,8 @@ void bind_options(py::module_& m) {
       .def_readwrite("units", &ZeroOptions::units,
                      "Stage 3: the shardopt.Units gathered together (DistributedOptimizer's "
                      "units= builds it and installs the module hooks)")
+      .def_readwrite("unit_policy", &ZeroOptions::unit_policy,
+                     "Stage 3 without units: how units are derived from parameter names")
       .def_readwrite("max_nonfinite_steps", &ZeroOptions::max_nonfinite_steps)
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
@@ -464,7 +488,11 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("nonfinite_steps", &StepStats::nonfinite_steps)
       .def_readonly("loss_scale", &StepStats::loss_scale)
       .def_readonly("reduce_wait_s", &StepStats::reduce_wait_s)
+      .def_readonly("unscale_s", &StepStats::unscale_s)
+      .def_readonly("check_s", &StepStats::check_s)
+      .def_readonly("clip_s", &StepStats::clip_s)
       .def_readonly("update_s", &StepStats::update_s)
+      .def_readonly("write_back_s", &StepStats::write_back_s)
       .def_readonly("gather_s", &StepStats::gather_s)
       .def_readonly("step_s", &StepStats::step_s)
       .def_readonly("comm_elements", &StepStats::comm_elements)

@@ -55,6 +55,7 @@ void ZeroOptions::validate() const {
   SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
                  "options: timeout must be positive, got {} ms", timeout.count());
   loss_scale.validate();
+  unit_policy.validate();
 }
 
 }  // namespace shardopt

@@ -39,6 +39,7 @@
 #include "report.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/shardopt.hpp"
+#include "test_fault.hpp"
 #include "tokenizer.hpp"
 
 namespace fs = std::filesystem;
@@ -111,6 +112,7 @@ struct Run {
   std::vector<std::vector<double>> timings;  // rank 0: [step of this run][rank * kTimings + Timing]
   nlohmann::json last, first_eval, last_eval;
   std::unique_ptr<bert::ProgressLine> progress;
+  bert::TestFault fault = bert::TestFault::from_env();
   std::string hf_export;  // the directory written, if any
 
   Run(const Args& args, shardopt::CommunicatorPtr c, shardopt::InitOptions options)
@@ -269,16 +271,18 @@ void restore(Run& r) {
   r.schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps}, {"lr", a.lr},
                 {"seed", a.seed}, {"batch-size", a.batch_size}, {"grad-accum", a.grad_accum},
                 {"ranks", r.world}, {"optimizer", a.optimizer}, {"lr-schedule", a.lr_schedule}};
-  if (r.lead && !a.eval_only) {
+  shardopt::agree_on_errors(*r.comm, "opening the metrics log", [&] {
+    if (!r.lead || a.eval_only) return;
     r.metrics.open(r.metrics_path, a.resume_requested ? std::ios::app : std::ios::trunc);
     if (!r.metrics) throw std::runtime_error("cannot write " + r.metrics_path.string());
-  }
+  });
   if (a.resume_requested) {
     const std::string from = a.resume.empty() ? r.checkpoint_dir.string() : a.resume;
     const auto t0 = Clock::now();
     const auto notes = bert::restore_run_state(shardopt::load_checkpoint(*r.opt, from), r.schedule,
                                                &r.state);
-    if (r.lead) {
+    shardopt::agree_on_errors(*r.comm, "resuming the metrics log", [&] {
+      if (!r.lead) return;
       fmt::print("[bert] resumed from {} at step {} ({:.1f} s)\n", from, r.state.step,
                  seconds_since(t0));
       for (const auto& n : notes) fmt::print("[bert] note: {}\n", n);
@@ -286,8 +290,9 @@ void restore(Run& r) {
         bert::truncate_metrics(r.metrics_path, r.state.step);
         r.metrics.close();
         r.metrics.open(r.metrics_path, std::ios::app);
+        if (!r.metrics) throw std::runtime_error("cannot write " + r.metrics_path.string());
       }
-    }
+    });
   }
   r.start_step = r.state.step;
   r.start_train_s = r.state.train_s;
@@ -305,7 +310,12 @@ void save(Run& r, int64_t done) {
   }
   bert::RunState s = r.state;
   s.step = done;
-  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(), bert::make_trainer_state(s, r.schedule));
+  shardopt::SaveOptions save_options;
+  save_options.after_shard_written = [&](int rank) {
+    if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
+  };
+  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(), bert::make_trainer_state(s, r.schedule),
+                            save_options);
   r.last_saved = done;
   if (r.lead) {
     fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,
@@ -335,10 +345,12 @@ void export_model(Run& r, const std::string& checkpoint) {
   } else if (r.lead) {
     params = shardopt::read_full_state(checkpoint).params;
   }
-  if (!r.lead) return;
-  const auto files = bert::export_hf(r.hf_export, r.config, params, r.prepared.vocab_path,
-                                     r.prepared.lower_case);
-  fmt::print("[bert] Hugging Face export: {} ({})\n", r.hf_export, fmt::join(files, ", "));
+  shardopt::agree_on_errors(*r.comm, "writing the Hugging Face export", [&] {
+    if (!r.lead) return;
+    const auto files = bert::export_hf(r.hf_export, r.config, params, r.prepared.vocab_path,
+                                       r.prepared.lower_case);
+    fmt::print("[bert] Hugging Face export: {} ({})\n", r.hf_export, fmt::join(files, ", "));
+  });
 }
 
 // --eval-only: the held-out metrics of the model as it stands (a checkpoint's with --resume, the
@@ -346,14 +358,20 @@ void export_model(Run& r, const std::string& checkpoint) {
 int evaluate_only(Run& r) {
   if (!r.eval_data) throw UsageError("--eval-only: there is no eval data (--eval-data FILE)");
   evaluate(r, r.start_step);
-  if (r.lead) {
-    std::ofstream(fs::path(r.a.out) / "eval.json") << r.last_eval.dump(2) << '\n';
-    fmt::print("[bert] eval results: {}\n", (fs::path(r.a.out) / "eval.json").string());
-  }
+  shardopt::agree_on_errors(*r.comm, "writing eval.json", [&] {
+    if (!r.lead) return;
+    const fs::path path = fs::path(r.a.out) / "eval.json";
+    std::ofstream out(path);
+    out << r.last_eval.dump(2) << '\n';
+    if (!out) throw std::runtime_error("cannot write " + path.string());
+    fmt::print("[bert] eval results: {}\n", path.string());
+  });
   if (!r.a.dump_logits.empty()) {
-    bert::dump_logits(r.model, *r.eval_data, r.a.eval_batch_size, r.device,
-                      r.lead ? r.a.dump_logits : "");
-    if (r.lead) fmt::print("[bert] logits of the first eval batch: {}\n", r.a.dump_logits);
+    shardopt::agree_on_errors(*r.comm, "writing the logits", [&] {
+      bert::dump_logits(r.model, *r.eval_data, r.a.eval_batch_size, r.device,
+                        r.lead ? r.a.dump_logits : "");
+      if (r.lead) fmt::print("[bert] logits of the first eval batch: {}\n", r.a.dump_logits);
+    });
   }
   if (!r.a.export_hf.empty()) export_model(r, "");
   return 0;
@@ -435,6 +453,7 @@ void train_loop(Run& r) {
   const Args& a = r.a;
   for (int64_t step = r.start_step; step < a.steps; ++step) {
     if (a.stop_after > 0 && step - r.start_step >= a.stop_after) break;
+    r.fault.before_step(r.rank, step + 1);
     bert::StepRecord rec = train_step(r, step);
     const int64_t done = rec.step;
     r.state.step = done;
@@ -471,12 +490,12 @@ void finish(Run& r) {
   if (step == r.start_step) return;
   if (r.last_saved != step) save(r, step);
   if (r.a.save_model) {
-    r.comm->barrier();
-    if (r.lead) {
+    shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
+      if (!r.lead) return;
       const fs::path model_path = fs::path(r.a.out) / "model.pt";
       shardopt::consolidate_checkpoint(r.checkpoint_dir.string(), model_path.string());
       fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
-    }
+    });
   }
   if (r.a.save_model || !r.a.export_hf.empty()) {
     export_model(r, r.last_saved == step ? r.checkpoint_dir.string() : "");
@@ -571,20 +590,39 @@ int summarize(Run& r) {
                              torch::kDouble);
   auto all_peaks = torch::zeros({2 * r.world}, torch::kDouble);
   r.comm->all_gather(peaks, all_peaks);
-  const int rc = r.lead ? write_summary(r, std::vector<double>(all_peaks.data_ptr<double>(),
-                                                               all_peaks.data_ptr<double>() + 2 * r.world))
-                        : 0;
+  // Rank 0 alone writes the summary; an error there reaches every rank (no rank waits in the
+  // verdict's broadcast for a rank that is gone).
+  int rc = 0;
+  shardopt::agree_on_errors(*r.comm, "writing the summary", [&] {
+    if (!r.lead) return;
+    const double* p = all_peaks.data_ptr<double>();
+    rc = write_summary(r, std::vector<double>(p, p + 2 * r.world));
+  });
   // Every rank exits with rank 0's verdict.
   auto verdict = torch::tensor({static_cast<int64_t>(rc)}, torch::kLong);
   r.comm->broadcast(verdict, 0);
   return static_cast<int>(verdict.item<int64_t>());
 }
 
-int run(const Args& a) {
-  shardopt::InitOptions init;  // --timeout, else SHARDOPT_TIMEOUT, else the library's default
-  if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));
-  init.device = torch::Device(a.device).is_cuda() ? "cuda" : "cpu";
-  Run r(a, shardopt::init_from_env(init), init);
+// A checkpoint at or past the last step: nothing to train. Found from its manifest before any
+// data or model is built; every rank reads it and stops alike, with no collective.
+bool already_finished(const Args& a, int rank) {
+  if (!a.resume_requested || a.eval_only) return false;
+  const std::string from = a.resume.empty() ? (fs::path(a.out) / "checkpoint").string() : a.resume;
+  const auto info = shardopt::read_checkpoint_info(from);
+  const auto trainer = nlohmann::json::parse(info.trainer_json, nullptr, false);
+  const int64_t saved = trainer.is_object() ? trainer.value("step", int64_t{-1}) : -1;
+  if (saved < a.steps) return false;
+  if (rank == 0) {
+    fmt::print("[bert] checkpoint {} is at step {} of {}: nothing to train; raise --steps to "
+               "continue\n", from, saved, a.steps);
+  }
+  return true;
+}
+
+int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::InitOptions& init) {
+  if (already_finished(a, comm->rank())) return 0;
+  Run r(a, comm, init);
   set_up(r);
   load_data(r);
   build_model(r);
@@ -593,6 +631,26 @@ int run(const Args& a) {
   train_loop(r);
   finish(r);
   return summarize(r);
+}
+
+// Note [Errors on one rank]: an error that escapes train() on one rank (a file, the data, JSON)
+// ends the whole job at once through shardopt::run_or_abort, so no rank waits for the collective
+// timeout. Usage errors are found alike on every rank (the same arguments and files), so every
+// rank returns 2 and rank 0 alone prints the one line.
+int run(const Args& a) {
+  shardopt::InitOptions init;  // --timeout, else SHARDOPT_TIMEOUT, else the library's default
+  if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));
+  init.device = torch::Device(a.device).is_cuda() ? "cuda" : "cpu";
+  auto comm = shardopt::init_from_env(init);
+  return shardopt::run_or_abort(*comm, [&] {
+    try {
+      return train(a, comm, init);
+    } catch (const UsageError& e) {
+      std::fflush(stdout);
+      if (comm->rank() == 0) fmt::print(stderr, "bert_pretrain: error: {}\n", e.what());
+      return 2;
+    }
+  });
 }
 
 }  // namespace

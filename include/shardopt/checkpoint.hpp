@@ -23,6 +23,7 @@
 #include <torch/ordered_dict.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -52,6 +53,10 @@ struct SaveOptions {
   // Tests only: this rank throws right after its shard file is written and synced, as if the
   // process died there; the partial temporary directory is left behind like after a real crash.
   int simulate_crash_after_shard_on_rank = -1;
+  // Tests only (fault injection): called on every rank once its shard file is written and synced,
+  // before the ranks agree that the save succeeded; a process killed here leaves the partial
+  // temporary directory behind, as a real crash would.
+  std::function<void(int rank)> after_shard_written;
 };
 
 struct LoadOptions {

@@ -59,8 +59,16 @@ struct StepStats {
   bool skipped = false;          // non-finite gradients on some rank: no update anywhere
   int nonfinite_steps = 0;       // consecutive skipped steps so far, this one included
   double loss_scale = 1.0;
+  // Where step() spent its time, phase by phase (seconds; they add up to step_s but for the
+  // bookkeeping between them):
   double reduce_wait_s = 0.0;    // waiting for gradient reductions after backward
-  double update_s = 0.0;         // the local optimizer update
+  double unscale_s = 0.0;        // dividing 16-bit gradients by ranks x loss scale (fp32 ones
+                                 // are divided inside the non-finite check's pass: 0 then)
+  double check_s = 0.0;          // the non-finite check (+ fp32 unscale, + the clip's squares)
+  double clip_s = 0.0;           // scaling the gradients down to max_grad_norm
+  double update_s = 0.0;         // the local optimizer update (the fused kernels)
+  double write_back_s = 0.0;     // master weights cast into the model's dtype where the kernels
+                                 // did not write them
   double gather_s = 0.0;         // all-gathering updated parameters
   double step_s = 0.0;           // the whole step() call
   int64_t comm_elements = 0;     // gradient and parameter elements this rank sent into

@@ -8,6 +8,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/precision.hpp"
 #include "shardopt/sharding.hpp"
+#include "shardopt/unit_policy.hpp"
 
 namespace shardopt {
 
@@ -67,8 +68,12 @@ struct ZeroOptions {
   int64_t align_bytes = 64;
   // Stage 3: the units whose parameters are gathered together (shardopt/units.hpp); the model
   // calls units->run(i, ...) around each. Parameters in no unit are gathered from zero_grad()
-  // until step() (without units: the whole model, stage 2's parameter memory during the step).
+  // until step(). Unset: automatic units, derived from the parameters' names by `unit_policy`
+  // and gathered on first use (Note [Automatic units] in src/engine/auto_gather.cpp), with no
+  // change to the model.
   std::shared_ptr<Units> units;
+  // Stage 3 without `units`: how units are derived from the parameters' names.
+  UnitPolicy unit_policy;
   // Stage 3: how many units ahead to gather asynchronously (forward and backward); 0 gathers
   // each unit only when it is needed.
   int prefetch = 1;

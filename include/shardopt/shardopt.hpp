@@ -7,6 +7,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/job.hpp"
 #include "shardopt/memory_tracker.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/options.hpp"

@@ -272,6 +272,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (a decoder tied to the embedding) is gathered whenever either runs; parameters in no
             unit from ``zero_grad()`` (or the first unit) until ``step()``. Nothing stays
             gathered between steps: call :meth:`gather_full_parameters` before reading them.
+            Without ``units=``, stage 3 derives units from the parameters' names (every element
+            of a ``ModuleList``/``Sequential`` and every other top-level child; groups under
+            ``unit_policy.persist_below`` elements stay gathered) and gathers them on first use,
+            with no hooks and no change to the model. ``unit_policy=`` takes a
+            :class:`shardopt.UnitPolicy` or a dict ``{"patterns": [regex], "persist_below": n}``.
         **hyperparameters: torch's names: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad``, ``momentum``, ``dampening``, ``nesterov``, ... (defaults are torch's).
 
@@ -290,6 +295,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  **kwargs):
         unit_modules = _unit_modules(units, params) if units is not None else []
         overrides = {k: kwargs.pop(k) for k in _OPTION_KEYWORDS if k in kwargs}
+        if isinstance(overrides.get("unit_policy"), dict):
+            overrides["unit_policy"] = _C.UnitPolicy(**overrides["unit_policy"])
         hyperparameters = kwargs
         zero = _zero_options(options, overrides)
         zero.validate()

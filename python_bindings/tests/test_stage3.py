@@ -56,6 +56,9 @@ UNITS = {
     "class_policy": lambda m: dict(params=m, units=Block),
     "tied_units": lambda m: dict(params=m.named_parameters(),
                                  units=[m.embed, *m.blocks, m.decoder]),
+    # No units=: units from the names (embed, blocks.0, blocks.1, decoder), gathered on first use
+    # through the dispatcher; this model is tiny, so nothing may persist.
+    "automatic": lambda m: dict(params=m, unit_policy={"persist_below": 0}),
 }
 
 
@@ -138,3 +141,24 @@ def test_policies_are_checked():
         shardopt.DistributedOptimizer(model.named_parameters(), "sgd", lr=0.1, comm=comm,
                                       stage=3, units=[model.blocks[0], "decoder"])
     assert [n for n, _ in shardopt.modules_of_type(model, Block)] == ["blocks.0", "blocks.1"]
+
+
+def test_automatic_units_hold_only_shards_between_steps(comm):
+    """Without units=, after a step no unit holds storage, and reading a parameter gathers it
+    (every rank reads it, as a collective)."""
+    model, opt = train_stage3(comm, "sgd", "automatic")
+    opt.zero_grad()
+    ids, labels = global_batch(0)
+    opt.backward(F.cross_entropy(model(rank_slice(ids, comm.rank, comm.size)),
+                                 rank_slice(labels, comm.rank, comm.size)))
+    opt.step()
+    def storage_bytes(p):
+        return (p.untyped_storage() if hasattr(p, "untyped_storage") else p.storage()).nbytes()
+    held = sum(p.numel() for p in model.parameters() if storage_bytes(p) > 0)
+    total_before = model.embed.weight.sum().item()  # gathered on use: same value on every rank
+    with torch.no_grad():  # evaluation forward on every rank
+        out = model(ids)
+    finite = bool(torch.isfinite(out).all()) and total_before == total_before
+    sharded = comm.size == 1 or opt.memory().param_bytes < 4 * opt.padded_numel
+    assert all_ranks_ok(comm, held == 0 and finite and sharded), (
+        f"rank {comm.rank}: {held} elements held after step(), finite {finite}")

@@ -32,7 +32,7 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 
 std::vector<json> agree(Communicator& comm, Duration timeout, const std::string& what,
                         const std::string& consequence, const std::function<json()>& body,
-                        const std::function<void()>& on_failure) {
+                        const std::function<void()>& on_failure, const char* scope) {
   json mine;
   try {
     mine = {{"ok", true}, {"payload", body()}};
@@ -41,8 +41,8 @@ std::vector<json> agree(Communicator& comm, Duration timeout, const std::string&
   } catch (const std::exception& e) {
     mine = {{"ok", false},
             {"kind", static_cast<int>(ErrorKind::Checkpoint)},
-            {"message", fmt::format("shardopt[rank {}/{}] checkpoint: {}: {}", comm.rank(),
-                                    comm.size(), what, e.what())}};
+            {"message", fmt::format("shardopt[rank {}/{}] {}: {}: {}", comm.rank(), comm.size(),
+                                    scope, what, e.what())}};
   }
   std::vector<json> all;
   for (const auto& s : all_gather_strings(comm, dump(mine), timeout)) all.push_back(json::parse(s));
@@ -66,9 +66,8 @@ std::vector<json> agree(Communicator& comm, Duration timeout, const std::string&
   std::string message = first.at("message").get<std::string>();
   if (comm.rank() != failed.front()) {
     message = fmt::format(
-        "shardopt[rank {}/{}] checkpoint: {} failed on rank{} {}; {}. The error "
-        "on rank {}: {}",
-        comm.rank(), comm.size(), what, failed.size() > 1 ? "s" : "", fmt::join(failed, ", "),
+        "shardopt[rank {}/{}] {}: {} failed on rank{} {}; {}. The error on rank {}: {}",
+        comm.rank(), comm.size(), scope, what, failed.size() > 1 ? "s" : "", fmt::join(failed, ", "),
         consequence, failed.front(), message);
   }
   throw Error(kind, comm.rank(), message);

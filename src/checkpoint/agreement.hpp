@@ -18,10 +18,12 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 
 // Runs `body` on every rank and exchanges the outcomes. When any rank failed, `on_failure` runs
 // and every rank throws an Error of the first failing rank's kind; otherwise returns each rank's
-// payload. Collective.
+// payload. `scope` starts the messages ("checkpoint": "shardopt[rank r/N] checkpoint: ...").
+// Collective.
 std::vector<nlohmann::json> agree(Communicator& comm, Duration timeout, const std::string& what,
                                   const std::string& consequence,
                                   const std::function<nlohmann::json()>& body,
-                                  const std::function<void()>& on_failure = nullptr);
+                                  const std::function<void()>& on_failure = nullptr,
+                                  const char* scope = "checkpoint");
 
 }  // namespace shardopt::detail

@@ -145,6 +145,7 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
       comm, timeout, what, nothing,
       [&] {
         json entry = write_shard(a, paths.tmp, names, trainer.tensors);
+        if (options.after_shard_written) options.after_shard_written(rank);
         SHARDOPT_CHECK(options.simulate_crash_after_shard_on_rank != rank, Checkpoint,
                        "checkpoint: simulated crash on rank {} after writing {} "
                        "(SaveOptions::simulate_crash_after_shard_on_rank)",

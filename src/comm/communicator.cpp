@@ -258,6 +258,13 @@ CommunicatorPtr Communicator::split_by_host() {
   return sub;
 }
 
+void Communicator::abort(int exit_code) {
+  do_abort(exit_code);
+  std::_Exit(exit_code);
+}
+
+void Communicator::do_abort(int) {}
+
 CommunicatorPtr Communicator::do_split(int, int) {
   SHARDOPT_FAIL(Unsupported, "comm.split: the {} engine cannot make sub-communicators", backend());
 }

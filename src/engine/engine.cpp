@@ -40,7 +40,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <unordered_map>
 
+#include "engine/finite_check.hpp"
 #include "engine/group_options.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/recompute.hpp"
@@ -92,6 +94,45 @@ std::vector<std::string> part_labels(const CollectedModel& model, const Units& u
   return labels;
 }
 
+// Stage 3 without declared units: units from the parameters' names (shardopt/unit_policy.hpp),
+// as a Units object no model code runs (Note [Automatic units] in auto_gather.cpp). Without the
+// release guard's key (another library holds it) nothing can gather on use: every parameter is
+// then in the root part, gathered through the step.
+UnitsPtr derived_units(const std::vector<ParamGroup>& groups, const UnitPolicy& policy,
+                       bool report) {
+  std::vector<std::string> names;
+  std::vector<int64_t> numels, ids;
+  std::vector<at::Tensor> tensors;
+  std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
+  for (const auto& g : groups) {
+    for (const auto& np : g.params) {
+      if (!np.tensor.defined() || !np.tensor.requires_grad()) continue;
+      names.push_back(np.name);
+      numels.push_back(np.tensor.numel());
+      auto [it, fresh] = id_of.emplace(np.tensor.unsafeGetTensorImpl(),
+                                       static_cast<int64_t>(id_of.size()));
+      ids.push_back(it->second);
+      tensors.push_back(np.tensor);
+    }
+  }
+  auto units = std::make_shared<Units>();
+  if (!release_guard_available()) {
+    if (report) {
+      fmt::print(stderr, "shardopt: stage 3: automatic units need the dispatch key {} that "
+                 "another library holds; every parameter stays gathered from zero_grad() to "
+                 "step()\n", "TESTING_ONLY_GenericWrapper");
+    }
+    return units;
+  }
+  const DerivedUnits derived = derive_units(names, numels, ids, policy);
+  for (size_t u = 0; u < derived.names.size(); ++u) {
+    std::vector<at::Tensor> members;
+    for (int i : derived.members[u]) members.push_back(tensors[i]);
+    units->add(derived.names[u], std::move(members));
+  }
+  return units;
+}
+
 }  // namespace
 
 Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
@@ -112,23 +153,29 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
-  if (plan_.per_unit()) unit_plan_ = options_.units;
+  if (plan_.per_unit()) {
+    unit_plan_ = options_.units;
+    if (!unit_plan_) {
+      unit_plan_ = derived_units(groups, options_.unit_policy, ranks_.world->rank() == 0);
+      automatic_ = true;
+    }
+  }
   model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
                          plan_.per_unit() ? unit_plan_.get() : nullptr);
   verify_same_model(params(), plan_.per_unit(), *ranks_.world, options_.timeout);
   build(rule, factory);
   attach_hooks();
-  if (plan_.per_unit() && !model_.loose_names.empty() && comm_->rank() == 0) {
+  if (plan_.per_unit() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
     fmt::print(stderr,
                "shardopt: stage 3: {} parameter(s) in no unit, gathered for every forward and "
                "backward until step(): {}\n",
                model_.loose_names.size(), fmt::join(model_.loose_names, ", "));
   }
-  if (unit_plan_) unit_plan_->attach(this);
+  if (unit_plan_ && !automatic_) unit_plan_->attach(this);
 }
 
 Engine::~Engine() {
-  if (unit_plan_) unit_plan_->detach(this);
+  if (unit_plan_ && !automatic_) unit_plan_->detach(this);
   for (auto& h : hooks_) {
     if (h.accumulator && h.key) h.accumulator->del_post_hook(h.key);
   }
@@ -172,6 +219,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
   // the master weights (ParameterStore::adopt).
   store_ = make_store();
+  if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
+    auto_ = std::make_unique<AutoGather>(*store_, model_.root_unit, options_.prefetch, comm_,
+                                         options_.timeout);
+    store_->set_automatic(auto_.get());
+  }
   flat_->init_master(store_->adopt(base.dtype(master_options.dtype()),
                                    options_.broadcast_initial_params));
   reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
@@ -256,6 +308,7 @@ void Engine::on_grad_ready(int index) {
 // End of one backward pass: the reducer reduces what is still pending.
 void Engine::on_backward_end() {
   if (plan_.per_unit()) store_->end_backward();
+  if (auto_) auto_->end_backward();
   reducer_->end_pass(tracker_->micro_steps());
   tracker_->end_pass();
 }
@@ -325,7 +378,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
 }
 
 // Phase 1: every bucket reduced and folded in; gradients averaged over ranks, summed over
-// micro-steps (Note [Gradient accumulation convention]) and unscaled.
+// micro-steps (Note [Gradient accumulation convention]); phase 2 unscales them.
 void Engine::finish_reduction() {
   RECORD_FUNCTION("shardopt::reduce", std::vector<c10::IValue>());
   const auto t = Clock::now();
@@ -336,24 +389,24 @@ void Engine::finish_reduction() {
     reducer_->reduce_manual(tracker_->micro_steps());
   }
   reducer_->complete_all();
-  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
-  update_->unscale(static_cast<double>(world_) * loss_scale);
   stats_.reduce_wait_s = seconds_since(t);
 }
 
-// Phase 2: non-finite gradients on any rank, at every precision: no update anywhere, parameters
-// and optimizer state untouched. With clipping the global norm (needed anyway) is the check;
-// otherwise a sum per segment and a one-element all-reduce. fp16's scaler backs off; without one,
-// options_.max_nonfinite_steps skipped steps in a row throw on every rank (they agree on the flag).
+// Phase 2: gradients unscaled (averaged over ranks, divided by the loss scale) and checked in one
+// pass (src/engine/finite_check.hpp), with the global norm when clipping: non-finite gradients on
+// any rank, at every precision, mean no update anywhere, parameters and optimizer state untouched.
+// fp16's scaler backs off; without one, options_.max_nonfinite_steps skipped steps in a row throw
+// on every rank (they agree on the flag).
 bool Engine::skip_non_finite() {
   RECORD_FUNCTION("shardopt::skip_non_finite", std::vector<c10::IValue>());
-  bool non_finite = false;
-  if (options_.max_grad_norm > 0) {
-    stats_.grad_norm = update_->global_norm();
-    non_finite = !std::isfinite(stats_.grad_norm);
-  } else {
-    non_finite = update_->any_rank_non_finite();
-  }
+  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+  const bool clipping = options_.max_grad_norm > 0;
+  const auto check =
+      update_->unscale_and_check(static_cast<double>(world_) * loss_scale, clipping);
+  if (clipping) stats_.grad_norm = check.norm;
+  stats_.unscale_s = check.unscale_s;
+  stats_.check_s = check.check_s;
+  const bool non_finite = check.non_finite;
   if (scaler_) {
     stats_.loss_scale = scaler_->scale();
     stats_.skipped = scaler_->update(non_finite);
@@ -378,7 +431,9 @@ bool Engine::skip_non_finite() {
 void Engine::clip() {
   if (options_.max_grad_norm <= 0) return;
   RECORD_FUNCTION("shardopt::clip", std::vector<c10::IValue>());
+  const auto t = Clock::now();
   stats_.clipped = update_->clip(options_.max_grad_norm, stats_.grad_norm);
+  stats_.clip_s = seconds_since(t);
 }
 
 // Phase 4: the local update of this rank's segments, cast into the model's dtype.
@@ -386,8 +441,10 @@ void Engine::update() {
   RECORD_FUNCTION("shardopt::update", std::vector<c10::IValue>());
   const auto t = Clock::now();
   update_->update(steps_ + 1);
-  update_->write_back();
   stats_.update_s = seconds_since(t);
+  const auto w = Clock::now();
+  update_->write_back();
+  stats_.write_back_s = seconds_since(w);
 }
 
 // Phase 5: parameters whole again where the model reads them (all-gather, or units released).
@@ -395,6 +452,7 @@ void Engine::after_update() {
   RECORD_FUNCTION("shardopt::gather", std::vector<c10::IValue>());
   const auto t = Clock::now();
   store_->after_update();
+  if (auto_) auto_->after_update();
   stats_.gather_s = seconds_since(t);
 }
 
@@ -408,17 +466,15 @@ void Engine::end_step(Clock::time_point t0) {
   stats_.step_s = seconds_since(t0);
 }
 
-// A double sum of each owned slice is finite exactly when the slice is (fp32 values cannot
-// overflow it); one MAX all-reduce makes every rank answer alike.
+// The master weights (each rank's owned slices) through the gradients' check: one read, one
+// all-reduce, the same answer everywhere.
 bool Engine::parameters_finite() {
   at::NoGradGuard no_grad;
-  double sum = 0;
+  std::vector<at::Tensor> slices;
   for (int b = 0; b < static_cast<int>(flat_->layout().buckets.size()); ++b) {
-    sum += at::sum(checkpoint_->owned_param_slice(b), at::kDouble).item<double>();
+    slices.push_back(checkpoint_->owned_param_slice(b));
   }
-  at::Tensor flag = at::full({1}, std::isfinite(sum) ? 0.0f : 1.0f, at::kFloat);
-  if (world_ > 1) comm_->all_reduce(flag, ReduceOp::Max, true)->wait(options_.timeout);
-  return flag.item<float>() == 0;
+  return !scan_finite(slices, 1.0, false, comm_.get(), options_.timeout).non_finite;
 }
 
 MemoryReport Engine::memory() const {

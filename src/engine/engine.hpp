@@ -17,6 +17,7 @@
 #include <optional>
 #include <vector>
 
+#include "engine/auto_gather.hpp"
 #include "engine/backward_tracker.hpp"
 #include "engine/checkpoint_access.hpp"
 #include "engine/flat_state.hpp"
@@ -92,8 +93,10 @@ class Engine final : public UnitRuntime {
   int world_ = 1;
   CollectedModel model_;
   UnitsPtr unit_plan_;  // stage 3: the model's declared units (attached to this engine)
+  bool automatic_ = false;  // stage 3: units_plan_ derived from names (Note [Automatic units])
   std::optional<LossScaler> scaler_;  // fp16
   std::unique_ptr<FlatState> flat_;
+  std::unique_ptr<AutoGather> auto_;  // before store_: the store unregisters it on destruction
   std::unique_ptr<ParameterStore> store_;
   std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<LocalUpdate> update_;

@@ -36,6 +36,10 @@ class CpuKernels final : public FusedKernels {
                    const kernels::LambSegment& s) const override {
     kernels::fused_lamb_phase2(h, trust_ratio, s);
   }
+  kernels::CheckResult check_finite(const kernels::CheckSegment& s,
+                                    const kernels::CheckOptions& o) const override {
+    return kernels::check_finite(s, o);
+  }
 };
 
 std::atomic<const FusedKernels*>& cuda_slot() {

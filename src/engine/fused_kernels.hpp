@@ -8,6 +8,7 @@
 #include <c10/core/DeviceType.h>
 
 #include "engine/flat_state.hpp"
+#include "kernels/finite.hpp"
 #include "kernels/fused.hpp"
 
 namespace shardopt::detail {
@@ -27,6 +28,9 @@ class FusedKernels {
                                          const kernels::LambSegment& s) const = 0;
   virtual void lamb_phase2(const kernels::LambHyper& h, double trust_ratio,
                            const kernels::LambSegment& s) const = 0;
+  // The non-finite check (kernels/finite.hpp) over memory of this device; waits for its result.
+  virtual kernels::CheckResult check_finite(const kernels::CheckSegment& s,
+                                            const kernels::CheckOptions& o) const = 0;
 };
 
 // The compute-dtype copy of segment `s` from element `begin`, when it is bf16/fp16 on `device`

@@ -105,6 +105,12 @@ class CudaKernels final : public FusedKernels {
     Launch launch(s.param);
     kernels::fused_lamb_phase2_cuda(h, trust_ratio, s, launch.stream());
   }
+  kernels::CheckResult check_finite(const kernels::CheckSegment& s,
+                                    const kernels::CheckOptions& o) const override {
+    if (s.numel == 0) return {};
+    Launch launch(s.data);
+    return kernels::check_finite_cuda(s, o, launch.stream());
+  }
 };
 
 const CudaKernels kCudaKernels;

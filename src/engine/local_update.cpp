@@ -3,8 +3,10 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cmath>
 
+#include "engine/finite_check.hpp"
 #include "engine/rule_step.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/error.hpp"
@@ -31,37 +33,34 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
   flat_.init_state(state_count(rule), ada ? ada->initial_accumulator_value() : 0.0);
 }
 
-void LocalUpdate::unscale(double divisor) {
-  for (auto& s : flat_.segments()) s.grad.mul_(1.0 / divisor);
-}
-
 void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
   comm_->all_reduce(t, op, true)->wait(timeout_);
 }
 
-// Device shards: the checks and norms stay on the device until one .item() per step.
-bool LocalUpdate::any_rank_non_finite() {
-  at::Tensor sum;  // on the segments' device
+LocalUpdate::GradCheck LocalUpdate::unscale_and_check(double divisor, bool norm) {
+  using Clock = std::chrono::steady_clock;
+  std::vector<at::Tensor> grads;
+  bool folded = true;
   for (auto& s : flat_.segments()) {
-    const at::Tensor t = at::sum(s.grad, at::kDouble);
-    sum = sum.defined() ? sum + t : t;
+    grads.push_back(s.grad);
+    folded = folded && folds_scale(s.grad);
   }
-  const double total = sum.defined() ? sum.item<double>() : 0.0;
-  at::Tensor flag = at::full({1}, std::isfinite(total) ? 0.0f : 1.0f, at::kFloat);
-  // Replicated plans hold the same reduced gradients on every rank: the flags agree already.
-  if (comm_->size() > 1 && flat_.plan().sharded()) all_reduce_small(flag, ReduceOp::Max);
-  return flag.item<float>() > 0;
-}
-
-double LocalUpdate::global_norm() {
-  at::Tensor local;  // sum of the segments' squared norms, in double as on the host
-  for (auto& s : flat_.segments()) {
-    const at::Tensor n = s.grad.norm().to(at::kDouble);
-    local = local.defined() ? local + n * n : n * n;
+  double scale = 1.0 / divisor;
+  const auto t0 = Clock::now();
+  if (scale != 1.0 && !folded) {  // 16-bit gradients: torch's mul_ defines their rounding
+    for (auto& g : grads) g.mul_(scale);
+    scale = 1.0;
   }
-  at::Tensor sq = at::full({1}, local.defined() ? local.item<double>() : 0.0, at::kDouble);
-  if (flat_.plan().sharded()) all_reduce_small(sq);
-  return std::sqrt(sq.item<double>());
+  const auto t1 = Clock::now();
+  // Replicated plans hold the same reduced gradients on every rank: the answers agree already.
+  const auto scan = scan_finite(grads, scale, norm, flat_.plan().sharded() ? comm_.get() : nullptr,
+                                timeout_);
+  GradCheck check;
+  check.non_finite = scan.non_finite;
+  if (norm) check.norm = std::sqrt(scan.sum_sq);
+  check.unscale_s = std::chrono::duration<double>(t1 - t0).count();
+  check.check_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  return check;
 }
 
 bool LocalUpdate::clip(double max_norm, double norm) {

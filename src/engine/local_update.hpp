@@ -27,15 +27,16 @@ class LocalUpdate {
   LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout, const Rule& rule,
               const ShardOptimizerFactory& factory, RuleOf rule_of, bool fused);
 
-  // Divides the reduced gradients by `divisor` (world * micro-steps * loss scale).
-  void unscale(double divisor);
-  // Whether any rank holds a non-finite reduced gradient: each sums its own segments in double (a
-  // NaN or Inf makes the sum non-finite; finite fp32 values cannot overflow a double sum), then,
-  // when sharded, one MAX all-reduce of a flag, so every rank answers the same.
-  bool any_rank_non_finite();
-  // Global L2 norm across every rank's segments (the same value on every rank); non-finite when
-  // any gradient is.
-  double global_norm();
+  struct GradCheck {
+    bool non_finite = false;  // on any rank
+    double norm = -1.0;       // global L2 norm when asked (the same value on every rank)
+    double unscale_s = 0.0;   // a separate unscale pass (16-bit gradients)
+    double check_s = 0.0;     // the check's pass (with the fp32 unscale) and its all-reduce
+  };
+  // Divides the reduced gradients by `divisor` (world * loss scale; 1: nothing to write), finds
+  // whether any rank holds a non-finite one and, with `norm`, their global L2 norm: one pass over
+  // this rank's segments and one all-reduce when sharded (src/engine/finite_check.hpp).
+  GradCheck unscale_and_check(double divisor, bool norm);
   // Scales the gradients down to `max_norm` given their global `norm`; returns whether it did.
   bool clip(double max_norm, double norm);
   // One optimizer step, number `step` (1-based); leaves the result in the segments' params (and,

@@ -27,6 +27,7 @@ ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> pa
 
 ParameterStore::~ParameterStore() {
   for (const auto& u : units_) {
+    if (automatic_ != nullptr && u.full.defined()) stop_gather_on_use(u.full);
     for (int i : u.params) forget_parameter(params_[i]);
   }
   if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
@@ -171,7 +172,8 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
       params_[i].set_data(views[i]);
       const int part = layout.buckets[layout.slots[i].bucket].unit;
       remember_parameter(params_[i], names_[i], part_labels_[part]);
-      guard_released(params_[i]);
+      guard_released(params_[i]);  // automatic: for good (gathered on use)
+      if (automatic_ != nullptr) gather_on_use(units_[part].full, automatic_, part);
     }
   }
   shard_ = initial.to(options);  // no copy when the model computes in master precision
@@ -305,6 +307,12 @@ void ParameterStore::gather_full() {
   for (int u = 0; u <= root_unit_; ++u) ensure_gathered(u);
 }
 
+void ParameterStore::prefetch_part(int part) {
+  if (!units_[part].gathered) launch_gather(part);
+}
+
+void ParameterStore::gather_part(int part) { ensure_gathered(part); }
+
 // Allocates the unit's full buffers and starts all-gathering its shards into them.
 void ParameterStore::launch_gather(int unit) {
   auto& u = units_[unit];
@@ -317,7 +325,9 @@ void ParameterStore::launch_gather(int unit) {
     storage->set_data_ptr_noswap(allocator->allocate(nbytes));
     storage->set_nbytes(nbytes);
   }
-  for (int i : u.params) unguard(params_[i]);
+  if (automatic_ == nullptr) {
+    for (int i : u.params) unguard(params_[i]);
+  }
   for (int b : u.buckets) {
     const auto& bl = layout.buckets[b];
     u.works.push_back(
@@ -341,7 +351,9 @@ void ParameterStore::release(int unit) {
   for (auto& w : u.works) w->wait(timeout_);  // never free under a collective
   u.works.clear();
   if (u.full.defined()) u.full.storage().unsafeGetStorageImpl()->reset();
-  for (int i : u.params) guard_released(params_[i]);
+  if (automatic_ == nullptr) {
+    for (int i : u.params) guard_released(params_[i]);
+  }
   u.gathered = false;
   u.backward = false;
 }

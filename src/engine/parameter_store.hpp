@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/flat_state.hpp"
+#include "engine/release_guard.hpp"
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
@@ -77,6 +78,15 @@ class ParameterStore {
   // Gathers every unit (to read or save the whole model outside Units::run).
   void gather_full();
 
+  // ---- PerUnit, automatic units (src/engine/auto_gather.hpp drives these) ----------------------
+  // Before adopt(): the parameters keep the release guard's key for good and operations
+  // on them call `owner` (release_guard.hpp), instead of Units::run entering their units.
+  void set_automatic(GatherOnUse* owner) { automatic_ = owner; }
+  int parts() const { return static_cast<int>(units_.size()); }
+  bool part_gathered(int part) const { return units_[part].gathered; }
+  void prefetch_part(int part);  // starts gathering it (no wait)
+  void gather_part(int part);    // gathered when it returns
+
   int64_t take_comm_elements();
   int64_t param_bytes() const;     // the model's storage (PerUnit: the shard)
   int64_t gathered_bytes() const;  // PerUnit: full buffers holding storage now
@@ -100,6 +110,7 @@ class ParameterStore {
 
   const FlatState& flat_;
   const StagePlan plan_;
+  GatherOnUse* automatic_ = nullptr;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<std::string> part_labels_;

@@ -53,6 +53,14 @@ struct Avx2Isa {
     h = _mm_blendv_epi8(h, canonical, nan16);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
   }
+  static F load_bf16(const uint16_t* src) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+  static F load_fp16(const uint16_t* src) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+  static bool any_nan(F x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
   static Acc acc_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
   static void acc_sq(Acc& acc, F x) {
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));

@@ -52,6 +52,15 @@ struct Avx512Isa {
     h = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), h, canonical);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
   }
+  static F load_bf16(const uint16_t* src) {
+    const __m512i u =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+  static F load_fp16(const uint16_t* src) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+  static bool any_nan(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
   static Acc acc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
   static void acc_sq(Acc& acc, F x) {
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));

@@ -166,6 +166,9 @@ void lamb_phase2(CpuIsa isa, const LambHyper& hyper, double trust_ratio,
                  const LambSegment& segment) {
   table(resolve_cpu_isa(isa)).lamb_phase2(lamb_coeffs(hyper, trust_ratio), segment);
 }
+CheckResult check_finite(CpuIsa isa, const CheckSegment& segment, const CheckOptions& options) {
+  return table(resolve_cpu_isa(isa)).check_finite(segment, options);
+}
 }  // namespace raw
 
 // ---- multi-threaded drivers -------------------------------------------------------------------
@@ -276,6 +279,29 @@ void fused_lamb_phase2(const LambHyper& hyper, double trust_ratio, const LambSeg
   for_each_chunk(s.numel, [&](int64_t, int64_t b, int64_t e) {
     kernel(c, {s.param + b, nullptr, s.exp_avg + b, s.exp_avg_sq + b, offset(s.low, b), e - b});
   });
+}
+
+CheckResult check_finite(const CheckSegment& s, const CheckOptions& o, CpuIsa isa) {
+  SHARDOPT_CHECK(s.numel >= 0, InvalidArgument,
+                 "kernels: check_finite: segment.numel must be >= 0, got {}", s.numel);
+  check_buffer(s.data, "data", "check_finite", s.numel);
+  SHARDOPT_CHECK(o.scale == 1.0f || s.kind == ValueKind::Float32, InvalidArgument,
+                 "kernels: check_finite: scaling (scale {}) needs fp32 values; scale 16-bit "
+                 "values with torch's mul_ first",
+                 o.scale);
+  const auto kernel = table(resolve_cpu_isa(isa)).check_finite;
+  const int64_t elem = s.kind == ValueKind::Float32 ? 4 : 2;
+  // Per-chunk results, combined in chunk order: the sum does not depend on the threads.
+  std::vector<CheckResult> partial(static_cast<size_t>((s.numel + kChunkNumel - 1) / kChunkNumel));
+  for_each_chunk(s.numel, [&](int64_t chunk, int64_t b, int64_t e) {
+    partial[chunk] = kernel({s.kind, static_cast<char*>(s.data) + b * elem, e - b}, o);
+  });
+  CheckResult total;
+  for (const auto& p : partial) {
+    total.non_finite = total.non_finite || p.non_finite;
+    total.sum_sq += p.sum_sq;
+  }
+  return total;
 }
 
 }  // namespace shardopt::detail::kernels

@@ -3,6 +3,7 @@
 // per instruction set.
 #pragma once
 
+#include "kernels/finite.hpp"
 #include "kernels/fused.hpp"
 
 namespace shardopt::detail::kernels {
@@ -61,6 +62,7 @@ struct CpuKernelTable {
   void (*sgd)(const SgdCoeffs&, const SgdSegment&);
   LambNorms (*lamb_phase1)(const LambCoeffs&, const LambSegment&);
   void (*lamb_phase2)(const LambCoeffs&, const LambSegment&);
+  CheckResult (*check_finite)(const CheckSegment&, const CheckOptions&);
 };
 
 extern const CpuKernelTable kScalarKernels;  // cpu_scalar.cpp: any CPU

@@ -5,8 +5,8 @@
 // V provides: kWidth, F (register), load/store (unaligned), set1, add, mul, div, sqrt,
 // div_by_const(x, c, 1/double(c)) = RN(x / c) for x >= 0 (Note [Division by a constant]),
 // fma(a, b, c) = a*b + c rounded once, max (NaN in either -> all-ones NaN, else a > b ? a : b, as
-// maxps), store_bf16/store_fp16 (round to nearest even, NaN canonicalised), and a double
-// accumulator Acc with acc_zero/acc_sq/acc_sum. The last partial vector runs through the same
+// maxps), store_bf16/store_fp16 (round to nearest even, NaN canonicalised), load_bf16/load_fp16
+// (exact widening), any_nan, and a double accumulator Acc with acc_zero/acc_sq/acc_sum. The last partial vector runs through the same
 // vector code on zero-padded copies, so tails are bitwise the same as full vectors.
 #pragma once
 
@@ -54,6 +54,16 @@ inline uint16_t fp16_bits(float x) {
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+// fp16_ieee_to_fp32_value (FP16 library): exact, Inf and NaN included.
+inline float fp16_value(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_float((two_w >> 4) + (0xE0u << 23)) * bits_float(0x07800000u);
+  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  return bits_float(sign | (two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized)));
+}
+
 template <class V, LowPrecision kLow>
 inline void store_low(uint16_t* dst, typename V::F x) {
   if constexpr (kLow == LowPrecision::BFloat16) V::store_bf16(dst, x);
@@ -61,9 +71,9 @@ inline void store_low(uint16_t* dst, typename V::F x) {
 }
 
 // Tail staging: r < kWidth elements copied into a zero-padded vector-sized buffer and back.
-template <int W>
-inline float* stage_in(float (&buf)[W], const float* src, int64_t r) {
-  for (int k = 0; k < W; ++k) buf[k] = k < r ? src[k] : 0.0f;
+template <int W, class T>
+inline T* stage_in(T (&buf)[W], const T* src, int64_t r) {
+  for (int k = 0; k < W; ++k) buf[k] = k < r ? src[k] : T{0};
   return buf;
 }
 template <class T>
@@ -320,9 +330,90 @@ void lamb_phase2_kernel(const LambCoeffs& c, const LambSegment& s) {
   with_low(s.low.kind, [&](auto low) { lamb_phase2_loop<V, decltype(low)::value>(c, s); });
 }
 
+// ---- non-finite check (Note [Exact non-finite check] in finite.hpp) ---------------------------
+template <class V, ValueKind kKind>
+inline typename V::F load_value(const void* data, int64_t i) {
+  if constexpr (kKind == ValueKind::Float32) return V::load(static_cast<const float*>(data) + i);
+  if constexpr (kKind == ValueKind::BFloat16) {
+    return V::load_bf16(static_cast<const uint16_t*>(data) + i);
+  }
+  if constexpr (kKind == ValueKind::Float16) {
+    return V::load_fp16(static_cast<const uint16_t*>(data) + i);
+  }
+}
+
+// One vector at element i: scaled (and stored) when kScale; x * 0 added into `bad`.
+template <class V, ValueKind kKind, bool kScale, bool kSq>
+inline void check_vec(void* data, int64_t i, typename V::F scale, typename V::F& bad,
+                      typename V::Acc& acc) {
+  auto x = load_value<V, kKind>(data, i);
+  if constexpr (kScale) {
+    x = V::mul(x, scale);
+    V::store(static_cast<float*>(data) + i, x);
+  }
+  bad = V::add(bad, V::mul(x, V::set1(0.0f)));
+  if constexpr (kSq) V::acc_sq(acc, x);
+}
+
+template <class V, ValueKind kKind, bool kScale, bool kSq>
+CheckResult check_loop(const CheckSegment& s, float scale_value) {
+  using T = std::conditional_t<kKind == ValueKind::Float32, float, uint16_t>;
+  constexpr int W = V::kWidth;
+  constexpr int kUnroll = 4;  // independent sums: the adds' latency stays off the memory stream
+  const auto scale = V::set1(scale_value);
+  typename V::F bad[kUnroll];
+  typename V::Acc acc[kUnroll];
+  for (int u = 0; u < kUnroll; ++u) bad[u] = V::set1(0.0f), acc[u] = V::acc_zero();
+  const int64_t n = s.numel;
+  int64_t i = 0;
+  for (; i + kUnroll * W <= n; i += kUnroll * W) {
+    for (int u = 0; u < kUnroll; ++u) {
+      check_vec<V, kKind, kScale, kSq>(s.data, i + u * W, scale, bad[u], acc[u]);
+    }
+  }
+  for (; i + W <= n; i += W) check_vec<V, kKind, kScale, kSq>(s.data, i, scale, bad[0], acc[0]);
+  const int64_t r = n - i;
+  if constexpr (W > 1) {
+    if (r > 0) {  // zero lanes: finite, and add nothing to the squares
+      T buf[W];
+      stage_in(buf, static_cast<const T*>(s.data) + i, r);
+      check_vec<V, kKind, kScale, kSq>(buf, 0, scale, bad[0], acc[0]);
+      if constexpr (kScale) stage_out(static_cast<T*>(s.data) + i, buf, r);
+    }
+  }
+  CheckResult out;
+  for (int u = 0; u < kUnroll; ++u) {
+    out.non_finite = out.non_finite || V::any_nan(bad[u]);
+    if constexpr (kSq) out.sum_sq += V::acc_sum(acc[u]);
+  }
+  return out;
+}
+
+template <class V>
+CheckResult check_finite_kernel(const CheckSegment& s, const CheckOptions& o) {
+  const bool sq = o.sum_squares;
+  if (o.scale != 1.0f) {  // fp32 only (checked by the driver)
+    return sq ? check_loop<V, ValueKind::Float32, true, true>(s, o.scale)
+              : check_loop<V, ValueKind::Float32, true, false>(s, o.scale);
+  }
+  switch (s.kind) {
+    case ValueKind::Float32:
+      return sq ? check_loop<V, ValueKind::Float32, false, true>(s, 1)
+                : check_loop<V, ValueKind::Float32, false, false>(s, 1);
+    case ValueKind::BFloat16:
+      return sq ? check_loop<V, ValueKind::BFloat16, false, true>(s, 1)
+                : check_loop<V, ValueKind::BFloat16, false, false>(s, 1);
+    case ValueKind::Float16:
+      return sq ? check_loop<V, ValueKind::Float16, false, true>(s, 1)
+                : check_loop<V, ValueKind::Float16, false, false>(s, 1);
+  }
+  return {};
+}
+
 template <class V>
 constexpr CpuKernelTable make_table() {
-  return {&adam_kernel<V>, &sgd_kernel<V>, &lamb_phase1_kernel<V>, &lamb_phase2_kernel<V>};
+  return {&adam_kernel<V>, &sgd_kernel<V>, &lamb_phase1_kernel<V>, &lamb_phase2_kernel<V>,
+          &check_finite_kernel<V>};
 }
 
 }  // namespace

@@ -26,6 +26,9 @@ struct ScalarIsa {
   }
   static void store_bf16(uint16_t* dst, F x) { *dst = bf16_bits(x); }
   static void store_fp16(uint16_t* dst, F x) { *dst = fp16_bits(x); }
+  static F load_bf16(const uint16_t* src) { return bits_float(static_cast<uint32_t>(*src) << 16); }
+  static F load_fp16(const uint16_t* src) { return fp16_value(*src); }
+  static bool any_nan(F x) { return x != x; }
   static Acc acc_zero() { return 0.0; }
   static void acc_sq(Acc& acc, F x) { acc += static_cast<double>(x) * static_cast<double>(x); }
   static double acc_sum(Acc acc) { return acc; }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/finite.hpp"
 #include "kernels/fused.hpp"
 
 namespace shardopt::detail::kernels {
@@ -32,6 +33,12 @@ LambNorms fused_lamb_phase1_cuda(const LambHyper& hyper, const LambSegment& segm
 // LAMB phase 2 over one segment: p += -lr * trust_ratio * u, writing the low copy if asked.
 void fused_lamb_phase2_cuda(const LambHyper& hyper, double trust_ratio, const LambSegment& segment,
                             void* stream = nullptr);
+
+// The non-finite check (finite.hpp) over one segment of device memory: scaling in place when
+// asked, the flag, and the squares summed in double per block, then over blocks in a fixed order
+// (deterministic; equal to the CPU's sum up to the last bits). Synchronises `stream` to return.
+CheckResult check_finite_cuda(const CheckSegment& segment, const CheckOptions& options = {},
+                              void* stream = nullptr);
 
 // Visible CUDA devices; 0 where there is no driver or no device (never throws).
 int cuda_device_count();

@@ -9,6 +9,7 @@
 namespace shardopt::detail::kernels {
 namespace {
 
+using cuda::block_sum2;
 using cuda::kThreads;
 constexpr int kNormBlocks = 1024;  // phase-1 partial sums: at most this many per segment
 
@@ -47,26 +48,6 @@ __device__ __forceinline__ float lamb_update(const LambCoeffs& c, float p, float
   return u;
 }
 
-// The block's two sums of (a, b), in a fixed tree order, into out[0..1] (thread 0 writes).
-__device__ __forceinline__ void block_sum2(double a, double b, double* out) {
-  __shared__ double sa[kThreads];
-  __shared__ double sb[kThreads];
-  sa[threadIdx.x] = a;
-  sb[threadIdx.x] = b;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) {
-      sa[threadIdx.x] += sa[threadIdx.x + half];
-      sb[threadIdx.x] += sb[threadIdx.x + half];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    out[0] = sa[0];
-    out[1] = sb[0];
-  }
-}
-
 // Phase 1: moments in place; per-block sums of p*p and u*u (double) into partial[2*block].
 __global__ void __launch_bounds__(kThreads)
     lamb_phase1_kernel(const LambCoeffs c, const float* __restrict__ param,
@@ -88,16 +69,6 @@ __global__ void __launch_bounds__(kThreads)
     acc_u = __dadd_rn(acc_u, __dmul_rn(u, u));
   }
   block_sum2(acc_p, acc_u, partial + 2 * blockIdx.x);
-}
-
-// One block: the partial sums of `blocks` blocks, in a fixed tree order, into partial[0..1].
-__global__ void __launch_bounds__(kThreads) lamb_sum_kernel(double* partial, int blocks) {
-  double acc_p = 0, acc_u = 0;
-  for (int b = threadIdx.x; b < blocks; b += kThreads) {
-    acc_p += partial[2 * b];
-    acc_u += partial[2 * b + 1];
-  }
-  block_sum2(acc_p, acc_u, partial);  // its barrier orders every read above before the write
 }
 
 // Phase 2: p = fma(u, -lr*trust, p) with u recomputed from the updated moments.
@@ -167,16 +138,8 @@ LambNorms fused_lamb_phase1_cuda(const LambHyper& hyper, const LambSegment& s, v
               "allocating LAMB's partial norms");
   lamb_phase1_kernel<<<grid, kThreads, 0, st>>>(lamb_coeffs(hyper, 1.0), s.param, s.grad,
                                                 s.exp_avg, s.exp_avg_sq, s.numel, partial);
-  lamb_sum_kernel<<<1, kThreads, 0, st>>>(partial, static_cast<int>(grid));
-  const cudaError_t launched = cudaGetLastError();
-  double sums[2] = {0, 0};
-  const cudaError_t copied =
-      launched == cudaSuccess
-          ? cudaMemcpyAsync(sums, partial, sizeof sums, cudaMemcpyDeviceToHost, st)
-          : launched;
-  cudaFreeAsync(partial, st);
-  cuda::check(copied, "launching LAMB phase 1");
-  cuda::check(cudaStreamSynchronize(st), "LAMB phase 1 (norms to the host)");
+  double sums[2];
+  cuda::sums2_to_host(partial, grid, st, sums, "LAMB phase 1");
   norms.param_sq = sums[0];
   norms.update_sq = sums[1];
   return norms;

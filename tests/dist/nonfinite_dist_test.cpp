@@ -6,7 +6,9 @@
 
 #include <limits>
 #include <map>
+#include <optional>
 
+#include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/dist_env.hpp"
@@ -38,10 +40,9 @@ std::map<std::string, at::Tensor> snapshot(TinyNet& net, DistributedOptimizer& o
   return out;
 }
 
-Fp16Run train_fp16(int stage, const CommunicatorPtr& comm, int poison, int omit,
-                   Precision precision = Precision::FP16, double clip = 0.0,
-                   float poison_value = std::numeric_limits<float>::infinity()) {
-  TinyNet net;
+// Small buckets (many, most padded), the net's units; fp16 starts at a scale TinyNet's gradients
+// never overflow by themselves.
+ZeroOptions options_for(int stage, Precision precision, double clip, TinyNet& net) {
   net.upcast = precision != Precision::FP32;
   ZeroOptions zo;
   zo.stage = stage_from_int(stage);
@@ -51,7 +52,15 @@ Fp16Run train_fp16(int stage, const CommunicatorPtr& comm, int poison, int omit,
   zo.max_grad_norm = clip;
   zo.loss_scale.initial_scale = 1024;
   zo.loss_scale.hysteresis = 1;
-  DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm, zo);
+  return zo;
+}
+
+Fp16Run train_fp16(int stage, const CommunicatorPtr& comm, int poison, int omit,
+                   Precision precision = Precision::FP16, double clip = 0.0,
+                   float poison_value = std::numeric_limits<float>::infinity()) {
+  TinyNet net;
+  DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm,
+                           options_for(stage, precision, clip, net));
   const int64_t per_rank = kBatch / comm->size();
   Fp16Run run;
   for (int64_t s = 0; s < kSteps; ++s) {
@@ -133,6 +142,94 @@ TEST(Precision, NonFiniteOnOneRankSkipsAtFp32AndBf16) {
       }
     }
   }
+}
+
+// One planted value, where a check that reads by bucket, by shard or by vector could miss it: the
+// last element of the last bucket, and the last element of an earlier bucket, just before that
+// bucket's padding. Only the last rank's gradient holds it (its reduced sum lands in one rank's
+// shard); every rank must skip, at every stage and precision, and the next step must go ahead.
+struct Target {
+  std::string name;
+  int64_t element = 0;
+};
+
+std::vector<Target> planting_targets(DistributedOptimizer& opt) {
+  auto& access = detail::shard_access(opt);
+  const auto& layout = access.layout();
+  auto last_of = [&](int b) -> std::optional<Target> {
+    const auto& bl = layout.buckets[b];
+    if (bl.pieces.empty()) return std::nullopt;
+    const auto& piece = layout.pieces[bl.pieces.back()];
+    const std::string& name = access.param_name(piece.param);
+    if (name == "unused.weight") return std::nullopt;  // never gets a gradient
+    return Target{name, piece.param_offset + piece.numel - 1};
+  };
+  const int last = static_cast<int>(layout.buckets.size()) - 1;
+  std::vector<Target> targets;
+  if (auto t = last_of(last)) targets.push_back(*t);
+  for (int b = 0; b < last; ++b) {
+    const auto& bl = layout.buckets[b];
+    if (bl.padded == bl.numel) continue;
+    if (auto t = last_of(b)) {
+      targets.push_back(*t);
+      break;
+    }
+  }
+  return targets;
+}
+
+TEST(Precision, PlantedNonFiniteElementSkipsEveryRank) {
+  auto comm = test::world();
+  const float kValues[] = {std::numeric_limits<float>::quiet_NaN(),
+                           std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity()};
+  int checked = 0;
+  for (Precision precision : {Precision::FP32, Precision::BF16, Precision::FP16}) {
+    for (int stage : {0, 1, 2, 3}) {
+      for (double clip : {0.0, 0.05}) {
+        TinyNet net;
+        DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm,
+                                 options_for(stage, precision, clip, net));
+        const auto targets = planting_targets(opt);
+        ASSERT_EQ(targets.size(), 2u) << "no padded bucket before the last one";
+        for (size_t k = 0; k < targets.size(); ++k) {
+          const Target& target = targets[k];
+          const float value = kValues[(checked + k) % 3];
+          const auto name = fmt::format("{} stage {} clip {}: {} at {}[{}]", to_string(precision),
+                                        stage, clip, value, target.name, target.element);
+          const bool plants = comm->rank() == comm->size() - 1;
+          at::Tensor param = net.by_name.at(target.name);
+          auto hook = param.register_hook([&](const at::Tensor& g) {
+            at::Tensor out = g.clone();
+            if (plants) out.view(-1)[target.element] = value;
+            return out;
+          });
+          const int64_t per_rank = kBatch / comm->size();
+          auto [x, y] = batch(static_cast<int64_t>(k), 0);
+          opt.zero_grad();
+          opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
+                                y.narrow(0, comm->rank() * per_rank, per_rank)));
+          const auto before = snapshot(net, opt);
+          opt.step();
+          const bool skipped = opt.last_step().skipped;
+          std::string worst;
+          const double moved = max_abs_diff(snapshot(net, opt), before, &worst);
+          param.remove_hook(hook);
+          EXPECT_TRUE(skipped) << name;
+          EXPECT_EQ(moved, 0.0) << name << ": the skipped step changed " << worst;
+          EXPECT_TRUE(test::all_ranks(skipped && moved == 0.0)) << name;
+          // The same batch without the planted value steps.
+          opt.zero_grad();
+          opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
+                                y.narrow(0, comm->rank() * per_rank, per_rank)));
+          opt.step();
+          EXPECT_FALSE(opt.last_step().skipped) << name << ": the clean step after";
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * 4 * 2 * 2);
 }
 
 // max_nonfinite_steps skipped steps in a row end in Error{NonFinite} on every rank.

@@ -52,6 +52,8 @@ struct Case {
   int shard_group = 0;  // > 0: hybrid sharding over groups of this many ranks
   // Accumulation in torch's style: (loss / k).backward() instead of opt.backward(loss).
   bool torch_style = false;
+  // Stage 3 without declared units: units derived from the names, gathered on first use.
+  bool auto_units = false;
 };
 
 std::string case_name(const Case& c) {
@@ -63,7 +65,7 @@ std::string case_name(const Case& c) {
                      c.precision != Precision::FP32 ? std::string("_") + to_string(c.precision) : "",
                      c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused") +
          (c.shard_group > 0 ? fmt::format("_hybrid{}", c.shard_group) : "") +
-        (c.torch_style ? "_torchstyle" : "");
+        (c.torch_style ? "_torchstyle" : "") + (c.auto_units ? "_autounits" : "");
 }
 
 
@@ -191,6 +193,10 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   zo.bucket_bytes = c.bucket_bytes;
   zo.timeout = std::chrono::seconds(60);
   zo.units = net.units;  // used by stage 3, ignored by the others
+  if (c.auto_units) {
+    zo.units = nullptr;  // net.loss's units->run calls then just call their functions
+    zo.unit_policy.persist_below = 0;
+  }
   zo.offload = c.offload ? Offload::CPU : Offload::None;
   zo.precision = c.precision;
   zo.reduce_in_fp32 = c.reduce_in_fp32;
@@ -291,6 +297,15 @@ std::vector<Case> parity_cases() {
       c.fused = false;
       cases.push_back(c);
     }
+  }
+  // Automatic units (src/engine/auto_gather.cpp): every name group is a unit, the tied
+  // embedding/decoder a part of its own used twice per forward.
+  for (Case c : {Case{3, "adamw"}, Case{3, "sgd"}, Case{3, "adamw", 4}, Case{3, "lamb", 2, 0.05, true},
+                 Case{3, "sgd", 1, 0.0, false, true, 64, "gloo"},
+                 Case{3, "adamw", 2, 0.05, true, true, 64, "mpi", true},
+                 Case{3, "sgd", 1, 0.0, false, false}, Case{3, "adamw", 2, 0.0, true, true, 1 << 20}}) {
+    c.auto_units = true;
+    cases.push_back(c);
   }
   return cases;
 }

@@ -121,6 +121,33 @@ TEST_F(BertCli, CheckpointEveryCountsFromTheResumePoint) {
   EXPECT_EQ(count(r.out, "median of steps 3-8"), 1) << r.out;
 }
 
+// Issue 25: `--resume` of a run that reached its last step says so and exits 0 on every rank; the
+// other ways a resume cannot go on end every rank with one message naming the problem (never the
+// raw text of a library exception, never a rank left waiting for the collective timeout: the
+// generous --timeout below would make a waiting rank fail CTest's limit).
+TEST_F(BertCli, ResumeEdgeCasesEndEveryRankPromptly) {
+  const std::string base = train("edge") + " --timeout 300";
+  ASSERT_EQ(run(base + " --steps 3", 2).rc, 0);
+  const Result done = run(base + " --steps 3 --resume", 2);
+  EXPECT_EQ(done.rc, 0) << done.out << done.err;
+  EXPECT_EQ(count(done.out, "is at step 3 of 3: nothing to train; raise --steps to continue"), 1)
+      << done.out;
+  EXPECT_EQ(done.err.find("json.exception"), std::string::npos) << done.err;
+  // Past the last step (a smaller --steps) is the same.
+  const Result past = run(base + " --steps 2 --resume", 2);
+  EXPECT_EQ(past.rc, 0) << past.err;
+  EXPECT_EQ(count(past.out, "is at step 3 of 2: nothing to train"), 1) << past.out;
+  // Another preset: the parameters do not match the checkpoint's.
+  const Result other = run(base + " --steps 5 --resume --preset mini", 2);
+  EXPECT_NE(other.rc, 0);
+  EXPECT_NE(other.err.find("checkpoint"), std::string::npos) << other.err;
+  EXPECT_EQ(other.err.find("json.exception"), std::string::npos) << other.err;
+  // A missing data file.
+  const Result nodata = run(base + " --steps 5 --resume --data " + path("gone.bin"), 2);
+  EXPECT_EQ(nodata.rc, 2) << nodata.err;
+  EXPECT_NE(nodata.err.find("gone.bin"), std::string::npos) << nodata.err;
+}
+
 TEST_F(BertCli, EvalIsIdenticalAtOneAndTwoRanks) {
   const Result t = run(train("evaltrain") + " --steps 3 --eval-every 2", 2);
   ASSERT_EQ(t.rc, 0) << t.out << t.err;

@@ -6,51 +6,15 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "shardopt/estimate.hpp"
-
 namespace bert {
 
 namespace F = torch::nn::functional;
 using torch::nn::Module;
 
-BertConfig BertConfig::preset(const std::string& name) {
-  const auto& p = shardopt::estimate::find_bert_preset(name);  // the library's table
-  BertConfig c;
-  c.name = name;
-  c.num_layers = p.layers, c.hidden_size = p.hidden, c.num_heads = p.heads;
-  c.intermediate_size = p.intermediate;
-  // peer: the PyTorch peer baseline's model (/work/shared/peers/torch_zero_bert.py), MLM only
-  // with logits at every position.
-  c.nsp = p.heads_for_pretraining;
-  c.mlm_all_positions = !p.heads_for_pretraining;
-  return c;
-}
-
-std::vector<std::string> BertConfig::preset_names() {
-  std::vector<std::string> names;
-  for (const auto& p : shardopt::estimate::kBertPresets) names.push_back(p.name);
-  return names;
-}
-
-void BertConfig::validate() const {
-  auto need = [](bool ok, const std::string& what) {
-    if (!ok) throw std::invalid_argument("BertConfig: " + what);
-  };
-  need(vocab_size > 0, "vocab_size must be > 0");
-  need(hidden_size > 0 && num_heads > 0 && hidden_size % num_heads == 0,
-       "hidden_size (" + std::to_string(hidden_size) + ") must be a multiple of num_heads (" +
-           std::to_string(num_heads) + ")");
-  need(num_layers > 0 && intermediate_size > 0, "num_layers and intermediate_size must be > 0");
-  need(max_position_embeddings > 0 && type_vocab_size > 0,
-       "max_position_embeddings and type_vocab_size must be > 0");
-  need(hidden_dropout >= 0 && hidden_dropout < 1 && attention_dropout >= 0 &&
-           attention_dropout < 1,
-       "dropout probabilities must be in [0, 1)");
-}
-
-BertInputs to_inputs(const Batch& b) {
-  auto make = [](const std::vector<int64_t>& v, std::vector<int64_t> shape) {
-    return torch::from_blob(const_cast<int64_t*>(v.data()), shape, torch::kLong).clone();
+BertInputs to_inputs(const Batch& b, const at::Device& device) {
+  auto make = [&](const std::vector<int64_t>& v, std::vector<int64_t> shape) {
+    const auto view = torch::from_blob(const_cast<int64_t*>(v.data()), shape, torch::kLong);
+    return device.is_cpu() ? view.clone() : view.to(device);
   };
   BertInputs in;
   in.input_ids = make(b.input_ids, {b.rows, b.seq_length});
@@ -62,10 +26,18 @@ BertInputs to_inputs(const Batch& b) {
   return in;
 }
 
+// hidden_act: BERT's gelu is the exact (erf) one; gelu_new / gelu_pytorch_tanh the tanh
+// approximation (Hugging Face's names).
+static at::Tensor activation(const at::Tensor& x, const std::string& name) {
+  if (name == "gelu") return torch::gelu(x);
+  if (name == "relu") return torch::relu(x);
+  return torch::gelu(x, "tanh");  // validate() admits nothing else
+}
+
 // ---- encoder layer ----------------------------------------------------------------------------
 
 BertLayerImpl::BertLayerImpl(const BertConfig& c)
-    : heads_(c.num_heads), head_dim_(c.hidden_size / c.num_heads) {
+    : heads_(c.num_heads), head_dim_(c.hidden_size / c.num_heads), act_(c.hidden_act) {
   const int64_t h = c.hidden_size;
   auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(c.layer_norm_eps)); };
   // Plain modules only to reproduce the reference parameter names.
@@ -96,7 +68,7 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   auto probs = attn_dropout_(torch::softmax(scores + mask_bias, -1));
   auto context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
   auto attended = attn_norm_(hidden_dropout_(attn_dense_(context)) + x);
-  auto inner = torch::gelu(intermediate_(attended));
+  auto inner = activation(intermediate_(attended), act_);
   return output_norm_(hidden_dropout_(output_(inner)) + attended);
 }
 
@@ -222,7 +194,7 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     out.mlm_labels = labels.index_select(0, valid);
   }
   std::tie(out.mlm_logits, out.nsp_logits) = units_->run(heads_unit_, [&] {
-    const auto t = transform_norm_(torch::gelu(transform_(h)));
+    const auto t = transform_norm_(activation(transform_(h), config_.hidden_act));
     return std::make_tuple(F::linear(t, word_embeddings_->weight, decoder_bias_),
                            seq_relationship_ ? seq_relationship_(pooled) : at::Tensor());
   });
@@ -231,7 +203,7 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
     out.loss = out.mlm_loss + out.nsp_loss;
   } else {
-    out.nsp_loss = torch::zeros({}, torch::kFloat);
+    out.nsp_loss = torch::zeros({}, out.mlm_loss.options());
     out.loss = out.mlm_loss;
   }
   return out;

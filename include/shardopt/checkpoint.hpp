@@ -137,6 +137,11 @@ struct ConsolidateOptions {
 void consolidate_checkpoint(const std::string& dir, const std::string& out,
                             const ConsolidateOptions& options = {});
 
+// The {name: tensor} of a file consolidate_checkpoint or Python's torch.save(dict(...)) wrote (one
+// process, not collective); entries that are not tensors are skipped. Throws Error{Checkpoint}
+// naming the file when it cannot be read or holds no dict.
+torch::OrderedDict<std::string, at::Tensor> read_state_dict(const std::string& model_file);
+
 // The reverse: starts a sharded run from a full state. Every optimizer parameter must be present
 // with its shape (Error{Mismatch} otherwise); other entries (buffers, tied aliases, frozen
 // parameters) are ignored and their names returned. When `state.optimizer_state` is not empty,

@@ -234,6 +234,10 @@ torch::OrderedDict<std::string, at::Tensor> tensor_dict(const c10::IValue& v,
 }
 }  // namespace
 
+torch::OrderedDict<std::string, at::Tensor> read_state_dict(const std::string& model_file) {
+  return tensor_dict(pickle_load_file(model_file, "model state file"), model_file);
+}
+
 std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
                                               const std::string& model_file,
                                               const std::string& optimizer_file) {
@@ -242,7 +246,7 @@ std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
   // Reading is local: agree on it before anyone goes on to the collective load.
   agree(*a.comm(), a.zero_options().timeout, "reading a full state dict",
         "no rank changed its optimizer", [&] {
-          state.params = tensor_dict(pickle_load_file(model_file, "model state file"), model_file);
+          state.params = read_state_dict(model_file);
           if (!optimizer_file.empty()) {
             const c10::IValue v = pickle_load_file(optimizer_file, "optimizer state file");
             SHARDOPT_CHECK(v.isGenericDict(), Checkpoint, "checkpoint: {} does not hold a dict",

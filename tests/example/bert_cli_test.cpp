@@ -227,7 +227,21 @@ TEST_F(BertCli, BadInputsGetOneLineNamingTheFlagAndExitTwo) {
       {"--corpus licenses --resume --out " + path("never"), {"--resume", "no checkpoint"}},
       {"--max-predictions 100 --max-seq-length 64", {"--max-predictions", "64"}},
       {data + " --precision fp16 --steps 1 --out " + path("fp16"), {"--precision", "bf16"}},
+      // Issue 30's flags.
+      {"--bert-config /nonexistent/bert_config.json", {"--bert-config", "cannot read"}},
+      {"--bert-config " + path("swish.json"), {"--bert-config", "'hidden_act'", "swish"}},
+      {"--preset tiny --bert-config " + path("swish.json"), {"--preset", "--bert-config"}},
+      {"--init-checkpoint /nonexistent/model.pt", {"--init-checkpoint", "no such file"}},
+      {"--init-checkpoint " + path("vocab.txt") + " --resume", {"--init-checkpoint", "--resume"}},
+      {data + " --dump-logits x.safetensors", {"--dump-logits", "--eval-only"}},
+      {"--device tpu", {"--device", "cuda:N", "'tpu'"}},
+      {"--optimizer sgd", {"--optimizer", "sgd"}},
+      {"--adam-betas 1.5,0.9", {"--adam-betas", "1.5"}},
+      {"--warmup-steps 3 --warmup-proportion 0.1", {"--warmup-steps", "--warmup-proportion"}},
+      {"--lr-schedule step", {"--lr-schedule", "step"}},
   };
+  std::ofstream(path("swish.json")) << R"({"vocab_size": 2000, "hidden_size": 64, "num_hidden_layers": 1,
+      "num_attention_heads": 2, "intermediate_size": 128, "hidden_act": "swish"})";
   for (const auto& [args, words] : cases) {
     const Result r = run(args);
     EXPECT_EQ(r.rc, 2) << args << "\n" << r.err;

@@ -13,6 +13,7 @@
 
 #include "bindings.hpp"
 #include "shardopt/checkpoint.hpp"
+#include "shardopt/detail/names.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/estimate.hpp"
 #include "shardopt/shardopt.hpp"
@@ -337,8 +338,7 @@ std::vector<ParamGroup> to_groups(const std::vector<GroupSpec>& specs) {
 }
 
 Offload parse_offload(const std::string& text) {
-  if (text == "none") return Offload::None;
-  if (text == "cpu") return Offload::CPU;
+  if (const auto o = detail::offload_named(text)) return *o;
   SHARDOPT_FAIL(InvalidArgument, "options: offload must be one of none, cpu, got '{}'", text);
 }
 
@@ -435,7 +435,7 @@ void bind_options(py::module_& m) {
                      "update with the fused CPU kernels where they exist (False: torch ops)")
       .def_property(
           "offload",
-          [](const ZeroOptions& o) { return std::string(o.offload == Offload::CPU ? "cpu" : "none"); },
+          [](const ZeroOptions& o) { return std::string(detail::offload_name(o.offload)); },
           [](ZeroOptions& o, const std::string& p) { o.offload = parse_offload(p); })
       .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
       .def_readwrite("align_bytes", &ZeroOptions::align_bytes)

@@ -36,8 +36,10 @@ BertConfig BertConfig::preset(const std::string& name) {
   return c;
 }
 
-std::vector<std::string> BertConfig::preset_names() {
-  return {"tiny", "mini", "small", "base", "large", "peer"};
+std::vector<std::string> BertConfig::preset_names() {  // the library's table (estimate.hpp)
+  std::vector<std::string> names;
+  for (const auto& p : shardopt::estimate::kBertPresets) names.push_back(p.name);
+  return names;
 }
 
 void BertConfig::validate() const {

@@ -31,7 +31,7 @@ struct ZeroOptions {
   // fp32 without offload keep full gradients between micro-steps and communicate once per step.
   // Stages 2-3, and every stage under fp16/bf16 or offload, copy gradients out of autograd per
   // bucket and reduce every micro-step into the fp32 (host) gradient shard: k reductions per step
-  // for 1/N gradient memory (src/engine/plan.hpp decides this).
+  // for 1/N gradient memory (shardopt/detail/plan.hpp decides this).
   int grad_accumulation_steps = 1;
   // Global gradient-norm clipping across all shards; 0 disables it.
   double max_grad_norm = 0.0;

@@ -17,8 +17,9 @@
 // stays gathered between its backward uses (its gradients arrive after the last one). The root
 // part is gathered before the forward (zero_grad() or the first unit entered) and released by
 // step(); nothing stays gathered between steps. Collectives are issued in the same order on every
-// rank because forward and backward visit units in the same order everywhere (as DDP assumes of
-// its buckets).
+// rank: the gathers because forward and backward visit units in the same order everywhere (as DDP
+// assumes), the reductions because the reducer launches buckets in layout order (Note [Bucket
+// completion] in gradient_reducer.hpp).
 //
 // Communication per micro-step at stage 3 (elements, padded): each part is all-gathered once per
 // forward run of a unit that needs it and once in backward, and reduce-scattered once; the root
@@ -44,6 +45,7 @@
 
 #include "engine/finite_check.hpp"
 #include "engine/group_options.hpp"
+#include "engine/placement.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/recompute.hpp"
 
@@ -74,24 +76,6 @@ std::vector<std::string> names_of(const std::vector<ModelParam>& params) {
   std::vector<std::string> out;
   for (const auto& p : params) out.push_back(p.name);
   return out;
-}
-
-// How a released parameter's error names the units that gather its part (release_guard.hpp):
-// "unit 'layer'", "units 'embeddings', 'heads'" for a shared part, "no unit" for the root part.
-std::vector<std::string> part_labels(const CollectedModel& model, const Units& units) {
-  std::vector<std::vector<std::string>> users(model.root_unit + 1);
-  for (size_t u = 0; u < model.unit_parts.size(); ++u) {
-    for (int part : model.unit_parts[u]) {
-      users[part].push_back(fmt::format("'{}'", units.name(static_cast<int>(u))));
-    }
-  }
-  std::vector<std::string> labels;
-  for (const auto& names : users) {
-    labels.push_back(names.empty()       ? std::string("no unit: gathered from zero_grad() to step()")
-                     : names.size() == 1 ? fmt::format("unit {}", names[0])
-                                         : fmt::format("units {}", fmt::join(names, ", ")));
-  }
-  return labels;
 }
 
 // Stage 3 without declared units: units from the parameters' names (shardopt/unit_policy.hpp),
@@ -182,9 +166,8 @@ Engine::~Engine() {
   // The pieces' destructors let outstanding collectives land before their buffers go.
 }
 
-// Where everything lives (Note [Mixed precision] in shardopt/precision.hpp): the model's
-// parameters in the compute dtype on their device; master weights, optimizer state and reduced
-// gradients in fp32 (mixed) on the host (offload) or next to the parameters.
+// The layout, the pieces and the initial values; where each buffer lives is the plan's
+// Placement (Note [Placement] in shardopt/detail/plan.hpp).
 void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   std::vector<int64_t> numels;
   std::vector<int> groups, units, unit_of;
@@ -198,22 +181,14 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   FlatLayout layout =
       make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
                   std::max<int64_t>(1, options_.bucket_bytes / elem), units);
-  const auto base = proto.options().requires_grad(false);
-  const auto model_options = base.dtype(plan_.mixed ? compute_dtype(options_.precision)
-                                                    : proto.scalar_type());
-  auto master_options = base.dtype(plan_.mixed ? at::kFloat : proto.scalar_type());
-  if (plan_.master_on_host) {
-    master_options = master_options.device(at::kCPU).pinned_memory(!proto.is_cpu());
-  }
-  // Gradients travel in reduce_dtype when set, else fp32 (mixed, reduce_in_fp32) or the model's.
-  const auto reduce_options = model_options.dtype(
-      options_.reduce_dtype != Precision::FP32 ? compute_dtype(options_.reduce_dtype)
-      : plan_.mixed && options_.reduce_in_fp32 ? at::kFloat
-                                               : model_options.dtype().toScalarType());
+  const BufferOptions where = buffer_options(
+      Placement::make(plan_, options_.precision, options_.reduce_dtype, options_.reduce_in_fp32,
+                      proto.is_cpu()),
+      proto.options());
   const int root = plan_.per_unit() ? model_.root_unit : 0;
   for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);
-  flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), model_options,
-                                      master_options, reduce_options);
+  flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), where.model,
+                                      where.master, where.reduce);
   tracker_ = std::make_unique<BackwardTracker>(std::move(unit_of), root + 1);
 
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
@@ -224,8 +199,7 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
                                          options_.timeout);
     store_->set_automatic(auto_.get());
   }
-  flat_->init_master(store_->adopt(base.dtype(master_options.dtype()),
-                                   options_.broadcast_initial_params));
+  flat_->init_master(store_->adopt(where.initial, options_.broadcast_initial_params));
   reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
                                                options_.overlap_comm,
                                                options_.grad_accumulation_steps, options_.timeout);

@@ -25,7 +25,7 @@
 #include "engine/local_update.hpp"
 #include "engine/model_check.hpp"
 #include "engine/parameter_store.hpp"
-#include "engine/plan.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
 

@@ -27,7 +27,7 @@
 #include <functional>
 #include <vector>
 
-#include "engine/plan.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/detail/partition.hpp"
 
 namespace shardopt::detail {

@@ -22,6 +22,7 @@
 #include "support/counting_communicator.hpp"
 #include "support/dist_env.hpp"
 #include "support/reference_lamb.hpp"
+#include "support/reference_loop.hpp"
 #include "support/tiny_net.hpp"
 
 namespace shardopt {
@@ -151,24 +152,14 @@ std::map<std::string, at::Tensor> train_reference(const Case& c) {
   auto optimizer = torch_optimizer(c, net);
   auto spec = reference_groups(c, net);
   ReferenceLamb lamb;
-  for (int64_t s = 0; s < kSteps; ++s) {
-    for (auto& [ps, r] : spec) {
-      for (auto& p : ps) p.mutable_grad() = at::zeros_like(p);  // unused params count as zero
-    }
-    std::vector<at::Tensor> xs, ys;
-    for (int m = 0; m < c.accumulation; ++m) {
-      auto [x, y] = batch(s, m);
-      xs.push_back(x);
-      ys.push_back(y);
-    }
-    net.loss(at::cat(xs), at::cat(ys)).backward();
-    if (c.clip > 0) {
-      std::vector<at::Tensor> all;
-      for (auto& [ps, r] : spec) all.insert(all.end(), ps.begin(), ps.end());
-      torch::nn::utils::clip_grad_norm_(all, c.clip);
-    }
-    if (optimizer) optimizer->step(); else lamb(spec);
-  }
+  std::vector<at::Tensor> all;
+  for (auto& [ps, r] : spec) all.insert(all.end(), ps.begin(), ps.end());
+  test::train_reference_loop(
+      all, kSteps, c.accumulation, c.clip,
+      [&](const at::Tensor& x, const at::Tensor& y) { return net.loss(x, y); }, batch,
+      [&](int64_t) {
+        if (optimizer) optimizer->step(); else lamb(spec);
+      });
   std::map<std::string, at::Tensor> out;
   for (auto& [name, t] : net.named) out[name] = t.detach().clone();
   return out;

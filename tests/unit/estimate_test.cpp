@@ -1,5 +1,7 @@
-// The analytic memory/communication model (shardopt/estimate.hpp) against DESIGN.md's table, the
-// ZeRO paper's worked example, BERT parameter counts and the peer baseline's numbers.
+// The analytic memory/communication model (shardopt/estimate.hpp): Accounting::ZeroPaper against
+// DESIGN.md's table, the ZeRO paper's worked example and the peer baseline's numbers;
+// Accounting::Engine by hand here and against the live optimizer in
+// tests/dist/estimate_memory_test.cpp; BERT parameter counts.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +14,7 @@ namespace {
 Estimate run(int64_t psi, int n, int stage, Precision p = Precision::FP32,
              Optimizer opt = Optimizer::AdamW) {
   Options o;
+  o.accounting = Accounting::ZeroPaper;
   o.params = psi;
   o.world = n;
   o.stage = stage;
@@ -90,6 +93,7 @@ TEST(Estimate, CommunicationIsTwoPsiThenThreePsi) {
 
 TEST(Estimate, PadsToWorldTimesAlignment) {
   Options o;
+  o.accounting = Accounting::ZeroPaper;
   o.params = 1001;
   o.world = 4;
   o.stage = 1;
@@ -105,6 +109,7 @@ TEST(Estimate, PadsToWorldTimesAlignment) {
 
 TEST(Estimate, BuffersAreBounded) {
   Options o;
+  o.accounting = Accounting::ZeroPaper;
   o.params = 100'000'000;
   o.world = 4;
   o.bucket_bytes = 16 << 20;
@@ -129,6 +134,7 @@ TEST(Estimate, BuffersAreBounded) {
 
 TEST(Estimate, CpuOffloadMovesStateAndGradShardToHost) {
   Options o;
+  o.accounting = Accounting::ZeroPaper;
   o.params = 1000;
   o.world = 4;
   o.offload = Offload::CPU;
@@ -147,8 +153,47 @@ TEST(Estimate, CpuOffloadMovesStateAndGradShardToHost) {
   EXPECT_EQ(e.host.grads, 4 * 250);
 }
 
+// What the engine allocates (StagePlan): under bf16 even stage 1 keeps its gradients as an fp32
+// shard (Ψ bytes at N = 4, where DESIGN.md's table says 2Ψ), plus two bucket buffers.
+TEST(Estimate, EngineAccountingFollowsThePlan) {
+  Options o;
+  o.params = 1 << 20;
+  o.world = 4;
+  o.stage = 1;
+  o.precision = Precision::BF16;
+  o.bucket_bytes = 1 << 16;
+  Estimate e = model_states(o);
+  EXPECT_EQ(e.device.params, 2 * o.params);
+  EXPECT_EQ(e.device.grads, o.params);  // 4 bytes x Ψ/4
+  EXPECT_EQ(e.device.optimizer_state, 12 * o.params / 4);
+  EXPECT_EQ(e.device.buffers, 2 * 4 * (1 << 16) / 4);  // two fp32 buckets
+  EXPECT_EQ(e.comm_bytes, 4 * o.params + 2 * o.params);  // reduced in fp32, gathered in bf16
+  o.reduce_in_fp32 = false;
+  EXPECT_EQ(model_states(o).device.buffers, 2 * 2 * (1 << 16) / 4);
+  // fp32 without offload: the two accountings agree.
+  o.precision = Precision::FP32;
+  for (int stage = 0; stage <= 2; ++stage) {
+    o.stage = stage;
+    Options paper = o;
+    paper.accounting = Accounting::ZeroPaper;
+    EXPECT_EQ(model_states(o).device.model_state(), model_states(paper).device.model_state());
+  }
+  // Offload from a device: master, state and reduced gradients on the host at every stage.
+  o.stage = 0;
+  o.offload = Offload::CPU;
+  e = model_states(o);
+  EXPECT_EQ(e.device.params, 4 * o.params);
+  EXPECT_EQ(e.device.grads + e.device.optimizer_state, 0);
+  EXPECT_EQ(e.host.grads, 4 * o.params);
+  EXPECT_EQ(e.host.optimizer_state, 12 * o.params);  // m, v and the fp32 master
+  // ... while a CPU run keeps the model's storage as the master.
+  o.params_on_host = true;
+  EXPECT_EQ(model_states(o).host.optimizer_state, 8 * o.params);
+}
+
 TEST(Estimate, RejectsInvalidInput) {
   Options o;
+  o.accounting = Accounting::ZeroPaper;
   o.params = 10;
   o.stage = 4;
   EXPECT_THROW(model_states(o), std::invalid_argument);

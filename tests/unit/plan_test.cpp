@@ -1,5 +1,5 @@
 // StagePlan: every combination of stage, precision, offload and parameter device, row by row.
-#include "engine/plan.hpp"
+#include "shardopt/detail/plan.hpp"
 
 #include <gtest/gtest.h>
 

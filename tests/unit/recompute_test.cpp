@@ -3,6 +3,7 @@
 #include "shardopt/recompute.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 

@@ -1,6 +1,8 @@
 // StagePlan: what the ZeRO stage, the precision and offload mean for the engine, decided once at
-// construction. It is the only code that reads the stage number, the precision and offload to
-// choose behaviour; every other piece asks the plan. Torch-free (tests/unit/plan_test.cpp).
+// construction, and where each kind of buffer lives (Placement). It is the only code that reads
+// the stage number, the precision and offload to choose behaviour; every other piece asks the
+// plan. Torch-free: the memory estimator (shardopt/estimate.hpp) models the stages with it too
+// (tests/unit/plan_test.cpp; src/engine/placement.hpp turns a Placement into tensor options).
 //
 // Note [Stages] (what StagePlan::make turns each stage into)
 //   stage 0: Replicated, InPlace gradients (flat buffer, .grad are views), each complete bucket
@@ -9,8 +11,10 @@
 //            slices; then every bucket is all-gathered in place.
 //   stage 2: + Bucketed gradients: a hook copies each fresh .grad into a pooled bucket buffer and
 //            frees it; a complete bucket is reduce-scattered and folded into the gradient shard.
-//   stage 3: + PerUnit parameters (Note [Stage 3 units] in engine.cpp).
-// fp16/bf16 and offload make the master Separate and the gradients Bucketed at every stage.
+//   stage 3: + PerUnit parameters (Note [Stage 3 units] in src/engine/engine.cpp).
+// fp16/bf16 make the master Separate and the gradients Bucketed at every stage; so does offload
+// (the master stays the model's storage when the parameters already live on the host), and a
+// reduce_dtype buckets the gradients.
 #pragma once
 
 #include "shardopt/precision.hpp"
@@ -65,6 +69,45 @@ struct StagePlan {
   bool reduces_every_micro_step() const { return bucketed(); }
   // Sharded whole parameters are all-gathered after the update (per-unit ones on use).
   bool gathers_after_update() const { return sharded() && !per_unit(); }
+};
+
+// An element type, relative to the parameters as the optimizer is given them.
+enum class Dtype { AsGiven, F32, F16, BF16 };
+constexpr Dtype dtype_of(Precision precision) {
+  return precision == Precision::BF16 ? Dtype::BF16
+         : precision == Precision::FP16 ? Dtype::F16
+                                        : Dtype::F32;
+}
+// Bytes per element; `given`: the bytes of the parameters' own dtype.
+constexpr int bytes_of(Dtype dtype, int given) {
+  return dtype == Dtype::AsGiven ? given : dtype == Dtype::F32 ? 4 : 2;
+}
+
+// Note [Placement] (Note [Mixed precision] in shardopt/precision.hpp): the model's parameters in
+// the compute dtype on their device; master weights, optimizer state and reduced gradients in fp32
+// (mixed) on the host (offload) or next to the parameters; gradients travel (bucket buffers, or
+// InPlace the flat gradient buffer) in reduce_dtype when set, else in fp32 (mixed with
+// reduce_in_fp32) or the model's dtype.
+struct Placement {
+  Dtype model = Dtype::AsGiven;   // the model's parameters
+  Dtype master = Dtype::AsGiven;  // master weights, optimizer state, reduced gradients
+  Dtype reduce = Dtype::AsGiven;  // gradients on the wire
+  bool master_on_host = false;    // master, state and reduced gradients in host memory
+  bool pinned = false;            // ... pinned, for copies to and from the device
+
+  static constexpr Placement make(const StagePlan& plan, Precision precision,
+                                  Precision reduce_dtype, bool reduce_in_fp32,
+                                  bool params_on_host) {
+    Placement p;
+    p.model = plan.mixed ? dtype_of(precision) : Dtype::AsGiven;
+    p.master = plan.mixed ? Dtype::F32 : Dtype::AsGiven;
+    p.reduce = reduce_dtype != Precision::FP32 ? dtype_of(reduce_dtype)
+               : plan.mixed && reduce_in_fp32  ? Dtype::F32
+                                               : p.model;
+    p.master_on_host = plan.master_on_host;
+    p.pinned = plan.master_on_host && !params_on_host;
+    return p;
+  }
 };
 
 }  // namespace shardopt::detail

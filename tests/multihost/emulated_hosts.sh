@@ -59,16 +59,41 @@ reap_stale() {
   done
 }
 
+wait_gone() {  # wait_gone PID...: returns once every one has exited (or after 5 s)
+  python3 - "$@" <<'PY'
+import os, select, sys
+fds = []
+for p in sys.argv[1:]:
+    try:
+        fds.append(os.pidfd_open(int(p)))
+    except (ProcessLookupError, ValueError):
+        pass  # already gone
+poller = select.poll()
+for fd in fds:
+    poller.register(fd, select.POLLIN)
+left = len(fds)
+while left:
+    events = poller.poll(5000)
+    if not events:
+        break
+    for fd, _ in events:
+        poller.unregister(fd)
+        left -= 1
+PY
+}
+
 delete_ns() {
   local ns="$1" pid
   # Processes still inside the namespace were started by the run that made it. Repeat until none
   # is left: one being killed may just have forked (a rank's timeout starting its command).
+  # No sleep: after each round it waits for exactly those processes to be gone (pidfds, which
+  # become readable when a process exits), at most 5 s, then looks again.
   local pids round
   for round in $(seq 50); do
     pids=$(ip netns pids "$ns" 2>/dev/null || true)
     [ -n "$pids" ] || break
     for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
-    sleep 0.1
+    wait_gone $pids
   done
   ip netns del "$ns" 2>/dev/null || true
   rm -rf "/etc/netns/$ns"

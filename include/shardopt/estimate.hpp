@@ -17,7 +17,9 @@
 //   stage 2  P·Ψ + (G + K)·Ψ/N  stage 3  (P + G + K)·Ψ/N
 //
 // plus bounded buffers: stage 2 keeps at most two bucket buffers of bucket_bytes (buckets split
-// parameters, so no buffer is sized by the largest one; never more than the whole gradient);
+// parameters, so no buffer is sized by the largest one; never more than the whole gradient;
+// bucket_bytes 0 sizes them as the optimizer does, Note [Default bucket size] in
+// shardopt/detail/partition.hpp, so that stage 2 never holds more than stage 1);
 // stage 3 holds the two largest gathered units with their full gradients,
 // (P + G)·(U1 + U2). Stages 0-1 reduce in place in the flat gradient buffer (no extra buffer),
 // as shardopt's optimizer does (tests/dist/stages_dist_test.cpp, StageMemory).
@@ -116,7 +118,7 @@ struct Options {
   Offload offload = Offload::None;
   Optimizer optimizer = Optimizer::AdamW;
   int state_bytes = -1;  // overrides K when >= 0 (master copy included)
-  int64_t bucket_bytes = int64_t{16} << 20;
+  int64_t bucket_bytes = 0;  // 0: ZeroOptions' default rule (Note [Default bucket size])
   // Shard boundaries aligned to this many bytes (ZeroOptions::align_bytes); Ψ is padded to a
   // multiple of N·align/P elements. 0: no padding (the DESIGN.md formulas verbatim).
   int64_t align_bytes = 0;
@@ -182,14 +184,15 @@ inline Estimate model_states(const Options& o) {
     case 2: dev.params = p * psi; dev.grads = g * shard; dev.optimizer_state = k * shard; break;
     case 3: dev.params = p * shard; dev.grads = g * shard; dev.optimizer_state = k * shard; break;
   }
-  // Bounded buffers.
+  // Bounded buffers, in buckets of the optimizer's size.
+  const int64_t bucket = p * detail::bucket_numel_for(o.bucket_bytes, psi, o.world, p);
   if (o.stage == 2) {
     // Two pooled bucket buffers, never more than the whole gradient (a parameter may span
     // buckets, so no buffer is sized by the largest parameter).
-    dev.buffers = std::min<int64_t>(2 * o.bucket_bytes, g * psi);
+    dev.buffers = std::min<int64_t>(2 * bucket, g * psi);
   } else if (o.stage == 3) {
     int64_t units = o.gathered_units_params;
-    if (units == 0) units = 2 * std::max<int64_t>(1, o.bucket_bytes / p);
+    if (units == 0) units = 2 * std::max<int64_t>(1, bucket / p);
     units = std::min(units, psi);
     e.gathered_units_params = units;
     dev.buffers = (p + g) * units;

@@ -4,7 +4,7 @@
 // Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
 // sorted by parameter group and, within a group, placed in reverse registration order, which is
 // roughly the order backward produces their gradients. They are packed into buckets of about
-// bucket_bytes; a parameter larger than the space left in a bucket fills it and continues in the
+// bucket_bytes (Note [Default bucket size] when 0); a parameter larger than the space left in a bucket fills it and continues in the
 // next (the split falls at a multiple of world * align, so the parameter stays contiguous in the
 // full flat buffer and its view stays one view). Each bucket is padded to a multiple of
 // world * align so it splits evenly, and rank r owns [r*S, (r+1)*S) of every bucket. Model
@@ -167,9 +167,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   }
   const auto& proto = params().front().tensor;
   const int64_t elem = static_cast<int64_t>(proto.element_size());
+  int64_t total = 0;
+  for (int64_t n : numels) total += n;
   FlatLayout layout =
       make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
-                  std::max<int64_t>(1, options_.bucket_bytes / elem), units);
+                  bucket_numel_for(options_.bucket_bytes, total, world_, elem), units);
   const auto base = proto.options().requires_grad(false);
   const auto model_options = base.dtype(plan_.mixed ? compute_dtype(options_.precision)
                                                     : proto.scalar_type());

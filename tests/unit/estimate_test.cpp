@@ -2,6 +2,10 @@
 // ZeRO paper's worked example, BERT parameter counts and the peer baseline's numbers.
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <utility>
+#include <vector>
+
 #include <cmath>
 
 #include "shardopt/estimate.hpp"
@@ -202,6 +206,40 @@ TEST(EstimateBert, ReproducesThePeerBaseline) {
   // DDP (stage 0): 16Ψ = 179 MB of params + grads + state (the peer's 224 MB adds DDP's bucket
   // copy of the gradients, 4Ψ).
   EXPECT_NEAR(run(psi, 2, 0).device.model_state() / 1e6, 179.2, 0.1);
+}
+
+// Note [Default bucket size]: with the default buckets a higher stage never holds more than a
+// lower one, buffers included, on the peer model at N = 2 and BERT-base at N = 2, 4, 8. Fixed
+// 16 MiB buckets broke it on the peer model (stage 2 held 145.6 MB against stage 1's 134.4).
+TEST(EstimateBert, DefaultBucketsKeepHigherStagesSmaller) {
+  BertConfig peer;
+  peer.hidden = 256, peer.layers = 4, peer.heads = 4, peer.intermediate = 1024;
+  peer.pooler = false, peer.nsp_head = false;
+  const std::pair<BertConfig, std::vector<int>> models[] = {{peer, {2}}, {BertConfig{}, {2, 4, 8}}};
+  for (const auto& [config, worlds] : models) {
+    for (int n : worlds) {
+      Options o;
+      o.params = bert_parameter_count(config);
+      o.world = n;
+      o.align_bytes = 64;
+      int64_t lower = std::numeric_limits<int64_t>::max();
+      for (int stage = 0; stage <= 3; ++stage) {
+        o.stage = stage;
+        const int64_t total = model_states(o).device.total();
+        EXPECT_LT(total, lower) << o.params << " parameters, N = " << n << ", stage " << stage;
+        lower = total;
+      }
+    }
+  }
+  Options o;
+  o.params = bert_parameter_count(peer);
+  o.world = 2;
+  o.bucket_bytes = 16 << 20;  // explicit: honoured, and then stage 2 holds more than stage 1
+  o.stage = 1;
+  const int64_t stage1 = model_states(o).device.total();
+  o.stage = 2;
+  EXPECT_GT(model_states(o).device.total(), stage1);
+  EXPECT_EQ(model_states(o).device.buffers, 2 * (16 << 20));
 }
 
 }  // namespace

@@ -146,7 +146,9 @@ void GradientReducer::launch(int bucket, int micro) {
                                    ReduceOp::Sum, true);
     comm_elements_ += bl.padded;
   }
-  if (!overlap_) complete(bucket);
+  // A reduction that is already done (one rank; an engine that completes in the call) is folded
+  // in now, during backward, rather than by step() (at most two buckets would wait there).
+  if (!overlap_ || (plan_.bucketed() && b.work->is_completed())) complete(bucket);
 }
 
 bool GradientReducer::launched_in(int bucket, int micro) const {

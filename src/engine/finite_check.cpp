@@ -64,15 +64,18 @@ FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, boo
     scan.non_finite = scan.non_finite || r.non_finite;
     scan.sum_sq += r.sum_sq;
   }
-  if (agree != nullptr && agree->size() > 1) {
-    at::Tensor both = at::empty({2}, at::kDouble);
-    both.data_ptr<double>()[0] = scan.non_finite ? 1.0 : 0.0;
-    both.data_ptr<double>()[1] = scan.sum_sq;
-    agree->all_reduce(both, ReduceOp::Sum, true)->wait(timeout);
-    scan.non_finite = both.data_ptr<double>()[0] > 0;
-    scan.sum_sq = both.data_ptr<double>()[1];
-  }
   scan.non_finite = scan.non_finite || !std::isfinite(scan.sum_sq);
+  if (agree != nullptr && agree->size() > 1 && sum_squares) {
+    // The sum of squares (a rank's non-finite value makes it NaN, and so the total).
+    at::Tensor sum = at::full({1}, scan.non_finite ? std::nan("") : scan.sum_sq, at::kDouble);
+    agree->all_reduce(sum, ReduceOp::Sum, true)->wait(timeout);
+    scan.sum_sq = sum.item<double>();
+    scan.non_finite = !std::isfinite(scan.sum_sq);
+  } else if (agree != nullptr && agree->size() > 1) {
+    at::Tensor flag = at::full({1}, scan.non_finite ? 1.0f : 0.0f, at::kFloat);
+    agree->all_reduce(flag, ReduceOp::Max, true)->wait(timeout);
+    scan.non_finite = flag.item<float>() > 0;
+  }
   return scan;
 }
 

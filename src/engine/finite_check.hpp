@@ -21,7 +21,8 @@ struct FiniteScan {
 // Multiplies each tensor by float(scale) in place (the float product torch's mul_(scale) gives;
 // scale 1 writes nothing), finds whether any value is non-finite and, with `sum_squares`, sums the
 // squares in double. With `agree` (a communicator of more than one rank) the results of every rank
-// are combined by one two-element all-reduce; pass null where every rank holds the same values.
+// are combined by one one-element all-reduce (the sum of squares, or the flag's maximum); pass
+// null where every rank holds the same values.
 // Contiguous fp32/bf16/fp16 tensors on a device with kernels (the CPU; CUDA with libshardopt_cuda)
 // take one pass; others fall back on torch's operations.
 // Whether scan_finite scales `t` inside its own pass (contiguous fp32 on a device with kernels).

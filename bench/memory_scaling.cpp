@@ -100,7 +100,7 @@ shardopt::detail::FlatLayout layout_of(const std::vector<int64_t>& numels_in_ord
   for (int64_t n : numels) psi += n;
   return shardopt::detail::make_layout(
       numels, groups, world, std::max<int64_t>(1, zo.align_bytes / kP),
-      shardopt::detail::bucket_numel_for(zo.bucket_bytes, psi, world, kP));
+      shardopt::detail::bucket_numel(zo.bucket_bytes, psi, world, kP));
 }
 
 // DESIGN.md's table with P = G = 4, K = 8: bytes of model state per rank, by category.
@@ -157,7 +157,7 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
 // allocator reserves) sees two copies there, while the resident set grows by about one copy,
 // because each parameter's original storage is freed as soon as it is copied and the flat
 // buffer's pages are touched only as they are filled (Note [One copy at construction] in
-// src/engine/engine.cpp). The bench reports both.
+// src/engine/parameter_store.cpp). The bench reports both.
 // Step: the model state and documented buffers plus what backward holds for a moment: at stages
 // 0-2 three gradients of the largest parameter (BERT's tied embedding is used twice: two incoming
 // gradients and their sum); at stage 3 the two largest units gathered with their gradients
@@ -209,7 +209,7 @@ Bounds bounds_of(int stage, int64_t psi, int world, const est::BertConfig& bc, c
 int64_t auto_cap(int64_t psi, int world, const est::BertConfig& bc,
                  const shardopt::ZeroOptions& zo) {
   const int64_t bucket =
-      std::min(shardopt::detail::bucket_numel_for(zo.bucket_bytes, psi, world, kP), psi);
+      std::min(shardopt::detail::bucket_numel(zo.bucket_bytes, psi, world, kP), psi);
   const Sizes z{bucket, bucket, bucket};
   auto buffers_at = [&](int stage) {
     Buffers b;

@@ -53,7 +53,7 @@ class CMakeBuild(build_ext):
 setup(
     name="shardopt",
     version=version(),
-    description="ZeRO-style sharded data-parallel optimizers (stages 0-2) for PyTorch, in C++",
+    description="ZeRO-style sharded data-parallel optimizers (stages 0-3) for PyTorch, in C++",
     packages=["shardopt"],
     ext_modules=[Extension("shardopt._C", sources=[])],
     cmdclass={"build_ext": CMakeBuild},

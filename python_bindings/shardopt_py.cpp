@@ -7,11 +7,13 @@
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <fmt/ranges.h>
 
 #include <map>
 
 #include "bindings.hpp"
 #include "shardopt/checkpoint.hpp"
+#include "shardopt/detail/names.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/estimate.hpp"
 #include "shardopt/shardopt.hpp"
@@ -232,21 +234,13 @@ Rule read_rule(const std::string& name, const py::dict& values, bool strict) {
 // The torch-style hyper-parameter dict of a rule (what param_groups hold).
 py::dict rule_dict(const Rule& rule) {
   py::dict d;
-  std::visit(
-      [&](const auto& r) {
-        double beta1 = 0;
-        std::decay_t<decltype(r)>::fields(r, [&](const detail::Field& f, const auto& value) {
-          const std::string name = f.name;
-          if (name == "beta1") {
-            beta1 = value;
-          } else if (name == "beta2") {
-            d["betas"] = py::make_tuple(beta1, value);
-          } else {
-            d[f.name] = value;
-          }
-        });
-      },
-      rule);
+  detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
+      d[name] = py::make_tuple(value.first, value.second);
+    } else {
+      d[name] = value;
+    }
+  });
   return d;
 }
 
@@ -344,26 +338,14 @@ std::vector<ParamGroup> to_groups(const std::vector<GroupSpec>& specs) {
 }
 
 Offload parse_offload(const std::string& text) {
-  if (text == "none") return Offload::None;
-  if (text == "cpu") return Offload::CPU;
+  if (const auto o = detail::offload_named(text)) return *o;
   SHARDOPT_FAIL(InvalidArgument, "options: offload must be one of none, cpu, got '{}'", text);
-}
-
-std::string repr_options(const ZeroOptions& o) {
-  return fmt::format(
-      "ZeroOptions(stage={}, bucket_bytes={}, overlap_comm={}, grad_accumulation_steps={}, "
-      "max_grad_norm={}, precision='{}', offload='{}', broadcast_initial_params={}, "
-      "align_bytes={}, prefetch={}, timeout={}s)",
-      to_int(o.stage), o.bucket_bytes, o.overlap_comm ? "True" : "False", o.grad_accumulation_steps,
-      o.max_grad_norm, to_string(o.precision), o.offload == Offload::CPU ? "cpu" : "none",
-      o.broadcast_initial_params ? "True" : "False", o.align_bytes, o.prefetch,
-      o.timeout.count() / 1000.0);
 }
 
 // Sets attributes from keyword arguments through the bound properties (so that every field has
 // one conversion and one error path).
 template <typename T>
-void apply_kwargs(T& object, const py::kwargs& kwargs, const char* type_name) {
+void apply_kwargs(T& object, const py::dict& kwargs, const char* type_name) {
   py::object self = py::cast(&object, py::return_value_policy::reference);
   for (auto item : kwargs) {
     const auto key = py::cast<std::string>(item.first);
@@ -377,6 +359,44 @@ void apply_kwargs(T& object, const py::kwargs& kwargs, const char* type_name) {
 // ---- the module ------------------------------------------------------------------------------
 
 void bind_options(py::module_& m) {
+  py::class_<UnitPolicy>(m, "UnitPolicy",
+                         "Stage 3 without units=: how units are derived from the parameters' "
+                         "names (include/shardopt/unit_policy.hpp). UnitPolicy(patterns=[...], "
+                         "persist_below=100000).")
+      .def(py::init([](const py::kwargs& kwargs) {
+        UnitPolicy p;
+        apply_kwargs(p, kwargs, "UnitPolicy");
+        return p;
+      }))
+      .def_readwrite("patterns", &UnitPolicy::patterns,
+                     "regular expressions matched at the start of a name; the match names the "
+                     "unit (empty: numbered module-list elements and top-level children)")
+      .def_readwrite("persist_below", &UnitPolicy::persist_below,
+                     "groups with fewer elements stay gathered through the step")
+      .def("__eq__", [](const UnitPolicy& a, const UnitPolicy& b) {
+        return a.patterns == b.patterns && a.persist_below == b.persist_below;
+      })
+      .def("__repr__", [](const UnitPolicy& p) {
+        return fmt::format("UnitPolicy(patterns=[{}], persist_below={})",
+                           fmt::join(p.patterns, ", "), p.persist_below);
+      });
+  py::class_<LossScaleOptions>(m, "LossScaleOptions",
+                               "fp16 dynamic loss scaling (include/shardopt/precision.hpp). "
+                               "LossScaleOptions(initial_scale=1024, ...).")
+      .def(py::init([](const py::kwargs& kwargs) {
+        LossScaleOptions o;
+        apply_kwargs(o, kwargs, "LossScaleOptions");
+        return o;
+      }))
+      .def_readwrite("dynamic", &LossScaleOptions::dynamic, "False: a fixed scale of initial_scale")
+      .def_readwrite("initial_scale", &LossScaleOptions::initial_scale)
+      .def_readwrite("growth_factor", &LossScaleOptions::growth_factor)
+      .def_readwrite("growth_interval", &LossScaleOptions::growth_interval)
+      .def_readwrite("backoff_factor", &LossScaleOptions::backoff_factor)
+      .def_readwrite("hysteresis", &LossScaleOptions::hysteresis)
+      .def_readwrite("min_scale", &LossScaleOptions::min_scale)
+      .def("validate", &LossScaleOptions::validate);
+
   py::class_<ZeroOptions>(m, "ZeroOptions",
                           "How DistributedOptimizer shards, communicates and steps "
                           "(include/shardopt/options.hpp). ZeroOptions(stage=1, ...).")
@@ -396,9 +416,26 @@ void bind_options(py::module_& m) {
       .def_property(
           "precision", [](const ZeroOptions& o) { return std::string(to_string(o.precision)); },
           [](ZeroOptions& o, const std::string& p) { o.precision = parse_precision(p); })
+      .def_readwrite("reduce_in_fp32", &ZeroOptions::reduce_in_fp32,
+                     "mixed precision: reduce gradients in fp32 (False: in the compute dtype)")
+      .def_property(
+          "loss_scale", [](ZeroOptions& o) -> LossScaleOptions& { return o.loss_scale; },
+          [](ZeroOptions& o, const py::object& value) {
+            if (py::isinstance<py::dict>(value)) {
+              LossScaleOptions l = o.loss_scale;
+              apply_kwargs(l, value.cast<py::dict>(), "LossScaleOptions");
+              o.loss_scale = l;
+            } else {
+              o.loss_scale = value.cast<LossScaleOptions>();
+            }
+          },
+          py::return_value_policy::reference_internal,
+          "fp16 loss scaling: a LossScaleOptions, or a dict of its fields")
+      .def_readwrite("fused_update", &ZeroOptions::fused_update,
+                     "update with the fused CPU kernels where they exist (False: torch ops)")
       .def_property(
           "offload",
-          [](const ZeroOptions& o) { return std::string(o.offload == Offload::CPU ? "cpu" : "none"); },
+          [](const ZeroOptions& o) { return std::string(detail::offload_name(o.offload)); },
           [](ZeroOptions& o, const std::string& p) { o.offload = parse_offload(p); })
       .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
       .def_readwrite("align_bytes", &ZeroOptions::align_bytes)
@@ -412,13 +449,14 @@ void bind_options(py::module_& m) {
       .def_readwrite("units", &ZeroOptions::units,
                      "Stage 3: the shardopt.Units gathered together (DistributedOptimizer's "
                      "units= builds it and installs the module hooks)")
+      .def_readwrite("unit_policy", &ZeroOptions::unit_policy,
+                     "Stage 3 without units: how units are derived from parameter names")
       .def_readwrite("max_nonfinite_steps", &ZeroOptions::max_nonfinite_steps)
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })
       .def("validate", &ZeroOptions::validate,
-           "Raises InvalidArgumentError (a ValueError) naming the first invalid field.")
-      .def("__repr__", &repr_options);
+           "Raises InvalidArgumentError (a ValueError) naming the first invalid field.");
 }
 
 // Stage 3 from Python: shardopt/optimizer.py declares the units and calls begin/end from forward
@@ -427,7 +465,11 @@ void bind_units(py::module_& m) {
   py::class_<Units, std::shared_ptr<Units>>(m, "Units",
                                              "Stage-3 units (include/shardopt/units.hpp)")
       .def(py::init<>())
-      .def("add", &Units::add, "name"_a, "parameters"_a,
+      .def("add",
+           [](Units& u, std::string name, std::vector<at::Tensor> parameters) {
+             return u.add(std::move(name), std::move(parameters));
+           },
+           "name"_a, "parameters"_a,
            "Declares a unit gathered as one; returns its index.")
       .def("begin", &Units::begin, "index"_a, py::call_guard<py::gil_scoped_release>(),
            "Before the unit's forward: gathers its parameters (collective).")
@@ -507,7 +549,9 @@ void bind_optimizer(py::module_& m) {
       .def(
           "step", [](DistributedOptimizer& o) { o.step(); },
           py::call_guard<py::gil_scoped_release>())
-      .def("zero_grad", &DistributedOptimizer::zero_grad, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "zero_grad", [](DistributedOptimizer& o) { o.zero_grad(); },
+          py::call_guard<py::gil_scoped_release>())
       // The autograd engine refuses to start while the GIL is held; it takes it back for Python
       // hooks of the model, ours are C++.
       .def("backward", &DistributedOptimizer::backward, "loss"_a,
@@ -531,22 +575,127 @@ void bind_optimizer(py::module_& m) {
             for (auto item : values) merged[item.first] = item.second;
             o.set_group_rule(group, read_rule(rule_name(rule), merged, /*strict=*/false));
           },
-          "group"_a, "values"_a);
+          "group"_a, "values"_a)
+      // The torch state-dict contract (shardopt/state_dict.hpp); optimizer.py speaks torch's
+      // format (integer ids, torch's group keys) over these.
+      .def("consolidate_state_dict", &DistributedOptimizer::consolidate_state_dict, "to"_a = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("state_dict",
+           [](const DistributedOptimizer& o) {
+             const OptimizerStateDict& sd = o.state_dict();
+             py::list groups;
+             for (const auto& g : sd.groups) {
+               py::list params;
+               for (const auto& p : g.params) params.append(py::make_tuple(p.name, p.state));
+               groups.append(params);
+             }
+             return py::make_tuple(sd.step, groups);
+           })
+      .def(
+          "load_state_dict",
+          [](DistributedOptimizer& o, int64_t step,
+             const std::vector<std::vector<std::map<std::string, at::Tensor>>>& groups) {
+            OptimizerStateDict sd;
+            sd.step = step;
+            for (size_t g = 0; g < groups.size(); ++g) {
+              // The hyper-parameters stay: optimizer.py writes the loaded ones into param_groups.
+              OptimizerStateDict::Group group{o.group_rule(std::min(g, o.param_groups().size() - 1)),
+                                              {}};
+              for (const auto& buffers : groups[g]) group.params.push_back({"", buffers});
+              sd.groups.push_back(std::move(group));
+            }
+            py::gil_scoped_release nogil;
+            o.load_state_dict(sd);
+          },
+          "step"_a, "groups"_a);
   // Checkpoints (shardopt/checkpoint.hpp): collective save/load; consolidation is one process.
+  // The trainer state is JSON text (json.dumps in shardopt/optimizer.py) and per-rank tensors.
   m.def(
       "save_checkpoint",
-      [](DistributedOptimizer& o, const std::string& dir) { shardopt::save_checkpoint(o, dir); },
-      "optimizer"_a, "directory"_a, py::call_guard<py::gil_scoped_release>());
+      [](DistributedOptimizer& o, const std::string& dir, const std::string& json,
+         const std::map<std::string, at::Tensor>& tensors,
+         const std::map<std::string, at::Tensor>& module_state,
+         const std::map<std::string, std::string>& aliases) {
+        SaveOptions options;
+        options.module_state = module_state;
+        options.aliases = aliases;
+        shardopt::save_checkpoint(o, dir, TrainerState{json, tensors}, options);
+      },
+      "optimizer"_a, "directory"_a, "json"_a = "{}",
+      "tensors"_a = std::map<std::string, at::Tensor>{},
+      "module_state"_a = std::map<std::string, at::Tensor>{},
+      "aliases"_a = std::map<std::string, std::string>{}, py::call_guard<py::gil_scoped_release>());
   m.def(
       "load_checkpoint",
-      [](DistributedOptimizer& o, const std::string& dir) { shardopt::load_checkpoint(o, dir); },
-      "optimizer"_a, "directory"_a, py::call_guard<py::gil_scoped_release>());
+      [](DistributedOptimizer& o, const std::string& dir, bool restore_hyperparameters) {
+        LoadOptions options;
+        options.restore_hyperparameters = restore_hyperparameters;
+        const TrainerState t = shardopt::load_checkpoint(o, dir, options);
+        return std::make_pair(t.json, t.tensors);
+      },
+      "optimizer"_a, "directory"_a, "restore_hyperparameters"_a = true,
+      py::call_guard<py::gil_scoped_release>());
   m.def(
       "consolidate_checkpoint",
-      [](const std::string& dir, const std::string& out) {
-        shardopt::consolidate_checkpoint(dir, out);
+      [](const std::string& dir, const std::string& out, const std::string& optimizer_out) {
+        ConsolidateOptions options;
+        options.optimizer_state_out = optimizer_out;
+        shardopt::consolidate_checkpoint(dir, out, options);
       },
-      "directory"_a, "out"_a, py::call_guard<py::gil_scoped_release>());
+      "directory"_a, "out"_a, "optimizer_out"_a = "", py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "read_checkpoint_info",
+      [](const std::string& dir) {
+        const CheckpointInfo info = shardopt::read_checkpoint_info(dir);
+        py::list params;
+        for (const auto& p : info.params) {
+          params.append(py::dict("name"_a = p.name, "shape"_a = p.shape, "dtype"_a = p.dtype,
+                                 "group"_a = p.group));
+        }
+        return py::dict("dir"_a = info.dir, "format_version"_a = info.format_version,
+                        "world_size"_a = info.world_size, "stage"_a = info.stage,
+                        "precision"_a = info.precision, "step"_a = info.step, "rule"_a = info.rule,
+                        "state_names"_a = info.state_names, "params"_a = params,
+                        "trainer_json"_a = info.trainer_json,
+                        "manifest_json"_a = info.manifest_json);
+      },
+      "directory"_a);
+  m.def(
+      "read_full_state",
+      [](const std::string& dir, bool with_optimizer_state) {
+        FullState full;
+        {
+          py::gil_scoped_release nogil;
+          full = shardopt::read_full_state(dir, with_optimizer_state);
+        }
+        py::dict params, state;
+        for (const auto& item : full.params) params[py::str(item.key())] = item.value();
+        for (const auto& [name, dict] : full.optimizer_state) {
+          py::dict buffers;
+          for (const auto& item : dict) buffers[py::str(item.key())] = item.value();
+          state[py::str(name)] = buffers;
+        }
+        return py::dict("params"_a = params, "optimizer_state"_a = state, "step"_a = full.step,
+                        "rule"_a = full.rule,
+                        "hyperparameters_json"_a = full.hyperparameters_json);
+      },
+      "directory"_a, "with_optimizer_state"_a = false);
+  m.def(
+      "load_full_state_dict",
+      [](DistributedOptimizer& o, const std::vector<std::pair<std::string, at::Tensor>>& items) {
+        torch::OrderedDict<std::string, at::Tensor> params;
+        for (const auto& [name, t] : items) params.insert(name, t);
+        py::gil_scoped_release nogil;
+        return shardopt::load_full_state_dict(o, params);
+      },
+      "optimizer"_a, "params"_a);
+  m.def(
+      "load_full_state_files",
+      [](DistributedOptimizer& o, const std::string& model_file, const std::string& optimizer_file) {
+        return shardopt::load_full_state_dict(o, model_file, optimizer_file);
+      },
+      "optimizer"_a, "model_file"_a, "optimizer_file"_a = "",
+      py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace

@@ -8,13 +8,14 @@
 # (_GLIBCXX_USE_CXX11_ABI) may differ from Debian 12's, so nothing compiled against Debian's C++
 # runtime is carried. fmt is used header-only (FMT_HEADER_ONLY), nlohmann-json and CLI11 are header-
 # only, GoogleTest travels as sources (Debian's googletest package) and is built there with torch's
-# flags, zlib is C. Not carried: Google Benchmark (the GPU benchmarks time with CUDA events) and
+# flags, zlib and utf8proc are C. Not carried: Google Benchmark (the GPU benchmarks time with CUDA events) and
 # OpenMPI (the GPU tests run NCCL at one rank and two ranks on one GPU as two processes over torch's
 # Gloo; a carried MPI would have to match the machine's glibc and its own plugins).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="${1:-$ROOT/gpu-debs}"
-PACKAGES=(libfmt-dev nlohmann-json3-dev libcli11-dev googletest zlib1g-dev zlib1g)
+PACKAGES=(libfmt-dev nlohmann-json3-dev libcli11-dev googletest zlib1g-dev zlib1g
+          libutf8proc-dev libutf8proc2)  # utf8proc: the BERT example (bert_pretrain --device cuda)
 if [ "${1:-}" = "--print-packages" ]; then
   printf '%s\n' "${PACKAGES[@]}"
   exit 0

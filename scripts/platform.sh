@@ -17,10 +17,28 @@ case "$PLATFORM" in
      exit 2 ;;
 esac
 shift
-MIRROR="${SHARDOPT_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+# The mirror: SHARDOPT_DEBIAN_MIRROR, else the archive this host's own apt already uses for its
+# release (sources.list or deb822 .sources, read through apt itself), else Debian's default.
+host_mirror() {
+  local codename
+  codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
+  [ -n "$codename" ] || return 0
+  apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 2>/dev/null |
+    awk -v c="$codename" '$2 == c { sub("/$", "", $1); print $1; exit }'
+}
+MIRROR="${SHARDOPT_DEBIAN_MIRROR:-$(host_mirror)}"
+MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 CACHE="${SHARDOPT_PLATFORM_CACHE:-/var/cache/shardopt/platforms}/$PLATFORM"
 RECIPE=2   # bump when the way the root is made changes
 [ "$(id -u)" -eq 0 ] || { echo "[platform] needs root (debootstrap, mount, chroot)" >&2; exit 2; }
+
+# debootstrap is the one host tool the platforms need beyond scripts/setup.sh's list.
+if ! command -v debootstrap >/dev/null; then
+  echo "[platform] installing debootstrap"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null \
+    || { echo "[platform] could not install debootstrap with apt-get" >&2; exit 1; }
+fi
 
 if [ -z "${SHARDOPT_PLATFORM_IN_NS:-}" ]; then
   export SHARDOPT_PLATFORM_IN_NS=1

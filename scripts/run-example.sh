@@ -5,7 +5,8 @@
 # holding 5% of its documents out for evaluation. Extra arguments are passed to bert_pretrain and
 # win over the defaults below (`bert_pretrain --help`; e.g. --corpus licenses for a fast run).
 # Outputs in out/bert/: metrics.jsonl, loss.png, summary.json, checkpoint/ (the final state, and
-# every 200 steps; --resume continues), model.pt (consolidated); cache/ keeps the vocabulary and
+# every 200 steps; --resume continues), model.pt (consolidated), hf/ (the Hugging Face export),
+# config.json; cache/ keeps the vocabulary and
 # the data, keyed by the corpus files and the options, so a second run skips them.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -53,6 +54,8 @@ if e:
         print(f"[run-example] NSP accuracy {e['nsp_acc']:.3f} vs majority baseline "
               f"{e['nsp_baseline']:.3f} ({e['nsp_acc'] - e['nsp_baseline']:+.3f})")
 print(f"[run-example] final model: {s['model'] or '(not written: pass --save-model)'}")
+if s.get("hf_export"):
+    print(f"[run-example] Hugging Face: {s['hf_export']} (BertForPreTraining.from_pretrained)")
 print(f"[run-example] checkpoint:  {s['checkpoint']} (step {s['step']}; continue: "
       "scripts/run-example.sh --resume)")
 EOF

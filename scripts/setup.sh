@@ -12,13 +12,20 @@ PACKAGES=(
   libutf8proc-dev                                    # the BERT tokenizer's Unicode tables
   manpages-dev manpages-fr-dev manpages-de-dev manpages-es-dev  # the BERT example's default corpus
 )
+# Installed where the release has them: python3-safetensors (Debian 13; Debian 12 has none, and
+# tests/python/check_hf_export.py then reads the format itself).
+OPTIONAL=(python3-safetensors)
 if [ "${1:-}" = "--print-packages" ]; then
-  printf '%s\n' "${PACKAGES[@]}"
+  printf '%s\n' "${PACKAGES[@]}" "${OPTIONAL[@]}"
   exit 0
 fi
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+for p in "${OPTIONAL[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" && continue
+  apt-cache show "$p" >/dev/null 2>&1 && missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "[setup] installing: ${missing[*]}"

@@ -3,8 +3,11 @@
 #include "shardopt/optimizer.hpp"
 
 #include "engine/engine.hpp"
+#include "engine/group_options.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/error.hpp"
+
+#include <unordered_map>
 
 namespace shardopt {
 
@@ -42,13 +45,10 @@ DistributedOptimizer::DistributedOptimizer(
 DistributedOptimizer::DistributedOptimizer(std::vector<ParamGroup> groups, Rule rule,
                                            CommunicatorPtr comm, ZeroOptions options)
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{}, defaults_of(rule)) {
+  const std::vector<ParamGroup> given = groups;  // tensors are shared, not copied
   engine_ = std::make_unique<detail::Engine>(*this, std::move(groups), rule, nullptr,
                                              std::move(comm), options);
-  for (size_t g = 0; g < engine_->model().torch_groups.size(); ++g) {
-    torch::optim::OptimizerParamGroup group(engine_->model().torch_groups[g],
-                                            defaults_of(engine_->model().group_rules[g]));
-    add_param_group(group);
-  }
+  register_groups(given);
 }
 
 DistributedOptimizer::DistributedOptimizer(std::vector<ParamGroup> groups,
@@ -57,23 +57,94 @@ DistributedOptimizer::DistributedOptimizer(std::vector<ParamGroup> groups,
     : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
                                defaults_of(SGD(0.0))) {
   SHARDOPT_CHECK(factory != nullptr, InvalidArgument, "optimizer: the factory is empty");
+  const std::vector<ParamGroup> given = groups;
   engine_ = std::make_unique<detail::Engine>(*this, std::move(groups), SGD(0.0),
                                              std::move(factory), std::move(comm), options);
-  for (size_t g = 0; g < engine_->model().torch_groups.size(); ++g) {
-    torch::optim::OptimizerParamGroup group(engine_->model().torch_groups[g],
-                                            defaults_of(engine_->model().group_rules[g]));
-    add_param_group(group);
+  register_groups(given);
+  // LR schedulers read and write our groups: start them at the torch optimizer's own lr.
+  try {
+    factory_lr_ = engine_->factory_optimizer()->param_groups().at(0).options().get_lr();
+  } catch (const std::exception&) {
+    factory_lr_ = -1.0;  // its options do not implement get_lr: LR changes cannot reach it
   }
+  if (factory_lr_ >= 0) {
+    for (auto& group : param_groups()) group.options().set_lr(factory_lr_);
+  }
+}
+
+// The torch param groups (trainable parameters, tied ones once) and, for state dicts, every
+// parameter as given with its slot in the layout.
+void DistributedOptimizer::register_groups(const std::vector<ParamGroup>& groups) {
+  const auto& model = engine_->model();
+  for (size_t g = 0; g < model.torch_groups.size(); ++g) {
+    torch::optim::OptimizerParamGroup group(model.torch_groups[g],
+                                            defaults_of(model.group_rules[g]));
+    torch::optim::Optimizer::add_param_group(group);
+  }
+  std::unordered_map<const c10::TensorImpl*, int> slot;
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    slot.emplace(model.params[i].tensor.unsafeGetTensorImpl(), static_cast<int>(i));
+  }
+  for (const auto& group : groups) {
+    given_.emplace_back();
+    for (const auto& p : group.params) {
+      auto it = slot.find(p.tensor.unsafeGetTensorImpl());
+      given_.back().push_back({p.name, it == slot.end() ? -1 : it->second});
+    }
+  }
+}
+
+void DistributedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup&) {
+  SHARDOPT_FAIL(InvalidArgument,
+                "optimizer: add_param_group after construction is not supported: parameter "
+                "groups decide the flat layout every rank shares; pass every group to the "
+                "DistributedOptimizer constructor (or build a new one)");
+}
+
+// Torch's add_param_group is not virtual: a group added through the base is caught here.
+void DistributedOptimizer::check_groups_unchanged() const {
+  const auto& torch_groups = engine_->model().torch_groups;
+  bool same = param_groups().size() == torch_groups.size();
+  for (size_t g = 0; same && g < torch_groups.size(); ++g) {
+    same = param_groups()[g].params().size() == torch_groups[g].size();
+  }
+  SHARDOPT_CHECK(same, InvalidArgument,
+                 "optimizer: the parameter groups changed after construction (add_param_group "
+                 "through torch::optim::Optimizer?): {} groups now, {} at construction; groups "
+                 "decide the flat layout every rank shares, pass them all to the constructor",
+                 param_groups().size(), torch_groups.size());
+}
+
+// A factory-built torch optimizer has its own groups: LR changes made to ours (schedulers,
+// set_lr) are handed to every one of its groups.
+void DistributedOptimizer::push_factory_lr() {
+  torch::optim::Optimizer* inner = engine_->factory_optimizer();
+  if (inner == nullptr || factory_lr_ < 0) return;
+  const double lr = param_groups()[0].options().get_lr();
+  for (const auto& group : param_groups()) {
+    SHARDOPT_CHECK(group.options().get_lr() == lr, InvalidArgument,
+                   "optimizer: parameter groups disagree on lr ({} vs {}), but a factory-built "
+                   "optimizer has one lr for the whole shard", lr, group.options().get_lr());
+  }
+  if (lr == factory_lr_) return;
+  for (auto& group : inner->param_groups()) group.options().set_lr(lr);
+  factory_lr_ = lr;
 }
 
 DistributedOptimizer::~DistributedOptimizer() = default;
 
 namespace detail {
-ShardAccess& shard_access(DistributedOptimizer& optimizer) { return *optimizer.engine_; }
+ShardAccess& shard_access(DistributedOptimizer& optimizer) {
+  return optimizer.engine_->checkpoint_access();
+}
 }  // namespace detail
 
-at::Tensor DistributedOptimizer::step(LossClosure closure) { return engine_->step(closure); }
-void DistributedOptimizer::zero_grad() { engine_->zero_grad(); }
+at::Tensor DistributedOptimizer::step(LossClosure closure) {
+  check_groups_unchanged();
+  push_factory_lr();
+  return engine_->step(closure);
+}
+void DistributedOptimizer::zero_grad(bool /*set_to_none*/) { engine_->zero_grad(); }
 void DistributedOptimizer::backward(const at::Tensor& loss) { engine_->backward(loss); }
 const StepStats& DistributedOptimizer::last_step() const { return engine_->last_step(); }
 MemoryReport DistributedOptimizer::memory() const { return engine_->memory(); }
@@ -88,14 +159,14 @@ Rule DistributedOptimizer::group_rule(size_t group) const {
   SHARDOPT_CHECK(group < param_groups().size(), InvalidArgument,
                  "optimizer: parameter group {} does not exist, there are {}", group,
                  param_groups().size());
-  return static_cast<const detail::GroupOptions&>(param_groups()[group].options()).rule;
+  return detail::group_rule_of(*this, static_cast<int>(group));
 }
 
 void DistributedOptimizer::set_group_rule(size_t group, const Rule& rule) {
   SHARDOPT_CHECK(group < param_groups().size(), InvalidArgument,
                  "optimizer: parameter group {} does not exist, there are {}", group,
                  param_groups().size());
-  Rule& current = static_cast<detail::GroupOptions&>(param_groups()[group].options()).rule;
+  Rule& current = detail::group_rule_of(*this, static_cast<int>(group));
   SHARDOPT_CHECK(rule.index() == current.index(), InvalidArgument,
                  "optimizer: parameter group {} steps with {}, it cannot switch to {}", group,
                  rule_name(current), rule_name(rule));

@@ -1,23 +1,15 @@
 // ZeroOptions validation and precision names.
 #include "shardopt/options.hpp"
 
+#include "shardopt/detail/names.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt {
 
-const char* to_string(Precision precision) {
-  switch (precision) {
-    case Precision::FP32: return "fp32";
-    case Precision::FP16: return "fp16";
-    case Precision::BF16: return "bf16";
-  }
-  return "?";
-}
+const char* to_string(Precision precision) { return detail::precision_name(precision); }
 
 Precision parse_precision(const std::string& text) {
-  if (text == "fp32") return Precision::FP32;
-  if (text == "fp16") return Precision::FP16;
-  if (text == "bf16") return Precision::BF16;
+  if (const auto p = detail::precision_named(text)) return *p;
   SHARDOPT_FAIL(InvalidArgument, "options: precision must be one of fp32, fp16, bf16, got '{}'",
                 text);
 }
@@ -56,6 +48,7 @@ void ZeroOptions::validate() const {
   SHARDOPT_CHECK(timeout > Duration::zero(), InvalidArgument,
                  "options: timeout must be positive, got {} ms", timeout.count());
   loss_scale.validate();
+  unit_policy.validate();
 }
 
 }  // namespace shardopt

@@ -4,7 +4,7 @@
 
 namespace shardopt {
 
-int Units::add(std::string name, std::vector<at::Tensor> parameters) {
+int Units::add(std::string name, std::vector<at::Tensor> parameters, UnitOptions options) {
   SHARDOPT_CHECK(runtime_ == nullptr, InvalidArgument,
                  "units: cannot add unit '{}' after an optimizer attached to these units; declare "
                  "every unit before building the optimizer", name);
@@ -12,7 +12,7 @@ int Units::add(std::string name, std::vector<at::Tensor> parameters) {
     SHARDOPT_CHECK(parameters[i].defined(), InvalidArgument,
                    "units: parameter #{} of unit '{}' is an undefined tensor", i, name);
   }
-  units_.push_back({std::move(name), std::move(parameters)});
+  units_.push_back({std::move(name), std::move(parameters), options});
   return static_cast<int>(units_.size()) - 1;
 }
 
@@ -35,6 +35,23 @@ void Units::attach(UnitRuntime* runtime) {
 
 void Units::detach(const UnitRuntime* runtime) {
   if (runtime_ == runtime) runtime_ = nullptr;
+}
+
+void Units::set_recompute(int index, bool recompute) {
+  check_index(index);
+  units_[index].options.recompute = recompute;
+}
+
+bool Units::recomputes(int index) const {
+  check_index(index);
+  return units_[index].options.recompute;
+}
+
+void Units::check_plain_run(int index) const {
+  SHARDOPT_CHECK(!recomputes(index), InvalidArgument,
+                 "units: unit '{}' is declared to recompute, so run() needs the tensors it takes: "
+                 "call run({}, fn, inputs) with fn taking const std::vector<at::Tensor>&",
+                 units_[index].name, index);
 }
 
 void Units::check_index(int index) const {

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <fmt/format.h>
 
+#include "pretrained.hpp"
+
 namespace bert {
 
 nlohmann::json EvalResult::to_json() const {
@@ -44,7 +46,7 @@ EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
       const int64_t first = real ? c * chunk_rows : 0;
       std::vector<int64_t> rows;
       for (int64_t i = first; i < std::min(n, first + chunk_rows); ++i) rows.push_back(i);
-      const BertInputs inputs = to_inputs(data.batch(rows));
+      const BertInputs inputs = to_inputs(data.batch(rows), model->word_embeddings().device());
       const BertOutputs out = model->forward(inputs);
       if (!real) continue;  // a stand-in forward that keeps stage 3's gathers in step
       const auto masked = out.mlm_labels.ne(-100);
@@ -75,6 +77,30 @@ EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
   if (n > 0) r.nsp_baseline = std::max(random_next, static_cast<double>(n) - random_next) / n;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
+}
+
+void dump_logits(BertForPreTraining& model, const PretrainingData& data, int64_t rows,
+                 const at::Device& device, const std::string& path) {
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < std::min(rows, data.size()); ++i) ids.push_back(i);
+  const bool was_training = model->is_training();
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const BertInputs in = to_inputs(data.batch(ids), device);
+  const BertOutputs out = model->forward(in);
+  if (was_training) model->train();
+  if (path.empty()) return;
+  std::vector<std::pair<std::string, at::Tensor>> tensors = {
+      {"input_ids", in.input_ids},
+      {"token_type_ids", in.token_type_ids},
+      {"attention_mask", in.attention_mask},
+      {"masked_positions", in.masked_positions},
+      {"masked_labels", in.masked_labels},
+      {"nsp_labels", in.nsp_labels},
+      {"mlm_labels", out.mlm_labels},  // [M], or [rows * T] with -100 (mlm_all_positions)
+      {"mlm_logits", out.mlm_logits.to(torch::kFloat)}};
+  if (out.nsp_logits.defined()) tensors.emplace_back("nsp_logits", out.nsp_logits.to(torch::kFloat));
+  write_safetensors(path, tensors);
 }
 
 }  // namespace bert

@@ -32,4 +32,12 @@ struct EvalResult {
 EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
                     shardopt::Communicator& comm, int64_t chunk_rows);
 
+// The first `rows` instances of `data` through the model in eval mode, written by the rank whose
+// `path` is not empty as a safetensors file: the inputs (input_ids, token_type_ids,
+// attention_mask, masked_positions, masked_labels, nsp_labels; int64), mlm_logits [M, vocab] at
+// the M real masked positions in row-major order, and nsp_logits [rows, 2] (with the NSP head).
+// Collective: every rank runs the same forward (stage 3 gathers in it).
+void dump_logits(BertForPreTraining& model, const PretrainingData& data, int64_t rows,
+                 const at::Device& device, const std::string& path);
+
 }  // namespace bert

@@ -11,53 +11,10 @@ namespace bert {
 namespace F = torch::nn::functional;
 using torch::nn::Module;
 
-BertConfig BertConfig::preset(const std::string& name) {
-  BertConfig c;
-  c.name = name;
-  auto set = [&](int64_t layers, int64_t hidden, int64_t heads, int64_t inter) {
-    c.num_layers = layers, c.hidden_size = hidden, c.num_heads = heads;
-    c.intermediate_size = inter;
-  };
-  if (name == "tiny") set(2, 128, 2, 512);
-  else if (name == "mini") set(4, 256, 4, 1024);
-  else if (name == "small") set(4, 512, 8, 2048);
-  else if (name == "base") set(12, 768, 12, 3072);
-  else if (name == "large") set(24, 1024, 16, 4096);
-  else if (name == "peer") {
-    // The PyTorch peer baseline's model (/work/shared/peers/torch_zero_bert.py): BERT-mini's
-    // shape with BERT's 30522-token vocabulary, MLM only, logits at every position.
-    set(4, 256, 4, 1024);
-    c.nsp = false;
-    c.mlm_all_positions = true;
-  }
-  else throw std::invalid_argument("unknown BERT preset '" + name +
-                                   "'; expected tiny, mini, small, base, large or peer");
-  return c;
-}
-
-std::vector<std::string> BertConfig::preset_names() {
-  return {"tiny", "mini", "small", "base", "large", "peer"};
-}
-
-void BertConfig::validate() const {
-  auto need = [](bool ok, const std::string& what) {
-    if (!ok) throw std::invalid_argument("BertConfig: " + what);
-  };
-  need(vocab_size > 0, "vocab_size must be > 0");
-  need(hidden_size > 0 && num_heads > 0 && hidden_size % num_heads == 0,
-       "hidden_size (" + std::to_string(hidden_size) + ") must be a multiple of num_heads (" +
-           std::to_string(num_heads) + ")");
-  need(num_layers > 0 && intermediate_size > 0, "num_layers and intermediate_size must be > 0");
-  need(max_position_embeddings > 0 && type_vocab_size > 0,
-       "max_position_embeddings and type_vocab_size must be > 0");
-  need(hidden_dropout >= 0 && hidden_dropout < 1 && attention_dropout >= 0 &&
-           attention_dropout < 1,
-       "dropout probabilities must be in [0, 1)");
-}
-
-BertInputs to_inputs(const Batch& b) {
-  auto make = [](const std::vector<int64_t>& v, std::vector<int64_t> shape) {
-    return torch::from_blob(const_cast<int64_t*>(v.data()), shape, torch::kLong).clone();
+BertInputs to_inputs(const Batch& b, const at::Device& device) {
+  auto make = [&](const std::vector<int64_t>& v, std::vector<int64_t> shape) {
+    const auto view = torch::from_blob(const_cast<int64_t*>(v.data()), shape, torch::kLong);
+    return device.is_cpu() ? view.clone() : view.to(device);
   };
   BertInputs in;
   in.input_ids = make(b.input_ids, {b.rows, b.seq_length});
@@ -69,10 +26,18 @@ BertInputs to_inputs(const Batch& b) {
   return in;
 }
 
+// hidden_act: BERT's gelu is the exact (erf) one; gelu_new / gelu_pytorch_tanh the tanh
+// approximation (Hugging Face's names).
+static at::Tensor activation(const at::Tensor& x, const std::string& name) {
+  if (name == "gelu") return torch::gelu(x);
+  if (name == "relu") return torch::relu(x);
+  return torch::gelu(x, "tanh");  // validate() admits nothing else
+}
+
 // ---- encoder layer ----------------------------------------------------------------------------
 
 BertLayerImpl::BertLayerImpl(const BertConfig& c)
-    : heads_(c.num_heads), head_dim_(c.hidden_size / c.num_heads) {
+    : heads_(c.num_heads), head_dim_(c.hidden_size / c.num_heads), act_(c.hidden_act) {
   const int64_t h = c.hidden_size;
   auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(c.layer_norm_eps)); };
   // Plain modules only to reproduce the reference parameter names.
@@ -103,7 +68,7 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   auto probs = attn_dropout_(torch::softmax(scores + mask_bias, -1));
   auto context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
   auto attended = attn_norm_(hidden_dropout_(attn_dense_(context)) + x);
-  auto inner = torch::gelu(intermediate_(attended));
+  auto inner = activation(intermediate_(attended), act_);
   return output_norm_(hidden_dropout_(output_(inner)) + attended);
 }
 
@@ -165,6 +130,10 @@ void BertForPreTrainingImpl::init_weights() {
   }
 }
 
+void BertForPreTrainingImpl::set_recompute(bool on) {
+  for (size_t i = 0; i < layers_.size(); ++i) units_->set_recompute(static_cast<int>(i), on);
+}
+
 int64_t BertForPreTrainingImpl::num_parameters() const {
   int64_t n = 0;
   for (const auto& p : parameters()) n += p.numel();
@@ -190,7 +159,13 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   const auto mask_bias =
       ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
   for (size_t i = 0; i < layers_.size(); ++i) {
-    x = units_->run(static_cast<int>(i), [&] { return layers_[i]->forward(x, mask_bias); });
+    // Through run(i, fn, inputs): recomputed in backward when set_recompute(true) declared it.
+    x = units_->run(
+        static_cast<int>(i),
+        [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
+          return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
+        },
+        {x});
   }
   at::Tensor pooled;
   if (pooler_) pooled = units_->run(pooler_unit_, [&] { return torch::tanh(pooler_(x.select(1, 0))); });
@@ -219,7 +194,7 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     out.mlm_labels = labels.index_select(0, valid);
   }
   std::tie(out.mlm_logits, out.nsp_logits) = units_->run(heads_unit_, [&] {
-    const auto t = transform_norm_(torch::gelu(transform_(h)));
+    const auto t = transform_norm_(activation(transform_(h), config_.hidden_act));
     return std::make_tuple(F::linear(t, word_embeddings_->weight, decoder_bias_),
                            seq_relationship_ ? seq_relationship_(pooled) : at::Tensor());
   });
@@ -228,7 +203,7 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
     out.loss = out.mlm_loss + out.nsp_loss;
   } else {
-    out.nsp_loss = torch::zeros({}, torch::kFloat);
+    out.nsp_loss = torch::zeros({}, out.mlm_loss.options());
     out.loss = out.mlm_loss;
   }
   return out;

@@ -19,39 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "bert_config.hpp"
 #include "data.hpp"
 #include "shardopt/units.hpp"
 
 namespace bert {
-
-struct BertConfig {
-  std::string name = "base";
-  int64_t vocab_size = 30522;
-  int64_t hidden_size = 768;
-  int64_t num_layers = 12;
-  int64_t num_heads = 12;
-  int64_t intermediate_size = 3072;
-  int64_t max_position_embeddings = 512;
-  int64_t type_vocab_size = 2;
-  double hidden_dropout = 0.1;
-  double attention_dropout = 0.1;
-  double layer_norm_eps = 1e-12;
-  double initializer_range = 0.02;
-  // Pooler and next-sentence head; off for MLM-only training (no parameters, nsp_loss 0).
-  bool nsp = true;
-  // MLM logits at every position with ignore_index -100 (Hugging Face BertForMaskedLM) rather
-  // than only at the masked ones (Google's gather_indexes): same loss, ~6x the decoder's work.
-  bool mlm_all_positions = false;
-
-  // tiny 2/128/2/512, mini 4/256/4/1024, small 4/512/8/2048, base 12/768/12/3072,
-  // large 24/1024/16/4096 (layers/hidden/heads/intermediate); vocab 30522, 512 positions;
-  // peer: mini without the NSP head, MLM logits at every position (the PyTorch peer's model).
-  // Throws std::invalid_argument for other names.
-  static BertConfig preset(const std::string& name);
-  static std::vector<std::string> preset_names();
-  // Throws std::invalid_argument naming the first inconsistent field.
-  void validate() const;
-};
 
 // Tensors of one batch (int64, on the model's device). masked_labels is -100 where padded.
 struct BertInputs {
@@ -59,8 +31,8 @@ struct BertInputs {
   at::Tensor masked_positions, masked_labels;            // [B, P]
   at::Tensor nsp_labels;                                 // [B]
 };
-// Copies a loader batch into tensors (no copy of the data beyond one from_blob clone each).
-BertInputs to_inputs(const Batch& batch);
+// Copies a loader batch into tensors on `device` (one copy of the data each).
+BertInputs to_inputs(const Batch& batch, const at::Device& device = at::kCPU);
 
 struct BertOutputs {
   at::Tensor loss;        // mlm_loss + nsp_loss (fp32 scalar)
@@ -80,6 +52,7 @@ class BertLayerImpl : public torch::nn::Module {
 
  private:
   int64_t heads_, head_dim_;
+  std::string act_;
   torch::nn::Linear query_{nullptr}, key_{nullptr}, value_{nullptr}, attn_dense_{nullptr};
   torch::nn::LayerNorm attn_norm_{nullptr};
   torch::nn::Linear intermediate_{nullptr}, output_{nullptr};
@@ -108,6 +81,9 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   // so stage 3 gathers them at the lookup and again at the decoder. Hand it to the optimizer as
   // ZeroOptions::units.
   const shardopt::UnitsPtr& units() const { return units_; }
+  // Recompute every encoder layer's activations in backward instead of keeping them
+  // (shardopt/recompute.hpp): less memory, about one more forward per step.
+  void set_recompute(bool on);
   // Parameters counted once each (the tied decoder is the word embedding matrix).
   int64_t num_parameters() const;
 

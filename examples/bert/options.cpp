@@ -2,10 +2,13 @@
 #include "options.hpp"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fmt/format.h>
 
+#include "bert_config.hpp"
 #include "data.hpp"
 #include "tokenizer.hpp"
 
@@ -117,8 +120,23 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
       ->check(integer_at_least(1));
   app.add_flag("--eval-only", a.eval_only, "evaluate the model (with --resume: the checkpoint's) "
                "and exit");
-  app.add_option("--preset", a.preset, "tiny | mini | small | base | large | peer")
-      ->check(CLI::IsMember({"tiny", "mini", "small", "base", "large", "peer"}));
+  auto* preset = app.add_option("--preset", a.preset, "named config: tiny | mini | small | base | "
+                                "large | peer")
+      ->check(CLI::IsMember(BertConfig::preset_names()));
+  app.add_option("--bert-config", a.bert_config, "the model from a Google bert_config.json or a "
+                 "Hugging Face config.json instead of --preset")
+      ->excludes(preset);
+  auto* init = app.add_option("--init-checkpoint", a.init_checkpoint, "start from these weights: "
+                              "a model.pt, a shardopt checkpoint directory, a model.safetensors or "
+                              "a Hugging Face directory (fresh optimizer, step 0)");
+  app.add_option("--export-hf", a.export_hf, "at the end, write a Hugging Face BertForPreTraining "
+                 "directory here: config.json, model.safetensors, vocab.txt, tokenizer files "
+                 "(--save-model: OUT/hf)");
+  app.add_option("--dump-logits", a.dump_logits, "with --eval-only: write the first eval batch's "
+                 "inputs, MLM logits (at its masked positions) and NSP logits to this safetensors "
+                 "file");
+  app.add_option("--device", a.device, "cpu | cuda | cuda:N: where the model and batches live "
+                 "(cuda: NCCL between ranks where built with it)");
   app.add_option("--stage", a.stage, "ZeRO stage")->check(integer_in(0, 3));
   app.add_option("--precision", a.precision, "fp32 | bf16 (CPU) | fp16 (GPU only)")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
@@ -126,9 +144,22 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
       ->check(integer_at_least(1));
   app.add_option("--grad-accum", a.grad_accum, "micro-steps per optimizer step")
       ->check(integer_at_least(1));
-  app.add_option("--lr", a.lr, "peak learning rate (AdamW)")->check(number(0, true));
-  app.add_option("--warmup-steps", a.warmup_steps, "linear warm-up steps")
+  app.add_option("--lr", a.lr, "peak learning rate")->check(number(0, true));
+  app.add_option("--optimizer", a.optimizer, "adamw | lamb (LAMB: Adam's update scaled per tensor "
+                 "by ||w|| / ||update||, for large batches)")
+      ->check(CLI::IsMember({"adamw", "lamb"}));
+  app.add_option("--adam-eps", a.adam_eps, "Adam's epsilon (default: adamw 1e-8 as torch, lamb "
+                 "1e-6; BERT's recipe: 1e-6)")->check(number(0, true));
+  app.add_option("--adam-betas", a.adam_betas, "Adam's beta1,beta2")
+      ->delimiter(',')->expected(2)->check(number(0, false, 0.999999));
+  auto* warmup = app.add_option("--warmup-steps", a.warmup_steps, "linear warm-up steps")
       ->check(integer_at_least(0));
+  app.add_option("--warmup-proportion", a.warmup_proportion, "warm-up as a share of --steps "
+                 "(BERT's warmup_proportion, e.g. 0.1)")
+      ->check(number(0, false, 1))->excludes(warmup);
+  app.add_option("--lr-schedule", a.lr_schedule, "after the warm-up: linear (decay to 0 at "
+                 "--steps, BERT's) | constant | cosine (to 0 at --steps)")
+      ->check(CLI::IsMember({"linear", "constant", "cosine"}));
   app.add_option("--steps", a.steps, "optimizer steps (the LR decays linearly to 0 here)")
       ->check(integer_at_least(1));
   app.add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay (not on bias and "
@@ -191,6 +222,8 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
                  "fp16 (half the bytes on the wire)")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
                "hooks (ZeroOptions::overlap_comm = false)");
+  app.add_flag("--recompute", a.recompute, "recompute every encoder layer's activations in "
+               "backward instead of keeping them (less memory, about a third more compute)");
   app.add_flag("--no-plot", a.no_plot, "do not draw loss.png");
   app.add_flag("--check-loss-decrease", a.check_loss_decrease,
                "exit 3 unless the mean of the last 5 losses is below that of the first 5");
@@ -212,8 +245,52 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
                             "documents (by document) into this eval data file");
 }
 
+void resolve_args(Args& a) {
+  if (a.warmup_proportion >= 0) {
+    a.warmup_steps = std::llround(a.warmup_proportion * static_cast<double>(a.steps));
+  }
+}
+
+double adam_eps(const Args& a) {
+  if (a.adam_eps > 0) return a.adam_eps;
+  return a.optimizer == "lamb" ? 1e-6 : 1e-8;
+}
+
+double lr_at(const Args& a, int64_t step) {
+  if (step < a.warmup_steps) return a.lr * static_cast<double>(step + 1) / a.warmup_steps;
+  const double rest = static_cast<double>(a.steps - a.warmup_steps);
+  if (a.lr_schedule == "constant" || rest <= 0) return a.lr;
+  const double done = std::min(1.0, static_cast<double>(step - a.warmup_steps) / rest);
+  if (a.lr_schedule == "cosine") return a.lr * 0.5 * (1.0 + std::cos(M_PI * done));
+  return a.lr * std::max(0.0, static_cast<double>(a.steps - step) / rest);
+}
+
 std::string check_args(const Args& a, const Commands& c) {
   std::error_code ec;
+  if (a.device != "cpu" && a.device != "cuda" && a.device.rfind("cuda:", 0) != 0) {
+    return fmt::format("--device: expected cpu, cuda or cuda:N, got '{}'", a.device);
+  }
+  if (a.precision == "fp16" && a.device == "cpu") {
+    return "--precision: fp16 needs --device cuda (libtorch's CPU kernels have no fp16 matrix "
+           "products); use bf16 on CPU";
+  }
+  if (!a.bert_config.empty()) {
+    try {
+      BertConfig::load(a.bert_config);
+    } catch (const std::exception& e) {
+      return fmt::format("--bert-config: {}", e.what());
+    }
+  }
+  if (!a.init_checkpoint.empty()) {
+    if (a.resume_requested) {
+      return "--init-checkpoint: cannot be combined with --resume (the checkpoint's parameters "
+             "would replace the initial weights)";
+    }
+    if (!fs::exists(a.init_checkpoint, ec)) {
+      return fmt::format("--init-checkpoint: no such file or directory '{}'", a.init_checkpoint);
+    }
+  }
+  if (!a.dump_logits.empty() && !a.eval_only) return "--dump-logits: needs --eval-only";
   if (a.max_predictions > a.max_seq_length) {
     return fmt::format("--max-predictions: expected at most --max-seq-length ({}), got {}",
                        a.max_seq_length, a.max_predictions);

@@ -28,12 +28,22 @@ struct Args {
   int64_t eval_batch_size = 32;     // rows per eval chunk; part of the eval's result (fixed shapes)
   bool eval_only = false;
   std::string preset = "mini";
+  std::string bert_config;      // bert_config.json / config.json instead of --preset
+  std::string init_checkpoint;  // model.pt, checkpoint directory, model.safetensors
+  std::string export_hf;        // Hugging Face directory written at the end ("" and --save-model: OUT/hf)
+  std::string dump_logits;      // --eval-only: the first eval batch's inputs and logits (safetensors)
+  std::string device = "cpu";   // cpu | cuda | cuda:N
   int stage = 2;
   std::string precision = "fp32";
   int64_t batch_size = 8;
   int grad_accum = 1;
   double lr = 5e-4;
+  std::string optimizer = "adamw";     // adamw | lamb
+  double adam_eps = -1;                // < 0: the optimizer's default (adamw 1e-8, lamb 1e-6)
+  std::vector<double> adam_betas = {0.9, 0.999};
   int64_t warmup_steps = 30;
+  double warmup_proportion = -1;       // >= 0: warm-up steps = round(proportion * --steps)
+  std::string lr_schedule = "linear";  // after the warm-up: linear | constant | cosine
   int64_t steps = 300;
   double weight_decay = 0.01;
   double max_grad_norm = 1.0;
@@ -67,6 +77,7 @@ struct Args {
   int64_t timing_warmup = 5;          // first steps left out of the timing medians
   double block_cache_mb = 1024;       // freed blocks >= 32 MiB kept for reuse; 0: off
   bool no_overlap = false;
+  bool recompute = false;  // every encoder layer recomputed in backward
   int shard_group_size = 0;            // hybrid sharding; 0: over all ranks
   std::string reduce_dtype = "fp32";  // dtype gradients are reduced in
 
@@ -91,6 +102,16 @@ std::string check_args(const Args& a, const Commands& c);
 
 // The vocabulary next to a data file (DATA.vocab.txt, or vocab.txt in its folder), or "".
 std::string vocab_next_to(const std::string& data);
+
+// Fills in what other options imply (--warmup-proportion -> warmup_steps). Call after parsing.
+void resolve_args(Args& a);
+
+// --adam-eps as given, else the optimizer's default.
+double adam_eps(const Args& a);
+
+// The learning rate of step `step` (0-based): linear warm-up over warmup_steps to --lr, then
+// --lr-schedule: linear decay to 0 at --steps (BERT's), constant, or a cosine to 0.
+double lr_at(const Args& a, int64_t step);
 
 // The launcher's rank of this process (mpirun, srun, torchrun), 0 when not launched: who prints
 // option errors before the communicator exists.

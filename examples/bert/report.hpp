@@ -23,6 +23,12 @@ struct TimingSummary {
 TimingSummary summarize_timings(const std::vector<std::vector<double>>& timings, int world,
                                 int64_t skip, int64_t global_batch);
 
+// The closing lines of a run ("[bert] done: ...", the held-out eval, the step time of the
+// slowest rank from steps `first_timed_step` on, peak memory, where the outputs are), all read
+// from summary.json's object `s`.
+void print_summary(const nlohmann::json& s, const TimingSummary& timing, int64_t first_timed_step,
+                   const std::string& summary_path);
+
 // Writes "step loss" lines.
 void write_golden(const std::string& path, const std::vector<double>& losses);
 // Compares the losses with a golden file; prints the verdict; false when beyond `tol`.

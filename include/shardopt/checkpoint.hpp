@@ -23,6 +23,7 @@
 #include <torch/ordered_dict.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -42,9 +43,20 @@ struct TrainerState {
 };
 
 struct SaveOptions {
+  // What a model holds besides the optimizer's parameters, so that the consolidated model.pt
+  // loads with load_state_dict(strict=True): its buffers and frozen parameters by state-dict
+  // name (world rank 0's values are stored), and aliases of optimizer parameters (a decoder
+  // tied to the embedding: alias -> the name the optimizer knows it by). load_checkpoint returns
+  // the stored tensors on rank 0 as TrainerState::tensors["module/<name>"].
+  std::map<std::string, at::Tensor> module_state;
+  std::map<std::string, std::string> aliases;
   // Tests only: this rank throws right after its shard file is written and synced, as if the
   // process died there; the partial temporary directory is left behind like after a real crash.
   int simulate_crash_after_shard_on_rank = -1;
+  // Tests only (fault injection): called on every rank once its shard file is written and synced,
+  // before the ranks agree that the save succeeded; a process killed here leaves the partial
+  // temporary directory behind, as a real crash would.
+  std::function<void(int rank)> after_shard_written;
 };
 
 struct LoadOptions {
@@ -52,6 +64,11 @@ struct LoadOptions {
   // load_state_dict does; false keeps the current ones.
   bool restore_hyperparameters = true;
 };
+
+// SaveOptions::module_state and aliases of a model: its buffers, its frozen parameters, and each
+// parameter name that is a second name of an earlier one (tied weights). Not collective.
+SaveOptions module_save_options(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
+                                const torch::OrderedDict<std::string, at::Tensor>& named_buffers);
 
 // Writes a checkpoint of `optimizer` (and `trainer`) into directory `dir`, atomically (see Note
 // [Atomic checkpoints]); an existing checkpoint there is replaced only once the new one is
@@ -97,6 +114,9 @@ CheckpointInfo read_checkpoint_info(const std::string& dir);
 // shards of `dir` (checksums verified). One process, not collective.
 struct FullState {
   torch::OrderedDict<std::string, at::Tensor> params;
+  // SaveOptions::module_state and aliases, when the save had them.
+  std::map<std::string, at::Tensor> module_state;
+  std::map<std::string, std::string> aliases;
   // state name ("exp_avg", ...) -> parameter name -> tensor of the parameter's shape.
   std::map<std::string, torch::OrderedDict<std::string, at::Tensor>> optimizer_state;
   int64_t step = 0;
@@ -112,10 +132,15 @@ struct ConsolidateOptions {
 };
 
 // Writes the full fp32 state dict {name: tensor} of checkpoint `dir` to file `out` in torch's
-// zip/pickle format: `torch::pickle_load` in C++ and `torch.load` in Python read it. The write is
+// zip/pickle format, with the module state and aliases the save was given (SaveOptions): `torch::pickle_load` in C++ and `torch.load` in Python read it. The write is
 // atomic (temporary file + rename). One process, not collective (shardopt-consolidate CLI).
 void consolidate_checkpoint(const std::string& dir, const std::string& out,
                             const ConsolidateOptions& options = {});
+
+// The {name: tensor} of a file consolidate_checkpoint or Python's torch.save(dict(...)) wrote (one
+// process, not collective); entries that are not tensors are skipped. Throws Error{Checkpoint}
+// naming the file when it cannot be read or holds no dict.
+torch::OrderedDict<std::string, at::Tensor> read_state_dict(const std::string& model_file);
 
 // The reverse: starts a sharded run from a full state. Every optimizer parameter must be present
 // with its shape (Error{Mismatch} otherwise); other entries (buffers, tied aliases, frozen

@@ -95,6 +95,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // MPI, equal gethostname() elsewhere. Call on all ranks.
   CommunicatorPtr split_by_host();
 
+  // Ends every rank of the job now, from this rank alone (not collective; shardopt::abort_job in
+  // job.hpp prints the reason first): MPI_Abort on MPI; on the other engines this process exits at
+  // once, which fails the peers' pending collectives, and the launcher ends the rest.
+  [[noreturn]] void abort(int exit_code = 1);
+
  protected:
   Communicator(int rank, int size);
   // Engines implement these on validated arguments (contiguous, same dtype/device, sizes checked).
@@ -110,6 +115,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual CommunicatorPtr do_split(int color, int key);
   // Default: all-gathers each rank's hostname and splits by it.
   virtual CommunicatorPtr do_split_by_host();
+  // Engines that can end the whole job (MPI_Abort) override this; the default returns, and
+  // abort() then exits the process without running destructors (which could wait on peers).
+  virtual void do_abort(int exit_code);
 
  private:
   WorkPtr finish(WorkPtr work, const at::Tensor& result, ReduceOp requested, bool async);

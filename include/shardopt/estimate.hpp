@@ -8,24 +8,39 @@
 //   const auto e = shardopt::estimate::model_states(o);
 //   e.device.total(); e.host.total(); e.comm_elements;
 //
-// Bytes of model state per rank, Ψ = parameters (padded to a multiple of N·align), N = ranks,
-// P/G = bytes per compute parameter/gradient (fp32: 4/4, fp16/bf16: 2/2), K = bytes of optimizer
-// state per parameter (Adam/AdamW 8, SGD with momentum 4, +4 for the fp32 master copy under mixed
-// precision):
+// Two accountings of the bytes of model state per rank (Ψ = parameters, padded to a multiple of
+// N·align; N = ranks; P/G = bytes per compute parameter/gradient; K = bytes of optimizer state per
+// parameter, Adam/AdamW 8, SGD with momentum 4, plus the master copy where there is one):
+//
+// Accounting::Engine (the default): what shardopt's optimizer allocates, from the same StagePlan
+// and Placement the engine builds (shardopt/detail/plan.hpp), so opt.memory() equals it
+// (tests/dist/estimate_memory_test.cpp: params, gradients and optimizer state exactly; buffers
+// are an upper bound). Parameters are assumed given in fp32, as the engine lays them out. Where
+// the plan buckets gradients (stages 2-3, and every stage under fp16/bf16, offload or a
+// reduce_dtype) the kept gradients are the reduced ones, in the master dtype (fp32) over this
+// rank's update range (Ψ/N sharded, Ψ at stage 0), plus two bucket buffers of one bucket each in
+// the reduce dtype (while gradients arrive about in layout order; a bucket waiting for a late
+// gradient holds one more); otherwise (stages 0-1 in fp32) a full flat gradient buffer.
+// Offload puts the master, the state and the reduced gradients on the host.
+//
+// Accounting::ZeroPaper: DESIGN.md's table, the ZeRO paper's and DeepSpeed's estimator's model,
+// with gradients in the compute dtype (K includes the master copy under mixed precision):
 //
 //   stage 0  (P + G + K)·Ψ      stage 1  (P + G)·Ψ + K·Ψ/N
 //   stage 2  P·Ψ + (G + K)·Ψ/N  stage 3  (P + G + K)·Ψ/N
 //
-// plus bounded buffers: stage 2 keeps at most two bucket buffers of bucket_bytes (buckets split
-// parameters, so no buffer is sized by the largest one; never more than the whole gradient;
-// bucket_bytes 0 sizes them as the optimizer does, Note [Default bucket size] in
-// shardopt/detail/partition.hpp, so that stage 2 never holds more than stage 1);
-// stage 3 holds the two largest gathered units with their full gradients,
-// (P + G)·(U1 + U2). Stages 0-1 reduce in place in the flat gradient buffer (no extra buffer),
-// as shardopt's optimizer does (tests/dist/stages_dist_test.cpp, StageMemory).
+// plus bounded buffers: stage 2 at most two bucket buffers, stage 3 the two largest gathered units
+// with their full gradients, (P + G)·(U1 + U2); Offload::CPU moves the optimizer state (K part) to
+// the host and, for stage >= 2, the gradient shard as fp32. In fp32 without offload the two agree.
 //
-// Offload::CPU moves the optimizer state (K part) to the host and, for stage >= 2, the gradient
-// shard as fp32 (4·Ψ/N on the host, none kept on the device besides the bucket buffers).
+// Bucket size: bucket_bytes when > 0; 0 (the default, as ZeroOptions') sizes a bucket as the
+// optimizer does, at most 16 MiB and at most a quarter of the gradient elements sharding frees,
+// Ψ·(N-1)/(4N) (Note [Default bucket size] in shardopt/detail/plan.hpp, the one place the rule
+// lives): the two buffers then cost at most half of what stage 2 saves over stage 1, so in fp32
+// with default options stage 3 <= stage 2 < stage 1 < stage 0 at N >= 2, stage 3 counted with two
+// gathered units of one bucket each (tests/unit/estimate_test.cpp,
+// DefaultBucketsKeepHigherStagesSmaller). An explicit bucket_bytes is honoured even where it
+// breaks that order.
 //
 // Communication per step and rank: 2Ψ elements for stages 0-2 (reduce-scatter + all-gather, or an
 // all-reduce), 3Ψ for stage 3 (an extra all-gather in backward); bytes: gradients travel with G
@@ -44,26 +59,21 @@
 #include <string>
 #include <vector>
 
+#include "shardopt/detail/names.hpp"
 #include "shardopt/detail/partition.hpp"
+#include "shardopt/detail/plan.hpp"
+#include "shardopt/precision.hpp"
+#include "shardopt/sharding.hpp"
 
 namespace shardopt::estimate {
 
-// Mirrors shardopt::Precision / shardopt::Offload of options.hpp, which is not torch-free.
-enum class Precision { FP32, FP16, BF16 };
-enum class Offload { None, CPU };
+using shardopt::Offload;
+using shardopt::Precision;
+inline const char* to_string(Offload o) { return shardopt::detail::offload_name(o); }
 // Optimizer state per parameter (fp32 bytes, without the master copy):
 // Adam/AdamW/Lamb 8 (m, v), SGD with momentum 4, Adagrad 4, SGD without momentum 0.
 enum class Optimizer { Adam, AdamW, Lamb, SGD, Adagrad, SGDNoMomentum };
 
-inline const char* to_string(Precision p) {
-  switch (p) {
-    case Precision::FP32: return "fp32";
-    case Precision::FP16: return "fp16";
-    case Precision::BF16: return "bf16";
-  }
-  return "?";
-}
-inline const char* to_string(Offload o) { return o == Offload::CPU ? "cpu" : "none"; }
 inline const char* to_string(Optimizer o) {
   switch (o) {
     case Optimizer::Adam: return "adam";
@@ -77,14 +87,11 @@ inline const char* to_string(Optimizer o) {
 }
 
 inline Precision parse_precision(const std::string& s) {
-  if (s == "fp32") return Precision::FP32;
-  if (s == "fp16") return Precision::FP16;
-  if (s == "bf16") return Precision::BF16;
+  if (const auto p = shardopt::detail::precision_named(s)) return *p;
   throw std::invalid_argument("estimate: unknown precision '" + s + "', expected fp32, fp16 or bf16");
 }
 inline Offload parse_offload(const std::string& s) {
-  if (s == "none") return Offload::None;
-  if (s == "cpu") return Offload::CPU;
+  if (const auto o = shardopt::detail::offload_named(s)) return *o;
   throw std::invalid_argument("estimate: unknown offload '" + s + "', expected none or cpu");
 }
 inline Optimizer parse_optimizer(const std::string& s) {
@@ -110,15 +117,23 @@ inline int state_bytes(Optimizer o, Precision p) {
   return k + (p == Precision::FP32 ? 0 : 4);
 }
 
+enum class Accounting { Engine, ZeroPaper };
+
 struct Options {
+  Accounting accounting = Accounting::Engine;
   int64_t params = 0;  // Ψ: trainable parameters (tied ones once)
   int world = 1;       // N
   int stage = 2;       // 0..3
   Precision precision = Precision::FP32;
   Offload offload = Offload::None;
+  // Engine accounting: ZeroOptions::reduce_dtype and reduce_in_fp32, and whether the model trains
+  // in host memory (a CPU run: offload then moves nothing and needs no separate master).
+  Precision reduce_dtype = Precision::FP32;
+  bool reduce_in_fp32 = true;
+  bool params_on_host = false;
   Optimizer optimizer = Optimizer::AdamW;
   int state_bytes = -1;  // overrides K when >= 0 (master copy included)
-  int64_t bucket_bytes = 0;  // 0: ZeroOptions' default rule (Note [Default bucket size])
+  int64_t bucket_bytes = 0;  // 0: sized from the model (Note [Default bucket size])
   // Shard boundaries aligned to this many bytes (ZeroOptions::align_bytes); Ψ is padded to a
   // multiple of N·align/P elements. 0: no padding (the DESIGN.md formulas verbatim).
   int64_t align_bytes = 0;
@@ -154,29 +169,11 @@ struct Estimate {
   int64_t model_state() const { return device.model_state() + host.model_state(); }
 };
 
-inline Estimate model_states(const Options& o) {
-  if (o.params < 0) throw std::invalid_argument("estimate: params must be >= 0");
-  if (o.world < 1) throw std::invalid_argument("estimate: world must be >= 1");
-  if (o.stage < 0 || o.stage > 3) throw std::invalid_argument("estimate: stage must be 0..3");
-  if (o.bucket_bytes < 0 || o.align_bytes < 0 || o.gathered_units_params < 0 ||
-      o.largest_param < 0) {
-    throw std::invalid_argument(
-        "estimate: bucket_bytes, align_bytes, gathered_units_params, largest_param >= 0");
-  }
-  Estimate e;
-  e.options = o;
-  e.p = param_bytes(o.precision);
-  e.g = grad_bytes(o.precision);
-  e.k = o.state_bytes >= 0 ? o.state_bytes : state_bytes(o.optimizer, o.precision);
-  const int64_t n = o.world;
-  const int64_t align_numel = std::max<int64_t>(1, o.align_bytes / e.p);
-  const int64_t psi = o.align_bytes > 0 ? detail::round_up(o.params, n * align_numel) : o.params;
-  e.padded_params = psi;
-  // Exact 1/N for the padded case; otherwise the exact rational value rounded up (uneven shards:
-  // the largest rank holds ceil(Ψ/N)).
-  const int64_t shard = (psi + n - 1) / n;
-  const int64_t p = e.p, g = e.g, k = e.k;
+namespace detail_estimate {
 
+// DESIGN.md's table (Accounting::ZeroPaper).
+inline void zero_paper(const Options& o, Estimate& e, int64_t psi, int64_t shard) {
+  const int64_t p = e.p, g = e.g, k = e.k;
   Breakdown dev, host;
   switch (o.stage) {
     case 0: dev.params = p * psi; dev.grads = g * psi; dev.optimizer_state = k * psi; break;
@@ -184,18 +181,14 @@ inline Estimate model_states(const Options& o) {
     case 2: dev.params = p * psi; dev.grads = g * shard; dev.optimizer_state = k * shard; break;
     case 3: dev.params = p * shard; dev.grads = g * shard; dev.optimizer_state = k * shard; break;
   }
-  // Bounded buffers, in buckets of the optimizer's size.
-  const int64_t bucket = p * detail::bucket_numel_for(o.bucket_bytes, psi, o.world, p);
+  // Bounded buffers.
   if (o.stage == 2) {
     // Two pooled bucket buffers, never more than the whole gradient (a parameter may span
     // buckets, so no buffer is sized by the largest parameter).
-    dev.buffers = std::min<int64_t>(2 * bucket, g * psi);
+    const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, g);
+    dev.buffers = g * std::min(2 * bucket, psi);
   } else if (o.stage == 3) {
-    int64_t units = o.gathered_units_params;
-    if (units == 0) units = 2 * std::max<int64_t>(1, bucket / p);
-    units = std::min(units, psi);
-    e.gathered_units_params = units;
-    dev.buffers = (p + g) * units;
+    dev.buffers = (p + g) * e.gathered_units_params;
   }
   if (o.offload == Offload::CPU) {
     host.optimizer_state = dev.optimizer_state;
@@ -207,10 +200,87 @@ inline Estimate model_states(const Options& o) {
   }
   e.device = dev;
   e.host = host;
+}
+
+// What the engine allocates (Accounting::Engine), from its StagePlan and Placement.
+inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
+                   const shardopt::detail::Placement& place, int given, Estimate& e, int64_t psi,
+                   int64_t shard) {
+  const int64_t p = e.p, master = bytes_of(place.master, given);
+  const int64_t reduce = bytes_of(place.reduce, given);
+  const int64_t update = plan.sharded() ? shard : psi;  // elements this rank updates
+  Breakdown dev, host;
+  Breakdown& on_master = place.master_on_host ? host : dev;
+  dev.params = p * (plan.per_unit() ? shard : psi);
+  on_master.optimizer_state = e.k * update;
+  if (plan.bucketed()) {
+    on_master.grads = master * update;  // reduced gradients
+    const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, given);
+    dev.buffers = reduce * std::min(2 * bucket, psi);  // the bucket pool
+    if (place.pinned) host.buffers = reduce * std::min(bucket, psi);  // offload's staging
+  } else {
+    dev.grads = reduce * psi;  // the flat gradient buffer, reduced in place
+  }
+  // Stage 3: the gathered units and their gradients in the compute dtype.
+  if (plan.per_unit()) dev.buffers += 2 * p * e.gathered_units_params;
+  e.device = dev;
+  e.host = host;
+}
+
+}  // namespace detail_estimate
+
+inline Estimate model_states(const Options& o) {
+  if (o.params < 0) throw std::invalid_argument("estimate: params must be >= 0");
+  if (o.world < 1) throw std::invalid_argument("estimate: world must be >= 1");
+  if (o.stage < 0 || o.stage > 3) throw std::invalid_argument("estimate: stage must be 0..3");
+  if (o.bucket_bytes < 0 || o.align_bytes < 0 || o.gathered_units_params < 0 ||
+      o.largest_param < 0) {
+    throw std::invalid_argument(
+        "estimate: bucket_bytes, align_bytes, gathered_units_params, largest_param >= 0");
+  }
+  using shardopt::detail::Placement;
+  using shardopt::detail::StagePlan;
+  const bool paper = o.accounting == Accounting::ZeroPaper;
+  const StagePlan plan = StagePlan::make(static_cast<Stage>(o.stage), o.precision, o.offload,
+                                         o.params_on_host, o.reduce_dtype != Precision::FP32);
+  const Placement place =
+      Placement::make(plan, o.precision, o.reduce_dtype, o.reduce_in_fp32, o.params_on_host);
+  const int given = 4;  // the engine's layout counts in the parameters' own (fp32) elements
+  Estimate e;
+  e.options = o;
+  e.p = bytes_of(place.model, given);
+  e.g = paper ? e.p : bytes_of(plan.bucketed() ? place.master : place.reduce, given);
+  if (o.state_bytes >= 0) {
+    e.k = o.state_bytes;
+  } else if (paper) {
+    e.k = state_bytes(o.optimizer, o.precision);
+  } else {
+    e.k = state_bytes(o.optimizer, Precision::FP32) +
+          (plan.separate_master() ? bytes_of(place.master, given) : 0);
+  }
+  const int64_t n = o.world;
+  const int64_t align_numel = std::max<int64_t>(1, o.align_bytes / (paper ? e.p : given));
+  const int64_t psi = o.align_bytes > 0 ? detail::round_up(o.params, n * align_numel) : o.params;
+  e.padded_params = psi;
+  // Exact 1/N for the padded case; otherwise the exact rational value rounded up (uneven shards:
+  // the largest rank holds ceil(Ψ/N)).
+  const int64_t shard = (psi + n - 1) / n;
+  if (o.stage == 3) {
+    int64_t units = o.gathered_units_params;
+    if (units == 0) units = 2 * detail::bucket_numel(o.bucket_bytes, o.params, o.world, e.p);
+    e.gathered_units_params = std::min(units, psi);
+  }
+  if (paper) {
+    detail_estimate::zero_paper(o, e, psi, shard);
+  } else {
+    detail_estimate::engine(o, plan, place, given, e, psi, shard);
+  }
 
   e.comm_elements = (o.stage == 3 ? 3 : 2) * psi;
-  // Gradients: one reduce-scatter (or all-reduce) in G bytes; parameters: all-gathers in P bytes.
-  e.comm_bytes = g * psi + (o.stage == 3 ? 2 : 1) * p * psi;
+  // Gradients: one reduce-scatter (or all-reduce) in the reduce dtype; parameters: all-gathers
+  // in P bytes.
+  const int64_t wire_g = paper ? e.g : bytes_of(place.reduce, given);
+  e.comm_bytes = wire_g * psi + (o.stage == 3 ? 2 : 1) * e.p * psi;
   e.wire_bytes = n == 1 ? 0 : e.comm_bytes / n * (n - 1);
   return e;
 }
@@ -230,26 +300,35 @@ struct BertConfig {
   bool tied_decoder = true;  // MLM decoder weight shared with the word embeddings
 };
 
-// tiny 2/128/2/512, mini 4/256/4/1024, small 4/512/8/2048, base 12/768/12/3072,
-// large 24/1024/16/4096 (layers/hidden/heads/intermediate); vocab 30522, 512 positions, 2 types.
-// peer: the PyTorch peer baseline's model, mini's shape without pooler and NSP head (MLM only).
-inline BertConfig bert_preset(const std::string& name) {
-  BertConfig c;
-  auto set = [&](int64_t l, int64_t h, int64_t a, int64_t i) {
-    c.layers = l, c.hidden = h, c.heads = a, c.intermediate = i;
-  };
-  if (name == "tiny") set(2, 128, 2, 512);
-  else if (name == "mini") set(4, 256, 4, 1024);
-  else if (name == "small") set(4, 512, 8, 2048);
-  else if (name == "base") set(12, 768, 12, 3072);
-  else if (name == "large") set(24, 1024, 16, 4096);
-  else if (name == "peer") {
-    set(4, 256, 4, 1024);
-    c.pooler = false;
-    c.nsp_head = false;
+// The BERT presets, the one table the estimator and examples/bert share: layers, hidden size,
+// heads, intermediate size; vocab 30522, 512 positions, 2 types. `heads_for_pretraining`: the
+// pooler and NSP head (peer: the PyTorch peer baseline's model, mini's shape, MLM only).
+struct BertPreset {
+  const char* name;
+  int64_t layers, hidden, heads, intermediate;
+  bool heads_for_pretraining;
+};
+inline constexpr BertPreset kBertPresets[] = {
+    {"tiny", 2, 128, 2, 512, true},       {"mini", 4, 256, 4, 1024, true},
+    {"small", 4, 512, 8, 2048, true},     {"base", 12, 768, 12, 3072, true},
+    {"large", 24, 1024, 16, 4096, true},  {"peer", 4, 256, 4, 1024, false},
+};
+
+// The preset called `name`; throws std::invalid_argument naming the presets otherwise.
+inline const BertPreset& find_bert_preset(const std::string& name) {
+  for (const auto& p : kBertPresets) {
+    if (name == p.name) return p;
   }
-  else throw std::invalid_argument("estimate: unknown BERT preset '" + name +
-                                   "', expected tiny, mini, small, base, large or peer");
+  std::string names;
+  for (const auto& p : kBertPresets) names += std::string(names.empty() ? "" : ", ") + p.name;
+  throw std::invalid_argument("unknown BERT preset '" + name + "', expected one of " + names);
+}
+
+inline BertConfig bert_preset(const std::string& name) {
+  const BertPreset& p = find_bert_preset(name);
+  BertConfig c;
+  c.layers = p.layers, c.hidden = p.hidden, c.heads = p.heads, c.intermediate = p.intermediate;
+  c.pooler = c.nsp_head = p.heads_for_pretraining;
   return c;
 }
 

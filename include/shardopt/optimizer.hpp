@@ -24,6 +24,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/options.hpp"
 #include "shardopt/rules.hpp"
+#include "shardopt/state_dict.hpp"
 
 namespace shardopt {
 
@@ -104,8 +105,12 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Finishes the gradient reduction, clips, updates the local shard and gathers parameters.
   // The closure, when given, is called first (under grad mode) and its loss returned.
   at::Tensor step(LossClosure closure = nullptr) override;
-  // Clears gradients (in place for stages 0-1; shards for stage 2). Hides the base's.
-  void zero_grad();
+  // Clears gradients (in place for stages 0-1; shards for stage 2); `set_to_none` does not
+  // matter (gradients live in shardopt's buffers). Optional between steps: step() consumes the
+  // gradients, so the next backward starts from zero also when a trainer holding a
+  // torch::optim::Optimizer& calls the base's zero_grad, which is not virtual (torch 1.13's
+  // zero_grad(), 2.6's zero_grad(bool)), or none at all.
+  void zero_grad(bool set_to_none = true);
   // (loss / grad_accumulation_steps).backward() plus micro-step bookkeeping (and loss scaling
   // with fp16). Gradients are summed over micro-steps, so torch's own (loss / k).backward() gives
   // the same big-batch gradient (Note [Gradient accumulation convention], src/engine/engine.cpp).
@@ -139,9 +144,45 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   Rule group_rule(size_t group) const;
   void set_group_rule(size_t group, const Rule& rule);
 
+  // Parameter groups are fixed at construction (they decide the flat layout every rank shares):
+  // throws Error{InvalidArgument}. Torch's add_param_group is not virtual; a group added through
+  // a torch::optim::Optimizer& is reported by the next step().
+  void add_param_group(const torch::optim::OptimizerParamGroup& group);
+
+  // ---- torch's state-dict contract (shardopt/state_dict.hpp) -------------------------------
+  // Gathers the full optimizer state onto world rank `to` (ZeroRedundancyOptimizer's
+  // consolidate_state_dict). Collective. Throws Error{Unsupported} for factory-built optimizers.
+  void consolidate_state_dict(int to = 0);
+  // The state consolidate_state_dict gathered, on its rank `to`, as long as no step() ran since;
+  // elsewhere throws Error{InvalidArgument} saying to consolidate first. Not collective.
+  const OptimizerStateDict& state_dict() const;
+  // Replaces the optimizer state (step count, every buffer) and the groups' hyper-parameters with
+  // a full state, as torch's load_state_dict does; parameters keep their values. Every rank
+  // passes the same state; each keeps its shard. Collective. Error{Mismatch} when the groups,
+  // parameters, shapes or state buffers are not those of this optimizer.
+  void load_state_dict(const OptimizerStateDict& state);
+  // torch::save(opt, file) on the consolidated rank writes what torch::load into a
+  // torch::optim optimizer of the same rule (AdamW, Adam, SGD, Adagrad, RMSprop; LAMB has no
+  // torch counterpart) reads; torch::load(opt, file) on every rank loads such a file (collective).
+  // Anything else throws Error{Unsupported} or Error{InvalidArgument}, never writes an empty file.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
  private:
   friend detail::ShardAccess& detail::shard_access(DistributedOptimizer& optimizer);
+  void register_groups(const std::vector<ParamGroup>& groups);
+  void check_groups_unchanged() const;
+  void push_factory_lr();
   std::unique_ptr<detail::Engine> engine_;
+  // The parameters as given, by group (frozen and tied ones too): what torch's state dicts list.
+  struct GivenParam {
+    std::string name;
+    int index = -1;  // its slot in the flat layout; -1 when frozen
+  };
+  std::vector<std::vector<GivenParam>> given_;
+  std::unique_ptr<OptimizerStateDict> consolidated_;
+  int64_t consolidated_step_ = -1;
+  double factory_lr_ = -1.0;  // factory-built: the lr last handed to the torch optimizer
 };
 
 }  // namespace shardopt

@@ -8,6 +8,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/precision.hpp"
 #include "shardopt/sharding.hpp"
+#include "shardopt/unit_policy.hpp"
 
 namespace shardopt {
 
@@ -22,7 +23,7 @@ struct ZeroOptions {
   // Gradients are reduced in buckets of this many bytes (plus alignment); a parameter that does
   // not fit continues in the next bucket, so bucket buffers never grow with the largest one.
   // 0: sized from the model, at most 16 MiB and small enough that a higher stage never holds
-  // more than a lower one (Note [Default bucket size], shardopt/detail/partition.hpp).
+  // more than a lower one (Note [Default bucket size], shardopt/detail/plan.hpp).
   int64_t bucket_bytes = 0;
   // Start each bucket's reduction from the backward hooks as soon as it is complete.
   bool overlap_comm = true;
@@ -32,7 +33,7 @@ struct ZeroOptions {
   // fp32 without offload keep full gradients between micro-steps and communicate once per step.
   // Stages 2-3, and every stage under fp16/bf16 or offload, copy gradients out of autograd per
   // bucket and reduce every micro-step into the fp32 (host) gradient shard: k reductions per step
-  // for 1/N gradient memory (src/engine/plan.hpp decides this).
+  // for 1/N gradient memory (shardopt/detail/plan.hpp decides this).
   int grad_accumulation_steps = 1;
   // Global gradient-norm clipping across all shards; 0 disables it.
   double max_grad_norm = 0.0;
@@ -69,8 +70,12 @@ struct ZeroOptions {
   int64_t align_bytes = 64;
   // Stage 3: the units whose parameters are gathered together (shardopt/units.hpp); the model
   // calls units->run(i, ...) around each. Parameters in no unit are gathered from zero_grad()
-  // until step() (without units: the whole model, stage 2's parameter memory during the step).
+  // until step(). Unset: automatic units, derived from the parameters' names by `unit_policy`
+  // and gathered on first use (Note [Automatic units] in src/engine/auto_gather.cpp), with no
+  // change to the model.
   std::shared_ptr<Units> units;
+  // Stage 3 without `units`: how units are derived from the parameters' names.
+  UnitPolicy unit_policy;
   // Stage 3: how many units ahead to gather asynchronously (forward and backward); 0 gathers
   // each unit only when it is needed.
   int prefetch = 1;

@@ -1,5 +1,5 @@
 // What a rank shards (ZeRO's stages) and where the optimizer's state lives (offload). Torch-free.
-// What each choice means for the engine is decided in one place, src/engine/plan.hpp.
+// What each choice means for the engine is decided in one place, shardopt/detail/plan.hpp.
 #pragma once
 
 namespace shardopt {

@@ -18,6 +18,15 @@
 // whenever either runs and freed once its gradient is in. Parameters declared in no unit are
 // gathered from zero_grad() (or the first run()) until step(), and named in a warning.
 //
+// Recomputation: a unit declared with UnitOptions{/*recompute=*/true} (or set_recompute) keeps
+// none of its activations; call it with its inputs, run(i, fn, inputs), and run() wraps the call
+// in shardopt::recompute (recompute.hpp, whose Note [What fn may capture] applies to fn):
+//   units->add_module("layer0", layer, {/*recompute=*/true});
+//   x = units->run(0, [layer, mask](const std::vector<at::Tensor>& in) {
+//     return layer->forward(in[0], mask); }, {x});
+// Without the declaration the same call just runs fn(inputs). At stage 3 backward gathers the
+// unit before the recomputation, as it does for any unit, so recomputing costs no communication.
+//
 // Communication per micro-step: each unit's parameters are all-gathered once per run in forward
 // and once in backward, and reduce-scattered once; parameters in no unit once per step.
 //
@@ -28,6 +37,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include "shardopt/recompute.hpp"
 
 #include <memory>
 #include <string>
@@ -48,26 +59,38 @@ class UnitRuntime {
   virtual void mark_for_backward(int unit, const at::Tensor& output) = 0;
 };
 
+struct UnitOptions {
+  bool recompute = false;  // run(i, fn, inputs) recomputes the unit's activations in backward
+};
+
 class Units {
  public:
   // Declares a unit gathered as one; returns its index for run().
-  int add(std::string name, std::vector<at::Tensor> parameters);
+  int add(std::string name, std::vector<at::Tensor> parameters, UnitOptions options = {});
   // Any module or module holder: its parameters, recursively.
   template <typename Module>
-  int add_module(std::string name, const Module& module) {
-    return add(std::move(name), module->parameters(/*recurse=*/true));
+  int add_module(std::string name, const Module& module, UnitOptions options = {}) {
+    return add(std::move(name), module->parameters(/*recurse=*/true), options);
+  }
+  void set_recompute(int index, bool recompute);
+  bool recomputes(int index) const;
+
+  // run() for a unit that takes tensors: fn(inputs), through shardopt::recompute when the unit
+  // is declared to recompute. fn returns an at::Tensor or a std::vector<at::Tensor>.
+  template <typename Fn>
+  auto run(int index, Fn&& fn, std::vector<at::Tensor> inputs)
+      -> std::invoke_result_t<Fn&, const std::vector<at::Tensor>&> {
+    return run_unit(index, [&] {
+      return recomputes(index) ? recompute(fn, std::move(inputs)) : fn(inputs);
+    });
   }
 
   // Calls fn() with unit `index`'s parameters gathered; returns what fn returns (a tensor, a
   // vector or tuple of tensors, or anything else, which is passed through).
   template <typename Fn>
   auto run(int index, Fn&& fn) -> decltype(fn()) {
-    check_index(index);
-    if (runtime_ == nullptr) return fn();
-    Scope scope(*this, index);
-    auto out = fn();
-    mark(index, out);
-    return out;
+    check_plain_run(index);
+    return run_unit(index, std::forward<Fn>(fn));
   }
 
   // run() split in two, for callers that reach a unit through hooks rather than a call they can
@@ -96,6 +119,7 @@ class Units {
   struct Unit {
     std::string name;
     std::vector<at::Tensor> parameters;
+    UnitOptions options;
   };
   struct Scope {
     Scope(Units& units, int index) : units(units), index(index) { units.runtime_->enter(index); }
@@ -106,7 +130,19 @@ class Units {
     int index;
   };
 
+  template <typename Fn>
+  auto run_unit(int index, Fn&& fn) -> decltype(fn()) {
+    check_index(index);
+    if (runtime_ == nullptr) return fn();
+    Scope scope(*this, index);
+    auto out = fn();
+    mark(index, out);
+    return out;
+  }
+
   void check_index(int index) const;
+  // A recomputing unit needs its inputs: run(i, fn) without them is refused, naming the unit.
+  void check_plain_run(int index) const;
   void mark(int index, const at::Tensor& t) {
     if (t.defined() && t.requires_grad()) runtime_->mark_for_backward(index, t);
   }

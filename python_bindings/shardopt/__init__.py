@@ -1,4 +1,4 @@
-"""shardopt: ZeRO-style sharded data parallelism (stages 0-2) for PyTorch, run by C++.
+"""shardopt: ZeRO-style sharded data parallelism (stages 0-3) for PyTorch, run by C++.
 
     import shardopt
     comm = shardopt.init_from_env()      # mpirun -> MPI; torchrun -> Gloo; else one process
@@ -10,6 +10,10 @@
         opt.backward(loss)               # or loss.backward()
         opt.step()
 
+    opt.save_checkpoint("ckpt", client_state={"step": step})   # sharded, atomic, collective
+    opt.consolidate_state_dict(0)                               # or torch's format, on rank 0
+    if comm.rank == 0: torch.save(opt.state_dict(), "optim.pt") # loads into torch.optim.AdamW
+
 See DistributedOptimizer's docstring, estimate() for the memory model, and the exception types
 (Error and its subclasses) for what C++ errors become.
 """
@@ -17,12 +21,14 @@ import torch  # noqa: F401  first: loads the libtorch _C links against, and torc
 
 from . import _C
 from ._C import (CheckpointError, CommTimeoutError, CommunicationError, Error, InternalError,
-                 InvalidArgumentError, MismatchError, UnsupportedError)
-from ._C import (Capabilities, Communicator, Estimate, MemoryBreakdown, MemoryReport, ReduceOp,
-                 StepStats, Units, Work, ZeroOptions)
+                 InvalidArgumentError, MismatchError, NonFiniteError, OutOfMemoryError,
+                 UnsupportedError)
+from ._C import (Capabilities, Communicator, Estimate, LossScaleOptions, MemoryBreakdown,
+                 MemoryReport, ReduceOp, StepStats, UnitPolicy, Units, Work, ZeroOptions)
 from .comm import default_communicator, from_process_group, init_from_env, make_single_communicator
 from .estimate import bert_parameter_count, estimate, estimate_model
-from .optimizer import DistributedOptimizer, consolidate_checkpoint, modules_of_type
+from .optimizer import (DistributedOptimizer, consolidate_checkpoint, modules_of_type,
+                        read_checkpoint_info, read_full_state)
 
 if _C.has_gloo:
     from .comm import make_gloo_communicator  # noqa: F401

@@ -4,14 +4,17 @@ The C++ object owns the flat buffers, the gradient hooks and the sharded update;
 torch's param_groups (so LR schedulers, ``group["lr"] = ...`` and per-group hyper-parameters
 work) and pushes every group's hyper-parameters into C++ right before each step.
 """
+import json
 import os
+import warnings
 
 import torch
 
 from . import _C
-from .comm import _unsupported, default_communicator
+from .comm import default_communicator
 
-__all__ = ["DistributedOptimizer", "consolidate_checkpoint", "modules_of_type"]
+__all__ = ["DistributedOptimizer", "consolidate_checkpoint", "modules_of_type",
+           "read_checkpoint_info", "read_full_state"]
 
 # torch >= 2.0 can call a forward hook even when forward raises (the unit is released then).
 _HOOK_ALWAYS_CALL = "always_call" in torch.nn.Module.register_forward_hook.__code__.co_varnames
@@ -20,10 +23,30 @@ _HOOK_ALWAYS_CALL = "always_call" in torch.nn.Module.register_forward_hook.__cod
 # those named like a native rule (torch.optim.AdamW -> "adamw"; torch has no LAMB).
 _NATIVE_CLASSES = {cls: cls.__name__.lower() for cls in vars(torch.optim).values()
                    if isinstance(cls, type) and cls.__name__.lower() in _C._rule_names()}
-_OPTION_FIELDS = ("stage", "bucket_bytes", "overlap_comm", "grad_accumulation_steps",
-                  "max_grad_norm", "precision", "offload", "broadcast_initial_params",
-                  "align_bytes", "prefetch", "timeout", "shard_group_size", "reduce_dtype")
+_TORCH_CLASSES = {name: cls for cls, name in _NATIVE_CLASSES.items()}
+
+
+def _fields(cls):
+    """The fields a bound options class declares (its properties), in declaration order: the one
+    list the keywords, options= copies and repr are derived from."""
+    return tuple(k for k, v in vars(cls).items() if isinstance(v, property))
+
+
+# Every ZeroOptions field; `units` is set through DistributedOptimizer's own units= (modules).
+_OPTION_FIELDS = _fields(_C.ZeroOptions)
+_OPTION_KEYWORDS = tuple(f for f in _OPTION_FIELDS if f != "units")
 _GROUP_KEYS = ("params", "param_names")
+# torch.optim group keys that choose an implementation, not the maths: shardopt has its own.
+_TORCH_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _options_repr(self):
+    return "{}({})".format(type(self).__name__, ", ".join(
+        f"{f}={getattr(self, f)!r}" for f in _fields(type(self))))
+
+
+_C.ZeroOptions.__repr__ = _options_repr
+_C.LossScaleOptions.__repr__ = _options_repr
 
 
 def _zero_options(options, overrides):
@@ -38,6 +61,9 @@ def _zero_options(options, overrides):
         raise TypeError("options must be a shardopt.ZeroOptions or a dict, got "
                         + type(options).__name__)
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if isinstance(values.get("loss_scale"), _C.LossScaleOptions):  # a copy, not the caller's
+        values["loss_scale"] = _C.LossScaleOptions(**{
+            f: getattr(values["loss_scale"], f) for f in _fields(_C.LossScaleOptions)})
     return _C.ZeroOptions(**values)
 
 
@@ -181,6 +207,11 @@ def _resolve(optimizer, hyperparameters):
             known = set(_C._rule_defaults(name, {"lr": 1e-3}))  # (SGD has no default lr)
             if set(hyper) <= known:
                 return name, hyper, None
+            warnings.warn(
+                f"shardopt: torch.optim.{optimizer.__name__} with {sorted(set(hyper) - known)} "
+                "runs as that torch optimizer over each rank's shard, not as shardopt's native "
+                f"'{name}' (no fused kernels, no state_dict() or save_checkpoint()); drop "
+                f"{sorted(set(hyper) - known)} to run it natively", stacklevel=3)
         # Anything else runs as that torch optimizer over this rank's shard (ZeroRedundancy-
         # Optimizer's optimizer_class).
         cls = optimizer
@@ -226,37 +257,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``ZeroRedundancyOptimizer``'s ``optimizer_class``); or a factory
             ``f(list_of_shard_tensors) -> torch.optim.Optimizer``.
         comm: a :class:`shardopt.Communicator`; default :func:`shardopt.default_communicator`.
-        options: a :class:`shardopt.ZeroOptions` (or dict) to start from; the keyword arguments
-            ``stage``, ``bucket_bytes``, ``overlap_comm``, ``grad_accumulation_steps``,
-            ``max_grad_norm``, ``precision``, ``offload``, ``broadcast_initial_params``,
-            ``align_bytes``, ``prefetch`` and ``timeout`` (a ``datetime.timedelta`` or seconds)
-            override its fields.
+        options: a :class:`shardopt.ZeroOptions` (or dict) to start from. Every field of
+            ``ZeroOptions`` is also a keyword argument overriding it: ``stage``,
+            ``bucket_bytes``, ``overlap_comm``, ``grad_accumulation_steps``, ``max_grad_norm``,
+            ``precision``, ``reduce_in_fp32``, ``loss_scale`` (a ``LossScaleOptions`` or a dict),
+            ``fused_update``, ``offload``, ``broadcast_initial_params``, ``align_bytes``,
+            ``shard_group_size``, ``reduce_dtype``, ``prefetch``, ``timeout`` (a
+            ``datetime.timedelta`` or seconds) and ``max_nonfinite_steps``.
         units: stage 3: the modules whose parameters are gathered together, usually one per
             layer: a list of modules (or ``(name, module)`` pairs, or a dict), or a policy applied
             to the model given as ``params``: a module class, a tuple of classes, or a callable
             ``module -> bool`` (see :func:`modules_of_type`). Forward pre-hooks and hooks are
-            installed on them, so the model's code does not change. Parameters in no unit or in
-            two (a decoder tied to the embedding) stay gathered. Between steps the units'
-            parameters hold no storage: call :meth:`gather_full_parameters` before reading them.
+            installed on them, so the model's code does not change. A parameter two units share
+            (a decoder tied to the embedding) is gathered whenever either runs; parameters in no
+            unit from ``zero_grad()`` (or the first unit) until ``step()``. Nothing stays
+            gathered between steps: call :meth:`gather_full_parameters` before reading them.
+            Without ``units=``, stage 3 derives units from the parameters' names (every element
+            of a ``ModuleList``/``Sequential`` and every other top-level child; groups under
+            ``unit_policy.persist_below`` elements stay gathered) and gathers them on first use,
+            with no hooks and no change to the model. ``unit_policy=`` takes a
+            :class:`shardopt.UnitPolicy` or a dict ``{"patterns": [regex], "persist_below": n}``.
         **hyperparameters: torch's names: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad``, ``momentum``, ``dampening``, ``nesterov``, ... (defaults are torch's).
+
+    The torch optimizer contract holds as for ``ZeroRedundancyOptimizer``:
+    ``consolidate_state_dict(to)`` (collective), then ``state_dict()`` on rank ``to`` is exactly
+    what the same ``torch.optim`` optimizer's would be; ``load_state_dict(sd)`` on every rank
+    takes such a state dict (from shardopt or from plain torch). ``save_checkpoint`` writes
+    sharded, atomic checkpoints that never gather the state on one rank.
 
     Errors from C++ are :class:`shardopt.Error` subclasses carrying the C++ message:
     :class:`shardopt.InvalidArgumentError` (a ``ValueError``) for bad arguments,
     :class:`shardopt.MismatchError` when ranks built different models, ...
     """
 
-    def __init__(self, params, optimizer="adamw", *, comm=None, options=None, stage=None,
-                 bucket_bytes=None, overlap_comm=None, grad_accumulation_steps=None,
-                 max_grad_norm=None, precision=None, offload=None, broadcast_initial_params=None,
-                 align_bytes=None, prefetch=None, timeout=None, units=None, **hyperparameters):
+    def __init__(self, params, optimizer="adamw", *, comm=None, options=None, units=None,
+                 **kwargs):
         unit_modules = _unit_modules(units, params) if units is not None else []
-        zero = _zero_options(options, dict(
-            stage=stage, bucket_bytes=bucket_bytes, overlap_comm=overlap_comm,
-            grad_accumulation_steps=grad_accumulation_steps, max_grad_norm=max_grad_norm,
-            precision=precision, offload=offload,
-            broadcast_initial_params=broadcast_initial_params, align_bytes=align_bytes,
-            prefetch=prefetch, timeout=timeout))
+        overrides = {k: kwargs.pop(k) for k in _OPTION_KEYWORDS if k in kwargs}
+        if isinstance(overrides.get("unit_policy"), dict):
+            overrides["unit_policy"] = _C.UnitPolicy(**overrides["unit_policy"])
+        hyperparameters = kwargs
+        zero = _zero_options(options, overrides)
         zero.validate()
         name, hyper, factory = _resolve(optimizer, hyperparameters)
         groups = _named_groups(params)
@@ -309,8 +351,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         if self._frozen:
-            raise ValueError("shardopt: parameter groups are fixed at construction (they decide "
-                             "the flat layout all ranks share); build a new DistributedOptimizer")
+            raise _C.InvalidArgumentError(
+                "shardopt: add_param_group after construction is not supported: parameter "
+                "groups decide the flat layout all ranks share; pass every group to the "
+                "DistributedOptimizer constructor (or build a new one)")
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none=None):
@@ -329,13 +373,71 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._core.step()
         return loss
 
+    def consolidate_state_dict(self, to=0):
+        """Gathers the full optimizer state onto rank ``to``, whose :meth:`state_dict` then
+        returns it (``ZeroRedundancyOptimizer``'s convention). Collective: call on all ranks."""
+        self._core.consolidate_state_dict(to)
+
     def state_dict(self):
-        raise NotImplementedError(
-            "shardopt: the optimizer state is sharded across ranks; save it with "
-            "opt.save_checkpoint(directory) and restore it with opt.load_checkpoint(directory)")
+        """On the rank :meth:`consolidate_state_dict` gathered onto (and until the next step):
+        exactly what the ``torch.optim`` optimizer of the same rule would return, integer ids in
+        parameter order, so ``torch.optim.AdamW(...).load_state_dict(opt.state_dict())`` continues
+        the run. Elsewhere raises :class:`shardopt.UnsupportedError` saying to consolidate first
+        (or to use :meth:`save_checkpoint`)."""
+        step, groups = self._core.state_dict()
+        group_template, step_template = self._torch_template()
+        state, param_groups, index = {}, [], 0
+        for group, saved in zip(self.param_groups, groups):
+            ids = []
+            for _, buffers in saved:
+                if buffers:
+                    entry = {}
+                    if step_template is not None:
+                        entry["step"] = (step_template.new_tensor(float(step))
+                                         if isinstance(step_template, torch.Tensor) else step)
+                    entry.update(buffers)
+                    state[index] = entry
+                ids.append(index)
+                index += 1
+            packed = dict(group_template)
+            packed.update({k: v for k, v in group.items() if k not in _GROUP_KEYS})
+            packed["params"] = ids
+            param_groups.append(packed)
+        return {"state": state, "param_groups": param_groups}
 
     def load_state_dict(self, state_dict):
-        self.state_dict()
+        """Loads a full torch-format state dict (from :meth:`state_dict` or from a plain
+        ``torch.optim`` optimizer of the same rule over the same parameters) on every rank; each
+        keeps its shard, at any stage. Hyper-parameters are taken from it, as torch does.
+        Collective: call on all ranks with the same state dict."""
+        saved_groups, state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the "
+                             f"optimizer {len(self.param_groups)}")
+        buffers, steps = [], set()
+        for g, (mine, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"loaded state dict's group {g} has {len(saved['params'])} "
+                                 f"parameters, the optimizer's {len(mine['params'])}")
+            if saved.get("maximize"):
+                raise _C.UnsupportedError("shardopt: the state dict's optimizer maximizes "
+                                          "(maximize=True); shardopt minimizes")
+            group = []
+            for pid in saved["params"]:
+                entry = dict(state.get(pid, {}))
+                if "step" in entry:
+                    steps.add(float(entry.pop("step")))
+                group.append({k: v for k, v in entry.items() if v is not None})
+            buffers.append(group)
+        if len(steps) > 1:
+            raise _C.UnsupportedError(f"shardopt: parameters were saved at different steps "
+                                      f"{sorted(steps)}; shardopt keeps one step for all of them")
+        self._core.load_state_dict(int(steps.pop()) if steps else 0, buffers)
+        for mine, saved in zip(self.param_groups, saved_groups):
+            mine.update({k: v for k, v in saved.items()
+                         if k not in _GROUP_KEYS and k not in _TORCH_IMPL_KEYS
+                         and k != "maximize"})
+        self._push_hyperparameters()
 
     def __repr__(self):
         lines = [f"shardopt.DistributedOptimizer({self._name or type(self._inner).__name__}, "
@@ -379,19 +481,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def padded_numel(self):
         return self._core.padded_numel
 
-    def save_checkpoint(self, directory):
-        """Writes this rank's shard and (rank 0) the manifest into `directory`, atomically."""
-        fn = getattr(_C, "save_checkpoint", None)
-        if fn is None:
-            raise _unsupported("checkpoints are not in this build of shardopt yet")
-        fn(self._core, os.fspath(directory))
+    def save_checkpoint(self, directory, client_state=None, tensors=None, module=None):
+        """Writes a sharded checkpoint into ``directory``, atomically: this rank's shard of the
+        parameters and optimizer state, and (rank 0) the manifest. ``client_state``: the
+        trainer's own JSON-serializable state (step, scheduler, data position), stored once;
+        ``tensors``: this rank's ``{name: tensor}`` (e.g. ``torch.get_rng_state()``);
+        ``module``: the model, whose buffers, frozen parameters and tied aliases are stored too
+        (rank 0's), so that ``consolidate_checkpoint``'s file loads into it with
+        ``load_state_dict(strict=True)``. Collective."""
+        text = json.dumps({} if client_state is None else client_state)
+        self._push_hyperparameters()  # what a scheduler wrote since the last step() is saved
+        module_state, aliases = self._module_extras(module) if module is not None else ({}, {})
+        _C.save_checkpoint(self._core, os.fspath(directory), text, dict(tensors or {}),
+                           module_state, aliases)
 
-    def load_checkpoint(self, directory):
-        """Loads a checkpoint written at any world size and stage."""
-        fn = getattr(_C, "load_checkpoint", None)
-        if fn is None:
-            raise _unsupported("checkpoints are not in this build of shardopt yet")
-        fn(self._core, os.fspath(directory))
+    def load_checkpoint(self, directory, restore_hyperparameters=True, with_tensors=False,
+                        module=None):
+        """Loads a checkpoint written at any world size and stage and returns its
+        ``client_state`` (``(client_state, tensors)`` with ``with_tensors=True``: the tensors
+        this rank number saved). The groups' hyper-parameters are restored into
+        ``param_groups`` unless ``restore_hyperparameters=False``; with ``module``, its buffers
+        and frozen parameters from the checkpoint (saved with ``module=``). Collective."""
+        text, tensors = _C.load_checkpoint(self._core, os.fspath(directory),
+                                           restore_hyperparameters)
+        if self._inner is None:
+            for g, group in enumerate(self.param_groups):
+                group.update(self._core.group_hyperparameters(g))
+        saved = {k[len("module/"):]: v for k, v in tensors.items() if k.startswith("module/")}
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("module/")}
+        if module is not None:
+            self._restore_module_extras(module, saved)
+        client_state = json.loads(text)
+        return (client_state, tensors) if with_tensors else client_state
+
+    def load_full_state_dict(self, state_dict):
+        """Starts from a full model state: ``{name: tensor}`` (``model.state_dict()``, or
+        ``torch.load`` of a consolidated file). Every trainable parameter must be there with its
+        shape; the names of other entries (buffers, frozen parameters) are returned. The
+        optimizer state is left as it is. Collective."""
+        return _C.load_full_state_dict(self._core, list(state_dict.items()))
 
     def gather_full_parameters(self):
         """Stage 3: gathers every unit now, e.g. to read or save the whole model (each is freed
@@ -424,6 +552,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._unit_hooks.append(module.register_forward_pre_hook(pre_hook))
             self._unit_hooks.append(module.register_forward_hook(post_hook, **kwargs))
 
+    def _module_extras(self, module):
+        """({name: tensor} of what the optimizer does not hold: buffers and frozen parameters,
+        {alias: name} of tied parameters' second names), by ``module.state_dict()``'s names."""
+        mine = {id(p): n for group in self.param_groups
+                for n, p in zip(group["param_names"], group["params"]) if p.requires_grad}
+        state, aliases = {}, {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in mine:
+                if mine[id(t)] != name:
+                    aliases[name] = mine[id(t)]
+            elif t is not None:
+                state[name] = t.detach()
+        return state, aliases
+
+    def _restore_module_extras(self, module, saved):
+        """Rank 0 read the module state; every rank takes its values."""
+        with torch.no_grad():
+            for name, t in module.state_dict(keep_vars=True).items():
+                if t is None or t.requires_grad:
+                    continue
+                value = saved.get(name) if self.comm.rank == 0 else None
+                buf = t.detach().contiguous() if value is None else value.to(t.dtype).contiguous()
+                self.comm.broadcast(buf, root=0)
+                t.copy_(buf)
+
+    def _torch_template(self):
+        """(the group keys torch.optim adds for this rule, with their defaults; the value its
+        per-parameter "step" takes, or None) from one step of that torch optimizer over a
+        one-element tensor: whatever torch version runs."""
+        if getattr(self, "_template", None) is None:
+            cls = _TORCH_CLASSES.get(self._name)
+            if cls is None:  # LAMB: no torch counterpart
+                self._template = ({}, torch.tensor(0.0))
+            else:
+                p = torch.zeros(1, requires_grad=True)
+                p.grad = torch.zeros(1)
+                hyper = {k: v for k, v in self.param_groups[0].items() if k in self._rule_keys}
+                probe = cls([p], **hyper)
+                probe.step()
+                packed = probe.state_dict()
+                group = {k: v for k, v in packed["param_groups"][0].items()
+                         if k not in self._rule_keys and k != "params"}
+                self._template = (group, packed["state"].get(0, {}).get("step"))
+        return self._template
+
     def _push_hyperparameters(self):
         # What LR schedulers and users wrote into param_groups is what the next step uses.
         if self._inner is None:
@@ -441,10 +614,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 inner_group[k] = self.param_groups[0][k]
 
 
-def consolidate_checkpoint(directory, out):
+def consolidate_checkpoint(directory, out, optimizer_out=None):
     """Writes the full fp32 model state of a sharded checkpoint as one file ``torch.load`` reads
-    as ``{name: tensor}``. Not collective."""
-    fn = getattr(_C, "consolidate_checkpoint", None)
-    if fn is None:
-        raise _unsupported("checkpoints are not in this build of shardopt yet")
-    fn(os.fspath(directory), os.fspath(out))
+    as ``{name: tensor}`` (and, with ``optimizer_out``, the full optimizer state keyed by
+    parameter name). Not collective."""
+    _C.consolidate_checkpoint(os.fspath(directory), os.fspath(out),
+                              os.fspath(optimizer_out) if optimizer_out else "")
+
+
+def read_checkpoint_info(directory):
+    """What a checkpoint's manifest says: world size, stage, step, rule, parameters, the
+    client state (``client_state``, decoded). Not collective."""
+    info = _C.read_checkpoint_info(os.fspath(directory))
+    info["client_state"] = json.loads(info.pop("trainer_json"))
+    return info
+
+
+def read_full_state(directory, with_optimizer_state=False):
+    """The full fp32 parameters ``{name: tensor}`` of a checkpoint under ``"params"`` (and the
+    full optimizer state ``{state name: {name: tensor}}`` under ``"optimizer_state"``), assembled
+    from every shard with checksums verified. Not collective."""
+    return _C.read_full_state(os.fspath(directory), with_optimizer_state)

@@ -2,6 +2,8 @@
 deterministic global batch, and training runs of shardopt and of a single-process torch optimizer
 over the same global batch (the contract: after each step every rank holds what that process
 holds)."""
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -143,3 +145,23 @@ def all_ranks_ok(comm, ok):
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     comm.all_reduce(flag, shardopt.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def world_or_single():
+    """The mpirun world when launched by mpirun, else a single process (one thread per rank)."""
+    torch.set_num_threads(1)
+    if os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        return shardopt.init_from_env(timeout=120)
+    return shardopt.make_single_communicator()
+
+
+def train_sharded_steps(model, opt, comm, steps):
+    """`steps` steps of cross-entropy on this rank's slice of the global batch, then the
+    parameters gathered (stage 3 keeps none between steps)."""
+    for step in range(steps):
+        ids, labels = global_batch(step)
+        opt.zero_grad()
+        out = model(rank_slice(ids, comm.rank, comm.size))
+        opt.backward(F.cross_entropy(out, rank_slice(labels, comm.rank, comm.size)))
+        opt.step()
+    opt.gather_full_parameters()

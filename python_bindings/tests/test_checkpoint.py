@@ -1,14 +1,13 @@
-"""Checkpoint round trip through the Python API. Skipped until the bindings carry
-shardopt/checkpoint.hpp (bound in shardopt_py.cpp as _C.save_checkpoint, _C.load_checkpoint,
-_C.consolidate_checkpoint)."""
+"""Checkpoints through the Python API in one process: resume equals the uninterrupted run, the
+consolidated file loads in torch (strictly, with the model's buffers, frozen layer and tied
+decoder when saved with module=), and a missing checkpoint is a CheckpointError. The 2-rank
+cases (client state, scheduler, stage 3) are in test_mpi.py."""
 import pytest
 import torch
+import torch.nn as nn
 
 import shardopt
 from helpers import TOL, global_batch, loss_fn, make_model, max_diff
-
-pytestmark = pytest.mark.skipif(not hasattr(shardopt._C, "save_checkpoint"),
-                                reason="checkpoint bindings not in this build yet")
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +60,48 @@ def test_missing_checkpoint_is_a_checkpoint_error(comm, tmp_path):
     opt = shardopt.DistributedOptimizer(make_model().named_parameters(), comm=comm)
     with pytest.raises(shardopt.CheckpointError, match="nowhere"):
         opt.load_checkpoint(tmp_path / "nowhere")
+
+
+class NormNet(nn.Module):
+    """A BatchNorm (buffers, an integer one among them), a frozen layer and a decoder tied to
+    the embedding: what a plain parameter dump cannot load strictly."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 7)
+        self.frozen = nn.Linear(7, 7)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.BatchNorm1d(7)
+        self.decoder = nn.Linear(7, 11)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.decoder(self.norm(torch.tanh(self.frozen(self.embed(ids).mean(dim=1)))))
+
+
+def test_consolidated_model_loads_strictly_with_module_state(comm, tmp_path):
+    torch.manual_seed(0)
+    model = NormNet()
+    opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=comm, lr=0.01)
+    _train(model, opt, 3)
+    opt.save_checkpoint(tmp_path / "ckpt", module=model)
+    shardopt.consolidate_checkpoint(tmp_path / "ckpt", tmp_path / "model.pt")
+    torch.manual_seed(1)
+    fresh = NormNet()
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt"), strict=True)
+    expected = model.state_dict()
+    assert expected["norm.num_batches_tracked"].item() == 3
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    # load_checkpoint(module=) restores the buffers and the frozen layer as well.
+    torch.manual_seed(2)
+    other = NormNet()
+    other_opt = shardopt.DistributedOptimizer(other.named_parameters(), "adamw", comm=comm)
+    other_opt.load_checkpoint(tmp_path / "ckpt", module=other)
+    for name, tensor in other.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    # Without module= the file holds the optimizer's parameters only.
+    opt.save_checkpoint(tmp_path / "plain")
+    shardopt.consolidate_checkpoint(tmp_path / "plain", tmp_path / "plain.pt")
+    assert sorted(torch.load(tmp_path / "plain.pt")) == sorted(
+        n for n, p in model.named_parameters() if p.requires_grad)

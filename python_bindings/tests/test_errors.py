@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import shardopt
-from helpers import make_model
+from helpers import global_batch, loss_fn, make_model
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +139,22 @@ def test_structural_hyperparameter_change_is_refused(comm):
 def test_layout_is_fixed_and_state_is_sharded(comm):
     model = make_model()
     opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=comm)
-    with pytest.raises(ValueError, match="parameter groups are fixed at construction"):
+    with pytest.raises(shardopt.InvalidArgumentError,
+                       match="add_param_group after construction is not supported"):
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
-    with pytest.raises(NotImplementedError, match="save it with opt.save_checkpoint"):
+    # The state is sharded: state_dict() needs consolidate_state_dict() first, and goes stale.
+    with pytest.raises(shardopt.UnsupportedError,
+                       match="call consolidate_state_dict.*save_checkpoint"):
         opt.state_dict()
+    opt.consolidate_state_dict(0)
+    assert opt.state_dict()["state"] == {}  # torch keeps no AdamW state before the first step
+    opt.zero_grad()
+    loss_fn(model, *global_batch(0)).backward()
+    opt.step()
+    with pytest.raises(shardopt.UnsupportedError, match="consolidated at step 0 is stale"):
+        opt.state_dict()
+    with pytest.raises(ValueError, match=r"`to` must be a rank in \[0, 1\)"):
+        opt.consolidate_state_dict(1)
 
 
 def test_factory_errors(comm):
@@ -152,6 +164,18 @@ def test_factory_errors(comm):
     groups = [{"params": [model.mid.weight], "lr": 0.5}]
     with pytest.raises(ValueError, match="factory-built optimizer runs one set"):
         shardopt.DistributedOptimizer(groups, torch.optim.Adamax, comm=comm)
+    opt = shardopt.DistributedOptimizer(model.named_parameters(), torch.optim.Adamax, comm=comm)
+    for call in (lambda: opt.consolidate_state_dict(0), lambda: opt.save_checkpoint("x")):
+        with pytest.raises(shardopt.UnsupportedError, match="factory-built|ShardOptimizerFactory"):
+            call()
+
+
+def test_torch_class_falling_back_to_the_factory_path_warns(comm):
+    model = make_model()
+    with pytest.warns(UserWarning, match=r"AdamW with \['foreach'\] runs as that torch optimizer"):
+        opt = shardopt.DistributedOptimizer(model.named_parameters(), torch.optim.AdamW,
+                                            comm=comm, lr=0.01, foreach=False)
+    assert isinstance(opt._inner, torch.optim.AdamW)
 
 
 def test_communicator_errors(comm):
@@ -174,13 +198,3 @@ def test_estimator_errors():
         shardopt.estimate(1000, precision="fp8")
     with pytest.raises(ValueError, match="unknown BERT preset 'huge'"):
         shardopt.bert_parameter_count("huge")
-
-
-def test_checkpoints_report_unsupported_until_merged(comm, tmp_path):
-    if hasattr(shardopt._C, "save_checkpoint"):
-        pytest.skip("this build has checkpoints (tests/test_checkpoint.py covers them)")
-    opt = shardopt.DistributedOptimizer(make_model().named_parameters(), comm=comm)
-    with pytest.raises(NotImplementedError, match="checkpoints are not in this build"):
-        opt.save_checkpoint(tmp_path)
-    with pytest.raises(shardopt.UnsupportedError):
-        shardopt.consolidate_checkpoint(tmp_path, tmp_path / "full.pt")

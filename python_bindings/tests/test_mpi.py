@@ -117,3 +117,156 @@ def test_freeing_a_communicator_after_async_collectives_does_not_deadlock(comm):
         del t, opt, model, c                             # the last reference to its tensor
         kept.wait()
     assert all_ranks_ok(comm, True)
+
+
+# ---- the torch optimizer contract at N = 2 ------------------------------------------------------
+
+def _units(model, stage):
+    return {"units": [model.mid, model.out]} if stage == 3 else {}
+
+
+def _train(model, opt, comm, first, last):
+    from helpers import global_batch, loss_fn, rank_slice
+    for step in range(first, last):
+        ids, labels = global_batch(step)
+        opt.zero_grad()
+        opt.backward(loss_fn(model, rank_slice(ids, comm.rank, comm.size),
+                             rank_slice(labels, comm.rank, comm.size)))
+        opt.step()
+
+
+def _train_torch(model, opt, first, last):
+    from helpers import global_batch, loss_fn
+    for step in range(first, last):
+        ids, labels = global_batch(step)
+        opt.zero_grad()
+        loss_fn(model, ids, labels).backward()
+        opt.step()
+
+
+def _from_rank0(comm, value):
+    t = torch.tensor([value], dtype=torch.float64)
+    comm.broadcast(t, root=0)
+    return t.item()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_dict_continues_in_torch_adamw(comm, stage):
+    """3 shardopt steps, consolidate onto rank 0, its state_dict() into torch.optim.AdamW over a
+    copy of the model: 3 more torch steps equal 3 more shardopt steps."""
+    from helpers import max_diff
+    model = make_model()
+    opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=comm, stage=stage,
+                                        bucket_bytes=256, lr=0.01, weight_decay=0.05,
+                                        **_units(model, stage))
+    _train(model, opt, comm, 0, 3)
+    opt.consolidate_state_dict(0)
+    sd, message = None, ""
+    try:  # rank 0 holds it; rank 1 is told to consolidate (no assert before the collectives)
+        sd = opt.state_dict()
+    except shardopt.UnsupportedError as e:
+        message = str(e)
+    ok = sd is not None if comm.rank == 0 else "consolidate_state_dict" in message
+    opt.gather_full_parameters()
+    ref = make_model(seed=1)
+    ref.load_state_dict(model.state_dict())
+    _train(model, opt, comm, 3, 6)
+    opt.gather_full_parameters()
+    diff = -1.0
+    if comm.rank == 0 and sd is not None:
+        # Exactly torch's layout: the same group keys, per-parameter keys and step type.
+        probe = make_model()
+        probe_opt = torch.optim.AdamW(probe.parameters(), lr=0.01, weight_decay=0.05)
+        _train_torch(probe, probe_opt, 0, 1)
+        expected = probe_opt.state_dict()
+        ok = ok and sorted(sd["param_groups"][0]) == sorted(expected["param_groups"][0])
+        ok = ok and sorted(sd["state"]) == sorted(expected["state"])
+        for pid, entry in expected["state"].items():
+            ok = ok and sorted(sd["state"][pid]) == sorted(entry)
+            ok = ok and sd["state"][pid]["step"].shape == entry["step"].shape
+            ok = ok and float(sd["state"][pid]["step"]) == 3.0
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.5)  # lr and decay come from sd
+        ref_opt.load_state_dict(sd)
+        _train_torch(ref, ref_opt, 3, 6)
+        diff = max_diff(model, ref)
+    diff = _from_rank0(comm, diff)
+    assert all_ranks_ok(comm, ok and 0.0 <= diff <= TOL), f"stage {stage}: ok={ok} diff={diff}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_adamw_state_dict_continues_in_shardopt(comm, stage):
+    """The reverse: 3 steps of torch.optim.AdamW (every rank alike), its state_dict() loaded into
+    shardopt at N = 2, 3 more steps each."""
+    import copy
+    from helpers import max_diff
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.05)
+    _train_torch(ref, ref_opt, 0, 3)
+    sd = copy.deepcopy(ref_opt.state_dict())
+    model = make_model(seed=1)
+    model.load_state_dict(ref.state_dict())
+    opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=comm, stage=stage,
+                                        bucket_bytes=256, lr=0.5, **_units(model, stage))
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["weight_decay"] == 0.05
+    _train_torch(ref, ref_opt, 3, 6)
+    _train(model, opt, comm, 3, 6)
+    opt.gather_full_parameters()
+    diff = max_diff(model, ref)
+    assert all_ranks_ok(comm, diff <= TOL), f"stage {stage}: {diff}"
+
+
+def _shared_dir(comm):
+    """A fresh directory both ranks see (rank 0 makes it)."""
+    import tempfile
+    path = tempfile.mkdtemp(prefix="shardopt-pytest-") if comm.rank == 0 else ""
+    buf = torch.zeros(256, dtype=torch.uint8)
+    buf[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+    comm.broadcast(buf, root=0)
+    return bytes(buf[buf != 0].tolist()).decode()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_resume_with_client_state_and_scheduler(comm, stage):
+    """save_checkpoint(dir, client_state, tensors) at N = 2; a new optimizer (another lr) and
+    scheduler resume from it: param_groups take the saved hyper-parameters, and the run equals
+    the uninterrupted one."""
+    import shutil
+    from helpers import max_diff
+
+    def build(lr):
+        model = make_model(seed=int(lr * 10))
+        opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=comm,
+                                            stage=stage, bucket_bytes=256, lr=lr,
+                                            **_units(model, stage))
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.8 ** s)
+
+    def run(model, opt, sched, first, last):
+        for step in range(first, last):
+            _train(model, opt, comm, step, step + 1)
+            sched.step()
+
+    directory = _shared_dir(comm)
+    model, opt, sched = build(0.01)
+    run(model, opt, sched, 0, 3)
+    rng = torch.full((3,), float(comm.rank))
+    opt.save_checkpoint(directory, client_state={"step": 3, "scheduler": sched.state_dict()},
+                        tensors={"rng": rng})
+    run(model, opt, sched, 3, 6)
+    opt.gather_full_parameters()
+
+    resumed, ropt, rsched = build(0.5)
+    client, tensors = ropt.load_checkpoint(directory, with_tensors=True)
+    rsched.load_state_dict(client["scheduler"])
+    ok = (client["step"] == 3 and torch.equal(tensors["rng"], rng)
+          and ropt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.8 ** 3))
+    info = shardopt.read_checkpoint_info(directory)
+    ok = ok and info["world_size"] == 2 and info["stage"] == stage and info["step"] == 3
+    ok = ok and info["client_state"]["step"] == 3
+    run(resumed, ropt, rsched, 3, 6)
+    ropt.gather_full_parameters()
+    diff = max_diff(model, resumed)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert all_ranks_ok(comm, ok and diff <= TOL), f"stage {stage}: ok={ok} diff={diff}"

@@ -1,6 +1,9 @@
 """shardopt.DistributedOptimizer in one process (the 'single' engine) against torch.optim: every
 rule and stage, parameter groups, LR schedulers, hyper-parameter changes, the factory path,
-gradient accumulation, clipping, memory reports, and GIL handling around autograd."""
+gradient accumulation, clipping, memory reports, GIL handling around autograd, and every
+ZeroOptions field reaching C++."""
+import datetime
+
 import pytest
 import torch
 
@@ -280,3 +283,40 @@ def test_param_groups_look_like_torch(comm):
                             "nesterov": False}
     assert opt.comm.backend == "single"
     assert "Parameter Group 1" in repr(opt)
+
+
+# A non-default value for every ZeroOptions field (a field missing here fails the test below).
+NON_DEFAULT = dict(stage=1, bucket_bytes=4096, overlap_comm=False, grad_accumulation_steps=2,
+                   max_grad_norm=2.5, precision="bf16", reduce_in_fp32=False,
+                   reduce_dtype="bf16", shard_group_size=1, fused_update=False, offload="cpu",
+                   broadcast_initial_params=False, align_bytes=128, prefetch=3,
+                   timeout=datetime.timedelta(seconds=42), max_nonfinite_steps=0,
+                   unit_policy=shardopt.UnitPolicy(patterns=["layers"], persist_below=5))
+LOSS_SCALE = dict(dynamic=False, initial_scale=1024.0, growth_factor=3.0, growth_interval=7,
+                  backoff_factor=0.25, hysteresis=4, min_scale=2.0)
+
+
+def test_every_zero_options_field_reaches_cpp(comm):
+    """Each field set as a keyword, and through options=, is what the C++ optimizer sees."""
+    fields = [f for f in shardopt.optimizer._OPTION_FIELDS if f not in ("units", "loss_scale")]
+    assert sorted(fields) == sorted(NON_DEFAULT)
+    default = shardopt.ZeroOptions()
+    for f, v in NON_DEFAULT.items():
+        assert getattr(default, f) != v, f
+    via_options = shardopt.ZeroOptions(**NON_DEFAULT, loss_scale=LOSS_SCALE)
+    for how in ({**NON_DEFAULT, "loss_scale": LOSS_SCALE}, {"options": via_options}):
+        opt = shardopt.DistributedOptimizer(make_model().named_parameters(), "adamw", comm=comm,
+                                            **how)
+        seen = opt.options  # the C++ optimizer's own copy
+        for f, v in NON_DEFAULT.items():
+            assert getattr(seen, f) == v, f
+        for f, v in LOSS_SCALE.items():
+            assert getattr(seen.loss_scale, f) == v, f
+    text = repr(via_options)
+    for f in shardopt.optimizer._OPTION_FIELDS:
+        assert f"{f}=" in text, f
+    assert "initial_scale=1024.0" in text and "reduce_in_fp32=False" in text
+    # options= is copied: changing it later changes no optimizer.
+    via_options.loss_scale.initial_scale = 8.0
+    assert opt.options.loss_scale.initial_scale == 1024.0
+

@@ -2,15 +2,13 @@
 unit modules, so an unchanged PyTorch model trains sharded. Parity with torch.optim on the global
 batch (<= 1e-6 after 10 steps) for AdamW and SGD with an embedding tied to the decoder. CTest runs
 this file in one process (entry `python`) and under mpirun -np 2 and 3 (python_stage3_np2/3)."""
-import os
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import shardopt
-from helpers import STEPS, TOL, all_ranks_ok, global_batch, rank_slice
+from helpers import train_sharded_steps, world_or_single, STEPS, TOL, all_ranks_ok, global_batch, rank_slice
 
 VOCAB, HIDDEN = 11, 7
 
@@ -58,15 +56,15 @@ UNITS = {
     "class_policy": lambda m: dict(params=m, units=Block),
     "tied_units": lambda m: dict(params=m.named_parameters(),
                                  units=[m.embed, *m.blocks, m.decoder]),
+    # No units=: units from the names (embed, blocks.0, blocks.1, decoder), gathered on first use
+    # through the dispatcher; this model is tiny, so nothing may persist.
+    "automatic": lambda m: dict(params=m, unit_policy={"persist_below": 0}),
 }
 
 
 @pytest.fixture(scope="module")
 def comm():
-    torch.set_num_threads(1)
-    if os.environ.get("OMPI_COMM_WORLD_SIZE"):
-        return shardopt.init_from_env(timeout=120)
-    return shardopt.make_single_communicator()
+    return world_or_single()
 
 
 def train_stage3(comm, rule, units):
@@ -74,13 +72,7 @@ def train_stage3(comm, rule, units):
     model = make_model()
     opt = shardopt.DistributedOptimizer(optimizer=cls, comm=comm, stage=3, bucket_bytes=256,
                                         **UNITS[units](model), **hyper)
-    for step in range(STEPS):
-        ids, labels = global_batch(step)
-        opt.zero_grad()
-        out = model(rank_slice(ids, comm.rank, comm.size))
-        opt.backward(F.cross_entropy(out, rank_slice(labels, comm.rank, comm.size)))
-        opt.step()
-    opt.gather_full_parameters()
+    train_sharded_steps(model, opt, comm, STEPS)
     return model, opt
 
 
@@ -149,3 +141,24 @@ def test_policies_are_checked():
         shardopt.DistributedOptimizer(model.named_parameters(), "sgd", lr=0.1, comm=comm,
                                       stage=3, units=[model.blocks[0], "decoder"])
     assert [n for n, _ in shardopt.modules_of_type(model, Block)] == ["blocks.0", "blocks.1"]
+
+
+def test_automatic_units_hold_only_shards_between_steps(comm):
+    """Without units=, after a step no unit holds storage, and reading a parameter gathers it
+    (every rank reads it, as a collective)."""
+    model, opt = train_stage3(comm, "sgd", "automatic")
+    opt.zero_grad()
+    ids, labels = global_batch(0)
+    opt.backward(F.cross_entropy(model(rank_slice(ids, comm.rank, comm.size)),
+                                 rank_slice(labels, comm.rank, comm.size)))
+    opt.step()
+    def storage_bytes(p):
+        return (p.untyped_storage() if hasattr(p, "untyped_storage") else p.storage()).nbytes()
+    held = sum(p.numel() for p in model.parameters() if storage_bytes(p) > 0)
+    total_before = model.embed.weight.sum().item()  # gathered on use: same value on every rank
+    with torch.no_grad():  # evaluation forward on every rank
+        out = model(ids)
+    finite = bool(torch.isfinite(out).all()) and total_before == total_before
+    sharded = comm.size == 1 or opt.memory().param_bytes < 4 * opt.padded_numel
+    assert all_ranks_ok(comm, held == 0 and finite and sharded), (
+        f"rank {comm.rank}: {held} elements held after step(), finite {finite}")

@@ -1,6 +1,6 @@
-// Agreement across ranks (Note [Agreement before state changes] in shardopt/checkpoint.hpp): a
-// string all-gather, and agree(), which runs a step on every rank and makes all ranks fail together
-// when any rank failed. Internal; the checkpoint code and the optimizer's model check use it.
+// Agreement across ranks (Note [Agreement before state changes] in shardopt/checkpoint.hpp):
+// agree(), which runs a step on every rank and makes all ranks fail together when any rank
+// failed. Internal; the checkpoint code uses it.
 #pragma once
 
 #include <functional>
@@ -8,20 +8,19 @@
 #include <string>
 #include <vector>
 
+#include "comm/gather_strings.hpp"
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
 
-// Every rank's `mine`, indexed by rank. Collective.
-std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine,
-                                            Duration timeout);
-
 // Runs `body` on every rank and exchanges the outcomes. When any rank failed, `on_failure` runs
 // and every rank throws an Error of the first failing rank's kind; otherwise returns each rank's
-// payload. Collective.
+// payload. `scope` starts the messages ("checkpoint": "shardopt[rank r/N] checkpoint: ...").
+// Collective.
 std::vector<nlohmann::json> agree(Communicator& comm, Duration timeout, const std::string& what,
                                   const std::string& consequence,
                                   const std::function<nlohmann::json()>& body,
-                                  const std::function<void()>& on_failure = nullptr);
+                                  const std::function<void()>& on_failure = nullptr,
+                                  const char* scope = "checkpoint");
 
 }  // namespace shardopt::detail

@@ -31,6 +31,8 @@ using json = nlohmann::json;
 inline constexpr const char* kFormat = "shardopt-checkpoint";
 inline constexpr const char* kOptimizerFormat = "shardopt-optimizer-state";
 inline constexpr const char* kManifest = "manifest.json";
+// Rank 0's trainer tensors under this prefix are SaveOptions::module_state.
+inline constexpr const char* kModulePrefix = "module/";
 inline constexpr char kMagic[8] = {'S', 'H', 'A', 'R', 'D', 'O', 'P', 'T'};
 inline constexpr int64_t kAlign = 64;
 

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <map>
 #include <set>
 
 #include "checkpoint/agreement.hpp"
@@ -84,6 +85,17 @@ FullState read_full_state(const std::string& dir, bool with_optimizer_state) {
   out.step = m.step;
   out.rule = m.rule;
   out.hyperparameters_json = dump(m.j.at("optimizer").at("param_groups"));
+  if (m.j.contains("module")) {
+    const json& module = m.j.at("module");
+    out.aliases = module.at("aliases").get<std::map<std::string, std::string>>();
+    const auto names = module.at("tensors").get<std::vector<std::string>>();
+    if (!names.empty()) {
+      const LoadedShard shard = load_shard(m, 0);
+      for (const auto& name : names) {
+        out.module_state[name] = shard.section("trainer/" + std::string(kModulePrefix) + name).clone();
+      }
+    }
+  }
   return out;
 }
 
@@ -92,6 +104,14 @@ void consolidate_checkpoint(const std::string& dir, const std::string& out,
   const FullState full = read_full_state(dir, !options.optimizer_state_out.empty());
   c10::Dict<std::string, at::Tensor> model;
   for (const auto& item : full.params) model.insert(item.key(), item.value());
+  for (const auto& [alias, name] : full.aliases) {
+    const at::Tensor* t = full.params.find(name);
+    SHARDOPT_CHECK(t != nullptr, Checkpoint,
+                   "checkpoint: {}: alias '{}' names parameter '{}', which it does not hold", dir,
+                   alias, name);
+    model.insert(alias, *t);
+  }
+  for (const auto& [name, t] : full.module_state) model.insert(name, t);
   const std::vector<char> bytes = detail::torch_save_bytes(c10::IValue(model));
   write_file_atomically(out, bytes.data(), bytes.size());
   if (options.optimizer_state_out.empty()) return;
@@ -110,6 +130,24 @@ void consolidate_checkpoint(const std::string& dir, const std::string& out,
   top.insert(std::string("state"), c10::IValue(state));
   const std::vector<char> obytes = detail::torch_save_bytes(c10::IValue(top));
   write_file_atomically(options.optimizer_state_out, obytes.data(), obytes.size());
+}
+
+SaveOptions module_save_options(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
+                                const torch::OrderedDict<std::string, at::Tensor>& named_buffers) {
+  SaveOptions options;
+  std::map<const c10::TensorImpl*, std::string> first_name;
+  for (const auto& item : named_parameters) {
+    auto [it, fresh] = first_name.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    if (!fresh) {
+      options.aliases[item.key()] = it->second;
+    } else if (!item.value().requires_grad()) {
+      options.module_state[item.key()] = item.value();
+    }
+  }
+  for (const auto& item : named_buffers) {
+    if (item.value().defined()) options.module_state[item.key()] = item.value();
+  }
+  return options;
 }
 
 // ---- full state -> sharded run ---------------------------------------------------------------
@@ -196,6 +234,10 @@ torch::OrderedDict<std::string, at::Tensor> tensor_dict(const c10::IValue& v,
 }
 }  // namespace
 
+torch::OrderedDict<std::string, at::Tensor> read_state_dict(const std::string& model_file) {
+  return tensor_dict(pickle_load_file(model_file, "model state file"), model_file);
+}
+
 std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
                                               const std::string& model_file,
                                               const std::string& optimizer_file) {
@@ -204,7 +246,7 @@ std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
   // Reading is local: agree on it before anyone goes on to the collective load.
   agree(*a.comm(), a.zero_options().timeout, "reading a full state dict",
         "no rank changed its optimizer", [&] {
-          state.params = tensor_dict(pickle_load_file(model_file, "model state file"), model_file);
+          state.params = read_state_dict(model_file);
           if (!optimizer_file.empty()) {
             const c10::IValue v = pickle_load_file(optimizer_file, "optimizer state file");
             SHARDOPT_CHECK(v.isGenericDict(), Checkpoint, "checkpoint: {} does not hold a dict",

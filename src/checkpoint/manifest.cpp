@@ -57,7 +57,7 @@ FlatLayout recorded_layout(const Manifest& m) {
     layout.buckets.push_back(bl);
   }
   // A parameter starts at its recorded slot and continues into the next buckets when it is split
-  // (Note [Flat layout]): its pieces are recomputed here as make_layout cuts them.
+  // (Note [Flat layout] in src/engine/flat_state.hpp): its pieces are recomputed here as make_layout cuts them.
   for (const auto& p : m.j.at("parameters")) {
     ParamSlot slot;
     slot.bucket = p.at("bucket").get<int>();
@@ -286,7 +286,7 @@ LoadedShard load_shard(const Manifest& m, int rank) {
 }
 
 json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,
-                    const std::vector<json>& files) {
+                    const std::vector<json>& files, const json& module) {
   const auto& layout = a.layout();
   const int world = a.comm()->size();
   json m;
@@ -348,6 +348,7 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
   m["parameters"] = params;
   m["files"] = files;
   m["trainer"] = trainer;
+  if (!module.is_null()) m["module"] = module;
   m[kManifestCrc] = crc_text(manifest_crc(m));
   return m;
 }

@@ -69,8 +69,9 @@ Manifest read_manifest(const std::string& dir_text);
 // Rank `rank`'s shard file, checked against the manifest (size, CRC-32, header).
 LoadedShard load_shard(const Manifest& m, int rank);
 
-// The manifest of a save: `names` are the state buffers, `files` every rank's shard entry.
+// The manifest of a save: `names` are the state buffers, `files` every rank's shard entry,
+// `module` SaveOptions' module state names and aliases (null: none).
 json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,
-                    const std::vector<json>& files);
+                    const std::vector<json>& files, const json& module = nullptr);
 
 }  // namespace shardopt::detail

@@ -145,6 +145,7 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
       comm, timeout, what, nothing,
       [&] {
         json entry = write_shard(a, paths.tmp, names, trainer.tensors);
+        if (options.after_shard_written) options.after_shard_written(rank);
         SHARDOPT_CHECK(options.simulate_crash_after_shard_on_rank != rank, Checkpoint,
                        "checkpoint: simulated crash on rank {} after writing {} "
                        "(SaveOptions::simulate_crash_after_shard_on_rank)",
@@ -161,7 +162,13 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
       comm, timeout, what, nothing,
       [&] {
         if (rank != 0) return json();
-        const json manifest = build_manifest(a, names, trainer_json, files);
+        json module;  // null unless the save was given the model's extras
+        if (!options.module_state.empty() || !options.aliases.empty()) {
+          json stored = json::array();
+          for (const auto& item : options.module_state) stored.push_back(item.first);
+          module = {{"tensors", stored}, {"aliases", options.aliases}};
+        }
+        const json manifest = build_manifest(a, names, trainer_json, files, module);
         const std::string text = dump(manifest, 1);
         {
           FileWriter w(paths.tmp / kManifest);
@@ -182,8 +189,15 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
 // checkpoint of a world of shard_group_size ranks (which any layout loads); the other groups'
 // ranks touch no file and learn world rank 0's outcome, so every rank returns or throws alike.
 void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
-                     const TrainerState& trainer, const SaveOptions& options) {
+                     const TrainerState& given, const SaveOptions& options) {
   ShardAccess& a = detail::shard_access(optimizer);
+  // The module state travels as world rank 0's trainer tensors "module/<name>".
+  TrainerState trainer = given;
+  if (a.world_comm()->rank() == 0) {
+    for (const auto& [name, t] : options.module_state) {
+      trainer.tensors[std::string(kModulePrefix) + name] = t.detach();
+    }
+  }
   if (a.replicas() == 1) return save_by_group(optimizer, dir, trainer, options);
   std::string failure;
   ErrorKind kind = ErrorKind::Checkpoint;

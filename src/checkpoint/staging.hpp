@@ -16,6 +16,8 @@ namespace shardopt::detail {
 
 // Native rules only: a factory-built optimizer keeps its state inside torch.
 void check_checkpointable(ShardAccess& a);
+// The same for the torch state-dict functions (`what`: the one called); state_dict.cpp.
+void check_has_torch_state(ShardAccess& a, const char* what);
 // The state buffer names of the optimizer's rule (as many as the engine keeps).
 std::vector<std::string> optimizer_state_names(ShardAccess& a);
 

@@ -258,6 +258,13 @@ CommunicatorPtr Communicator::split_by_host() {
   return sub;
 }
 
+void Communicator::abort(int exit_code) {
+  do_abort(exit_code);
+  std::_Exit(exit_code);
+}
+
+void Communicator::do_abort(int) {}
+
 CommunicatorPtr Communicator::do_split(int, int) {
   SHARDOPT_FAIL(Unsupported, "comm.split: the {} engine cannot make sub-communicators", backend());
 }
@@ -338,6 +345,15 @@ int env_int(const char* name) {
   return static_cast<int>(value);
 }
 
+// torchrun's agent serves the store on MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True,
+// static rendezvous): like torch's env:// rendezvous, connect as a client, with keys under the
+// restart attempt's prefix, so that a restarted job never reads its previous attempt's keys.
+[[maybe_unused]] std::optional<std::string> agent_store_prefix() {
+  if (env("TORCHELASTIC_USE_AGENT_STORE") != "True") return std::nullopt;
+  const std::string attempt = env("TORCHELASTIC_RESTART_COUNT");
+  return fmt::format("/worker/attempt_{}", attempt.empty() ? "0" : attempt);
+}
+
 // The GPU of this process on its node: LOCAL_RANK (torchrun), else the launcher's local rank.
 int local_rank() {
   for (const char* var : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
@@ -395,7 +411,7 @@ CommunicatorPtr init_from_env(const InitOptions& options) {
                    "MASTER_PORT in the environment (torchrun sets them)");
     comm = detail::make_gloo_tcp_communicator(env_int("RANK"), env_int("WORLD_SIZE"),
                                               env("MASTER_ADDR"), env_int("MASTER_PORT"),
-                                              options.timeout);
+                                              options.timeout, agent_store_prefix());
 #else
     SHARDOPT_FAIL(Unsupported, "init_from_env: backend 'gloo' requested, but this build of "
                                "shardopt has no Gloo (configure with SHARDOPT_WITH_GLOO=ON)");

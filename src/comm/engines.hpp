@@ -2,12 +2,18 @@
 // so that <mpi.h> and the c10d headers stay there.
 #pragma once
 
+#include <optional>
+#include <string>
+
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
 // Initialises MPI (MPI_THREAD_SERIALIZED) unless the application did, and wraps MPI_COMM_WORLD.
 CommunicatorPtr make_mpi_world_communicator(Duration timeout);
-// Gloo over a TCPStore served by rank 0 at host:port (torchrun's convention).
+// Gloo over a TCPStore at host:port, served by rank 0; or, given agent_prefix, served by torchrun's
+// agent (TORCHELASTIC_USE_AGENT_STORE=True): every rank is then a client and keeps its keys under
+// the prefix, as torch's own env:// rendezvous does.
 CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string& host, int port,
-                                           Duration timeout);
+                                           Duration timeout,
+                                           const std::optional<std::string>& agent_prefix = {});
 }  // namespace shardopt::detail

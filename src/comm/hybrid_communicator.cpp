@@ -121,6 +121,7 @@ class HybridCommunicator final : public Communicator {
   void do_barrier() override {
     submit("barrier on " + backend(), [this] { world_->barrier(); })->wait();
   }
+  void do_abort(int exit_code) override { world_->abort(exit_code); }
 
  private:
   // Sum within the group, mean across replicas: the optimizer divides by size() (the group's).

@@ -160,6 +160,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::string backend() const override { return "mpi"; }
+  // MPI_COMM_WORLD, not this communicator: the launcher ends every process of the job.
+  void do_abort(int exit_code) override { MPI_Abort(MPI_COMM_WORLD, exit_code); }
   Capabilities capabilities() const override {
     Capabilities caps;
     caps.overlaps_caller = threaded_;

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -342,13 +343,15 @@ void rendezvous(c10d::Store& store, int rank, int size, Duration timeout, const 
 
 namespace detail {
 CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string& host, int port,
-                                           Duration timeout) {
+                                           Duration timeout,
+                                           const std::optional<std::string>& agent_prefix) {
   SHARDOPT_CHECK(port > 0 && port < 65536, InvalidArgument,
                  "comm.gloo: port must lie in (0, 65536), got {}", port);
+  const bool agent = agent_prefix.has_value();
   const std::string where = fmt::format("{}:{}", host, port);
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(port);
-  opts.isServer = rank == 0;
+  opts.isServer = rank == 0 && !agent;
   opts.numWorkers = size;
   opts.waitWorkers = false;  // rank 0 waits below, to name the ranks that are missing
   opts.timeout = timeout;
@@ -357,15 +360,19 @@ CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string
   try {
     store = c10::make_intrusive<c10d::TCPStore>(host, opts);
   } catch (const std::exception& e) {  // c10's message carries a C++ stack trace: first line only
-    SHARDOPT_CHECK(rank != 0, Communication,
+    SHARDOPT_CHECK(!opts.isServer, Communication,
                    "comm.gloo: rank 0 could not serve the rendezvous store at {} (within {} ms): "
                    "{}; is the port in use?",
                    where, timeout.count(), first_line(e.what()));
     SHARDOPT_FAIL(Communication,
-                  "comm.gloo: rank {} could not reach the rendezvous store at {}, served by rank "
-                  "0, within {} ms: {}",
-                  rank, where, timeout.count(), first_line(e.what()));
+                  "comm.gloo: rank {} could not reach the rendezvous store at {}, served by {}, "
+                  "within {} ms: {}",
+                  rank, where,
+                  agent ? "torchrun's agent (TORCHELASTIC_USE_AGENT_STORE=True)" : "rank 0",
+                  timeout.count(), first_line(e.what()));
   }
+  // The agent's store outlives restarts: this attempt's keys go under their own prefix.
+  if (agent) store = c10::make_intrusive<c10d::PrefixStore>(*agent_prefix, store);
   rendezvous(*store, rank, size, timeout, where);
   return make_gloo(store, rank, size, timeout, where);
 }

@@ -1,8 +1,8 @@
 // BackwardTracker: where the backward pass stands. Counts micro-steps (backward passes since the
 // last step()) and, within a pass, which parameters' gradients arrived, so the engine learns when
-// a bucket (every piece in it) or a stage-3 unit has all of its gradients. A parameter spanning
-// buckets counts once in each, so its arrival may complete several buckets. Autograd may fire a parameter's hook twice
-// in one pass (reentrant backward): the second arrival is reported as a duplicate. Torch-free.
+// a stage-3 unit has all of its gradients (buckets count their own pieces: GradientReducer).
+// Autograd may fire a parameter's hook twice in one pass (reentrant backward): the second arrival
+// is reported as a duplicate. Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -12,15 +12,9 @@ namespace shardopt::detail {
 
 class BackwardTracker {
  public:
-  // buckets_of[i], unit_of[i]: the buckets parameter i has a piece in, in order, and its unit
-  // (-1: no unit is tracked for it).
-  BackwardTracker(std::vector<std::vector<int>> buckets_of, std::vector<int> unit_of, int buckets,
-                  int units)
-      : buckets_of_(std::move(buckets_of)), unit_of_(std::move(unit_of)),
-        param_pass_(buckets_of_.size(), -1), buckets_(buckets), units_(units) {
-    for (const auto& list : buckets_of_) {
-      for (int b : list) ++buckets_[b].size;
-    }
+  // unit_of[i]: parameter i's unit (-1: no unit is tracked for it).
+  BackwardTracker(std::vector<int> unit_of, int units)
+      : unit_of_(std::move(unit_of)), param_pass_(unit_of_.size(), -1), units_(units) {
     for (int u : unit_of_) {
       if (u >= 0) ++units_[u].size;
     }
@@ -35,9 +29,8 @@ class BackwardTracker {
   bool in_pass() const { return in_pass_; }
 
   struct Arrival {
-    bool duplicate = false;        // already arrived in this pass: nothing to do
-    std::vector<int> complete_buckets;  // its buckets that now have every piece, in order
-    bool unit_complete = false;    // the last gradient of its unit in this pass
+    bool duplicate = false;      // already arrived in this pass: nothing to do
+    bool unit_complete = false;  // the last gradient of its unit in this pass
   };
   Arrival arrive(int param) {
     Arrival a;
@@ -46,9 +39,6 @@ class BackwardTracker {
       return a;
     }
     param_pass_[param] = pass_;
-    for (int b : buckets_of_[param]) {
-      if (count_down(buckets_[b])) a.complete_buckets.push_back(b);
-    }
     const int unit = unit_of_[param];
     a.unit_complete = unit >= 0 && count_down(units_[unit]);
     return a;
@@ -81,10 +71,8 @@ class BackwardTracker {
     return --c.pending == 0;
   }
 
-  std::vector<std::vector<int>> buckets_of_;
   std::vector<int> unit_of_;
   std::vector<int64_t> param_pass_;  // pass in which each parameter's gradient last arrived
-  std::vector<Counter> buckets_;
   std::vector<Counter> units_;
   int64_t pass_ = 0;      // backward passes ever
   int micro_steps_ = 0;   // backward passes since the last step()

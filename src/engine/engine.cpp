@@ -1,26 +1,5 @@
 // Engine: builds the pieces from the StagePlan, routes hook events to them, and runs step().
 //
-// Note [Flat layout]
-// Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
-// sorted by parameter group and, within a group, placed in reverse registration order, which is
-// roughly the order backward produces their gradients. They are packed into buckets of about
-// bucket_bytes (Note [Default bucket size] when 0); a parameter larger than the space left in a bucket fills it and continues in the
-// next (the split falls at a multiple of world * align, so the parameter stays contiguous in the
-// full flat buffer and its view stays one view). Each bucket is padded to a multiple of
-// world * align so it splits evenly, and rank r owns [r*S, (r+1)*S) of every bucket. Model
-// parameters become views into flat storage, so the optimizer updates them with no copy. A bucket
-// is the unit of one collective and is complete once every piece in it has its gradient.
-//
-// Note [Stages] (what src/engine/plan.hpp turns each stage into)
-//   stage 0: Replicated, InPlace gradients (flat buffer, .grad are views), each complete bucket
-//            all-reduced in place; every rank updates the whole buffer.
-//   stage 1: Sharded: buckets are reduce-scattered into the owned slice; each rank updates its
-//            slices; then every bucket is all-gathered in place.
-//   stage 2: + Bucketed gradients: a hook copies each fresh .grad into a pooled bucket buffer and
-//            frees it; a complete bucket is reduce-scattered and folded into the gradient shard.
-//   stage 3: + PerUnit parameters (Note [Stage 3 units]).
-// fp16/bf16 and offload make the master Separate and the gradients Bucketed at every stage.
-//
 // Note [Stage 3 units]
 // Parameters are gathered in parts (src/engine/model_check.cpp): each declared unit's own
 // parameters; one part per set of units sharing parameters (BERT's word embeddings, declared by
@@ -38,8 +17,9 @@
 // stays gathered between its backward uses (its gradients arrive after the last one). The root
 // part is gathered before the forward (zero_grad() or the first unit entered) and released by
 // step(); nothing stays gathered between steps. Collectives are issued in the same order on every
-// rank because forward and backward visit units in the same order everywhere (as DDP assumes of
-// its buckets).
+// rank: the gathers because forward and backward visit units in the same order everywhere (as DDP
+// assumes), the reductions because the reducer launches buckets in layout order (Note [Bucket
+// completion] in gradient_reducer.hpp).
 //
 // Communication per micro-step at stage 3 (elements, padded): each part is all-gathered once per
 // forward run of a unit that needs it and once in backward, and reduce-scattered once; the root
@@ -61,9 +41,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <unordered_map>
 
 #include "engine/finite_check.hpp"
+#include "engine/group_options.hpp"
+#include "engine/placement.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/recompute.hpp"
 
 namespace shardopt::detail {
 namespace {
@@ -94,72 +78,99 @@ std::vector<std::string> names_of(const std::vector<ModelParam>& params) {
   return out;
 }
 
-// How a released parameter's error names the units that gather its part (release_guard.hpp):
-// "unit 'layer'", "units 'embeddings', 'heads'" for a shared part, "no unit" for the root part.
-std::vector<std::string> part_labels(const CollectedModel& model, const Units& units) {
-  std::vector<std::vector<std::string>> users(model.root_unit + 1);
-  for (size_t u = 0; u < model.unit_parts.size(); ++u) {
-    for (int part : model.unit_parts[u]) {
-      users[part].push_back(fmt::format("'{}'", units.name(static_cast<int>(u))));
+// Stage 3 without declared units: units from the parameters' names (shardopt/unit_policy.hpp),
+// as a Units object no model code runs (Note [Automatic units] in auto_gather.cpp). Without the
+// release guard's key (another library holds it) nothing can gather on use: every parameter is
+// then in the root part, gathered through the step.
+UnitsPtr derived_units(const std::vector<ParamGroup>& groups, const UnitPolicy& policy,
+                       bool report) {
+  std::vector<std::string> names;
+  std::vector<int64_t> numels, ids;
+  std::vector<at::Tensor> tensors;
+  std::unordered_map<const c10::TensorImpl*, int64_t> id_of;
+  for (const auto& g : groups) {
+    for (const auto& np : g.params) {
+      if (!np.tensor.defined() || !np.tensor.requires_grad()) continue;
+      names.push_back(np.name);
+      numels.push_back(np.tensor.numel());
+      auto [it, fresh] = id_of.emplace(np.tensor.unsafeGetTensorImpl(),
+                                       static_cast<int64_t>(id_of.size()));
+      ids.push_back(it->second);
+      tensors.push_back(np.tensor);
     }
   }
-  std::vector<std::string> labels;
-  for (const auto& names : users) {
-    labels.push_back(names.empty()       ? std::string("no unit: gathered from zero_grad() to step()")
-                     : names.size() == 1 ? fmt::format("unit {}", names[0])
-                                         : fmt::format("units {}", fmt::join(names, ", ")));
+  auto units = std::make_shared<Units>();
+  if (!release_guard_available()) {
+    if (report) {
+      fmt::print(stderr, "shardopt: stage 3: automatic units need the dispatch key {} that "
+                 "another library holds; every parameter stays gathered from zero_grad() to "
+                 "step()\n", "TESTING_ONLY_GenericWrapper");
+    }
+    return units;
   }
-  return labels;
+  const DerivedUnits derived = derive_units(names, numels, ids, policy);
+  for (size_t u = 0; u < derived.names.size(); ++u) {
+    std::vector<at::Tensor> members;
+    for (int i : derived.members[u]) members.push_back(tensors[i]);
+    units->add(derived.names[u], std::move(members));
+  }
+  return units;
 }
 
 }  // namespace
 
 Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
                ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options)
-    : owner_(owner), world_comm_(std::move(comm)), options_(std::move(options)) {
-  SHARDOPT_CHECK(world_comm_, InvalidArgument, "optimizer: the communicator is null");
+    : owner_(owner), options_(std::move(options)) {
+  SHARDOPT_CHECK(comm, InvalidArgument, "optimizer: the communicator is null");
   options_.validate();
   // Hybrid sharding: every piece works on the shard group's view (make_hybrid_communicator).
-  comm_ = options_.shard_group_size > 0
-              ? make_hybrid_communicator(world_comm_, options_.shard_group_size)
-              : world_comm_;
+  ranks_.world = std::move(comm);
+  ranks_.shard = options_.shard_group_size > 0
+                     ? make_hybrid_communicator(ranks_.world, options_.shard_group_size)
+                     : ranks_.world;
+  comm_ = ranks_.shard;
   world_ = comm_->size();
-  replica_ = world_comm_->rank() / world_;
-  replicas_ = world_comm_->size() / world_;
+  ranks_.replica = ranks_.world->rank() / world_;
+  ranks_.replicas = ranks_.world->size() / world_;
   plan_ = StagePlan::make(options_.stage, options_.precision, options_.offload,
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
-  if (plan_.per_unit()) unit_plan_ = options_.units;
+  if (plan_.per_unit()) {
+    unit_plan_ = options_.units;
+    if (!unit_plan_) {
+      unit_plan_ = derived_units(groups, options_.unit_policy, ranks_.world->rank() == 0);
+      automatic_ = true;
+    }
+  }
   model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
                          plan_.per_unit() ? unit_plan_.get() : nullptr);
-  verify_same_model(params(), plan_.per_unit(), *world_comm_, options_.timeout);
+  verify_same_model(params(), plan_.per_unit(), *ranks_.world, options_.timeout);
   build(rule, factory);
   attach_hooks();
-  if (plan_.per_unit() && !model_.loose_names.empty() && comm_->rank() == 0) {
+  if (plan_.per_unit() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
     fmt::print(stderr,
                "shardopt: stage 3: {} parameter(s) in no unit, gathered for every forward and "
                "backward until step(): {}\n",
                model_.loose_names.size(), fmt::join(model_.loose_names, ", "));
   }
-  if (unit_plan_) unit_plan_->attach(this);
+  if (unit_plan_ && !automatic_) unit_plan_->attach(this);
 }
 
 Engine::~Engine() {
-  if (unit_plan_) unit_plan_->detach(this);
+  if (unit_plan_ && !automatic_) unit_plan_->detach(this);
   for (auto& h : hooks_) {
     if (h.accumulator && h.key) h.accumulator->del_post_hook(h.key);
   }
   // The pieces' destructors let outstanding collectives land before their buffers go.
 }
 
-// Where everything lives (Note [Mixed precision] in shardopt/precision.hpp): the model's
-// parameters in the compute dtype on their device; master weights, optimizer state and reduced
-// gradients in fp32 (mixed) on the host (offload) or next to the parameters.
+// The layout, the pieces and the initial values; where each buffer lives is the plan's
+// Placement (Note [Placement] in shardopt/detail/plan.hpp).
 void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   std::vector<int64_t> numels;
   std::vector<int> groups, units, unit_of;
-  std::vector<std::vector<int>> buckets_of;
   for (const auto& p : params()) {
     numels.push_back(p.tensor.numel());
     groups.push_back(p.group);
@@ -171,90 +182,58 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   for (int64_t n : numels) total += n;
   FlatLayout layout =
       make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
-                  bucket_numel_for(options_.bucket_bytes, total, world_, elem), units);
-  const auto base = proto.options().requires_grad(false);
-  const auto model_options = base.dtype(plan_.mixed ? compute_dtype(options_.precision)
-                                                    : proto.scalar_type());
-  auto master_options = base.dtype(plan_.mixed ? at::kFloat : proto.scalar_type());
-  if (plan_.master_on_host) {
-    master_options = master_options.device(at::kCPU).pinned_memory(!proto.is_cpu());
-  }
-  // Gradients travel in reduce_dtype when set, else fp32 (mixed, reduce_in_fp32) or the model's.
-  const auto reduce_options = model_options.dtype(
-      options_.reduce_dtype != Precision::FP32 ? compute_dtype(options_.reduce_dtype)
-      : plan_.mixed && options_.reduce_in_fp32 ? at::kFloat
-                                               : model_options.dtype().toScalarType());
-  for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
-    buckets_of.emplace_back();
-    for (const ParamPiece* p = layout.pieces_begin(i); p != layout.pieces_end(i); ++p) {
-      buckets_of.back().push_back(p->bucket);
-    }
-  }
+                  bucket_numel(options_.bucket_bytes, total, world_, elem), units);
+  const BufferOptions where = buffer_options(
+      Placement::make(plan_, options_.precision, options_.reduce_dtype, options_.reduce_in_fp32,
+                      proto.is_cpu()),
+      proto.options());
   const int root = plan_.per_unit() ? model_.root_unit : 0;
   for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);
-  const int bucket_count = static_cast<int>(layout.buckets.size());
-  flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), model_options,
-                                      master_options, reduce_options);
-  tracker_ = std::make_unique<BackwardTracker>(std::move(buckets_of), unit_of, bucket_count, root + 1);
+  flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), where.model,
+                                      where.master, where.reduce);
+  tracker_ = std::make_unique<BackwardTracker>(std::move(unit_of), root + 1);
 
-  // Initial values, full and in master precision: rank 0's reach every rank (as DDP does), then
-  // become the model's storage and the master weights. Stage 3 moves them over bucket by bucket
-  // into this rank's shard instead (ParameterStore::adopt_shards), never holding a second copy.
-  if (plan_.per_unit()) {
-    at::NoGradGuard no_grad;
-    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
-                                              part_labels(model_, *unit_plan_), model_.unit_parts,
-                                              comm_, options_.timeout, options_.prefetch);
-    const at::Tensor initial = store_->adopt_shards(base.dtype(master_options.dtype()),
-                                                    options_.broadcast_initial_params);
-    flat_->init_master_shard(initial);
-  } else {
-    at::NoGradGuard no_grad;
-    const auto& lay = flat_->layout();
-    // Note [One copy at construction] (stages 0-2): the flat buffer is one allocation (buckets
-    // split parameters, so no boundary between parameters is also one between buckets), but its
-    // pages are touched only as it fills: each parameter is copied in (ranks that receive rank
-    // 0's values skip the copy) and, when the model keeps the master's dtype and device, becomes
-    // its view at once, so its original storage is freed before the next one is copied. The
-    // resident peak is about one model plus one parameter; an allocator that reserves (a device,
-    // the bench's tracker) still counts the model plus the flat buffer.
-    at::Tensor initial = at::empty({lay.padded_numel}, base.dtype(master_options.dtype()));
-    const bool same_storage = initial.dtype() == model_options.dtype() &&
-                              initial.device() == model_options.device();
-    const bool receives = options_.broadcast_initial_params && world_ > 1 && comm_->rank() != 0;
-    for (const auto& bl : lay.buckets) {  // padding: alignment gaps and each bucket's tail
-      int64_t end = 0;
-      for (int k : bl.pieces) {
-        const auto& piece = lay.pieces[k];
-        if (piece.offset > end) initial.narrow(0, bl.flat_offset + end, piece.offset - end).zero_();
-        end = std::max(end, piece.offset + piece.numel);
-      }
-      if (bl.padded > end) initial.narrow(0, bl.flat_offset + end, bl.padded - end).zero_();
-    }
-    for (size_t i = 0; i < params().size(); ++i) {
-      auto& param = params()[i].tensor;
-      at::Tensor slot = initial.narrow(0, lay.flat_offset(static_cast<int>(i)), lay.slots[i].numel);
-      if (!receives) slot.copy_(param.reshape(-1));
-      if (same_storage) param.set_data(slot.view(param.sizes()));
-    }
-    if (options_.broadcast_initial_params && world_ > 1) {
-      comm_->broadcast(initial, 0, true)->wait(options_.timeout);
-    }
-    store_ = std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
-                                              std::vector<std::string>{"the whole model"},
-                                              std::vector<std::vector<int>>{}, comm_,
-                                              options_.timeout, options_.prefetch);
-    store_->adopt(initial);
-    flat_->init_master(initial);
+  // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
+  // the master weights (ParameterStore::adopt).
+  store_ = make_store();
+  if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
+    auto_ = std::make_unique<AutoGather>(*store_, model_.root_unit, options_.prefetch, comm_,
+                                         options_.timeout);
+    store_->set_automatic(auto_.get());
   }
+  flat_->init_master(store_->adopt(where.initial, options_.broadcast_initial_params));
   reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
-                                               options_.overlap_comm, options_.timeout);
+                                               options_.overlap_comm,
+                                               options_.grad_accumulation_steps, options_.timeout);
   flat_->build_segments(
       [&](int b, const UpdatedRange& r) { return store_->model_slice(b, r); },
       [&](int b, const UpdatedRange& r) { return reducer_->reduced(b, r); });
   update_ = std::make_unique<LocalUpdate>(
       *flat_, comm_, options_.timeout, rule, factory,
-      [this](int group) -> const Rule& { return current_rule(group); }, options_.fused_update);
+      [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
+      options_.fused_update);
+  checkpoint_ = std::make_unique<CheckpointAccess>(
+      options_, ranks_, model_, *flat_, *store_, *update_, owner_, scaler_, steps_, [this] {
+        stats_ = StepStats{};
+        stats_.step = steps_;
+        reducer_->take_comm_elements();
+        store_->take_comm_elements();
+        zero_grad();
+      });
+}
+
+// Per unit: one part per declared unit, shared set and the root (Note [Stage 3 units]); whole:
+// one part, the model.
+std::unique_ptr<ParameterStore> Engine::make_store() {
+  if (plan_.per_unit()) {
+    return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
+                                            part_labels(model_, *unit_plan_), model_.unit_parts,
+                                            comm_, options_.timeout, options_.prefetch);
+  }
+  return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
+                                          std::vector<std::string>{"the whole model"},
+                                          std::vector<std::vector<int>>{}, comm_,
+                                          options_.timeout, options_.prefetch);
 }
 
 void Engine::attach_hooks() {
@@ -282,47 +261,31 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
+  grads_clean_ = false;
   check_micro_step_open();
   tracker_->begin_pass();
-  torch::autograd::Engine::get_default_engine().queue_callback([this] {
+  // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
+  queue_after_backward([this] {
     if (tracker_->in_pass()) on_backward_end();
   });
 }
 
+// The path of a gradient: hook -> tracker (once per pass) -> reducer (into its bucket, launched
+// when due: Note [Bucket completion]) -> at stage 3, the unit's release once all of it is in.
 void Engine::on_grad_ready(int index) {
   begin_pass();
-  const auto& p = params()[index];
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
-  const int micro = tracker_->micro_steps();
-  const bool launch = options_.overlap_comm && reduces_this_micro_step();
-  // Piece by piece: a bucket this arrival completes is launched before the next piece needs a
-  // buffer, so the pool stays at two buffers however many buckets the parameter spans.
-  reducer_->accept(index, micro, [&](int bucket) {
-    const auto& done = arrival.complete_buckets;
-    if (launch && std::find(done.begin(), done.end(), bucket) != done.end()) {
-      reducer_->launch(bucket, micro);
-    }
-  });
+  reducer_->accept(index, tracker_->micro_steps());
   // Every parameter of the unit has its gradient: its backward is over, free it.
-  if (arrival.unit_complete) store_->release(p.unit);
+  if (arrival.unit_complete) store_->release(params()[index].unit);
 }
 
-bool Engine::reduces_this_micro_step() const {
-  return plan_.reduces_every_micro_step() ||
-         tracker_->micro_steps() + 1 >= options_.grad_accumulation_steps;
-}
-
-// End of one backward pass: reduce what is still pending (buckets with unused parameters, or all
-// of them without overlap) when this micro-step communicates.
+// End of one backward pass: the reducer reduces what is still pending.
 void Engine::on_backward_end() {
   if (plan_.per_unit()) store_->end_backward();
-  if (reduces_this_micro_step()) {
-    const int micro = tracker_->micro_steps();
-    for (int b = 0; b < reducer_->buckets(); ++b) {
-      if (!reducer_->launched_in(b, micro)) reducer_->launch(b, micro);
-    }
-  }
+  if (auto_) auto_->end_backward();
+  reducer_->end_pass(tracker_->micro_steps());
   tracker_->end_pass();
 }
 
@@ -354,8 +317,13 @@ void Engine::backward(const at::Tensor& loss) {
   if (tracker_->in_pass()) on_backward_end();  // no final callback ran (no hook fired)
 }
 
+// Note [step() consumes the gradients]: a trainer may hold only a torch::optim::Optimizer&, whose
+// zero_grad() on torch 1.13 is the base's (not virtual): it zeroes .grad in place and resets
+// nothing of ours. So step() itself leaves the gradient sinks zeroed and the micro-step count at
+// zero (end_step), and zero_grad() only repeats the zeroing when a backward ran since.
 void Engine::zero_grad() {
-  reducer_->zero();
+  reducer_->zero(/*values=*/!grads_clean_);
+  grads_clean_ = true;
   tracker_->reset_micro_steps();
   store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
@@ -393,9 +361,8 @@ void Engine::finish_reduction() {
   if (tracker_->in_pass()) on_backward_end();
   if (reducer_->nothing_launched()) {
     // step() without backward() through our hooks (e.g. gradients set by hand): reduce now.
-    reducer_->accept_manual();
     tracker_->count_manual_micro_step();
-    for (int b = 0; b < reducer_->buckets(); ++b) reducer_->launch(b, tracker_->micro_steps());
+    reducer_->reduce_manual(tracker_->micro_steps());
   }
   reducer_->complete_all();
   stats_.reduce_wait_s = seconds_since(t);
@@ -452,7 +419,7 @@ void Engine::update() {
   update_->update(steps_ + 1);
   stats_.update_s = seconds_since(t);
   const auto w = Clock::now();
-  flat_->write_back_master();
+  update_->write_back();
   stats_.write_back_s = seconds_since(w);
 }
 
@@ -461,6 +428,7 @@ void Engine::after_update() {
   RECORD_FUNCTION("shardopt::gather", std::vector<c10::IValue>());
   const auto t = Clock::now();
   store_->after_update();
+  if (auto_) auto_->after_update();
   stats_.gather_s = seconds_since(t);
 }
 
@@ -468,6 +436,8 @@ void Engine::after_update() {
 void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
+  reducer_->zero();  // Note [step() consumes the gradients]
+  grads_clean_ = true;
   stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
   stats_.step_s = seconds_since(t0);
 }
@@ -478,7 +448,7 @@ bool Engine::parameters_finite() {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> slices;
   for (int b = 0; b < static_cast<int>(flat_->layout().buckets.size()); ++b) {
-    slices.push_back(owned_param_slice(b));
+    slices.push_back(checkpoint_->owned_param_slice(b));
   }
   return !scan_finite(slices, 1.0, false, comm_.get(), options_.timeout).non_finite;
 }
@@ -490,70 +460,6 @@ MemoryReport Engine::memory() const {
   m.optimizer_state_bytes = flat_->state_bytes();
   m.buffer_bytes = store_->gathered_bytes() + reducer_->buffer_bytes();
   return m;
-}
-
-const Rule& Engine::current_rule(int group) const {
-  auto& options = owner_.param_groups()[group].options();
-  return static_cast<const GroupOptions&>(options).rule;
-}
-
-// ---- ShardAccess --------------------------------------------------------------------------------
-
-at::ScalarType Engine::master_dtype() const {
-  return flat_->master_options().dtype().toScalarType();
-}
-
-// The master weights: the separate (fp32 / host) copy, or the model's own storage.
-at::Tensor Engine::owned_param_slice(int bucket) {
-  if (plan_.separate_master()) return flat_->owned_master_slice(bucket);
-  return store_->owned_slice(bucket);
-}
-
-at::Tensor Engine::owned_state_slice(int state, int bucket) {
-  return flat_->owned_state_slice(state, bucket);
-}
-
-void Engine::set_step_count(int64_t steps) {
-  steps_ = steps;
-  stats_ = StepStats{};
-  stats_.step = steps_;
-}
-
-void Engine::set_group_rule(int group, const Rule& rule) {
-  static_cast<GroupOptions&>(owner_.param_groups()[group].options()).rule = rule;
-}
-
-std::optional<LossScaler::State> Engine::loss_scaler_state() const {
-  if (!scaler_) return std::nullopt;
-  return scaler_->state();
-}
-
-void Engine::set_loss_scaler_state(const LossScaler::State& state) {
-  if (scaler_) scaler_->set_state(state);
-}
-
-void Engine::after_load() {
-  at::NoGradGuard no_grad;
-  if (!plan_.sharded()) {
-    // Every rank holds everything when replicated: assemble the full master weights and state.
-    const int rank = comm_->rank();
-    std::vector<WorkPtr> works;
-    for (const auto& bl : flat_->layout().buckets) {
-      auto gather_bucket = [&](const at::Tensor& full) {
-        at::Tensor range = full.narrow(0, bl.flat_offset, bl.padded);
-        works.push_back(comm_->all_gather(range.narrow(0, rank * bl.shard, bl.shard), range, true));
-      };
-      gather_bucket(plan_.separate_master() ? flat_->master() : store_->whole());
-      for (auto& s : flat_->state()) gather_bucket(s);
-    }
-    for (auto& w : works) w->wait(options_.timeout);
-  }
-  for (auto& s : flat_->segments()) s.low_done = false;
-  flat_->write_back_master();  // master -> model dtype
-  store_->after_update();      // sharded: parameters; per unit: frees stale units, gathers the root
-  reducer_->take_comm_elements();
-  store_->take_comm_elements();
-  zero_grad();
 }
 
 }  // namespace shardopt::detail

@@ -4,9 +4,10 @@
 //   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
 //   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per unit
 //   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
-//   BackwardTracker  (backward_tracker.hpp)  micro-steps, and which buckets/units are complete
+//   BackwardTracker  (backward_tracker.hpp)  micro-steps, duplicate hooks, which units are complete
 //   LocalUpdate      (local_update.hpp)      unscale, non-finite check, clip, the rules and kernels
-// It also implements ShardAccess, what checkpoints read and write (src/checkpoint).
+// Two roles: the optimizer (step, zero_grad, backward) and the stage-3 unit runtime. What
+// checkpoints read and write (ShardAccess) is CheckpointAccess over the same pieces.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -16,14 +17,15 @@
 #include <optional>
 #include <vector>
 
+#include "engine/auto_gather.hpp"
 #include "engine/backward_tracker.hpp"
+#include "engine/checkpoint_access.hpp"
 #include "engine/flat_state.hpp"
 #include "engine/gradient_reducer.hpp"
 #include "engine/local_update.hpp"
 #include "engine/model_check.hpp"
 #include "engine/parameter_store.hpp"
-#include "engine/plan.hpp"
-#include "shardopt/detail/shard_access.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
 
@@ -33,17 +35,7 @@ struct Node;
 
 namespace shardopt::detail {
 
-// Options of one torch param group: the group's rule, so that torch LR schedulers (set_lr) are
-// seen by the next step.
-class GroupOptions : public torch::optim::OptimizerCloneableOptions<GroupOptions> {
- public:
-  explicit GroupOptions(Rule rule) : rule(std::move(rule)) {}
-  double get_lr() const override { return rule_lr(rule); }
-  void set_lr(const double lr) override { set_rule_lr(rule, lr); }
-  Rule rule;
-};
-
-class Engine final : public UnitRuntime, public ShardAccess {
+class Engine final : public UnitRuntime {
  public:
   Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, Rule rule,
          ShardOptimizerFactory factory, CommunicatorPtr comm, ZeroOptions options);
@@ -56,58 +48,35 @@ class Engine final : public UnitRuntime, public ShardAccess {
   MemoryReport memory() const;
   const ZeroOptions& options() const { return options_; }
   // The communicator the optimizer was given (under hybrid sharding comm() is the shard group's).
-  const CommunicatorPtr& communicator() const { return world_comm_; }
+  const CommunicatorPtr& communicator() const { return ranks_.world; }
   int64_t numel() const { return flat_->layout().numel; }
   int64_t padded_numel() const { return flat_->layout().padded_numel; }
   void gather_full_parameters() { store_->gather_full(); }
   bool parameters_finite();
   // The torch param groups DistributedOptimizer registers, and their rules.
   const CollectedModel& model() const { return model_; }
+  torch::optim::Optimizer* factory_optimizer() const { return update_->factory_optimizer(); }
 
   // ---- UnitRuntime (stage 3): called by Units::run and the output hooks ---------------------
-  void enter(int unit) override { store_->enter(unit); }
+  void enter(int unit) override { store_->enter(unit, tracker_->in_pass()); }
   void exit(int unit) override { store_->exit(unit); }
   void mark_for_backward(int unit, const at::Tensor& output) override;
 
-  // ---- ShardAccess (src/checkpoint) ---------------------------------------------------------
-  const FlatLayout& layout() const override { return flat_->layout(); }
-  const ZeroOptions& zero_options() const override { return options_; }
-  const CommunicatorPtr& comm() const override { return comm_; }
-  const CommunicatorPtr& world_comm() const override { return world_comm_; }
-  int replica() const override { return replica_; }
-  int replicas() const override { return replicas_; }
-  const std::string& param_name(int index) const override { return params()[index].name; }
-  int64_t param_order(int index) const override { return params()[index].order; }
-  std::vector<int64_t> param_shape(int index) const override {
-    return params()[index].tensor.sizes().vec();
-  }
-  at::ScalarType master_dtype() const override;
-  bool has_factory_optimizer() const override { return update_->has_factory_optimizer(); }
-  int state_buffer_count() const override { return static_cast<int>(flat_->state().size()); }
-  at::Tensor owned_param_slice(int bucket) override;
-  at::Tensor owned_state_slice(int state, int bucket) override;
-  int64_t step_count() const override { return steps_; }
-  void set_step_count(int64_t steps) override;
-  int group_count() const override { return static_cast<int>(owner_.param_groups().size()); }
-  Rule group_rule(int group) const override { return current_rule(group); }
-  void set_group_rule(int group, const Rule& rule) override;
-  std::optional<LossScaler::State> loss_scaler_state() const override;
-  void set_loss_scaler_state(const LossScaler::State& state) override;
-  void after_load() override;
+  // What src/checkpoint reads and writes.
+  ShardAccess& checkpoint_access() { return *checkpoint_; }
 
  private:
   using Clock = std::chrono::steady_clock;
   const std::vector<ModelParam>& params() const { return model_.params; }
-  const Rule& current_rule(int group) const;
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
+  std::unique_ptr<ParameterStore> make_store();
   void attach_hooks();
   // Autograd events.
   void begin_pass();
   void check_micro_step_open() const;
   void on_grad_ready(int index);
   void on_backward_end();
-  bool reduces_this_micro_step() const;
   // The phases of step().
   void finish_reduction();
   bool skip_non_finite();
@@ -117,27 +86,29 @@ class Engine final : public UnitRuntime, public ShardAccess {
   void end_step(Clock::time_point t0);
 
   torch::optim::Optimizer& owner_;
-  CommunicatorPtr world_comm_;  // as given
-  CommunicatorPtr comm_;        // what the pieces shard over: world_comm_ or its shard group
-  int replica_ = 0;             // hybrid: index of this rank's shard group
-  int replicas_ = 1;
+  Ranks ranks_;
+  CommunicatorPtr comm_;  // ranks_.shard: what the pieces shard over
   ZeroOptions options_;
   StagePlan plan_;
   int world_ = 1;
   CollectedModel model_;
   UnitsPtr unit_plan_;  // stage 3: the model's declared units (attached to this engine)
+  bool automatic_ = false;  // stage 3: units_plan_ derived from names (Note [Automatic units])
   std::optional<LossScaler> scaler_;  // fp16
   std::unique_ptr<FlatState> flat_;
+  std::unique_ptr<AutoGather> auto_;  // before store_: the store unregisters it on destruction
   std::unique_ptr<ParameterStore> store_;
   std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<LocalUpdate> update_;
   std::unique_ptr<BackwardTracker> tracker_;
+  std::unique_ptr<CheckpointAccess> checkpoint_;
   struct Hook {
     std::shared_ptr<torch::autograd::Node> accumulator;
     uintptr_t key = 0;
   };
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
+  bool grads_clean_ = false;  // the gradient sinks are zero: no backward since they were zeroed
   int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };

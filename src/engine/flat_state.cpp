@@ -42,11 +42,9 @@ at::Tensor FlatState::owned_copy(const at::Tensor& flat, const at::TensorOptions
 }
 
 void FlatState::init_master(const at::Tensor& initial) {
-  if (plan_.separate_master()) master_ = updated_copy(initial, master_options_);
-}
-
-void FlatState::init_master_shard(const at::Tensor& shard) {
-  if (plan_.separate_master()) master_ = shard.to(master_options_, false, true);
+  if (!plan_.separate_master()) return;
+  master_ = plan_.per_unit() ? initial.to(master_options_, false, true)
+                             : updated_copy(initial, master_options_);
 }
 
 void FlatState::init_state(int count, double first_value) {
@@ -83,15 +81,6 @@ at::Tensor FlatState::owned_master_slice(int bucket) {
 at::Tensor FlatState::owned_state_slice(int k, int bucket) {
   const auto& bl = layout_.buckets[bucket];
   return state_[k].narrow(0, update_index(bucket, rank_ * bl.shard), bl.shard);
-}
-
-void FlatState::write_back_master() {
-  if (!plan_.separate_master()) return;
-  for (auto& s : segments_) {
-    // master -> model dtype/device; from pinned host memory (offload) the copy is asynchronous,
-    // in the device's stream order, like everything else that reads the parameters.
-    if (!s.low_done) s.low.copy_(s.param, /*non_blocking=*/s.param.is_cpu() && !s.low.is_cpu());
-  }
 }
 
 int64_t FlatState::state_bytes() const {

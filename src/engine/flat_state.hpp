@@ -2,11 +2,24 @@
 // tensor options of each kind of buffer, and what the local update owns: the master weights
 // (when separate), the optimizer state buffers and the segments the update walks.
 //
-// Coordinates (Note [Flat layout] in src/engine/engine.cpp): bucket b covers
+// Coordinates (Note [Flat layout] below): bucket b covers
 // [flat_offset, flat_offset + padded) of the full flat buffer; rank r owns its elements
 // [r*S, (r+1)*S). The part of b this rank updates ("updated range") is the owned slice when the
 // plan is sharded, the whole bucket when replicated; it sits at state_offset in every
 // update-coordinate buffer (master, optimizer state, reduced gradients).
+//
+// Note [Flat layout]
+// Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
+// sorted by parameter group and, within a group, placed in reverse registration order, which is
+// roughly the order backward produces their gradients. They are packed into buckets of about
+// bucket_bytes (when 0: Note [Default bucket size] in shardopt/detail/plan.hpp); a parameter
+// larger than the space left in a bucket fills it and continues in the next (the split falls at a
+// multiple of world * align, so the parameter stays contiguous in the full flat buffer and its
+// view stays one view). Each bucket is padded to a multiple of
+// world * align so it splits evenly, and rank r owns [r*S, (r+1)*S) of every bucket. Model
+// parameters become views into flat storage, so the optimizer updates them with no copy. A bucket
+// is the unit of one collective and is complete once every piece in it has its gradient
+// (Note [Bucket completion] in gradient_reducer.hpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,7 +28,7 @@
 #include <functional>
 #include <vector>
 
-#include "engine/plan.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/detail/partition.hpp"
 
 namespace shardopt::detail {
@@ -29,7 +42,6 @@ struct Segment {
   at::Tensor param;  // the update's target: master weights, or the model's own storage
   at::Tensor grad;   // reduced, averaged gradients
   at::Tensor low;    // separate master: the model's storage to cast the result into
-  bool low_done = false;  // this step's update already wrote `low` (fused kernels)
 };
 
 struct UpdatedRange {
@@ -60,10 +72,9 @@ class FlatState {
   // This rank's owned slice of every bucket of a full-length flat tensor, packed as a shard.
   at::Tensor owned_copy(const at::Tensor& flat, const at::TensorOptions& options) const;
 
-  // Master weights from the initial full flat values (separate master only).
+  // Master weights (separate master only) from ParameterStore::adopt's initial values: the full
+  // flat buffer, or this rank's shard when parameters are gathered per unit.
   void init_master(const at::Tensor& initial);
-  // ... or from this rank's initial shard, in master precision (sharded plans).
-  void init_master_shard(const at::Tensor& shard);
   // Optimizer state: `count` zero buffers, the first filled with `first_value`.
   void init_state(int count, double first_value);
   // One segment per bucket; the engine hands over where the model's and the gradients' updated
@@ -79,8 +90,6 @@ class FlatState {
   // model's storage is the master) and of optimizer state buffer k.
   at::Tensor owned_master_slice(int bucket);
   at::Tensor owned_state_slice(int k, int bucket);
-  // Casts the update's result into the model's storage where the kernels did not.
-  void write_back_master();
 
   int64_t state_bytes() const;  // optimizer state (+ separate master)
 

@@ -11,12 +11,15 @@
 namespace shardopt::detail {
 
 GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> params,
-                                 CommunicatorPtr comm, bool overlap, Duration timeout)
+                                 CommunicatorPtr comm, bool overlap, int accumulation,
+                                 Duration timeout)
     : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
-      overlap_(overlap), timeout_(timeout), rank_(flat.rank()) {
+      overlap_(overlap), accumulation_(accumulation), timeout_(timeout), rank_(flat.rank()) {
   const auto& layout = flat_.layout();
   buckets_.resize(layout.buckets.size());
   for (const auto& bl : layout.buckets) max_bucket_numel_ = std::max(max_bucket_numel_, bl.padded);
+  for (const auto& piece : layout.pieces) ++buckets_[piece.bucket].pieces;
+  for (auto& b : buckets_) b.pending = b.pieces;
   at::NoGradGuard no_grad;
   if (plan_.bucketed()) {
     grad_reduced_ = at::zeros({flat_.update_numel()}, flat_.master_options());
@@ -25,9 +28,11 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
   }
   grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
   for (size_t i = 0; i < params_.size(); ++i) {
-    grad_views_.push_back(grad_flat_.narrow(0, layout.flat_offset(static_cast<int>(i)),
-                                            layout.slots[i].numel)
-                              .view(params_[i].sizes()));
+    // Aliases of the flat buffer that are not autograd views: torch 1.13's C++
+    // Optimizer::zero_grad calls detach_() on every .grad, which autograd refuses for views.
+    grad_views_.push_back(at::empty({0}, grad_flat_.options())
+                              .set_(grad_flat_.storage(), layout.flat_offset(static_cast<int>(i)),
+                                    params_[i].sizes(), {}));
     params_[i].mutable_grad() = grad_views_.back();
   }
 }
@@ -49,8 +54,7 @@ at::Tensor GradientReducer::reduced(int bucket, const UpdatedRange& range) const
   return grad_flat_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
 }
 
-void GradientReducer::accept(int index, int micro,
-                             const std::function<void(int bucket)>& piece_in) {
+void GradientReducer::accept(int index, int micro) {
   const auto& layout = flat_.layout();
   at::Tensor& grad = params_[index].mutable_grad();
   if (!plan_.bucketed()) {
@@ -61,8 +65,9 @@ void GradientReducer::accept(int index, int micro,
     }
     grad = view;
     for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
-      piece_in(p->bucket);
+      --buckets_[p->bucket].pending;
     }
+    launch_ready(micro, /*pass_end=*/false);
     return;
   }
   const at::Tensor flat = grad.defined() ? grad.reshape(-1) : at::Tensor();
@@ -70,18 +75,70 @@ void GradientReducer::accept(int index, int micro,
     auto& b = buckets_[p->bucket];
     // Last micro-step's reduction of this bucket must land before its buffer refills.
     if (b.work && b.launched_micro != micro) complete(p->bucket);
-    at::Tensor dst = pool_[acquire_buffer(p->bucket)].narrow(0, p->offset, p->numel);
+    at::Tensor dst = pool_[acquire_buffer(p->bucket, micro)].narrow(0, p->offset, p->numel);
     if (flat.defined()) {
       dst.copy_(flat.narrow(0, p->param_offset, p->numel));
     } else {
       dst.zero_();
     }
-    piece_in(p->bucket);
+    --b.pending;
+    // Piece by piece: a bucket this piece completes is launched before the next piece needs a
+    // buffer, so the pool stays at two buffers however many buckets the parameter spans.
+    launch_ready(micro, /*pass_end=*/false);
   }
   grad.reset();  // the full gradient is freed as soon as it is in the buckets
 }
 
-void GradientReducer::accept_manual() {
+bool GradientReducer::reduces(int micro) const {
+  return plan_.reduces_every_micro_step() || micro + 1 >= accumulation_;
+}
+
+// Note [Bucket completion]: the one place that decides when buckets go out.
+void GradientReducer::launch_ready(int micro, bool pass_end) {
+  if (!reduces(micro) || (!overlap_ && !pass_end)) return;
+  for (int b = next_; b < buckets(); ++b) {
+    auto& k = buckets_[b];
+    if (k.launched_micro != micro && (pass_end || k.pending == 0)) {
+      launch(b, micro);
+      // A bucket whose reduction is done at launch (one rank; an engine that completes in the
+      // call) is folded in now, during backward, instead of waiting for step() (the last two
+      // buckets of a pass would).
+      if (!overlap_ || (plan_.bucketed() && k.work->is_completed())) complete(b);
+    }
+    if (k.launched_micro == micro) {
+      if (b == next_) ++next_;
+    } else if (k.pending < k.pieces && !k.passed_over) {
+      break;  // started, not complete: holds back the buckets after it
+    }
+  }
+}
+
+// The pool is full and nothing is in flight: if a complete bucket waits behind started ones, pass
+// over those (launched once complete, or at the end of the pass) and launch it. Returns whether
+// one went out.
+bool GradientReducer::pass_over_waiting(int micro) {
+  if (!overlap_ || !reduces(micro)) return false;
+  int first_complete = next_;
+  while (first_complete < buckets() && (buckets_[first_complete].launched_micro == micro ||
+                                        buckets_[first_complete].pending > 0)) {
+    ++first_complete;
+  }
+  if (first_complete == buckets()) return false;
+  for (int b = next_; b < first_complete; ++b) buckets_[b].passed_over = true;
+  launch_ready(micro, /*pass_end=*/false);
+  return !in_flight_.empty();
+}
+
+void GradientReducer::end_pass(int micro) {
+  launch_ready(micro, /*pass_end=*/true);
+  next_ = 0;
+  for (auto& b : buckets_) {
+    b.pending = b.pieces;
+    b.passed_over = false;
+  }
+}
+
+void GradientReducer::reduce_manual(int micro) {
   const auto& layout = flat_.layout();
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& g = params_[i].mutable_grad();
@@ -99,21 +156,24 @@ void GradientReducer::accept_manual() {
       g.reset();
     }
   }
+  for (int b = 0; b < buckets(); ++b) launch(b, micro);
 }
 
 // A bucket buffer from the pool; when all are busy, the oldest in-flight bucket is completed and
 // its buffer reused, so the pool stays at kMaxBuffers while buckets complete about in layout order
-// (the layout is in backward order). A bucket waiting for a parameter that gets no gradient this
-// pass, or for one that arrives out of order, keeps its buffer while it waits; when two do and a
-// third bucket needs one, the pool grows past kMaxBuffers.
-int GradientReducer::acquire_buffer(int bucket) {
+// (the layout is in backward order). With nothing in flight, complete buckets waiting behind an
+// incomplete one are launched (pass_over_waiting, from a hook only). A bucket waiting for a parameter that gets no
+// gradient this pass, or for one that arrives out of order, keeps its buffer while it waits; when
+// two do and a third bucket needs one, the pool grows past kMaxBuffers.
+int GradientReducer::acquire_buffer(int bucket, int hook_micro) {
   auto& b = buckets_[bucket];
   if (b.buffer >= 0) return b.buffer;
   int index = -1;
   if (!free_buffers_.empty()) {
     index = free_buffers_.back();
     free_buffers_.pop_back();
-  } else if (!in_flight_.empty() && static_cast<int>(pool_.size()) >= kMaxBuffers) {
+  } else if (static_cast<int>(pool_.size()) >= kMaxBuffers &&
+             (!in_flight_.empty() || (hook_micro >= 0 && pass_over_waiting(hook_micro)))) {
     complete(in_flight_.front());
     index = free_buffers_.back();
     free_buffers_.pop_back();
@@ -146,13 +206,6 @@ void GradientReducer::launch(int bucket, int micro) {
                                    ReduceOp::Sum, true);
     comm_elements_ += bl.padded;
   }
-  // A reduction that is already done (one rank; an engine that completes in the call) is folded
-  // in now, during backward, rather than by step() (at most two buckets would wait there).
-  if (!overlap_ || (plan_.bucketed() && b.work->is_completed())) complete(bucket);
-}
-
-bool GradientReducer::launched_in(int bucket, int micro) const {
-  return buckets_[bucket].launched_micro == micro;
 }
 
 bool GradientReducer::nothing_launched() const {
@@ -194,14 +247,14 @@ void GradientReducer::complete_all() {
   for (auto& b : buckets_) b.launched_micro = -1;
 }
 
-void GradientReducer::zero() {
+void GradientReducer::zero(bool values) {
   at::NoGradGuard no_grad;
   if (grad_flat_.defined()) {
-    grad_flat_.zero_();
+    if (values) grad_flat_.zero_();
     for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grad_views_[i];
   }
   if (grad_reduced_.defined()) {
-    grad_reduced_.zero_();
+    if (values) grad_reduced_.zero_();
     for (auto& p : params_) p.mutable_grad().reset();
   }
   for (auto& b : buckets_) b.launched_micro = -1;

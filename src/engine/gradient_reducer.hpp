@@ -7,13 +7,27 @@
 //             pooled bucket buffers (at most kMaxBuffers while buckets complete as they fill) and
 //             freed; a complete bucket is reduced every micro-step and folded into the reduced
 //             gradients (update coordinates, master precision and device).
-// Reductions are sums; the division by world * micro-steps happens once, on the reduced values.
+// Reductions are sums; LocalUpdate::unscale divides by world (and the loss scale) once, on the
+// reduced values (micro-steps are summed: Note [Gradient accumulation convention]).
+//
+// Note [Bucket completion]
+// The reducer owns when a bucket is reduced. Each bucket counts down its pieces in every backward
+// pass, and complete buckets are launched in layout order: a complete bucket waits for a started
+// one before it (some of its pieces in, not all), so the sequence of collectives does not follow
+// the order the hooks happen to fire in. A bucket no piece has reached yet in this pass does not
+// hold back the ones after it: it belongs to parameters backward reaches later (stage 3 lays out
+// its units in forward order) or to parameters without a gradient (unused); it is launched once
+// complete, or at the end of the pass. Overlap is decided in one place (launch_ready): with
+// overlap_comm a bucket goes out from the hook that makes it due, otherwise every bucket at the
+// end of the pass, one at a time. When the pool is full with nothing in flight, started buckets
+// that hold back a complete one are passed over (launched once complete) so the pool need not
+// grow.
+
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <deque>
-#include <functional>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -24,29 +38,30 @@ namespace shardopt::detail {
 class GradientReducer {
  public:
   // params[i]: the tensor of layout slot i (its .grad is managed here).
+  // `accumulation`: micro-steps per step (InPlace gradients are reduced on the last one only).
   GradientReducer(const FlatState& flat, std::vector<at::Tensor> params, CommunicatorPtr comm,
-                  bool overlap, Duration timeout);
+                  bool overlap, int accumulation, Duration timeout);
   // Lets in-flight collectives land before the buffers they write go away.
   ~GradientReducer();
 
   // The reduced gradients of a bucket's updated range (the update's input).
   at::Tensor reduced(int bucket, const UpdatedRange& range) const;
 
-  // Parameter `index`'s gradient arrived in micro-step `micro`: move it into the sink. After each
-  // of its pieces is in, `piece_in(bucket)` runs (the engine launches the buckets this arrival
-  // completed there, so a buffer is in flight before the next piece needs one).
-  void accept(int index, int micro, const std::function<void(int bucket)>& piece_in);
-  // Gradients set by hand, without backward through the hooks: take every defined .grad.
-  void accept_manual();
-  // Starts bucket's reduction for micro-step `micro` (completes it at once without overlap).
-  void launch(int bucket, int micro);
-  bool launched_in(int bucket, int micro) const;
+  // Parameter `index`'s gradient arrived in micro-step `micro` (counted once per pass: the caller
+  // drops duplicates): moves it into the sink, counts its pieces down and launches the buckets that
+  // are due (Note [Bucket completion]).
+  void accept(int index, int micro);
+  // End of backward pass `micro`: reduces what is still pending when this micro-step reduces.
+  void end_pass(int micro);
+  // step() with nothing reduced: gradients set by hand, without backward through the hooks. Takes
+  // every defined .grad and launches every bucket.
   bool nothing_launched() const;
-  int buckets() const { return static_cast<int>(buckets_.size()); }
+  void reduce_manual(int micro);
   // Waits for every reduction and folds it in; the next step starts with nothing launched.
   void complete_all();
-  // zero_grad(): reduced gradients to zero, .grad back to the in-place views (or none).
-  void zero();
+  // Reduced gradients to zero (unless `values` is false: they are zero already), .grad back to
+  // the in-place views (or none).
+  void zero(bool values = true);
 
   int64_t take_comm_elements();
   int64_t grad_bytes() const;    // gradients kept between backward and step
@@ -55,12 +70,21 @@ class GradientReducer {
  private:
   static constexpr int kMaxBuffers = 2;
   struct Bucket {
+    int pieces = 0;           // parameter pieces in it
+    int pending = 0;          // pieces still to arrive in this pass
+    bool passed_over = false;  // this pass: no longer holds back the buckets after it
     int launched_micro = -1;  // micro-step of the last launch this step; -1: none yet
     WorkPtr work;
     int buffer = -1;  // Bucketed: pool index while filling or in flight
   };
 
-  int acquire_buffer(int bucket);
+  int buckets() const { return static_cast<int>(buckets_.size()); }
+  bool reduces(int micro) const;
+  void launch_ready(int micro, bool pass_over);
+  bool pass_over_waiting(int micro);
+  void launch(int bucket, int micro);
+  // hook_micro >= 0: called from a hook in that micro-step (it may pass over waiting buckets).
+  int acquire_buffer(int bucket, int hook_micro = -1);
   void complete(int bucket);
 
   const FlatState& flat_;
@@ -68,9 +92,11 @@ class GradientReducer {
   std::vector<at::Tensor> params_;
   CommunicatorPtr comm_;
   bool overlap_ = true;
+  int accumulation_ = 1;
   Duration timeout_;
   int rank_ = 0;
   std::vector<Bucket> buckets_;
+  int next_ = 0;  // first bucket not launched in this pass (layout order)
   at::Tensor grad_flat_;               // InPlace: full length, model dtype
   std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it
   at::Tensor grad_reduced_;            // Bucketed: update coordinates, master options

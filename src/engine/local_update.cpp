@@ -17,7 +17,7 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
                          const Rule& rule, const ShardOptimizerFactory& factory, RuleOf rule_of,
                          bool fused)
     : flat_(flat), comm_(std::move(comm)), timeout_(timeout), rule_of_(std::move(rule_of)),
-      lamb_(std::holds_alternative<Lamb>(rule)) {
+      lamb_(std::holds_alternative<Lamb>(rule)), low_done_(flat_.segments().size(), 0) {
   if (fused) kernels_ = fused_kernels_for(flat_.master_options().device().type());
   if (factory) {
     for (auto& s : flat_.segments()) {
@@ -80,13 +80,26 @@ void LocalUpdate::update(int64_t step) {
     return;
   }
   auto& state = flat_.state();
-  for (auto& s : flat_.segments()) {
+  for (size_t k = 0; k < flat_.segments().size(); ++k) {
+    auto& s = flat_.segments()[k];
     const Rule& rule = rule_of_(s.group);
     std::vector<at::Tensor> st;
     for (auto& full : state) st.push_back(full.narrow(0, s.state_offset, s.param.numel()));
     const bool fused = fused_step(rule, step, s, st);
     if (!fused) std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
-    s.low_done = fused && kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
+    low_done_[k] = fused && kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
+  }
+}
+
+void LocalUpdate::write_back() {
+  if (!flat_.plan().separate_master()) return;
+  auto& segments = flat_.segments();
+  for (size_t k = 0; k < segments.size(); ++k) {
+    // master -> model dtype/device; from pinned host memory (offload) the copy is asynchronous,
+    // in the device's stream order, like everything else that reads the parameters.
+    auto& s = segments[k];
+    if (!low_done_[k]) s.low.copy_(s.param, /*non_blocking=*/s.param.is_cpu() && !s.low.is_cpu());
+    low_done_[k] = 0;
   }
 }
 
@@ -164,14 +177,15 @@ bool LocalUpdate::fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
     });
   }
   if (flat_.plan().sharded()) all_reduce_small(sums);
-  for (auto& s : segments) {
+  for (size_t k = 0; k < segments.size(); ++k) {
+    auto& s = segments[k];
     const auto h = hyper(s);
     for_each_param_piece(s, [&](int index, int64_t begin, int64_t len) {
       const double w = std::sqrt(acc[2 * index]), u = std::sqrt(acc[2 * index + 1]);
       kernels_->lamb_phase2(h, (w > 0 && u > 0) ? w / u : 1.0, piece(s, begin, len, true));
     });
     // Padding between parameters keeps a zero compute-dtype copy; nothing else to write.
-    s.low_done = kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
+    low_done_[k] = kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
   }
   return true;
 }
@@ -186,7 +200,6 @@ void LocalUpdate::lamb_update(int64_t step) {
   if (fused_lamb(step, acc, sums)) return;
   auto& segments = flat_.segments();
   auto& state = flat_.state();
-  for (auto& s : segments) s.low_done = false;
   std::vector<at::Tensor> updates;
   for (auto& s : segments) {
     const auto& r = std::get<Lamb>(rule_of_(s.group));

@@ -42,8 +42,13 @@ class LocalUpdate {
   // One optimizer step, number `step` (1-based); leaves the result in the segments' params (and,
   // where the kernels wrote it, their compute-dtype copies).
   void update(int64_t step);
+  // Separate master: casts the result into the model's storage where the kernels did not (also
+  // after a checkpoint load overwrote the master weights).
+  void write_back();
 
   bool has_factory_optimizer() const { return inner_ != nullptr; }
+  // The factory-built torch optimizer (null for native rules): LR changes are handed to it.
+  torch::optim::Optimizer* factory_optimizer() const { return inner_.get(); }
 
  private:
   bool fused_step(const Rule& rule, int64_t step, Segment& s, std::vector<at::Tensor>& st);
@@ -64,6 +69,7 @@ class LocalUpdate {
   const FusedKernels* kernels_ = nullptr;
   std::unique_ptr<torch::optim::Optimizer> inner_;
   std::vector<at::Tensor> inner_params_;
+  std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
 };
 
 }  // namespace shardopt::detail

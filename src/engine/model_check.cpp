@@ -1,13 +1,16 @@
-// Model check: collecting and validating the parameters, and the cross-rank model comparison.
+// Model check: collecting and validating the parameters, the cross-rank model comparison, and
+// the names of stage 3's parts.
 #include "engine/model_check.hpp"
 
 #include <ATen/ATen.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <map>
 #include <unordered_map>
 
-#include "checkpoint/agreement.hpp"
+#include "comm/gather_strings.hpp"
+#include "engine/placement.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt::detail {
@@ -53,11 +56,6 @@ void assign_units(CollectedModel& m, const Units& units) {
 }
 
 }  // namespace
-
-at::ScalarType compute_dtype(Precision precision) {
-  return precision == Precision::BF16 ? at::kBFloat16
-         : precision == Precision::FP16 ? at::kHalf : at::kFloat;
-}
 
 bool first_trainable_on_host(const std::vector<ParamGroup>& groups) {
   for (const auto& g : groups) {
@@ -139,7 +137,7 @@ CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, b
                  "optimizer: precision {} needs float32 parameters (the master copy is fp32), "
                  "'{}' is {}", to_string(precision), params.front().name, describe(first));
   if (units) assign_units(m, *units);
-  // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout]).
+  // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout] in flat_state.hpp).
   std::stable_sort(params.begin(), params.end(), [](const ModelParam& a, const ModelParam& b) {
     if (a.group != b.group) return a.group < b.group;
     if (a.unit != b.unit) return a.unit < b.unit;
@@ -189,6 +187,24 @@ void verify_same_model(const std::vector<ModelParam>& params, bool per_unit, Com
                 "optimizer: the model differs across ranks at trainable parameter #{} (in "
                 "layout order); every rank must build the same model:{}",
                 first_bad, report);
+}
+
+// How a released parameter's error names the units that gather its part (release_guard.hpp):
+// "unit 'layer'", "units 'embeddings', 'heads'" for a shared part, "no unit" for the root part.
+std::vector<std::string> part_labels(const CollectedModel& model, const Units& units) {
+  std::vector<std::vector<std::string>> users(model.root_unit + 1);
+  for (size_t u = 0; u < model.unit_parts.size(); ++u) {
+    for (int part : model.unit_parts[u]) {
+      users[part].push_back(fmt::format("'{}'", units.name(static_cast<int>(u))));
+    }
+  }
+  std::vector<std::string> labels;
+  for (const auto& names : users) {
+    labels.push_back(names.empty()       ? std::string("no unit: gathered from zero_grad() to step()")
+                     : names.size() == 1 ? fmt::format("unit {}", names[0])
+                                         : fmt::format("units {}", fmt::join(names, ", ")));
+  }
+  return labels;
 }
 
 }  // namespace shardopt::detail

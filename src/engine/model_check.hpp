@@ -1,5 +1,5 @@
 // Model check: what the optimizer is given, validated and put in layout order (Note [Flat
-// layout]), and the check that every rank was given the same model.
+// layout] in flat_state.hpp), and the check that every rank was given the same model.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,9 +32,6 @@ struct CollectedModel {
   std::vector<std::string> loose_names;      // the parameters in no unit
 };
 
-// The dtype the model computes in under `precision`.
-at::ScalarType compute_dtype(Precision precision);
-
 // Whether the first trainable parameter lives in host memory (decides where offload moves to).
 bool first_trainable_on_host(const std::vector<ParamGroup>& groups);
 
@@ -48,5 +45,8 @@ CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, b
 // every rank throws Error{Mismatch} naming the first differing parameter and each rank's view.
 void verify_same_model(const std::vector<ModelParam>& params, bool per_unit, Communicator& comm,
                        Duration timeout);
+
+// How a released parameter's error names the units that gather each part (release_guard.hpp).
+std::vector<std::string> part_labels(const CollectedModel& model, const Units& units);
 
 }  // namespace shardopt::detail

@@ -27,6 +27,7 @@ ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> pa
 
 ParameterStore::~ParameterStore() {
   for (const auto& u : units_) {
+    if (automatic_ != nullptr && u.full.defined()) stop_gather_on_use(u.full);
     for (int i : u.params) forget_parameter(params_[i]);
   }
   if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
@@ -40,19 +41,55 @@ ParameterStore::~ParameterStore() {
   }
 }
 
-void ParameterStore::adopt(const at::Tensor& initial) {
+at::Tensor ParameterStore::adopt(const at::TensorOptions& master_options, bool broadcast) {
   at::NoGradGuard no_grad;
+  return plan_.per_unit() ? adopt_shards(master_options, broadcast)
+                          : adopt_whole(master_options, broadcast);
+}
+
+// Note [One copy at construction] (Whole): the flat buffer is one allocation (buckets split
+// parameters, so no boundary between parameters is also one between buckets), but its pages are
+// touched only as it fills: each parameter is copied in (ranks that receive rank 0's values skip
+// the copy) and, when the model keeps the master's dtype and device, becomes its view at once, so
+// its original storage is freed before the next one is copied. The resident peak is about one
+// model plus one parameter; an allocator that reserves (a device, the bench's tracker) still
+// counts the model plus the flat buffer.
+at::Tensor ParameterStore::adopt_whole(const at::TensorOptions& master_options, bool broadcast) {
   const auto& layout = flat_.layout();
-  flat_params_ = initial.to(flat_.model_options());  // no copy when nothing changes
+  at::Tensor initial = at::empty({layout.padded_numel}, master_options);
+  const auto& model_options = flat_.model_options();
+  const bool same_storage = initial.dtype() == model_options.dtype() &&
+                            initial.device() == model_options.device();
+  const bool from_rank0 = broadcast && comm_->size() > 1;
+  for (const auto& bl : layout.buckets) {  // padding: alignment gaps and each bucket's tail
+    int64_t end = 0;
+    for (int k : bl.pieces) {
+      const auto& piece = layout.pieces[k];
+      if (piece.offset > end) initial.narrow(0, bl.flat_offset + end, piece.offset - end).zero_();
+      end = std::max(end, piece.offset + piece.numel);
+    }
+    if (bl.padded > end) initial.narrow(0, bl.flat_offset + end, bl.padded - end).zero_();
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& param = params_[i];
+    at::Tensor slot = initial.narrow(0, layout.flat_offset(static_cast<int>(i)), layout.slots[i].numel);
+    if (!from_rank0 || rank_ == 0) slot.copy_(param.reshape(-1));
+    if (same_storage) param.set_data(slot.view(param.sizes()));
+  }
+  if (from_rank0) comm_->broadcast(initial, 0, true)->wait(timeout_);
+  flat_params_ = initial.to(model_options);  // no copy when nothing changes
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     p.set_data(flat_params_.narrow(0, layout.flat_offset(static_cast<int>(i)), p.numel())
                    .view(p.sizes()));  // same TensorImpl (autograd identity), our storage
   }
+  return initial;
 }
 
+// PerUnit: the parameters move into this rank's shard bucket by bucket, each parameter's own
+// storage given back after its last bucket, so construction holds the model once plus the shard
+// and one bucket.
 at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options, bool broadcast) {
-  at::NoGradGuard no_grad;
   const auto& layout = flat_.layout();
   const auto& options = flat_.model_options();
   const int world = comm_->size();
@@ -135,7 +172,8 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
       params_[i].set_data(views[i]);
       const int part = layout.buckets[layout.slots[i].bucket].unit;
       remember_parameter(params_[i], names_[i], part_labels_[part]);
-      guard_released(params_[i]);
+      guard_released(params_[i]);  // automatic: for good (gathered on use)
+      if (automatic_ != nullptr) gather_on_use(units_[part].full, automatic_, part);
     }
   }
   shard_ = initial.to(options);  // no copy when the model computes in master precision
@@ -175,7 +213,14 @@ void ParameterStore::after_update() {
 
 // ---- PerUnit (see Note [Stage 3 units]) -------------------------------------------------------
 
-void ParameterStore::enter(int unit) {
+void ParameterStore::enter(int unit, bool in_backward) {
+  if (in_backward) {
+    for (int part : unit_parts_[unit]) {
+      ++units_[part].active;
+      ensure_gathered(part);
+    }
+    return;
+  }
   if (forward_order_.size() > 4 * units_.size() + 16) {  // forwards without backward (eval)
     previous_order_ = std::move(forward_order_);
     forward_order_.clear();
@@ -204,13 +249,18 @@ void ParameterStore::exit(int unit) {
   for (int part : unit_parts_[unit]) {
     if (--units_[part].active <= 0) {
       units_[part].active = 0;
-      release(part);
+      // A recomputation inside the unit's backward (Note [Recompute and ZeRO], recompute.hpp)
+      // ends while backward still needs the parameters: they go when their gradients are in.
+      if (!units_[part].backward) release(part);
     }
   }
 }
 
 void ParameterStore::before_backward(int unit) {
-  for (int part : unit_parts_[unit]) ensure_gathered(part);
+  for (int part : unit_parts_[unit]) {
+    ensure_gathered(part);
+    units_[part].backward = true;
+  }
   prefetch_after(unit);
 }
 
@@ -257,6 +307,12 @@ void ParameterStore::gather_full() {
   for (int u = 0; u <= root_unit_; ++u) ensure_gathered(u);
 }
 
+void ParameterStore::prefetch_part(int part) {
+  if (!units_[part].gathered) launch_gather(part);
+}
+
+void ParameterStore::gather_part(int part) { ensure_gathered(part); }
+
 // Allocates the unit's full buffers and starts all-gathering its shards into them.
 void ParameterStore::launch_gather(int unit) {
   auto& u = units_[unit];
@@ -269,7 +325,9 @@ void ParameterStore::launch_gather(int unit) {
     storage->set_data_ptr_noswap(allocator->allocate(nbytes));
     storage->set_nbytes(nbytes);
   }
-  for (int i : u.params) unguard(params_[i]);
+  if (automatic_ == nullptr) {
+    for (int i : u.params) unguard(params_[i]);
+  }
   for (int b : u.buckets) {
     const auto& bl = layout.buckets[b];
     u.works.push_back(
@@ -293,8 +351,11 @@ void ParameterStore::release(int unit) {
   for (auto& w : u.works) w->wait(timeout_);  // never free under a collective
   u.works.clear();
   if (u.full.defined()) u.full.storage().unsafeGetStorageImpl()->reset();
-  for (int i : u.params) guard_released(params_[i]);
+  if (automatic_ == nullptr) {
+    for (int i : u.params) guard_released(params_[i]);
+  }
   u.gathered = false;
+  u.backward = false;
 }
 
 int64_t ParameterStore::take_comm_elements() {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/flat_state.hpp"
+#include "engine/release_guard.hpp"
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
@@ -35,15 +36,14 @@ class ParameterStore {
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~ParameterStore();
 
-  // Whole: takes the initial full flat values (master precision) as the model's storage; the
-  // parameters become views into it (same TensorImpl, so autograd identity is kept).
-  void adopt(const at::Tensor& initial);
-  // PerUnit: moves the parameters into this rank's shard bucket by bucket (rank 0's values when
-  // `broadcast`), each parameter's own storage given back after its last bucket, so construction
-  // holds the model once plus the shard and one bucket. The parameters become views into their
-  // parts' full buffers, released; the root part is gathered. Returns the initial shard in
-  // `master_options` (the master weights' initial values).
-  at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
+  // Takes over the parameters' storage with their initial values (rank 0's on every rank when
+  // `broadcast`, as DDP does) and returns those values in `master_options`, the master weights'
+  // start (FlatState::init_master): the full flat buffer (Whole), or this rank's shard
+  // (PerUnit). The parameters become views into the store's storage (same TensorImpl, so
+  // autograd identity is kept); construction holds about one copy of the model (Note [One copy
+  // at construction] in parameter_store.cpp). PerUnit: the parameters start released but the
+  // root part, which is gathered.
+  at::Tensor adopt(const at::TensorOptions& master_options, bool broadcast);
   // The model's storage of a bucket's updated range (the update's target or its low copy).
   at::Tensor model_slice(int bucket, const UpdatedRange& range) const;
   // This rank's owned slice of a bucket in the model's storage.
@@ -59,7 +59,10 @@ class ParameterStore {
   int root_unit() const { return root_unit_; }
   // A declared unit's forward starts / ends: its parts are gathered for it (a unit may run
   // several times in one forward; a part shared by two units is gathered while either runs).
-  void enter(int unit);
+  // enter(unit, /*in_backward=*/true): a unit run again inside backward (a recomputation that
+  // calls Units::run or the Python hooks): gathered as usual, but the run is not part of the
+  // forward order that guides prefetch.
+  void enter(int unit, bool in_backward = false);
   void exit(int unit);
   // Backward reached the unit's outputs: gather its parts, prefetch the unit backward reaches
   // next.
@@ -75,6 +78,15 @@ class ParameterStore {
   // Gathers every unit (to read or save the whole model outside Units::run).
   void gather_full();
 
+  // ---- PerUnit, automatic units (src/engine/auto_gather.hpp drives these) ----------------------
+  // Before adopt(): the parameters keep the release guard's key for good and operations
+  // on them call `owner` (release_guard.hpp), instead of Units::run entering their units.
+  void set_automatic(GatherOnUse* owner) { automatic_ = owner; }
+  int parts() const { return static_cast<int>(units_.size()); }
+  bool part_gathered(int part) const { return units_[part].gathered; }
+  void prefetch_part(int part);  // starts gathering it (no wait)
+  void gather_part(int part);    // gathered when it returns
+
   int64_t take_comm_elements();
   int64_t param_bytes() const;     // the model's storage (PerUnit: the shard)
   int64_t gathered_bytes() const;  // PerUnit: full buffers holding storage now
@@ -87,7 +99,10 @@ class ParameterStore {
     bool gathered = false;       // storage allocated (and filled once `works` complete)
     std::vector<WorkPtr> works;  // all-gathers in flight
     int active = 0;              // declared units using it in forward right now
+    bool backward = false;       // gathered for its backward: a recomputation's exit keeps it
   };
+  at::Tensor adopt_whole(const at::TensorOptions& master_options, bool broadcast);
+  at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
   void launch_gather(int part);
   void ensure_gathered(int part);
   void prefetch_unit(int unit);
@@ -95,6 +110,7 @@ class ParameterStore {
 
   const FlatState& flat_;
   const StagePlan plan_;
+  GatherOnUse* automatic_ = nullptr;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<std::string> part_labels_;

@@ -19,12 +19,14 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "shardopt/error.hpp"
 
@@ -53,25 +55,68 @@ std::string describe_released(const c10::TensorImpl* impl) {
   return fmt::format("parameter '{}' ({})", it->second.name, it->second.unit);
 }
 
+struct Gatherer {
+  GatherOnUse* owner = nullptr;
+  int part = 0;
+};
+std::unordered_map<const c10::StorageImpl*, Gatherer> g_gather;  // guarded by g_mutex
+
+// No bytes behind a tensor that has elements: a released part's storage.
+bool without_bytes(const at::Tensor& t) {
+  return t.numel() > 0 && t.has_storage() && t.storage().data() == nullptr;
+}
+
+// Every operation on a tensor carrying the key lands here: automatic parts are gathered (Note
+// [Automatic units]), then the operation proceeds below the key; a tensor still without bytes
+// (an explicit unit's released parameter) raises the named error.
 void released_read(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
-  const c10::TensorImpl* found = nullptr;
-  auto check = [&](const at::Tensor& t) {
-    if (!found && t.defined() && t.key_set().has(kReleasedKey)) found = t.unsafeGetTensorImpl();
+  std::vector<at::Tensor> keyed;
+  auto note = [&](const at::Tensor& t) {
+    if (t.defined() && t.key_set().has(kReleasedKey)) keyed.push_back(t);
   };
   for (size_t i = stack->size() - std::min(n, stack->size()); i < stack->size(); ++i) {
     const c10::IValue& v = (*stack)[i];
     if (v.isTensor()) {
-      check(v.toTensor());
+      note(v.toTensor());
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) check(t);
+      for (const at::Tensor& t : v.toTensorList().vec()) note(t);
+    } else if (v.isList()) {  // Tensor?[] (index)
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor()) note(e.toTensor());
+      }
     }
   }
-  SHARDOPT_FAIL(InvalidArgument,
-                "stage 3: {} is released (its values live only as shards between uses) and was "
-                "read by {}; read it inside Units::run of its unit, or call "
-                "DistributedOptimizer::gather_full_parameters() first",
-                describe_released(found), op.schema().name());
+  GatherOnUse* owner = nullptr;  // one optimizer's parts per operation (several: each in turn)
+  std::vector<int> parts;
+  auto flush = [&] {
+    if (owner != nullptr) owner->use(parts);
+    owner = nullptr;
+    parts.clear();
+  };
+  for (const auto& t : keyed) {
+    if (!t.has_storage()) continue;
+    Gatherer g;
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      auto it = g_gather.find(t.storage().unsafeGetStorageImpl());
+      if (it == g_gather.end()) continue;
+      g = it->second;
+    }
+    if (g.owner != owner) flush();
+    owner = g.owner;
+    if (std::find(parts.begin(), parts.end(), g.part) == parts.end()) parts.push_back(g.part);
+  }
+  flush();
+  for (const auto& t : keyed) {
+    SHARDOPT_CHECK(!without_bytes(t), InvalidArgument,
+                   "stage 3: {} is released (its values live only as shards between uses) and "
+                   "was read by {}; read it inside Units::run of its unit, or call "
+                   "DistributedOptimizer::gather_full_parameters() first",
+                   describe_released(t.unsafeGetTensorImpl()), op.schema().name());
+  }
+  c10::impl::ExcludeDispatchKeyGuard below(kReleasedKey);
+  op.callBoxed(stack);
 }
 
 // Registered on first use; false when another fallback already holds the key.
@@ -92,6 +137,8 @@ bool guard_available() {
 
 }  // namespace
 
+bool release_guard_available() { return guard_available(); }
+
 void remember_parameter(const at::Tensor& param, std::string name, std::string unit) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_known[param.unsafeGetTensorImpl()] = Known{std::move(name), std::move(unit)};
@@ -111,6 +158,20 @@ void guard_released(const at::Tensor& param) {
 void unguard(const at::Tensor& param) {
   auto& keys = KeySetAccess::of(param.unsafeGetTensorImpl());
   keys = keys.remove(kReleasedKey);
+}
+
+}  // namespace shardopt::detail
+
+namespace shardopt::detail {
+
+void gather_on_use(const at::Tensor& storage_holder, GatherOnUse* owner, int part) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_gather[storage_holder.storage().unsafeGetStorageImpl()] = Gatherer{owner, part};
+}
+
+void stop_gather_on_use(const at::Tensor& storage_holder) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_gather.erase(storage_holder.storage().unsafeGetStorageImpl());
 }
 
 }  // namespace shardopt::detail

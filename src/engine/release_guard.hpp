@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <vector>
 
 namespace shardopt::detail {
 
@@ -18,5 +19,21 @@ void forget_parameter(const at::Tensor& param);
 void guard_released(const at::Tensor& param);
 // Gathered: operations reach the real kernels again.
 void unguard(const at::Tensor& param);
+
+// Automatic stage-3 units (Note [Automatic units] in src/engine/auto_gather.cpp): the parameters
+// keep the key for good (views made from them inherit it), and an operation on any tensor whose
+// storage is registered here first calls owner.use(part), which gathers it. A tensor still
+// without bytes afterwards raises the named error above.
+class GatherOnUse {
+ public:
+  virtual ~GatherOnUse() = default;
+  // `parts`: the distinct parts of this owner one operation reads, all needed at once.
+  virtual void use(const std::vector<int>& parts) = 0;
+};
+// False when another library holds the dispatch key: released reads then go unguarded, and
+// automatic units cannot work (stage 3 then keeps every parameter gathered through the step).
+bool release_guard_available();
+void gather_on_use(const at::Tensor& storage_holder, GatherOnUse* owner, int part);
+void stop_gather_on_use(const at::Tensor& storage_holder);
 
 }  // namespace shardopt::detail

@@ -84,4 +84,23 @@ inline unsigned grid_for(int64_t n, int64_t cap = 65535) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
 }
 
+namespace {  // NOLINT(build/namespaces)
+// After a kernel that left per-block pairs in `partial` (from cudaMallocAsync on `st`): sums them,
+// copies the two totals into out[0..1], frees `partial` and waits for `st`. `what` names the
+// operation in errors.
+inline void sums2_to_host(double* partial, unsigned blocks, cudaStream_t st, double out[2],
+                          const char* what) {
+  sum2_kernel<<<1, kThreads, 0, st>>>(partial, static_cast<int>(blocks));
+  const cudaError_t launched = cudaGetLastError();
+  out[0] = out[1] = 0;
+  const cudaError_t copied =
+      launched == cudaSuccess
+          ? cudaMemcpyAsync(out, partial, 2 * sizeof(double), cudaMemcpyDeviceToHost, st)
+          : launched;
+  cudaFreeAsync(partial, st);
+  check(copied, fmt::format("launching {}", what).c_str());
+  check(cudaStreamSynchronize(st), fmt::format("{} (sums to the host)", what).c_str());
+}
+}  // namespace
+
 }  // namespace shardopt::detail::kernels::cuda

@@ -71,16 +71,8 @@ CheckResult check_finite_cuda(const CheckSegment& s, const CheckOptions& o, void
   } else {
     launch<ValueKind::Float16, false>(s, 1.0f, grid, partial, st);
   }
-  cuda::sum2_kernel<<<1, kThreads, 0, st>>>(partial, static_cast<int>(grid));
-  const cudaError_t launched = cudaGetLastError();
-  double sums[2] = {0, 0};
-  const cudaError_t copied =
-      launched == cudaSuccess
-          ? cudaMemcpyAsync(sums, partial, sizeof sums, cudaMemcpyDeviceToHost, st)
-          : launched;
-  cudaFreeAsync(partial, st);
-  cuda::check(copied, "launching the non-finite check");
-  cuda::check(cudaStreamSynchronize(st), "the non-finite check (flag to the host)");
+  double sums[2];
+  cuda::sums2_to_host(partial, grid, st, sums, "the non-finite check");
   result.non_finite = sums[0] > 0;
   result.sum_sq = o.sum_squares ? sums[1] : 0.0;
   return result;

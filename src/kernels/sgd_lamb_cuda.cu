@@ -138,16 +138,8 @@ LambNorms fused_lamb_phase1_cuda(const LambHyper& hyper, const LambSegment& s, v
               "allocating LAMB's partial norms");
   lamb_phase1_kernel<<<grid, kThreads, 0, st>>>(lamb_coeffs(hyper, 1.0), s.param, s.grad,
                                                 s.exp_avg, s.exp_avg_sq, s.numel, partial);
-  cuda::sum2_kernel<<<1, kThreads, 0, st>>>(partial, static_cast<int>(grid));
-  const cudaError_t launched = cudaGetLastError();
-  double sums[2] = {0, 0};
-  const cudaError_t copied =
-      launched == cudaSuccess
-          ? cudaMemcpyAsync(sums, partial, sizeof sums, cudaMemcpyDeviceToHost, st)
-          : launched;
-  cudaFreeAsync(partial, st);
-  cuda::check(copied, "launching LAMB phase 1");
-  cuda::check(cudaStreamSynchronize(st), "LAMB phase 1 (norms to the host)");
+  double sums[2];
+  cuda::sums2_to_host(partial, grid, st, sums, "LAMB phase 1");
   norms.param_sq = sums[0];
   norms.update_sq = sums[1];
   return norms;

@@ -40,10 +40,9 @@ std::map<std::string, at::Tensor> snapshot(TinyNet& net, DistributedOptimizer& o
   return out;
 }
 
-Fp16Run train_fp16(int stage, const CommunicatorPtr& comm, int poison, int omit,
-                   Precision precision = Precision::FP16, double clip = 0.0,
-                   float poison_value = std::numeric_limits<float>::infinity()) {
-  TinyNet net;
+// Small buckets (many, most padded), the net's units; fp16 starts at a scale TinyNet's gradients
+// never overflow by themselves.
+ZeroOptions options_for(int stage, Precision precision, double clip, TinyNet& net) {
   net.upcast = precision != Precision::FP32;
   ZeroOptions zo;
   zo.stage = stage_from_int(stage);
@@ -53,7 +52,15 @@ Fp16Run train_fp16(int stage, const CommunicatorPtr& comm, int poison, int omit,
   zo.max_grad_norm = clip;
   zo.loss_scale.initial_scale = 1024;
   zo.loss_scale.hysteresis = 1;
-  DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm, zo);
+  return zo;
+}
+
+Fp16Run train_fp16(int stage, const CommunicatorPtr& comm, int poison, int omit,
+                   Precision precision = Precision::FP16, double clip = 0.0,
+                   float poison_value = std::numeric_limits<float>::infinity()) {
+  TinyNet net;
+  DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm,
+                           options_for(stage, precision, clip, net));
   const int64_t per_rank = kBatch / comm->size();
   Fp16Run run;
   for (int64_t s = 0; s < kSteps; ++s) {
@@ -181,15 +188,8 @@ TEST(Precision, PlantedNonFiniteElementSkipsEveryRank) {
     for (int stage : {0, 1, 2, 3}) {
       for (double clip : {0.0, 0.05}) {
         TinyNet net;
-        net.upcast = precision != Precision::FP32;
-        ZeroOptions zo;
-        zo.stage = stage_from_int(stage);
-        zo.bucket_bytes = 64;
-        zo.units = net.units;
-        zo.precision = precision;
-        zo.max_grad_norm = clip;
-        zo.loss_scale.initial_scale = 1024;  // no overflow of its own in TinyNet's fp16 gradients
-        DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm, zo);
+        DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm,
+                                 options_for(stage, precision, clip, net));
         const auto targets = planting_targets(opt);
         ASSERT_EQ(targets.size(), 2u) << "no padded bucket before the last one";
         for (size_t k = 0; k < targets.size(); ++k) {

@@ -17,6 +17,7 @@
 #include "shardopt/units.hpp"
 #include "support/dist_env.hpp"
 #include "support/reference_lamb.hpp"
+#include "support/reference_loop.hpp"
 
 namespace shardopt {
 namespace {
@@ -137,22 +138,16 @@ std::map<std::string, at::Tensor> train_reference(const Case& c) {
                                            .weight_decay(s->weight_decay()));
   }
   test::LambMoments moments;
-  for (int64_t s = 0; s < kSteps; ++s) {
-    for (auto& p : ps) p.mutable_grad() = at::zeros_like(p);  // unused params count as zero
-    std::vector<at::Tensor> xs, ys;
-    for (int m = 0; m < c.accumulation; ++m) {
-      auto [x, y] = batch(s, m);
-      xs.push_back(x);
-      ys.push_back(y);
-    }
-    net.loss(at::cat(xs), at::cat(ys)).backward();
-    if (c.clip > 0) torch::nn::utils::clip_grad_norm_(ps, c.clip);
-    if (opt) {
-      opt->step();
-    } else {
-      test::reference_lamb_step(ps, std::get<Lamb>(rule), s + 1, moments);
-    }
-  }
+  test::train_reference_loop(
+      ps, kSteps, c.accumulation, c.clip,
+      [&](const at::Tensor& x, const at::Tensor& y) { return net.loss(x, y); }, batch,
+      [&](int64_t s) {
+        if (opt) {
+          opt->step();
+        } else {
+          test::reference_lamb_step(ps, std::get<Lamb>(rule), s + 1, moments);
+        }
+      });
   std::map<std::string, at::Tensor> out;
   for (auto& [name, t] : net.named) out[name] = t.detach().clone();
   return out;

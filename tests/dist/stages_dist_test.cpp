@@ -22,6 +22,7 @@
 #include "support/counting_communicator.hpp"
 #include "support/dist_env.hpp"
 #include "support/reference_lamb.hpp"
+#include "support/reference_loop.hpp"
 #include "support/tiny_net.hpp"
 
 namespace shardopt {
@@ -52,6 +53,8 @@ struct Case {
   int shard_group = 0;  // > 0: hybrid sharding over groups of this many ranks
   // Accumulation in torch's style: (loss / k).backward() instead of opt.backward(loss).
   bool torch_style = false;
+  // Stage 3 without declared units: units derived from the names, gathered on first use.
+  bool auto_units = false;
 };
 
 std::string case_name(const Case& c) {
@@ -63,7 +66,7 @@ std::string case_name(const Case& c) {
                      c.precision != Precision::FP32 ? std::string("_") + to_string(c.precision) : "",
                      c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused") +
          (c.shard_group > 0 ? fmt::format("_hybrid{}", c.shard_group) : "") +
-        (c.torch_style ? "_torchstyle" : "");
+        (c.torch_style ? "_torchstyle" : "") + (c.auto_units ? "_autounits" : "");
 }
 
 
@@ -149,24 +152,14 @@ std::map<std::string, at::Tensor> train_reference(const Case& c) {
   auto optimizer = torch_optimizer(c, net);
   auto spec = reference_groups(c, net);
   ReferenceLamb lamb;
-  for (int64_t s = 0; s < kSteps; ++s) {
-    for (auto& [ps, r] : spec) {
-      for (auto& p : ps) p.mutable_grad() = at::zeros_like(p);  // unused params count as zero
-    }
-    std::vector<at::Tensor> xs, ys;
-    for (int m = 0; m < c.accumulation; ++m) {
-      auto [x, y] = batch(s, m);
-      xs.push_back(x);
-      ys.push_back(y);
-    }
-    net.loss(at::cat(xs), at::cat(ys)).backward();
-    if (c.clip > 0) {
-      std::vector<at::Tensor> all;
-      for (auto& [ps, r] : spec) all.insert(all.end(), ps.begin(), ps.end());
-      torch::nn::utils::clip_grad_norm_(all, c.clip);
-    }
-    if (optimizer) optimizer->step(); else lamb(spec);
-  }
+  std::vector<at::Tensor> all;
+  for (auto& [ps, r] : spec) all.insert(all.end(), ps.begin(), ps.end());
+  test::train_reference_loop(
+      all, kSteps, c.accumulation, c.clip,
+      [&](const at::Tensor& x, const at::Tensor& y) { return net.loss(x, y); }, batch,
+      [&](int64_t) {
+        if (optimizer) optimizer->step(); else lamb(spec);
+      });
   std::map<std::string, at::Tensor> out;
   for (auto& [name, t] : net.named) out[name] = t.detach().clone();
   return out;
@@ -191,6 +184,10 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   zo.bucket_bytes = c.bucket_bytes;
   zo.timeout = std::chrono::seconds(60);
   zo.units = net.units;  // used by stage 3, ignored by the others
+  if (c.auto_units) {
+    zo.units = nullptr;  // net.loss's units->run calls then just call their functions
+    zo.unit_policy.persist_below = 0;
+  }
   zo.offload = c.offload ? Offload::CPU : Offload::None;
   zo.precision = c.precision;
   zo.reduce_in_fp32 = c.reduce_in_fp32;
@@ -291,6 +288,15 @@ std::vector<Case> parity_cases() {
       c.fused = false;
       cases.push_back(c);
     }
+  }
+  // Automatic units (src/engine/auto_gather.cpp): every name group is a unit, the tied
+  // embedding/decoder a part of its own used twice per forward.
+  for (Case c : {Case{3, "adamw"}, Case{3, "sgd"}, Case{3, "adamw", 4}, Case{3, "lamb", 2, 0.05, true},
+                 Case{3, "sgd", 1, 0.0, false, true, 64, "gloo"},
+                 Case{3, "adamw", 2, 0.05, true, true, 64, "mpi", true},
+                 Case{3, "sgd", 1, 0.0, false, false}, Case{3, "adamw", 2, 0.0, true, true, 1 << 20}}) {
+    c.auto_units = true;
+    cases.push_back(c);
   }
   return cases;
 }

@@ -121,6 +121,33 @@ TEST_F(BertCli, CheckpointEveryCountsFromTheResumePoint) {
   EXPECT_EQ(count(r.out, "median of steps 3-8"), 1) << r.out;
 }
 
+// Issue 25: `--resume` of a run that reached its last step says so and exits 0 on every rank; the
+// other ways a resume cannot go on end every rank with one message naming the problem (never the
+// raw text of a library exception, never a rank left waiting for the collective timeout: the
+// generous --timeout below would make a waiting rank fail CTest's limit).
+TEST_F(BertCli, ResumeEdgeCasesEndEveryRankPromptly) {
+  const std::string base = train("edge") + " --timeout 300";
+  ASSERT_EQ(run(base + " --steps 3", 2).rc, 0);
+  const Result done = run(base + " --steps 3 --resume", 2);
+  EXPECT_EQ(done.rc, 0) << done.out << done.err;
+  EXPECT_EQ(count(done.out, "is at step 3 of 3: nothing to train; raise --steps to continue"), 1)
+      << done.out;
+  EXPECT_EQ(done.err.find("json.exception"), std::string::npos) << done.err;
+  // Past the last step (a smaller --steps) is the same.
+  const Result past = run(base + " --steps 2 --resume", 2);
+  EXPECT_EQ(past.rc, 0) << past.err;
+  EXPECT_EQ(count(past.out, "is at step 3 of 2: nothing to train"), 1) << past.out;
+  // Another preset: the parameters do not match the checkpoint's.
+  const Result other = run(base + " --steps 5 --resume --preset mini", 2);
+  EXPECT_NE(other.rc, 0);
+  EXPECT_NE(other.err.find("checkpoint"), std::string::npos) << other.err;
+  EXPECT_EQ(other.err.find("json.exception"), std::string::npos) << other.err;
+  // A missing data file.
+  const Result nodata = run(base + " --steps 5 --resume --data " + path("gone.bin"), 2);
+  EXPECT_EQ(nodata.rc, 2) << nodata.err;
+  EXPECT_NE(nodata.err.find("gone.bin"), std::string::npos) << nodata.err;
+}
+
 TEST_F(BertCli, EvalIsIdenticalAtOneAndTwoRanks) {
   const Result t = run(train("evaltrain") + " --steps 3 --eval-every 2", 2);
   ASSERT_EQ(t.rc, 0) << t.out << t.err;
@@ -200,7 +227,21 @@ TEST_F(BertCli, BadInputsGetOneLineNamingTheFlagAndExitTwo) {
       {"--corpus licenses --resume --out " + path("never"), {"--resume", "no checkpoint"}},
       {"--max-predictions 100 --max-seq-length 64", {"--max-predictions", "64"}},
       {data + " --precision fp16 --steps 1 --out " + path("fp16"), {"--precision", "bf16"}},
+      // Issue 30's flags.
+      {"--bert-config /nonexistent/bert_config.json", {"--bert-config", "cannot read"}},
+      {"--bert-config " + path("swish.json"), {"--bert-config", "'hidden_act'", "swish"}},
+      {"--preset tiny --bert-config " + path("swish.json"), {"--preset", "--bert-config"}},
+      {"--init-checkpoint /nonexistent/model.pt", {"--init-checkpoint", "no such file"}},
+      {"--init-checkpoint " + path("vocab.txt") + " --resume", {"--init-checkpoint", "--resume"}},
+      {data + " --dump-logits x.safetensors", {"--dump-logits", "--eval-only"}},
+      {"--device tpu", {"--device", "cuda:N", "'tpu'"}},
+      {"--optimizer sgd", {"--optimizer", "sgd"}},
+      {"--adam-betas 1.5,0.9", {"--adam-betas", "1.5"}},
+      {"--warmup-steps 3 --warmup-proportion 0.1", {"--warmup-steps", "--warmup-proportion"}},
+      {"--lr-schedule step", {"--lr-schedule", "step"}},
   };
+  std::ofstream(path("swish.json")) << R"({"vocab_size": 2000, "hidden_size": 64, "num_hidden_layers": 1,
+      "num_attention_heads": 2, "intermediate_size": 128, "hidden_act": "swish"})";
   for (const auto& [args, words] : cases) {
     const Result r = run(args);
     EXPECT_EQ(r.rc, 2) << args << "\n" << r.err;

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Fault injection on the BERT trainer (2 ranks, tiny preset): rank 1 is stalled (SIGSTOP) in the
-# middle of training, and in a second run killed (SIGKILL) while a checkpoint is being written.
-# Each time the job must end within --timeout + 10 s, the last checkpoint must load, and resuming
-# from it must reproduce the uninterrupted run's losses bitwise.
+# Fault injection on the BERT trainer (2 ranks, tiny preset), placed deterministically by the
+# trainer's test switch BERT_TEST_FAULT (Note [Test faults], examples/bert/train.cpp), never by
+# racing the clock:
+#   stalled       rank 1 stops itself (SIGSTOP) before step 5: rank 0 must report the timeout and
+#                 the job end within --timeout + 10 s;
+#   killed_saving rank 1 SIGKILLs itself inside the save of step 6, after writing its shard: the
+#                 step-4 checkpoint must survive, unharmed by the half-written one;
+#   raised        rank 1 raises an error before step 3, outside any collective, with a 120 s
+#                 timeout: the job must end within 10 s with the message (shardopt::run_or_abort).
+# Each time the last checkpoint must load, and resuming from it must reproduce the uninterrupted
+# run's losses bitwise. Then a resume of the finished run must say there is nothing to train.
 # Usage: bert_fault_test.sh <bert_pretrain> <mpiexec> <corpus dir>. Kills what it started on exit.
 set -u
 EXE=$1
@@ -25,15 +32,19 @@ cleanup() {  # every process of ours tagged with a run under $WORK (timeout, mpi
 }
 trap cleanup EXIT
 fail() { echo "[bert_fault] FAIL: $*" >&2; exit 1; }
+now() { date +%s.%N; }
+secs() { python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.1f}")' "$1" "$2"; }
+within() { python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= float(sys.argv[2]) else 1)' "$1" "$2"; }
 
 "$EXE" build-vocab --corpus "$CORPUS" --vocab-size 2000 -o "$WORK/vocab.txt" >/dev/null ||
   fail "build-vocab"
 "$EXE" create-data --corpus "$CORPUS" --vocab "$WORK/vocab.txt" --max-seq-length 64 \
   --dupe-factor 2 -o "$WORK/data.bin" >/dev/null || fail "create-data"
-train() {  # train <out dir> [extra args]: runs in the foreground
+train() {  # train <out dir> [extra args]: runs in the foreground (the last --timeout wins)
   local out=$1
   shift
-  timeout -s KILL 300 "$MPIEXEC" --allow-run-as-root --oversubscribe --bind-to none -np 2 \
+  SHARDOPT_FAULT_RUN="$out" timeout -s KILL 300 "$MPIEXEC" --allow-run-as-root --oversubscribe \
+    --bind-to none -np 2 -x BERT_TEST_FAULT \
     "$EXE" --preset tiny --stage 2 --steps $STEPS --warmup-steps 2 --lr 2e-3 --batch-size 4 \
     --max-seq-length 64 --vocab "$WORK/vocab.txt" --data "$WORK/data.bin" --no-plot \
     --progress lines --log-every 1 --checkpoint-every 2 --timeout $TIMEOUT_S --out "$out" "$@"
@@ -44,67 +55,59 @@ for line in open(sys.argv[1]):
     j = json.loads(line)
     print(j["step"], repr(j["loss"]))' "$1/metrics.jsonl"
 }
-rank_pid() {  # rank_pid <run tag> <rank>: our process of that rank in the run tagged so
-  local f
-  for f in /proc/[0-9]*/environ; do
-    if grep -qsxz "SHARDOPT_FAULT_RUN=$1" "$f" && grep -qsxz "OMPI_COMM_WORLD_RANK=$2" "$f"; then
-      f=${f#/proc/}
-      echo "${f%/environ}"
-      return
-    fi
-  done
-}
 
+export BERT_TEST_FAULT=
+t0=$(now)
 train "$WORK/whole" >"$WORK/whole.log" 2>&1 || { cat "$WORK/whole.log"; fail "the uninterrupted run"; }
+WHOLE_S=$(secs "$t0" "$(now)")
+echo "[bert_fault] uninterrupted run: $STEPS steps in ${WHOLE_S} s"
 
-# faulty <name> <signal> <path>...: starts a run, waits for each path to appear in turn, then sends
-# the signal to rank 1; checks the job ends promptly, then resumes and compares losses.
+# faulty <name> <BERT_TEST_FAULT> <allowed s beyond the uninterrupted run> <message> <checkpoint
+# step> [extra args]: runs with the fault, checks the job failed in time with the message and
+# kept the checkpoint of that step, then resumes and compares every loss.
 faulty() {
-  local name=$1 sig=$2 out=$WORK/$1
-  (export SHARDOPT_FAULT_RUN="$out"; exec 1>"$WORK/$name.log" 2>&1; train "$out") &
-  local run=$!
-  local victim= deadline=$(( $(date +%s) + 120 ))
-  while [ -z "$victim" ] && [ "$(date +%s)" -lt $deadline ] && kill -0 "$run" 2>/dev/null; do
-    sleep 0.2
-    victim=$(rank_pid "$out" 1)
-  done
-  [ -n "$victim" ] || { cat "$WORK/$name.log"; fail "$name: rank 1 never started"; }
-  local path
-  for path in "${@:3}"; do  # each trigger path in turn
-    while [ ! -e "$out/$path" ] && [ "$(date +%s)" -lt $deadline ] && kill -0 "$run" 2>/dev/null; do
-      sleep 0.01
-    done
-    [ -e "$out/$path" ] || { cat "$WORK/$name.log"; fail "$name: $path never appeared"; }
-  done
-  local hit=no
-  [ -e "$out/.checkpoint.tmp" ] && hit=yes
-  local survivor=$(rank_pid "$out" 0)
-  kill "-$sig" "$victim"
-  local t0=$(date +%s)
-  while kill -0 "$run" 2>/dev/null && [ $(( $(date +%s) - t0 )) -le $((TIMEOUT_S + 30)) ]; do
-    sleep 0.2
-  done
-  if kill -0 "$run" 2>/dev/null; then  # hung: show where rank 0 is, then fail (cleanup kills)
-    cat "$WORK/$name.log"
-    command -v gdb >/dev/null && [ -n "$survivor" ] &&
-      gdb -batch -p "$survivor" -ex "thread apply all bt 25" 2>/dev/null | grep -E "^(#|Thread)"
-    fail "$name: the job still runs $((TIMEOUT_S + 30)) s after SIG$sig to rank 1"
-  fi
-  wait "$run"
-  local rc=$? elapsed=$(( $(date +%s) - t0 ))
+  local name=$1 fault=$2 slack=$3 message=$4 kept=$5 out=$WORK/$1
+  shift 5
+  local t0 rc elapsed
+  t0=$(now)
+  BERT_TEST_FAULT=$fault train "$out" "$@" >"$WORK/$name.log" 2>&1
+  rc=$?
+  elapsed=$(secs "$t0" "$(now)")
   cat "$WORK/$name.log"
-  echo "[bert_fault] $name: SIG$sig to rank 1 (save in progress: $hit); mpirun exited with $rc" \
-       "${elapsed} s later (timeout ${TIMEOUT_S} s)"
+  echo "[bert_fault] $name: BERT_TEST_FAULT=$fault; mpirun exited with $rc after ${elapsed} s" \
+       "(uninterrupted run ${WHOLE_S} s, allowed + ${slack} s)"
   [ "$rc" -ne 0 ] || fail "$name: the job reported success"
-  [ "$elapsed" -le $((TIMEOUT_S + 10)) ] || fail "$name: the job took ${elapsed} s to end"
+  within "$elapsed" "$(python3 -c "print($WHOLE_S + $slack)")" ||
+    fail "$name: the job took ${elapsed} s to end"
+  grep -qF -- "$message" "$WORK/$name.log" || fail "$name: no '$message' in the output"
   [ -f "$out/checkpoint/manifest.json" ] || fail "$name: no checkpoint survived"
-  train "$out" --resume >"$WORK/$name.resume.log" 2>&1 ||
+  local step
+  step=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["trainer"]["step"])' \
+         "$out/checkpoint/manifest.json" 2>/dev/null)
+  [ "$step" = "$kept" ] || fail "$name: the surviving checkpoint is at step '$step', expected $kept"
+  BERT_TEST_FAULT= train "$out" --resume >"$WORK/$name.resume.log" 2>&1 ||
     { cat "$WORK/$name.resume.log"; fail "$name: resuming from the last checkpoint"; }
   grep "resumed from" "$WORK/$name.resume.log"
   diff <(losses "$WORK/whole") <(losses "$out") ||
     fail "$name: the resumed run's losses differ from the uninterrupted run's"
   echo "[bert_fault] $name: resumed and reproduced all $STEPS losses"
 }
-faulty stalled STOP checkpoint/manifest.json
-faulty killed_saving KILL checkpoint/manifest.json .checkpoint.tmp  # a second save
+faulty stalled 1:5:stop $((TIMEOUT_S + 10)) "did not complete within $((TIMEOUT_S * 1000)) ms" 4
+faulty killed_saving 1:6:kill-in-save $((TIMEOUT_S + 10)) "signal 9" 4  # OpenMPI 5 wraps its line before it
+faulty raised 1:3:throw 10 "test fault (BERT_TEST_FAULT): rank 1 fails before step 3" 2 --timeout 120
+
+# A finished run resumed: nothing to train, exit 0 on every rank at once, the log unchanged.
+before=$(losses "$WORK/whole")
+t0=$(now)
+train "$WORK/whole" --resume --timeout 120 >"$WORK/finished.log" 2>&1
+rc=$?
+elapsed=$(secs "$t0" "$(now)")
+cat "$WORK/finished.log"
+[ "$rc" -eq 0 ] || fail "resuming a finished run exited with $rc"
+grep -q "is at step $STEPS of $STEPS: nothing to train; raise --steps to continue" "$WORK/finished.log" ||
+  fail "resuming a finished run: no 'nothing to train' line"
+! grep -q "json.exception" "$WORK/finished.log" || fail "resuming a finished run: raw library text"
+within "$elapsed" 10 || fail "resuming a finished run took ${elapsed} s"
+[ "$before" = "$(losses "$WORK/whole")" ] || fail "resuming a finished run changed metrics.jsonl"
+echo "[bert_fault] finished: resuming a finished run exits 0 in ${elapsed} s"
 echo "[bert_fault] PASS"

@@ -1,5 +1,6 @@
-// The fused multi-tensor CUDA Adam/AdamW kernel against the CPU scalar kernel (bit for bit: the
-// same operations in the same order) and against torch::optim::AdamW on the host (<= 1e-6).
+// The fused multi-tensor CUDA kernels (Adam/AdamW, SGD, LAMB) against the CPU scalar kernel (bit
+// for bit: the same operations in the same order), and AdamW against torch::optim::AdamW on the
+// host and on the device (<= 1e-6).
 // Skips, with the reason, where no CUDA device is visible; the argument checks run everywhere.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>

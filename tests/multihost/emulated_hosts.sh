@@ -2,12 +2,15 @@
 # Emulated hosts: H network namespaces ("hosts" h0..h{H-1}, each with its own hostname and address
 # 10.217.0.{1..H}/24) joined by veth pairs to a bridge in a switch namespace, optionally shaped
 # with tc; runs a command across them with mpirun (OpenMPI: TCP between hosts, shared memory
-# within) or torchrun-style (Gloo, TCPStore on h0). Everything it made is removed on exit, also
-# on failure or a signal; namespaces left by a killed run are removed by the next one.
+# within), torchrun-style (Gloo, TCPStore on h0), or through the stand-in for torchrun's agent
+# (tests/support/torchrun_env.sh on every host, the store served by h0's agent). Everything it
+# made is removed on exit, also on failure or a signal; namespaces left by a killed run are removed
+# by the next one.
 #
 #   emulated_hosts.sh check                      exit 0 if namespaces can be made, else 77 + reason
 #   emulated_hosts.sh [options] mpi   -- CMD...  mpirun -np H*L across the hosts
 #   emulated_hosts.sh [options] gloo  -- CMD...  H*L processes with RANK, WORLD_SIZE, MASTER_ADDR..
+#   emulated_hosts.sh [options] torchrun -- CMD...  torchrun_env.sh --nnodes H on every host
 # options:
 #   --hosts H (2)  --per-host L (2)  --rate R (tc tbf on every link, e.g. 1gbit; none by default)
 #   --delay D (netem, e.g. 100us; where the kernel lacks netem the run fails, naming it)
@@ -56,16 +59,41 @@ reap_stale() {
   done
 }
 
+wait_gone() {  # wait_gone PID...: returns once every one has exited (or after 5 s)
+  python3 - "$@" <<'PY'
+import os, select, sys
+fds = []
+for p in sys.argv[1:]:
+    try:
+        fds.append(os.pidfd_open(int(p)))
+    except (ProcessLookupError, ValueError):
+        pass  # already gone
+poller = select.poll()
+for fd in fds:
+    poller.register(fd, select.POLLIN)
+left = len(fds)
+while left:
+    events = poller.poll(5000)
+    if not events:
+        break
+    for fd, _ in events:
+        poller.unregister(fd)
+        left -= 1
+PY
+}
+
 delete_ns() {
   local ns="$1" pid
   # Processes still inside the namespace were started by the run that made it. Repeat until none
   # is left: one being killed may just have forked (a rank's timeout starting its command).
+  # No sleep: after each round it waits for exactly those processes to be gone (pidfds, which
+  # become readable when a process exits), at most 5 s, then looks again.
   local pids round
   for round in $(seq 50); do
     pids=$(ip netns pids "$ns" 2>/dev/null || true)
     [ -n "$pids" ] || break
     for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
-    sleep 0.1
+    wait_gone $pids
   done
   ip netns del "$ns" 2>/dev/null || true
   rm -rf "/etc/netns/$ns"
@@ -158,7 +186,7 @@ run_mpi() {
 }
 
 run_gloo() {
-  local world=$((HOSTS * PER_HOST)) h l rank rc=0 pid
+  local world=$((HOSTS * PER_HOST)) h l rank
   local pids=()
   for ((h = 0; h < HOSTS; h++)); do
     for ((l = 0; l < PER_HOST; l++)); do
@@ -172,15 +200,34 @@ run_gloo() {
       LAUNCHED+=("$!")
     done
   done
-  # The first failure ends the job, as torchrun's agent does.
-  local left=${#pids[@]}
+  first_failure_ends_all "${pids[@]}"
+}
+
+# torchrun-style through the stand-in for torchrun's agent (tests/support/torchrun_env.sh): one
+# agent per host, as `torchrun --nnodes H --node-rank h` on each host; h0's serves the store.
+run_torchrun() {
+  local h pids=()
+  for ((h = 0; h < HOSTS; h++)); do
+    on_host "$h" env GLOO_SOCKET_IFNAME=mh0 TMPDIR="$RUN_TMP" \
+      timeout --kill-after=10 "$TIMEOUT" "$HERE/../support/torchrun_env.sh" --nnodes "$HOSTS" \
+      --node-rank "$h" --master-addr "$SUBNET.1" --master-port "$PORT" "$PER_HOST" "$@" &
+    pids+=("$!")
+    LAUNCHED+=("$!")
+  done
+  first_failure_ends_all "${pids[@]}"
+}
+
+# first_failure_ends_all PID...: waits for all; the first failure stops the others, as torchrun's
+# agent does, and is the result.
+first_failure_ends_all() {
+  local left=$# rc pid
   while [ "$left" -gt 0 ]; do
     if wait -n; then
       left=$((left - 1))
     else
       rc=$?
       echo "emulated_hosts: a rank failed (exit $rc); stopping the others" >&2
-      for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+      for pid in "$@"; do kill -TERM "$pid" 2>/dev/null || true; done
       wait || true
       return "$rc"
     fi
@@ -196,12 +243,12 @@ main() {
       --delay) DELAY="$2"; shift 2 ;;
       --timeout) TIMEOUT="$2"; shift 2 ;;
       --link-bytes) LINK_BYTES="$2"; shift 2 ;;
-      check|mpi|gloo) break ;;
+      check|mpi|gloo|torchrun) break ;;
       *) die "unknown option '$1' (see the header of $0)" ;;
     esac
   done
   local mode="${1:-}"
-  [ -n "$mode" ] || die "no mode given: check, mpi or gloo"
+  [ -n "$mode" ] || die "no mode given: check, mpi, gloo or torchrun"
   shift
   local reason
   if ! reason="$(can_make_namespaces)"; then

@@ -51,6 +51,31 @@ ZeroOptions zero(int stage) {
   return zo;
 }
 
+// The setup most tests share: a fresh directory, one process and CkptNet.
+class Checkpoint : public ::testing::Test {
+ protected:
+  // A native-rule optimizer over `net` at `stage`, trained `steps` steps.
+  DistributedOptimizer& trained(const std::string& rule, int stage, int steps) {
+    opt_ = std::make_unique<DistributedOptimizer>(net.groups(), ckpt_rule(rule), comm, zero(stage));
+    ckpt_train(*opt_, net, 0, steps);
+    return *opt_;
+  }
+  TempDir tmp;
+  CommunicatorPtr comm = make_single_communicator();
+  CkptNet net;
+
+ private:
+  std::unique_ptr<DistributedOptimizer> opt_;
+};
+class CheckpointErrors : public Checkpoint {
+ protected:
+  // A good checkpoint of two AdamW steps at tmp/ckpt (its directory returned).
+  std::string saved() {
+    trained("adamw", 2, 2).save_checkpoint(tmp / "ckpt");
+    return tmp / "ckpt";
+  }
+};
+
 std::string read_text(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), {});
@@ -78,17 +103,13 @@ struct ResumeCase {
   std::string rule;
 };
 
-class CheckpointResume : public ::testing::TestWithParam<ResumeCase> {};
+class CheckpointResume : public Checkpoint, public ::testing::WithParamInterface<ResumeCase> {};
 
 // Train 3 steps, save, train 3 more; a fresh optimizer loading the checkpoint and training the
 // same 3 steps must end bitwise equal (parameters, and the step count through bias correction).
 TEST_P(CheckpointResume, ContinuesBitwise) {
   const auto& c = GetParam();
-  TempDir tmp;
-  auto comm = make_single_communicator();
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule(c.rule), comm, zero(c.stage));
-  ckpt_train(opt, net, 0, 3);
+  auto& opt = trained(c.rule, c.stage, 3);
   opt.save_checkpoint(tmp / "ckpt");
   ckpt_train(opt, net, 3, 6);
   const auto expected = net.snapshot();
@@ -122,12 +143,8 @@ INSTANTIATE_TEST_SUITE_P(Rules, CheckpointResume, ::testing::ValuesIn(resume_cas
                          });
 
 // A checkpoint written at one stage resumes at another (same values; the format is uniform).
-TEST(Checkpoint, ResumesAcrossStages) {
-  TempDir tmp;
-  auto comm = make_single_communicator();
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
-  ckpt_train(opt, net, 0, 3);
+TEST_F(Checkpoint, ResumesAcrossStages) {
+  auto& opt = trained("adamw", 2, 3);
   opt.save_checkpoint(tmp / "ckpt");
   ckpt_train(opt, net, 3, 6);
   const auto expected = net.snapshot();
@@ -146,12 +163,8 @@ TEST(Checkpoint, ResumesAcrossStages) {
 
 // ---- manifest and trainer state --------------------------------------------------------------
 
-TEST(Checkpoint, ManifestNamesEveryParameterAndFile) {
-  TempDir tmp;
-  auto comm = make_single_communicator();
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
-  ckpt_train(opt, net, 0, 2);
+TEST_F(Checkpoint, ManifestNamesEveryParameterAndFile) {
+  auto& opt = trained("adamw", 2, 2);
   at::Tensor rng = at::arange(10, at::kByte);
   save_checkpoint(opt, tmp / "ckpt", {R"({"step": 2, "epoch": {"pos": 7}})", {{"rng", rng}}});
 
@@ -207,12 +220,8 @@ TEST(Checkpoint, ManifestNamesEveryParameterAndFile) {
   EXPECT_TRUE(t.tensors.at("rng").equal(rng));
 }
 
-TEST(Checkpoint, ReplacesThePreviousCheckpointAndLeavesNoTemporaries) {
-  TempDir tmp;
-  auto comm = make_single_communicator();
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("sgd"), comm, zero(2));
-  ckpt_train(opt, net, 0, 1);
+TEST_F(Checkpoint, ReplacesThePreviousCheckpointAndLeavesNoTemporaries) {
+  auto& opt = trained("sgd", 2, 1);
   opt.save_checkpoint(tmp / "ckpt/");  // a trailing slash names the same directory
   ckpt_train(opt, net, 1, 2);
   opt.save_checkpoint(tmp / "ckpt");
@@ -232,12 +241,8 @@ void save_and_consolidate(DistributedOptimizer& opt, const TempDir& tmp) {
   consolidate_checkpoint(tmp / "ckpt", tmp / "model.pt", co);
 }
 
-TEST(Checkpoint, ConsolidatedFileIsAPickledDictOfFullTensors) {
-  TempDir tmp;
-  auto comm = make_single_communicator();
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
-  ckpt_train(opt, net, 0, 3);
+TEST_F(Checkpoint, ConsolidatedFileIsAPickledDictOfFullTensors) {
+  auto& opt = trained("adamw", 2, 3);
   save_and_consolidate(opt, tmp);
 
   std::ifstream in(tmp / "model.pt", std::ios::binary);
@@ -269,12 +274,8 @@ TEST(Checkpoint, ConsolidatedFileIsAPickledDictOfFullTensors) {
 
 // Starting a sharded run from a full state (parameters + optimizer state) continues exactly like
 // loading the sharded checkpoint; parameters alone set the weights.
-TEST(Checkpoint, FullStateStartsAShardedRun) {
-  TempDir tmp;
-  auto comm = make_single_communicator();
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
-  ckpt_train(opt, net, 0, 3);
+TEST_F(Checkpoint, FullStateStartsAShardedRun) {
+  auto& opt = trained("adamw", 2, 3);
   save_and_consolidate(opt, tmp);
   ckpt_train(opt, net, 3, 5);
   const auto expected = net.snapshot();
@@ -306,17 +307,6 @@ TEST(Checkpoint, FullStateStartsAShardedRun) {
 
 // ---- errors -----------------------------------------------------------------------------------
 
-struct Saved {
-  TempDir tmp;
-  std::string dir;
-  Saved() : dir(tmp / "ckpt") {
-    CkptNet net;
-    DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(2));
-    ckpt_train(opt, net, 0, 2);
-    opt.save_checkpoint(dir);
-  }
-};
-
 void load_into_fresh(const std::string& dir, const std::string& rule = "adamw", int64_t hidden = 7,
                      const std::string& fc1 = "fc1.weight") {
   CkptNet net(hidden, fc1);
@@ -324,18 +314,18 @@ void load_into_fresh(const std::string& dir, const std::string& rule = "adamw", 
   opt.load_checkpoint(dir);
 }
 
-TEST(CheckpointErrors, MissingCheckpointOrShard) {
-  Saved s;
-  expect_error([&] { load_into_fresh(s.tmp / "nowhere"); }, ErrorKind::Checkpoint,
+TEST_F(CheckpointErrors, MissingCheckpointOrShard) {
+  const std::string dir = saved();
+  expect_error([&] { load_into_fresh(tmp / "nowhere"); }, ErrorKind::Checkpoint,
                {"no checkpoint at", "manifest.json does not exist"});
-  fs::remove(s.dir + "/shard-00000-of-00001.bin");
-  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+  fs::remove(dir + "/shard-00000-of-00001.bin");
+  expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
                {"shard-00000-of-00001.bin", "is missing"});
 }
 
-TEST(CheckpointErrors, CorruptByteIsAChecksumMismatch) {
-  Saved s;
-  const std::string shard = s.dir + "/shard-00000-of-00001.bin";
+TEST_F(CheckpointErrors, CorruptByteIsAChecksumMismatch) {
+  const std::string dir = saved();
+  const std::string shard = dir + "/shard-00000-of-00001.bin";
   {
     std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
     f.seekg(200);
@@ -343,40 +333,40 @@ TEST(CheckpointErrors, CorruptByteIsAChecksumMismatch) {
     f.seekp(200);
     f.put(c);
   }
-  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+  expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
                {"checksum mismatch", shard, "corrupt"});
-  expect_error([&] { read_full_state(s.dir); }, ErrorKind::Checkpoint, {"checksum mismatch"});
+  expect_error([&] { read_full_state(dir); }, ErrorKind::Checkpoint, {"checksum mismatch"});
 }
 
-TEST(CheckpointErrors, AnotherModelIsNamed) {
-  Saved s;
+TEST_F(CheckpointErrors, AnotherModelIsNamed) {
+  const std::string dir = saved();
   // The first difference in layout order (reverse registration) is named.
-  expect_error([&] { load_into_fresh(s.dir, "adamw", 8); }, ErrorKind::Mismatch,
+  expect_error([&] { load_into_fresh(dir, "adamw", 8); }, ErrorKind::Mismatch,
                {"'fc2.weight'", "[8, 6] in the model but [7, 6] in the checkpoint"});
-  expect_error([&] { load_into_fresh(s.dir, "adamw", 7, "fc1.kernel"); }, ErrorKind::Mismatch,
+  expect_error([&] { load_into_fresh(dir, "adamw", 7, "fc1.kernel"); }, ErrorKind::Mismatch,
                {"'fc1.kernel'", "is not in it"});
-  expect_error([&] { load_into_fresh(s.dir, "sgd"); }, ErrorKind::Mismatch,
+  expect_error([&] { load_into_fresh(dir, "sgd"); }, ErrorKind::Mismatch,
                {"holds the state of adamw", "this optimizer runs sgd"});
 }
 
-TEST(CheckpointErrors, UnknownFormatVersionAndBadJson) {
-  Saved s;
-  const std::string path = s.dir + "/manifest.json";
+TEST_F(CheckpointErrors, UnknownFormatVersionAndBadJson) {
+  const std::string dir = saved();
+  const std::string path = dir + "/manifest.json";
   auto m = nlohmann::json::parse(read_text(path));
   m["format_version"] = 99;
   std::ofstream(path) << m.dump();
-  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+  expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
                {path, "unknown format version 99", "reads version 1"});
   std::ofstream(path) << "{not json";
-  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint, {path, "not valid JSON"});
+  expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint, {path, "not valid JSON"});
 }
 
 // A manifest edit that keeps valid JSON (a piece's shard offset moved by one element) used to
 // load silently wrong: the manifest's own checksum catches it, and without a checksum (manifests
 // written before it existed) the piece tables are checked against the recorded layout.
-TEST(CheckpointErrors, EditedManifestIsDetected) {
-  Saved s;
-  const std::string path = s.dir + "/manifest.json";
+TEST_F(CheckpointErrors, EditedManifestIsDetected) {
+  const std::string dir = saved();
+  const std::string path = dir + "/manifest.json";
   const auto original = nlohmann::json::parse(read_text(path));
   ASSERT_TRUE(original.contains("manifest_crc32"));
   auto edited = original;
@@ -388,42 +378,40 @@ TEST(CheckpointErrors, EditedManifestIsDetected) {
   const std::string name = (*first)["name"].get<std::string>();
   (*first)["pieces"][0][1] = (*first)["pieces"][0][1].get<int64_t>() + 1;
   std::ofstream(path) << edited.dump(1);
-  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+  expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
                {path, "checksum mismatch in manifest"});
   edited.erase("manifest_crc32");
   std::ofstream(path) << edited.dump(1);
-  expect_error([&] { load_into_fresh(s.dir); }, ErrorKind::Checkpoint,
+  expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
                {"the piece table of parameter '" + name + "' does not match the layout"});
   auto unsigned_original = original;  // an older manifest, unedited: still loads
   unsigned_original.erase("manifest_crc32");
   std::ofstream(path) << unsigned_original.dump(1);
-  load_into_fresh(s.dir);
+  load_into_fresh(dir);
 }
 
 // A parameter gone NaN is refused by the save itself, naming it; the last good checkpoint stays.
-TEST(CheckpointErrors, NonFiniteValuesAreNeverSaved) {
-  Saved s;
-  const std::string before = read_text(s.dir + "/manifest.json");
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(1));
-  ckpt_train(opt, net, 0, 1);
+TEST_F(CheckpointErrors, NonFiniteValuesAreNeverSaved) {
+  const std::string dir = saved();
+  const std::string before = read_text(dir + "/manifest.json");
+  CkptNet other;
+  DistributedOptimizer opt(other.groups(), ckpt_rule("adamw"), comm, zero(1));
+  ckpt_train(opt, other, 0, 1);
   {
     at::NoGradGuard no_grad;
-    for (auto& [name, t] : net.named) {
+    for (auto& [name, t] : other.named) {
       if (name == "fc2.bias") t.fill_(std::nanf(""));  // fp32: the model is the master
     }
   }
-  expect_error([&] { opt.save_checkpoint(s.dir); }, ErrorKind::NonFinite,
+  expect_error([&] { opt.save_checkpoint(dir); }, ErrorKind::NonFinite,
                {"parameter 'fc2.bias' holds NaN/Inf", "refusing to save"});
-  EXPECT_EQ(read_text(s.dir + "/manifest.json"), before);
-  load_into_fresh(s.dir);
+  EXPECT_EQ(read_text(dir + "/manifest.json"), before);
+  load_into_fresh(dir);
 }
 
-TEST(CheckpointErrors, UnwritableOrForeignDirectory) {
-  TempDir tmp;
+TEST_F(CheckpointErrors, UnwritableOrForeignDirectory) {
   std::ofstream(tmp / "file") << "x";
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), make_single_communicator(), zero(2));
+  auto& opt = trained("adamw", 2, 0);
   expect_error([&] { opt.save_checkpoint(tmp / "file/ckpt"); }, ErrorKind::Checkpoint,
                {"cannot create directory", tmp / "file"});
   expect_error([&] { opt.save_checkpoint("/proc/shardopt-ckpt"); }, ErrorKind::Checkpoint,
@@ -435,9 +423,7 @@ TEST(CheckpointErrors, UnwritableOrForeignDirectory) {
   EXPECT_TRUE(fs::exists(tmp / "results/keep.txt"));
 }
 
-TEST(CheckpointErrors, FactoryOptimizersAndBadTrainerStateAreRefused) {
-  TempDir tmp;
-  CkptNet net;
+TEST_F(CheckpointErrors, FactoryOptimizersAndBadTrainerStateAreRefused) {
   std::vector<ParamGroup> groups(1);
   for (auto& [name, t] : net.named) groups[0].params.push_back({name, t});
   DistributedOptimizer opt(
@@ -461,12 +447,8 @@ TEST(CheckpointErrors, FactoryOptimizersAndBadTrainerStateAreRefused) {
 
 // A save that dies after a shard was written leaves the previous checkpoint complete; the
 // partial one is never visible, and the next save cleans it up.
-TEST(CheckpointErrors, CrashDuringSaveKeepsThePreviousCheckpoint) {
-  TempDir tmp;
-  auto comm = make_single_communicator();
-  CkptNet net;
-  DistributedOptimizer opt(net.groups(), ckpt_rule("adamw"), comm, zero(2));
-  ckpt_train(opt, net, 0, 2);
+TEST_F(CheckpointErrors, CrashDuringSaveKeepsThePreviousCheckpoint) {
+  auto& opt = trained("adamw", 2, 2);
   opt.save_checkpoint(tmp / "ckpt");
   const auto at_two = net.snapshot();
   ckpt_train(opt, net, 2, 4);

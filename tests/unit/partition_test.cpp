@@ -94,17 +94,5 @@ TEST(FlatLayout, MoreRanksThanElementsGivesPaddingOnlyShards) {
   EXPECT_EQ(intersect(l.buckets[0].owned(0), {0, 1}).size(), 1);
 }
 
-// Note [Default bucket size]: explicit bytes as given; the default at most 16 MiB and at most a
-// quarter of the gradient elements a rank frees; one rank frees nothing and keeps 16 MiB.
-TEST(FlatLayout, DefaultBucketSize) {
-  EXPECT_EQ(bucket_numel_for(64, 1000, 2, 4), 16);
-  EXPECT_EQ(bucket_numel_for(2, 1000, 2, 4), 1);
-  EXPECT_EQ(bucket_numel_for(0, 1'000'000'000, 2, 4), (16 << 20) / 4);
-  EXPECT_EQ(bucket_numel_for(0, 1'000'000'000, 1, 4), (16 << 20) / 4);
-  EXPECT_EQ(bucket_numel_for(0, 11'201'594, 2, 4), 11'201'594 / 2 / 4);
-  EXPECT_EQ(bucket_numel_for(0, 8'000'000, 4, 2), 8'000'000 / 4 * 3 / 4);
-  EXPECT_EQ(bucket_numel_for(0, 3, 2, 4), 1);
-}
-
 }  // namespace
 }  // namespace shardopt::detail

@@ -79,29 +79,6 @@ inline int64_t round_up(int64_t x, int64_t multiple) {
   return multiple <= 1 ? x : (x + multiple - 1) / multiple * multiple;
 }
 
-// Note [Default bucket size]
-// Stage 2 frees (N-1)/N of the gradients but holds two pooled bucket buffers that stage 1 does
-// without (it reduces in place); with fixed 16 MiB buckets a small model at N = 2 held more at
-// stage 2 than at stage 1 (DeepSpeed's "ZeRO-2 uses more memory than ZeRO-1"). So
-// ZeroOptions::bucket_bytes = 0 (the default) sizes buckets from the model: a bucket holds at most
-// kMaxDefaultBucketBytes and at most a quarter of the gradient elements a rank frees,
-// Ψ·(N-1)/(4N), so the two buffers are at most half of what stage 2 saves and a higher stage
-// never holds more model state than a lower one. One rank frees nothing and keeps the maximum.
-// An explicit bucket_bytes is used as given.
-constexpr int64_t kMaxDefaultBucketBytes = int64_t{16} << 20;
-
-// Elements per bucket for `bucket_bytes` (0: the default above) over `params` elements of
-// `elem_bytes` each on `world` ranks; at least 1 (make_layout rounds it to whole shards).
-inline int64_t bucket_numel_for(int64_t bucket_bytes, int64_t params, int world,
-                                int64_t elem_bytes) {
-  const int64_t elem = std::max<int64_t>(1, elem_bytes);
-  if (bucket_bytes > 0) return std::max<int64_t>(1, bucket_bytes / elem);
-  const int64_t most = kMaxDefaultBucketBytes / elem;
-  if (world <= 1) return most;
-  const int64_t freed = params / world * (world - 1);
-  return std::max<int64_t>(1, std::min(most, freed / 4));
-}
-
 // Packs parameters, in the given order, into buckets of `bucket_numel` elements rounded down to
 // a multiple of world * align (at least one such multiple): a parameter that does not fit in the
 // open bucket fills it and continues in the next ones, so no bucket is sized by the largest

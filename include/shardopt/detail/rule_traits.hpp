@@ -54,6 +54,28 @@ R blank_rule() {
   }
 }
 
+// Every hyper-parameter of `rule` under torch's option names, in torch's order: v(name, value)
+// with a double or bool value, except beta1 and beta2, which torch spells as one pair:
+// v("betas", std::pair<double, double>). The Python codec and torch::save archives use it.
+template <class Visit>
+void visit_torch_options(const Rule& rule, Visit&& v) {
+  std::visit(
+      [&](const auto& r) {
+        double beta1 = 0;
+        std::decay_t<decltype(r)>::fields(r, [&](const Field& f, const auto& value) {
+          const std::string name = f.name;
+          if (name == "beta1") {
+            beta1 = value;
+          } else if (name == "beta2") {
+            v("betas", std::make_pair(beta1, static_cast<double>(value)));
+          } else {
+            v(f.name, value);
+          }
+        });
+      },
+      rule);
+}
+
 template <class R, class = void>
 struct HasProblem : std::false_type {};
 template <class R>

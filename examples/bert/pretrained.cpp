@@ -1,0 +1,209 @@
+// --init-checkpoint and --export-hf (see pretrained.hpp).
+#include "pretrained.hpp"
+
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "safetensors.hpp"
+#include "shardopt/checkpoint.hpp"
+
+namespace bert {
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::map<std::string, at::ScalarType>& dtypes() {
+  static const std::map<std::string, at::ScalarType> m = {
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16},
+      {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+      {"U8", at::kByte},    {"BOOL", at::kBool}};
+  return m;
+}
+
+std::string dtype_name(at::ScalarType t) {
+  for (const auto& [name, type] : dtypes()) {
+    if (type == t) return name;
+  }
+  throw std::invalid_argument(fmt::format("safetensors: no dtype name for {}", c10::toString(t)));
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// transformers' renaming of old checkpoints, and BertModel's names under "bert.".
+std::string normalise(std::string name) {
+  if (name.rfind("module.", 0) == 0) name.erase(0, 7);
+  for (const char* top : {"embeddings.", "encoder.", "pooler."}) {
+    if (name.rfind(top, 0) == 0) name = "bert." + name;
+  }
+  if (ends_with(name, "LayerNorm.gamma")) name.replace(name.size() - 5, 5, "weight");
+  if (ends_with(name, "LayerNorm.beta")) name.replace(name.size() - 4, 4, "bias");
+  return name;
+}
+
+std::string shape_text(at::IntArrayRef s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+}  // namespace
+
+void write_safetensors(const std::string& path,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::vector<at::Tensor> keep;  // contiguous CPU copies live until written
+  std::vector<std::pair<std::string, safetensors::TensorView>> views;
+  for (const auto& [name, t] : tensors) {
+    keep.push_back(t.detach().to(at::kCPU).contiguous());
+    const auto& c = keep.back();
+    views.push_back({name, {dtype_name(c.scalar_type()), c.sizes().vec(), c.data_ptr()}});
+  }
+  safetensors::write(path, views);
+}
+
+StateDict read_safetensors(const std::string& path) {
+  const auto file = safetensors::read(path);
+  StateDict out;
+  for (const auto& e : file.entries) {
+    const auto type = dtypes().at(e.dtype);
+    auto t = torch::empty(e.shape, torch::TensorOptions().dtype(type));
+    std::memcpy(t.data_ptr(), file.bytes(e), e.nbytes);
+    out.insert(e.name, t);
+  }
+  return out;
+}
+
+StateDict read_init_checkpoint(const std::string& path, std::string* kind) {
+  std::error_code ec;
+  auto say = [&](const std::string& k) {
+    if (kind) *kind = k;
+  };
+  try {
+    if (fs::is_directory(path, ec)) {
+      if (fs::is_regular_file(fs::path(path) / "model.safetensors", ec)) {
+        say("Hugging Face directory (model.safetensors)");
+        return read_safetensors((fs::path(path) / "model.safetensors").string());
+      }
+      if (fs::is_regular_file(fs::path(path) / "manifest.json", ec)) {
+        say("shardopt checkpoint (fp32 master parameters)");
+        return shardopt::read_full_state(path).params;
+      }
+      throw std::invalid_argument("a directory with neither model.safetensors nor a shardopt "
+                                  "checkpoint (manifest.json)");
+    }
+    if (!fs::is_regular_file(path, ec)) throw std::invalid_argument("no such file or directory");
+    if (ends_with(path, ".safetensors") || safetensors::looks_like(path)) {
+      say("safetensors");
+      return read_safetensors(path);
+    }
+    say("torch.save state dict");
+    return shardopt::read_state_dict(path);
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    throw std::invalid_argument(fmt::format("--init-checkpoint: '{}': {}", path,
+                                            why.substr(0, why.find('\n'))));
+  }
+}
+
+InitReport load_pretrained(BertForPreTraining& model, const StateDict& state) {
+  std::map<std::string, at::Tensor> by_name;
+  InitReport r;
+  for (const auto& item : state) {
+    const std::string name = normalise(item.key());
+    // Tied copies (the decoder is the word embedding matrix, its bias cls.predictions.bias) and
+    // buffers are not parameters of this model.
+    if (name == "cls.predictions.decoder.weight" || name == "cls.predictions.decoder.bias" ||
+        ends_with(name, "embeddings.position_ids") || ends_with(name, "embeddings.token_type_ids")) {
+      r.ignored.push_back(item.key());
+      continue;
+    }
+    by_name[name] = item.value();
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->named_parameters()) {
+    const auto it = by_name.find(p.key());
+    if (it == by_name.end()) {
+      r.missing.push_back(p.key());
+      continue;
+    }
+    if (it->second.sizes() != p.value().sizes()) {
+      throw std::invalid_argument(fmt::format(
+          "--init-checkpoint: '{}' has shape {} in the checkpoint but {} in the model (is the "
+          "config the checkpoint's? --bert-config)", p.key(), shape_text(it->second.sizes()),
+          shape_text(p.value().sizes())));
+    }
+    p.value().copy_(it->second.to(p.value().dtype()));
+    ++r.loaded;
+    by_name.erase(it);
+  }
+  for (const auto& [name, t] : by_name) r.unexpected.push_back(name);
+  return r;
+}
+
+void print_init_report(const std::string& path, const std::string& kind, const InitReport& r) {
+  fmt::print("[bert] init checkpoint: {} ({}): {} parameters loaded\n", path, kind, r.loaded);
+  auto list = [](const char* what, const std::vector<std::string>& names) {
+    if (!names.empty()) fmt::print("[bert] init checkpoint: {} ({}): {}\n", what, names.size(),
+                                   fmt::join(names, ", "));
+  };
+  list("missing, initialised as usual", r.missing);
+  list("unexpected, not used", r.unexpected);
+  list("ignored (tied copies, buffers)", r.ignored);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(const StateDict& params) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  auto fp32 = [](const at::Tensor& t) { return t.detach().to(at::kCPU, at::kFloat).contiguous(); };
+  for (const auto& item : params) {
+    out.emplace_back(item.key(), fp32(item.value()));
+    // Note [Tied MLM decoder] (model.hpp): transformers' state dict names both tied tensors.
+    if (item.key() == "cls.predictions.transform.LayerNorm.bias") {
+      const auto* w = params.find("bert.embeddings.word_embeddings.weight");
+      const auto* b = params.find("cls.predictions.bias");
+      if (!w || !b) {
+        throw std::invalid_argument("export: the word embeddings or cls.predictions.bias are missing");
+      }
+      out.emplace_back("cls.predictions.decoder.weight", fp32(*w).clone());
+      out.emplace_back("cls.predictions.decoder.bias", fp32(*b).clone());
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> export_hf(const std::string& dir, const BertConfig& config,
+                                   const StateDict& params, const std::string& vocab_path,
+                                   bool lower_case) {
+  fs::create_directories(dir);
+  const fs::path d(dir);
+  std::vector<std::string> files;
+  auto json_file = [&](const char* name, const nlohmann::json& j) {
+    std::ofstream out(d / name);
+    out << j.dump(2) << '\n';
+    if (!out) throw std::runtime_error(fmt::format("cannot write {}", (d / name).string()));
+    files.push_back(name);
+  };
+  json_file("config.json", config.to_hf_json());
+  write_safetensors((d / "model.safetensors").string(), hf_state_dict(params));
+  files.push_back("model.safetensors");
+  if (!vocab_path.empty()) {
+    fs::copy_file(vocab_path, d / "vocab.txt", fs::copy_options::overwrite_existing);
+    files.push_back("vocab.txt");
+    json_file("tokenizer_config.json",
+              {{"tokenizer_class", "BertTokenizer"}, {"do_lower_case", lower_case},
+               {"strip_accents", nullptr}, {"tokenize_chinese_chars", true},
+               {"model_max_length", config.max_position_embeddings},
+               {"unk_token", "[UNK]"}, {"sep_token", "[SEP]"}, {"pad_token", "[PAD]"},
+               {"cls_token", "[CLS]"}, {"mask_token", "[MASK]"}});
+    json_file("special_tokens_map.json",
+              {{"unk_token", "[UNK]"}, {"sep_token", "[SEP]"}, {"pad_token", "[PAD]"},
+               {"cls_token", "[CLS]"}, {"mask_token", "[MASK]"}});
+  }
+  return files;
+}
+
+}  // namespace bert

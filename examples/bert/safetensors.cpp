@@ -1,0 +1,166 @@
+// safetensors reader and writer (see safetensors.hpp).
+#include "safetensors.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace bert::safetensors {
+namespace {
+
+constexpr uint64_t kMaxHeader = uint64_t{100} << 20;  // the reference implementation's limit
+
+bool little_endian() {
+  const uint16_t one = 1;
+  unsigned char first = 0;
+  std::memcpy(&first, &one, 1);
+  return first == 1;
+}
+
+void need_little_endian() {
+  if (!little_endian()) throw std::runtime_error("safetensors: big-endian hosts are not supported");
+}
+
+}  // namespace
+
+size_t dtype_size(const std::string& dtype) {
+  static const std::map<std::string, size_t> sizes = {
+      {"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8}, {"I32", 4},
+      {"I16", 2}, {"I8", 1},  {"U8", 1},  {"BOOL", 1}};
+  const auto it = sizes.find(dtype);
+  if (it == sizes.end()) throw std::invalid_argument("safetensors: unsupported dtype '" + dtype + "'");
+  return it->second;
+}
+
+void write(const std::string& path, const std::vector<std::pair<std::string, TensorView>>& tensors,
+           const std::map<std::string, std::string>& metadata) {
+  need_little_endian();
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<size_t> sizes;
+  size_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    if (header.contains(name)) throw std::runtime_error(fmt::format("safetensors: '{}' twice", name));
+    size_t n = dtype_size(t.dtype);
+    for (int64_t d : t.shape) n *= static_cast<size_t>(d);
+    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + n}}};
+    sizes.push_back(n);
+    offset += n;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw std::runtime_error(fmt::format("cannot write '{}'", tmp));
+    const uint64_t n = text.size();
+    out.write(reinterpret_cast<const char*>(&n), sizeof n);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      out.write(static_cast<const char*>(tensors[i].second.data),
+                static_cast<std::streamsize>(sizes[i]));
+    }
+    out.flush();
+    if (!out) throw std::runtime_error(fmt::format("cannot write '{}' (disk full?)", tmp));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw std::runtime_error(fmt::format("cannot rename '{}' to '{}': {}", tmp, path, ec.message()));
+}
+
+const Entry* File::find(const std::string& name) const {
+  for (const auto& e : entries) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+File read(const std::string& path) {
+  need_little_endian();
+  auto bad = [&](const std::string& what) {
+    return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", path, what));
+  };
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("{}: cannot read the file", path));
+  in.seekg(0, std::ios::end);
+  const auto file_size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  uint64_t n = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), sizeof n)) throw bad("shorter than 8 bytes");
+  if (n > kMaxHeader || n > file_size - 8) {
+    throw bad(fmt::format("header length {} beyond the file's {} bytes (or 100 MiB)", n, file_size));
+  }
+  std::string text(n, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  const auto header = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) throw bad("the header is not a JSON object");
+  File f;
+  f.data.resize(file_size - 8 - n);
+  in.read(f.data.data(), static_cast<std::streamsize>(f.data.size()));
+  if (!in) throw bad("the data section could not be read");
+  for (const auto& [name, v] : header.items()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) throw bad("__metadata__ is not an object");
+      for (const auto& [k, s] : v.items()) {
+        if (!s.is_string()) throw bad(fmt::format("__metadata__ '{}' is not a string", k));
+        f.metadata[k] = s.get<std::string>();
+      }
+      continue;
+    }
+    Entry e;
+    e.name = name;
+    try {
+      e.dtype = v.at("dtype").get<std::string>();
+      e.shape = v.at("shape").get<std::vector<int64_t>>();
+      const auto offsets = v.at("data_offsets").get<std::vector<uint64_t>>();
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > f.data.size()) {
+        throw bad(fmt::format("'{}': data_offsets {} outside the {} data bytes", name,
+                              v.at("data_offsets").dump(), f.data.size()));
+      }
+      e.offset = offsets[0];
+      e.nbytes = offsets[1] - offsets[0];
+    } catch (const nlohmann::json::exception&) {
+      throw bad(fmt::format("'{}': expected dtype, shape and data_offsets, got {}", name, v.dump()));
+    }
+    size_t want = 0;
+    try {
+      want = dtype_size(e.dtype);
+    } catch (const std::invalid_argument&) {
+      throw bad(fmt::format("'{}': unknown dtype '{}'", name, e.dtype));
+    }
+    for (int64_t d : e.shape) {
+      if (d < 0) throw bad(fmt::format("'{}': negative dimension", name));
+      want *= static_cast<size_t>(d);
+    }
+    if (want != e.nbytes) {
+      throw bad(fmt::format("'{}': {} bytes for shape [{}] of {}, the offsets span {}", name, want,
+                            fmt::join(e.shape, ", "), e.dtype, e.nbytes));
+    }
+    f.entries.push_back(std::move(e));
+  }
+  std::sort(f.entries.begin(), f.entries.end(),
+            [](const Entry& a, const Entry& b) { return a.offset < b.offset; });
+  size_t end = 0;
+  for (const auto& e : f.entries) {
+    if (e.offset != end) throw bad(fmt::format("'{}' does not start where the previous tensor ends", e.name));
+    end = e.offset + e.nbytes;
+  }
+  if (end != f.data.size()) throw bad(fmt::format("{} bytes after the last tensor", f.data.size() - end));
+  return f;
+}
+
+bool looks_like(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t n = 0;
+  char brace = 0;
+  return in.read(reinterpret_cast<char*>(&n), sizeof n) && n > 0 && n <= kMaxHeader &&
+         in.read(&brace, 1) && brace == '{';
+}
+
+}  // namespace bert::safetensors

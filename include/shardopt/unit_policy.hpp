@@ -1,0 +1,44 @@
+// UnitPolicy: how stage 3 splits a model into units when no Units object is given (automatic
+// units). The parameters' names carry the module tree ("encoder.layers.3.linear1.weight") for
+// torch::nn::Module, torch::jit::Module and Python modules alike, so units are derived from them:
+//
+//   default:  every element of a module list / sequential (the path up to the first numbered
+//             component: "encoder.layers.3", "bert.encoder.layer.11") is a unit; the remaining
+//             parameters are grouped by top-level child ("embeddings", "decoder"; parameters of
+//             the root module itself form the group "").
+//   patterns: each parameter whose name begins with a match of one of these ECMAScript regular
+//             expressions (tried in order) is in the unit named by the matched text, e.g.
+//             {R"(encoder\.layers\.\d+)", "embeddings"}; the others persist.
+//
+// A group with fewer than `persist_below` elements persists (DeepSpeed's
+// stage3_param_persistence_threshold): it is gathered on first use and kept until step(). A
+// parameter whose names (a tied weight is reachable under several) fall into different units gets
+// a part of its own, gathered for each use. Torch-free (tests/unit/unit_policy_test.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardopt {
+
+struct UnitPolicy {
+  std::vector<std::string> patterns;  // empty: the default rule above
+  int64_t persist_below = 100'000;    // elements; 0: every group is a unit
+
+  // Throws Error{InvalidArgument} naming an invalid pattern or a negative threshold.
+  void validate() const;
+};
+
+// The units `policy` derives from parameters named names[i] with numels[i] elements (one entry per
+// name; a tensor reachable under two names appears twice, with the same `tensor` id).
+struct DerivedUnits {
+  std::vector<std::string> names;           // unit names, in order of first appearance
+  std::vector<std::vector<int>> members;    // per unit: indices into the given names
+  std::vector<std::string> persistent;      // groups kept gathered through the step
+};
+DerivedUnits derive_units(const std::vector<std::string>& names,
+                          const std::vector<int64_t>& numels, const std::vector<int64_t>& tensor,
+                          const UnitPolicy& policy);
+
+}  // namespace shardopt

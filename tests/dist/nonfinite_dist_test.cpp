@@ -149,11 +149,12 @@ TEST(Precision, NonFiniteOnOneRankSkipsAtFp32AndBf16) {
 
 // One planted value where a check that reads by bucket, by shard or by vector could miss it
 // (issue 26): the last element of the last bucket (its padding, or the end of the buffer, follows);
-// the last element of an earlier bucket, just before that bucket's padding; and the elements either
-// side of a shard boundary inside a bucket's parameters (the last of one rank's shard, the first of
-// the next). NaN, +Inf and -Inf each at each of them, in one rank's gradient only (rank 1, and the
-// last rank), at every stage and precision, with and without clipping. Every rank must skip the
-// step with the parameters bitwise as they were, then step on the same batch without it.
+// the last element of an earlier bucket, just before that bucket's padding; the last element of an
+// unpadded bucket (the end of the last rank's shard); and the elements either side of a shard
+// boundary inside a bucket's parameters (the last of one rank's shard, the first of the next).
+// NaN, +Inf and -Inf each at each of them, in one rank's gradient only (rank 1, and the last
+// rank), at every stage and precision, with and without clipping. Every rank must skip the step
+// with the parameters bitwise as they were, then step on the same batch without it.
 struct Target {
   std::string where;  // in the layout
   std::string name;   // the parameter holding it
@@ -183,6 +184,14 @@ std::vector<Target> planting_targets(DistributedOptimizer& opt) {
     const auto& bl = layout.buckets[b];
     if (bl.padded == bl.numel) continue;
     if (auto t = element_at(b, bl.numel - 1, fmt::format("bucket {}'s last, before padding", b))) {
+      targets.push_back(*t);
+      break;
+    }
+  }
+  for (int b = last; b >= 0; --b) {  // the end of the last rank's shard, no padding after it
+    const auto& bl = layout.buckets[b];
+    if (bl.padded != bl.numel) continue;
+    if (auto t = element_at(b, bl.numel - 1, fmt::format("bucket {}'s last, unpadded", b))) {
       targets.push_back(*t);
       break;
     }
@@ -240,8 +249,9 @@ TEST(NonFinite, PlantedElementSkipsEveryRank) {
         DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm,
                                  options_for(stage, precision, clip, net));
         const auto targets = planting_targets(opt);
-        // Two edges of padding; with several ranks, a shard boundary too.
-        ASSERT_EQ(targets.size(), n > 1 ? 4u : 2u) << "the layout lacks a planting target";
+        // Two edges of padding, the end of an unpadded bucket; with several ranks, a shard
+        // boundary too.
+        ASSERT_EQ(targets.size(), n > 1 ? 5u : 3u) << "the layout lacks a planting target";
         int64_t s = 0;
         for (const Target& target : targets) {
           for (const float value : kValues) {
@@ -281,7 +291,7 @@ TEST(NonFinite, PlantedElementSkipsEveryRank) {
       }
     }
   }
-  EXPECT_EQ(checked, 3 * 4 * 2 * (n > 1 ? 4 : 2) * 3 * static_cast<int>(planters.size()));
+  EXPECT_EQ(checked, 3 * 4 * 2 * (n > 1 ? 5 : 3) * 3 * static_cast<int>(planters.size()));
 }
 
 // max_nonfinite_steps skipped steps in a row end in Error{NonFinite} on every rank.

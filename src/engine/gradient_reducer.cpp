@@ -100,10 +100,7 @@ void GradientReducer::launch_ready(int micro, bool pass_end) {
     auto& k = buckets_[b];
     if (k.launched_micro != micro && (pass_end || k.pending == 0)) {
       launch(b, micro);
-      // A bucket whose reduction is done at launch (one rank; an engine that completes in the
-      // call) is folded in now, during backward, instead of waiting for step() (the last two
-      // buckets of a pass would).
-      if (!overlap_ || (plan_.bucketed() && k.work->is_completed())) complete(b);
+      if (!overlap_) complete(b);
     }
     if (k.launched_micro == micro) {
       if (b == next_) ++next_;

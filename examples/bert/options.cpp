@@ -138,6 +138,10 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--device", a.device, "cpu | cuda | cuda:N: where the model and batches live "
                  "(cuda: NCCL between ranks where built with it)");
   app.add_option("--stage", a.stage, "ZeRO stage")->check(integer_in(0, 3));
+  app.add_option("--units", a.units, "stage 3's units: explicit (the model declares one per layer "
+                 "and runs each through Units::run) | auto (the model is built without Units and "
+                 "the optimizer derives them from the parameter names)")
+      ->check(CLI::IsMember({"explicit", "auto"}));
   app.add_option("--precision", a.precision, "fp32 | bf16 (CPU) | fp16 (GPU only)")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
   app.add_option("--batch-size", a.batch_size, "sequences per rank per micro-step")
@@ -293,6 +297,12 @@ std::string check_args(const Args& a, const Commands& c) {
     }
   }
   if (!a.dump_logits.empty() && !a.eval_only) return "--dump-logits: needs --eval-only";
+  // Refused rather than ignored: stages 0-2 keep every parameter whole, so a run asking for
+  // automatic units there would measure or test something other than what it names.
+  if (a.units == "auto" && a.stage != 3) {
+    return fmt::format("--units auto: automatic units are a stage-3 mechanism, got --stage {} "
+                       "(stages 0-2 gather no units; use --stage 3 or drop --units)", a.stage);
+  }
   if (a.max_predictions > a.max_seq_length) {
     return fmt::format("--max-predictions: expected at most --max-seq-length ({}), got {}",
                        a.max_seq_length, a.max_predictions);

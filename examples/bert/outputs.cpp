@@ -170,8 +170,9 @@ int summarize(Run& r) {
   // Peak resident memory and peak tensor storage of every rank.
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
+  const int64_t tracked = std::max(r.tracked_peak, r.tracking->tracker().peak_bytes());
   auto peaks = torch::tensor({static_cast<double>(usage.ru_maxrss) * 1024.0,
-                              static_cast<double>(r.tracking->tracker().peak_bytes())},
+                              static_cast<double>(tracked)},
                              torch::kDouble);
   auto all_peaks = torch::zeros({2 * r.world}, torch::kDouble);
   r.comm->all_gather(peaks, all_peaks);

@@ -63,6 +63,7 @@ struct Run {
   Clock::time_point t_start = Clock::now();
   std::unique_ptr<ScopedBlockCache> block_cache;
   std::optional<shardopt::ScopedMemoryTracking> tracking;
+  int64_t tracked_peak = 0;  // tensor bytes, the run's peak before the current step's window
   // Data.
   BertConfig config;
   BatchSource loader;

@@ -14,6 +14,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -152,19 +153,48 @@ void print_plan(const Run& r) {
       a.shard_group_size > 0
           ? fmt::format("{}, hybrid: shard groups of {}", r.comm->backend(), a.shard_group_size)
           : r.comm->backend();
-  fmt::print("[bert] training: {} ranks ({}) on {}, ZeRO stage {}, {}, global batch {} = {} rows/rank "
+  fmt::print("[bert] training: {} ranks ({}) on {}, ZeRO stage {}{}, {}, global batch {} = {} rows/rank "
              "x {} ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, weight decay {}), "
              "lr {} (warm-up {}, then {}), {} thread(s)/rank\n",
-             r.world, backend, a.device, a.stage, a.precision, r.global_batch, a.batch_size, r.world,
+             r.world, backend, a.device, a.stage, a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
+             a.precision, r.global_batch, a.batch_size, r.world,
              a.grad_accum, a.steps, epochs, a.optimizer, a.adam_betas.at(0), a.adam_betas.at(1),
              bert::adam_eps(a), a.weight_decay, a.lr, a.warmup_steps, a.lr_schedule, a.threads);
   std::fflush(stdout);
 }
 
+// The units stage 3 derives from the parameter names (what the optimizer computes from the same
+// names, numels and tensors; a tensor under two names would count once).
+void print_automatic_units(const torch::OrderedDict<std::string, at::Tensor>& params,
+                           const shardopt::UnitPolicy& policy) {
+  std::vector<std::string> names;
+  std::vector<int64_t> numels, ids;
+  std::map<const void*, int64_t> id_of;
+  for (const auto& p : params) {
+    if (!p.value().requires_grad()) continue;
+    names.push_back(p.key());
+    numels.push_back(p.value().numel());
+    ids.push_back(
+        id_of.emplace(p.value().unsafeGetTensorImpl(), static_cast<int64_t>(id_of.size())).first->second);
+  }
+  const auto derived = shardopt::derive_units(names, numels, ids, policy);
+  std::vector<std::string> units;
+  for (size_t u = 0; u < derived.names.size(); ++u) {
+    int64_t n = 0;
+    for (int i : derived.members[u]) n += numels[i];
+    units.push_back(fmt::format("{} ({:.3g} M)", derived.names[u], n / 1e6));
+  }
+  fmt::print("[bert] automatic units: {}; kept gathered through the step (under {} elements): {}\n",
+             fmt::join(units, ", "), policy.persist_below,
+             derived.persistent.empty() ? "none" : fmt::format("{}", fmt::join(derived.persistent, ", ")));
+}
+
 void build_model(Run& r) {
   const Args& a = r.a;
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
-  r.model = bert::BertForPreTraining(r.config);
+  // --units auto: no Units in the model; the optimizer derives them (shardopt/unit_policy.hpp).
+  const bool automatic = a.units == "auto";
+  r.model = bert::BertForPreTraining(r.config, /*declare_units=*/!automatic);
   r.model->set_recompute(a.recompute);
   if (r.lead) std::ofstream(fs::path(a.out) / "config.json") << r.config.to_hf_json().dump(2) << '\n';
   if (!a.init_checkpoint.empty()) {
@@ -180,7 +210,7 @@ void build_model(Run& r) {
   r.model->train();
   shardopt::ZeroOptions zo;
   zo.stage = shardopt::stage_from_int(a.stage);
-  zo.units = r.model->units();  // stage 3 gathers one encoder layer at a time
+  if (!automatic) zo.units = r.model->units();  // stage 3 gathers one encoder layer at a time
   zo.grad_accumulation_steps = a.grad_accum;
   zo.max_grad_norm = a.max_grad_norm;
   zo.timeout = r.init.timeout;
@@ -198,6 +228,7 @@ void build_model(Run& r) {
   r.opt = std::make_unique<shardopt::DistributedOptimizer>(groups, optimizer_rule(a), r.comm, zo);
   r.global_batch = a.batch_size * r.world * a.grad_accum;
   if (r.lead) print_plan(r);
+  if (r.lead && automatic) print_automatic_units(r.model->named_parameters(), zo.unit_policy);
 }
 
 // ---- checkpoints: --resume restores (outputs.cpp saves) ----------------------------------------
@@ -278,6 +309,8 @@ int evaluate_only(Run& r) {
 bert::StepRecord train_step(Run& r, int64_t step) {
   const Args& a = r.a;
   auto& opt = *r.opt;
+  // The tracker's peak window is the step (the run's peak is kept in tracked_peak).
+  r.tracked_peak = std::max(r.tracked_peak, r.tracking->tracker().reset_peak());
   const auto t0 = Clock::now();
   const double cpu0 = process_cpu_s();
   const double lr = bert::lr_at(a, step);
@@ -325,6 +358,8 @@ bert::StepRecord train_step(Run& r, int64_t step) {
   local[bert::kBwd] = bwd_s, local[bert::kOpt] = opt_s, local[bert::kCommWait] = stats.reduce_wait_s;
   local[bert::kUpdate] = stats.update_s, local[bert::kGather] = stats.gather_s;
   local[bert::kData] = data_s, local[bert::kCpu] = process_cpu_s() - cpu0 - metrics_cpu_s;
+  local[bert::kCommElements] = static_cast<double>(stats.comm_elements);
+  local[bert::kStepPeak] = static_cast<double>(r.tracking->tracker().peak_bytes());
 
   auto reduced = torch::tensor(std::vector<double>(sums.begin(), sums.end()), torch::kDouble);
   r.comm->all_reduce(reduced, shardopt::ReduceOp::Sum);

@@ -34,6 +34,13 @@ static at::Tensor activation(const at::Tensor& x, const std::string& name) {
   return torch::gelu(x, "tanh");  // validate() admits nothing else
 }
 
+const std::map<std::string, std::string>& tied_aliases() {
+  static const std::map<std::string, std::string> aliases = {
+      {"cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"},
+      {"cls.predictions.decoder.bias", "cls.predictions.bias"}};
+  return aliases;
+}
+
 // ---- encoder layer ----------------------------------------------------------------------------
 
 BertLayerImpl::BertLayerImpl(const BertConfig& c)

@@ -5,7 +5,11 @@
 // Note [Tied MLM decoder]: the MLM decoder has no weight of its own. Its logits are
 // F::linear(h, bert.embeddings.word_embeddings.weight, cls.predictions.bias), so the tied matrix is
 // one parameter, counted once by parameters() and sharded once by the optimizer; only the bias
-// (cls.predictions.bias) belongs to the head.
+// (cls.predictions.bias) belongs to the head. Hugging Face's module names the two tensors a second
+// time (cls.predictions.decoder.weight, .bias) and its state dict lists both names: tied_aliases()
+// says which, and checkpoints and model.pt carry them as aliases. They are not registered here,
+// because libtorch's parameters() would then list the matrix twice (a torch optimizer over them
+// would step it twice).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -16,6 +20,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -113,5 +118,9 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   torch::nn::Linear seq_relationship_{nullptr};
 };
 TORCH_MODULE(BertForPreTraining);
+
+// Note [Tied MLM decoder]: Hugging Face's second names of the tied tensors -> the parameter each
+// is here ("cls.predictions.decoder.weight" -> "bert.embeddings.word_embeddings.weight", ...).
+const std::map<std::string, std::string>& tied_aliases();
 
 }  // namespace bert

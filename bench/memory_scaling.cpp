@@ -90,13 +90,17 @@ int64_t mem_available_bytes() {
 }
 
 // The optimizer's flat layout, as the engine (src/engine/engine.cpp) builds it for one parameter group: parameters
-// in reverse registration order, buckets of bucket_bytes, padded to world * align.
+// in reverse registration order, buckets of bucket_bytes (or the default rule's), padded to
+// world * align.
 shardopt::detail::FlatLayout layout_of(const std::vector<int64_t>& numels_in_order, int world,
                                const shardopt::ZeroOptions& zo) {
   std::vector<int64_t> numels(numels_in_order.rbegin(), numels_in_order.rend());
   std::vector<int> groups(numels.size(), 0);
-  return shardopt::detail::make_layout(numels, groups, world, std::max<int64_t>(1, zo.align_bytes / kP),
-                                       std::max<int64_t>(1, zo.bucket_bytes / kP));
+  int64_t psi = 0;
+  for (int64_t n : numels) psi += n;
+  return shardopt::detail::make_layout(
+      numels, groups, world, std::max<int64_t>(1, zo.align_bytes / kP),
+      shardopt::detail::bucket_numel(zo.bucket_bytes, psi, world, kP));
 }
 
 // DESIGN.md's table with P = G = 4, K = 8: bytes of model state per rank, by category.
@@ -200,10 +204,12 @@ Bounds bounds_of(int stage, int64_t psi, int world, const est::BertConfig& bc, c
 // --cap-mb auto: halfway between what stage 3 needs at its worst moment (the larger of its two
 // bounds) and what stage 2 holds by the formula alone once built (model state + its documented
 // buffers), so stage 3 fits with room to spare and stage 2 cannot hold its model state. Buckets
-// are taken at their nominal size (bucket_bytes, or the whole model when smaller).
+// are taken at their nominal size (bucket_bytes or the default rule's, or the whole model when
+// smaller).
 int64_t auto_cap(int64_t psi, int world, const est::BertConfig& bc,
                  const shardopt::ZeroOptions& zo) {
-  const int64_t bucket = std::min(zo.bucket_bytes / kP, psi);
+  const int64_t bucket =
+      std::min(shardopt::detail::bucket_numel(zo.bucket_bytes, psi, world, kP), psi);
   const Sizes z{bucket, bucket, bucket};
   auto buffers_at = [&](int stage) {
     Buffers b;
@@ -520,7 +526,8 @@ int main(int argc, char** argv) {
                  "per-rank cap on tensor storage in MB (10^6 bytes), enforced by the tracker; "
                  "'auto': halfway between stage 3's peak bound and stage 2's model state");
   app.add_option("--cap-rank", cap_rank, "apply --cap-mb on this rank only (-1: every rank)");
-  app.add_option("--bucket-mb", bucket_mb, "bucket_bytes in MB (default: ZeroOptions')");
+  app.add_option("--bucket-mb", bucket_mb,
+                 "bucket_bytes in MB (default: ZeroOptions', sized from the model)");
   app.add_option("--timeout-s", timeout_s, "deadline of every collective, seconds");
   app.add_option("--json", json_path, "write the result here too (rank 0)");
   app.add_flag("--plan", plan_only, "print which (stage, ranks) fit --budget-gib, run nothing");

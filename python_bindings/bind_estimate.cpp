@@ -62,7 +62,7 @@ void bind_estimate(py::module_& m) {
         return est::model_states(o);
       },
       "params"_a, "world"_a = 1, "stage"_a = 2, "precision"_a = "fp32", "offload"_a = "none",
-      "optimizer"_a = "adamw", "state_bytes"_a = -1, "bucket_bytes"_a = int64_t{16} << 20,
+      "optimizer"_a = "adamw", "state_bytes"_a = -1, "bucket_bytes"_a = 0,
       "align_bytes"_a = 0, "gathered_units_params"_a = 0,
       "Bytes of model state per rank for `params` trainable parameters on `world` ranks "
       "(DESIGN.md memory model). Raises ValueError on invalid arguments.");

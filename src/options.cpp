@@ -22,8 +22,9 @@ Stage stage_from_int(int stage) {
 
 void ZeroOptions::validate() const {
   stage_from_int(to_int(stage));
-  SHARDOPT_CHECK(bucket_bytes > 0, InvalidArgument,
-                 "options: bucket_bytes must be positive, got {}", bucket_bytes);
+  SHARDOPT_CHECK(bucket_bytes >= 0, InvalidArgument,
+                 "options: bucket_bytes must be >= 0 (0: sized from the model), got {}",
+                 bucket_bytes);
   SHARDOPT_CHECK(grad_accumulation_steps >= 1, InvalidArgument,
                  "options: grad_accumulation_steps must be at least 1, got {}",
                  grad_accumulation_steps);

@@ -1,6 +1,7 @@
 // Automatic stage-3 units from parameter names (shardopt/unit_policy.hpp).
 #include "shardopt/unit_policy.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <map>
 #include <regex>
@@ -19,24 +20,58 @@ bool numbered(const std::string& component) {
   return true;
 }
 
-// The default rule: the path up to the first numbered component after the first, else the
-// top-level child ("" for the root module's own parameters).
-std::string default_group(const std::string& name) {
+std::vector<std::string> split(const std::string& name) {
   std::vector<std::string> parts;
   for (size_t at = 0;;) {
     const size_t dot = name.find('.', at);
     parts.push_back(name.substr(at, dot == std::string::npos ? std::string::npos : dot - at));
-    if (dot == std::string::npos) break;
+    if (dot == std::string::npos) return parts;
     at = dot + 1;
   }
-  if (parts.size() == 1) return "";  // the root module's own parameter
-  std::string path = parts[0];
-  for (size_t k = 1; k + 1 < parts.size(); ++k) {
-    path += "." + parts[k];
-    if (numbered(parts[k])) return path;
-  }
-  return parts[0];
 }
+
+std::string join(const std::vector<std::string>& parts, size_t n) {
+  std::string path = parts[0];
+  for (size_t k = 1; k < n; ++k) path += "." + parts[k];
+  return path;
+}
+
+// Where the first numbered module component after the first one is ("bert.encoder.layer.3.x.w":
+// 3), or 0 when there is none.
+size_t list_at(const std::vector<std::string>& parts) {
+  for (size_t k = 1; k + 1 < parts.size(); ++k) {
+    if (numbered(parts[k])) return k;
+  }
+  return 0;
+}
+
+// The default rule. A list element is a unit ("bert.encoder.layer.3"). Any other parameter is in
+// the group of the child of the deepest module that holds a list ("bert" holds
+// "bert.encoder.layer", so "bert.embeddings.word_embeddings.weight" is in "bert.embeddings" and
+// "bert.pooler.dense.weight" in "bert.pooler"), else in its top-level child ("cls"), else, for the
+// root module's own parameters, in "". Without the descent a model wrapped in one top-level
+// module (Hugging Face's "bert.", "model.", "transformer.") would put everything but its layers
+// in one group.
+class DefaultRule {
+ public:
+  explicit DefaultRule(const std::vector<std::string>& names) {
+    for (const auto& name : names) {
+      const auto parts = split(name);
+      for (size_t n = 1, k = list_at(parts); n <= k; ++n) holders_.insert(join(parts, n));
+    }
+  }
+  std::string group(const std::string& name) const {
+    const auto parts = split(name);
+    if (parts.size() == 1) return "";  // the root module's own parameter
+    if (const size_t k = list_at(parts); k > 0) return join(parts, k + 1);
+    size_t n = parts.size() - 1;  // the module path's length
+    while (n > 0 && holders_.count(join(parts, n)) == 0) --n;
+    return join(parts, std::min(n + 1, parts.size() - 1));
+  }
+
+ private:
+  std::set<std::string> holders_;  // modules on the path to a list, the lists included
+};
 
 }  // namespace
 
@@ -61,6 +96,7 @@ DerivedUnits derive_units(const std::vector<std::string>& names,
                  tensor.size());
   std::vector<std::regex> patterns;
   for (const auto& p : policy.patterns) patterns.emplace_back(p);
+  const DefaultRule rule(patterns.empty() ? names : std::vector<std::string>{});
   std::vector<std::string> order;
   std::map<std::string, std::vector<int>> members;
   std::vector<int> no_group;
@@ -68,7 +104,7 @@ DerivedUnits derive_units(const std::vector<std::string>& names,
     std::string group;
     bool found = patterns.empty();
     if (found) {
-      group = default_group(names[i]);
+      group = rule.group(names[i]);
     } else {
       for (const auto& re : patterns) {
         std::smatch m;

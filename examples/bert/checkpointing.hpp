@@ -1,7 +1,7 @@
 // The trainer's side of --checkpoint-every / --resume: what besides the optimizer a run needs to
 // continue the same trajectory (step, data-loader position, LR schedule inputs, losses so far,
 // and every rank's torch CPU generator, which drives dropout), stored in shardopt's atomic
-// checkpoint as TrainerState. Header-only; included by train.cpp.
+// checkpoint as TrainerState. Header-only; included by run.hpp.
 #pragma once
 
 #include <ATen/CPUGeneratorImpl.h>

@@ -42,6 +42,8 @@ nlohmann::json metrics_json(const StepRecord& r) {
   j["update_s"] = mine[kUpdate];
   j["gather_s"] = mine[kGather];
   j["cpu_s"] = mine[kCpu];  // process CPU time of the step (all threads, rank 0)
+  j["comm_elements"] = mine[kCommElements];  // sent into collectives by rank 0 (StepStats)
+  j["step_peak_bytes"] = mine[kStepPeak];     // tracked tensor bytes at most during the step
   const auto step_rates = rates(1, r.global_batch, r.tokens(), slowest);
   j["steps_per_s"] = step_rates.steps_per_s;  // global: the slowest rank's step time
   j["samples_per_s"] = step_rates.samples_per_s;

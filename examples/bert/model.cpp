@@ -34,6 +34,13 @@ static at::Tensor activation(const at::Tensor& x, const std::string& name) {
   return torch::gelu(x, "tanh");  // validate() admits nothing else
 }
 
+const std::map<std::string, std::string>& tied_aliases() {
+  static const std::map<std::string, std::string> aliases = {
+      {"cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"},
+      {"cls.predictions.decoder.bias", "cls.predictions.bias"}};
+  return aliases;
+}
+
 // ---- encoder layer ----------------------------------------------------------------------------
 
 BertLayerImpl::BertLayerImpl(const BertConfig& c)
@@ -74,7 +81,8 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
 
 // ---- the whole model --------------------------------------------------------------------------
 
-BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c) {
+BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare_units)
+    : config_(c), units_(declare_units ? std::make_shared<shardopt::Units>() : nullptr) {
   c.validate();
   const int64_t h = c.hidden_size;
   auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(c.layer_norm_eps)); };
@@ -93,7 +101,7 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c)
   for (int64_t i = 0; i < c.num_layers; ++i) {
     layers_.emplace_back(c);
     list->push_back(layers_.back());
-    units_->add_module("layer" + std::to_string(i), layers_.back());
+    if (units_) units_->add_module("layer" + std::to_string(i), layers_.back());
   }
   if (c.nsp) {
     auto pooler = bert->register_module("pooler", std::make_shared<Module>());
@@ -108,11 +116,13 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c) : config_(c)
   transform_ = transform->register_module("dense", torch::nn::Linear(h, h));
   transform_norm_ = transform->register_module("LayerNorm", ln());
   if (c.nsp) seq_relationship_ = cls->register_module("seq_relationship", torch::nn::Linear(h, 2));
-  embeddings_unit_ = units_->add_module("embeddings", embeddings);
-  if (pooler_) pooler_unit_ = units_->add_module("pooler", pooler_);
-  auto heads = cls->parameters(/*recurse=*/true);
-  heads.push_back(word_embeddings_->weight);  // the tied decoder
-  heads_unit_ = units_->add("heads", heads);
+  if (units_) {
+    embeddings_unit_ = units_->add_module("embeddings", embeddings);
+    if (pooler_) pooler_unit_ = units_->add_module("pooler", pooler_);
+    auto heads = cls->parameters(/*recurse=*/true);
+    heads.push_back(word_embeddings_->weight);  // the tied decoder
+    heads_unit_ = units_->add("heads", heads);
+  }
   init_weights();
 }
 
@@ -131,6 +141,8 @@ void BertForPreTrainingImpl::init_weights() {
 }
 
 void BertForPreTrainingImpl::set_recompute(bool on) {
+  recompute_ = on;
+  if (!units_) return;
   for (size_t i = 0; i < layers_.size(); ++i) units_->set_recompute(static_cast<int>(i), on);
 }
 
@@ -150,7 +162,7 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
                                 std::to_string(config_.max_position_embeddings));
   }
   const auto positions = torch::arange(T, input_ids.options()).unsqueeze(0);
-  auto x = units_->run(embeddings_unit_, [&] {
+  auto x = in_unit(embeddings_unit_, [&] {
     auto e = word_embeddings_(input_ids) + position_embeddings_(positions) +
              token_type_embeddings_(token_type_ids);
     return embeddings_dropout_(embeddings_norm_(e));
@@ -159,16 +171,19 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   const auto mask_bias =
       ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
   for (size_t i = 0; i < layers_.size(); ++i) {
-    // Through run(i, fn, inputs): recomputed in backward when set_recompute(true) declared it.
-    x = units_->run(
-        static_cast<int>(i),
-        [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
-          return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
-        },
-        {x});
+    auto run_layer = [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
+      return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
+    };
+    // Recomputed in backward after set_recompute(true): through run(i, fn, inputs) when the
+    // layer is a declared unit, else through shardopt::recompute itself.
+    if (units_) {
+      x = units_->run(static_cast<int>(i), run_layer, {x});
+    } else {
+      x = recompute_ ? shardopt::recompute(run_layer, {x}) : run_layer({x});
+    }
   }
   at::Tensor pooled;
-  if (pooler_) pooled = units_->run(pooler_unit_, [&] { return torch::tanh(pooler_(x.select(1, 0))); });
+  if (pooler_) pooled = in_unit(pooler_unit_, [&] { return torch::tanh(pooler_(x.select(1, 0))); });
   return {x, pooled};
 }
 
@@ -193,7 +208,7 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     h = sequence.reshape({B * T, H}).index_select(0, rows);
     out.mlm_labels = labels.index_select(0, valid);
   }
-  std::tie(out.mlm_logits, out.nsp_logits) = units_->run(heads_unit_, [&] {
+  std::tie(out.mlm_logits, out.nsp_logits) = in_unit(heads_unit_, [&] {
     const auto t = transform_norm_(activation(transform_(h), config_.hidden_act));
     return std::make_tuple(F::linear(t, word_embeddings_->weight, decoder_bias_),
                            seq_relationship_ ? seq_relationship_(pooled) : at::Tensor());

@@ -5,7 +5,11 @@
 // Note [Tied MLM decoder]: the MLM decoder has no weight of its own. Its logits are
 // F::linear(h, bert.embeddings.word_embeddings.weight, cls.predictions.bias), so the tied matrix is
 // one parameter, counted once by parameters() and sharded once by the optimizer; only the bias
-// (cls.predictions.bias) belongs to the head.
+// (cls.predictions.bias) belongs to the head. Hugging Face's module names the two tensors a second
+// time (cls.predictions.decoder.weight, .bias) and its state dict lists both names: tied_aliases()
+// says which, and checkpoints and model.pt carry them as aliases. They are not registered here,
+// because libtorch's parameters() would then list the matrix twice (a torch optimizer over them
+// would step it twice).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -16,6 +20,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -63,7 +68,10 @@ TORCH_MODULE(BertLayer);
 
 class BertForPreTrainingImpl : public torch::nn::Module {
  public:
-  explicit BertForPreTrainingImpl(const BertConfig& config);
+  // declare_units = false builds the model with no Units at all: forward() calls its layers
+  // directly, as a model written without shardopt in mind does, and stage 3 derives its units from
+  // the parameter names (automatic units, shardopt/unit_policy.hpp; bert_pretrain --units auto).
+  explicit BertForPreTrainingImpl(const BertConfig& config, bool declare_units = true);
   const BertConfig& config() const { return config_; }
 
   // Encoder output [B, T, H] and pooled [CLS] state [B, H] (undefined without the NSP head).
@@ -79,7 +87,7 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   // The ZeRO stage-3 units: one per encoder layer, then the embeddings, the pooler and the heads.
   // The word embeddings are declared by the embeddings and by the heads (the tied MLM decoder),
   // so stage 3 gathers them at the lookup and again at the decoder. Hand it to the optimizer as
-  // ZeroOptions::units.
+  // ZeroOptions::units. Null when built with declare_units = false.
   const shardopt::UnitsPtr& units() const { return units_; }
   // Recompute every encoder layer's activations in backward instead of keeping them
   // (shardopt/recompute.hpp): less memory, about one more forward per step.
@@ -89,14 +97,20 @@ class BertForPreTrainingImpl : public torch::nn::Module {
 
  private:
   void init_weights();
+  // units_->run(unit, fn) with units, else just fn(): the model's code without shardopt's units.
+  template <typename Fn>
+  auto in_unit(int unit, Fn&& fn) -> decltype(fn()) {
+    return units_ ? units_->run(unit, std::forward<Fn>(fn)) : fn();
+  }
   BertConfig config_;
   torch::nn::Embedding word_embeddings_{nullptr}, position_embeddings_{nullptr},
       token_type_embeddings_{nullptr};
   torch::nn::LayerNorm embeddings_norm_{nullptr};
   torch::nn::Dropout embeddings_dropout_{nullptr};
   std::vector<BertLayer> layers_;
-  shardopt::UnitsPtr units_ = std::make_shared<shardopt::Units>();
+  shardopt::UnitsPtr units_;
   int embeddings_unit_ = -1, pooler_unit_ = -1, heads_unit_ = -1;
+  bool recompute_ = false;  // without units: every layer through shardopt::recompute
   torch::nn::Linear pooler_{nullptr};
   torch::nn::Linear transform_{nullptr};
   torch::nn::LayerNorm transform_norm_{nullptr};
@@ -104,5 +118,9 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   torch::nn::Linear seq_relationship_{nullptr};
 };
 TORCH_MODULE(BertForPreTraining);
+
+// Note [Tied MLM decoder]: Hugging Face's second names of the tied tensors -> the parameter each
+// is here ("cls.predictions.decoder.weight" -> "bert.embeddings.word_embeddings.weight", ...).
+const std::map<std::string, std::string>& tied_aliases();
 
 }  // namespace bert

@@ -126,9 +126,9 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--bert-config", a.bert_config, "the model from a Google bert_config.json or a "
                  "Hugging Face config.json instead of --preset")
       ->excludes(preset);
-  auto* init = app.add_option("--init-checkpoint", a.init_checkpoint, "start from these weights: "
-                              "a model.pt, a shardopt checkpoint directory, a model.safetensors or "
-                              "a Hugging Face directory (fresh optimizer, step 0)");
+  app.add_option("--init-checkpoint", a.init_checkpoint, "start from these weights: a model.pt, "
+                 "a shardopt checkpoint directory, a model.safetensors or a Hugging Face "
+                 "directory (fresh optimizer, step 0)");
   app.add_option("--export-hf", a.export_hf, "at the end, write a Hugging Face BertForPreTraining "
                  "directory here: config.json, model.safetensors, vocab.txt, tokenizer files "
                  "(--save-model: OUT/hf)");
@@ -138,6 +138,10 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--device", a.device, "cpu | cuda | cuda:N: where the model and batches live "
                  "(cuda: NCCL between ranks where built with it)");
   app.add_option("--stage", a.stage, "ZeRO stage")->check(integer_in(0, 3));
+  app.add_option("--units", a.units, "stage 3's units: explicit (the model declares one per layer "
+                 "and runs each through Units::run) | auto (the model is built without Units and "
+                 "the optimizer derives them from the parameter names)")
+      ->check(CLI::IsMember({"explicit", "auto"}));
   app.add_option("--precision", a.precision, "fp32 | bf16 (CPU) | fp16 (GPU only)")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
   app.add_option("--batch-size", a.batch_size, "sequences per rank per micro-step")
@@ -160,10 +164,10 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--lr-schedule", a.lr_schedule, "after the warm-up: linear (decay to 0 at "
                  "--steps, BERT's) | constant | cosine (to 0 at --steps)")
       ->check(CLI::IsMember({"linear", "constant", "cosine"}));
-  app.add_option("--steps", a.steps, "optimizer steps (the LR decays linearly to 0 here)")
+  app.add_option("--steps", a.steps, "optimizer steps (where --lr-schedule ends)")
       ->check(integer_at_least(1));
-  app.add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay (not on bias and "
-                 "LayerNorm)")->check(number(0, false));
+  app.add_option("--weight-decay", a.weight_decay, "decoupled weight decay of AdamW and LAMB (not "
+                 "on bias and LayerNorm)")->check(number(0, false));
   app.add_option("--timeout", a.timeout_s, "seconds a rank waits for the others in any collective "
                  "before the job ends with an error (default: SHARDOPT_TIMEOUT, else 600)")
       ->check(CLI::NonNegativeNumber);
@@ -172,8 +176,9 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--checkpoint-every", a.checkpoint_every, "also save OUT/checkpoint every N steps "
                  "of this run (the final state is always saved; atomically: the previous "
                  "checkpoint stays until the new one is complete)")->check(integer_at_least(0));
-  app.add_flag("--save-model", a.save_model, "at the end, also write OUT/model.pt: the "
-               "consolidated parameters, torch.load()-able");
+  app.add_flag("--save-model", a.save_model, "at the end, also write OUT/model.pt (the whole "
+               "state dict, torch.load()-able, strict-loadable into Hugging Face's "
+               "BertForPreTraining) and OUT/hf (--export-hf)");
   app.add_option("--resume", a.resume, "continue from a checkpoint: optimizer, "
                                 "step, data position, RNG and LR schedule (default directory: "
                                 "OUT/checkpoint)")
@@ -182,7 +187,7 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
                  "(the LR schedule still spans --steps; --resume continues)")
       ->check(integer_at_least(0));
   app.add_option("--out", a.out, "output directory (metrics.jsonl, loss.png, summary.json, "
-                 "checkpoint/, cache/)");
+                 "config.json, checkpoint/, cache/; model.pt and hf/ with --save-model)");
   app.add_option("--seed", a.seed, "seed of the data, the model and the batch order");
   app.add_option("--max-seq-length", a.max_seq_length)->check(integer_in(8, 512));
   app.add_option("--max-predictions", a.max_predictions, "masked positions per sequence at most")
@@ -192,7 +197,8 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--dupe-factor", a.dupe_factor, "times each document is masked differently")
       ->check(integer_at_least(1));
   app.add_flag("--whole-word-mask", a.whole_word_mask, "mask all pieces of a word together");
-  app.add_option("--dropout", a.dropout, "hidden and attention dropout (default: 0.1)")
+  app.add_option("--dropout", a.dropout, "hidden and attention dropout (default: the config's, "
+                 "BERT's 0.1)")
       ->check(number(0, false, 1));
   app.add_option("--threads", a.threads, "torch threads per rank")->check(integer_at_least(1));
   app.add_option("--log-every", a.log_every, "steps between progress lines when not on a terminal")
@@ -291,6 +297,12 @@ std::string check_args(const Args& a, const Commands& c) {
     }
   }
   if (!a.dump_logits.empty() && !a.eval_only) return "--dump-logits: needs --eval-only";
+  // Refused rather than ignored: stages 0-2 keep every parameter whole, so a run asking for
+  // automatic units there would measure or test something other than what it names.
+  if (a.units == "auto" && a.stage != 3) {
+    return fmt::format("--units auto: automatic units are a stage-3 mechanism, got --stage {} "
+                       "(stages 0-2 gather no units; use --stage 3 or drop --units)", a.stage);
+  }
   if (a.max_predictions > a.max_seq_length) {
     return fmt::format("--max-predictions: expected at most --max-seq-length ({}), got {}",
                        a.max_seq_length, a.max_predictions);

@@ -34,6 +34,7 @@ struct Args {
   std::string dump_logits;      // --eval-only: the first eval batch's inputs and logits (safetensors)
   std::string device = "cpu";   // cpu | cuda | cuda:N
   int stage = 2;
+  std::string units = "explicit";  // stage 3: explicit (the model's Units) | auto (from the names)
   std::string precision = "fp32";
   int64_t batch_size = 8;
   int grad_accum = 1;

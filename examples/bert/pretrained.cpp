@@ -117,8 +117,8 @@ InitReport load_pretrained(BertForPreTraining& model, const StateDict& state) {
     const std::string name = normalise(item.key());
     // Tied copies (the decoder is the word embedding matrix, its bias cls.predictions.bias) and
     // buffers are not parameters of this model.
-    if (name == "cls.predictions.decoder.weight" || name == "cls.predictions.decoder.bias" ||
-        ends_with(name, "embeddings.position_ids") || ends_with(name, "embeddings.token_type_ids")) {
+    if (tied_aliases().count(name) > 0 || ends_with(name, "embeddings.position_ids") ||
+        ends_with(name, "embeddings.token_type_ids")) {
       r.ignored.push_back(item.key());
       continue;
     }
@@ -145,6 +145,53 @@ InitReport load_pretrained(BertForPreTraining& model, const StateDict& state) {
   return r;
 }
 
+shardopt::SaveOptions model_save_options(BertForPreTraining& model) {
+  const auto params = model->named_parameters();
+  shardopt::SaveOptions options = shardopt::module_save_options(params, model->named_buffers());
+  for (const auto& [alias, name] : tied_aliases()) {
+    if (params.contains(name)) options.aliases[alias] = name;
+  }
+  return options;
+}
+
+void load_state_dict_strict(BertForPreTraining& model, const StateDict& state) {
+  StateDict own = model->named_parameters();
+  for (const auto& item : model->named_buffers()) own.insert(item.key(), item.value());
+  std::vector<std::string> missing, unexpected;
+  for (const auto& item : own) {
+    if (!state.contains(item.key())) missing.push_back(item.key());
+  }
+  for (const auto& [alias, name] : tied_aliases()) {
+    if (!state.contains(alias)) missing.push_back(alias);
+  }
+  for (const auto& item : state) {
+    if (!own.contains(item.key()) && tied_aliases().count(item.key()) == 0) {
+      unexpected.push_back(item.key());
+    }
+  }
+  if (!missing.empty() || !unexpected.empty()) {
+    throw std::invalid_argument(fmt::format(
+        "load_state_dict (strict): missing keys ({}): [{}]; unexpected keys ({}): [{}]",
+        missing.size(), fmt::join(missing, ", "), unexpected.size(), fmt::join(unexpected, ", ")));
+  }
+  for (const auto& item : own) {
+    const at::Tensor& t = state[item.key()];
+    if (t.sizes() != item.value().sizes()) {
+      throw std::invalid_argument(fmt::format("load_state_dict (strict): '{}' has shape {} in the "
+                                              "state dict but {} in the model", item.key(),
+                                              shape_text(t.sizes()), shape_text(item.value().sizes())));
+    }
+  }
+  for (const auto& [alias, name] : tied_aliases()) {
+    if (!torch::equal(state[alias], state[name])) {
+      throw std::invalid_argument(fmt::format("load_state_dict (strict): '{}' is tied to '{}' but "
+                                              "holds other values", alias, name));
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& item : own) item.value().copy_(state[item.key()]);
+}
+
 void print_init_report(const std::string& path, const std::string& kind, const InitReport& r) {
   fmt::print("[bert] init checkpoint: {} ({}): {} parameters loaded\n", path, kind, r.loaded);
   auto list = [](const char* what, const std::vector<std::string>& names) {
@@ -163,13 +210,12 @@ std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(const StateDict& p
     out.emplace_back(item.key(), fp32(item.value()));
     // Note [Tied MLM decoder] (model.hpp): transformers' state dict names both tied tensors.
     if (item.key() == "cls.predictions.transform.LayerNorm.bias") {
-      const auto* w = params.find("bert.embeddings.word_embeddings.weight");
-      const auto* b = params.find("cls.predictions.bias");
-      if (!w || !b) {
-        throw std::invalid_argument("export: the word embeddings or cls.predictions.bias are missing");
+      for (const char* alias : {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}) {
+        const std::string& name = tied_aliases().at(alias);
+        const auto* t = params.find(name);
+        if (!t) throw std::invalid_argument("export: the parameters lack " + name);
+        out.emplace_back(alias, fp32(*t).clone());
       }
-      out.emplace_back("cls.predictions.decoder.weight", fp32(*w).clone());
-      out.emplace_back("cls.predictions.decoder.bias", fp32(*b).clone());
     }
   }
   return out;

@@ -13,6 +13,7 @@
 
 #include "bert_config.hpp"
 #include "model.hpp"
+#include "shardopt/checkpoint.hpp"
 
 namespace bert {
 
@@ -42,6 +43,18 @@ InitReport load_pretrained(BertForPreTraining& model, const StateDict& state);
 // "[bert] init checkpoint: PATH (KIND): N parameters loaded" and the missing, unexpected and
 // ignored names, for the log.
 void print_init_report(const std::string& path, const std::string& kind, const InitReport& r);
+
+// The model's buffers, frozen parameters and tied aliases (tied_aliases()) for
+// shardopt::save_checkpoint, so that a checkpoint's consolidated model.pt holds the whole state
+// dict: load_state_dict_strict takes it, and so does torch's load_state_dict(strict=True) of
+// Hugging Face's BertForPreTraining.
+shardopt::SaveOptions model_save_options(BertForPreTraining& model);
+
+// torch's load_state_dict(strict=True) for the example's model: `state` holds exactly the
+// model's parameters, buffers and tied aliases, each of its shape, every alias equal to the
+// tensor it names; then the values are copied in. Otherwise throws std::invalid_argument listing
+// the missing and unexpected keys, or naming the key of a shape or tied copy that differs.
+void load_state_dict_strict(BertForPreTraining& model, const StateDict& state);
 
 // Hugging Face BertForPreTraining's state dict of the model's full parameters (given by the
 // example's names, e.g. consolidated or gathered): fp32, contiguous, on the CPU, with the tied

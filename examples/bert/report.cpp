@@ -23,7 +23,8 @@ double median(std::vector<double> v) {
 TimingSummary summarize_timings(const std::vector<std::vector<double>>& timings, int world,
                                 int64_t skip, int64_t global_batch) {
   const char* names[kTimings] = {"memory_bytes", "step_s", "fwd_s", "bwd_s", "comm_wait_s",
-                                 "update_s", "gather_s", "opt_s", "data_s", "cpu_s"};
+                                 "update_s", "gather_s", "opt_s", "data_s", "cpu_s",
+                                 "comm_elements", "step_peak_bytes"};
   TimingSummary s;
   nlohmann::json per_rank = nlohmann::json::array();
   for (int r = 0; r < world; ++r) {

@@ -8,8 +8,10 @@
 
 namespace bert {
 
-// Per-step timings each rank sends to rank 0 (one all-gather per step).
-enum Timing { kMemory, kStep, kFwd, kBwd, kCommWait, kUpdate, kGather, kOpt, kData, kCpu, kTimings };
+// Per-step timings each rank sends to rank 0 (one all-gather per step), with the step's
+// communication (StepStats::comm_elements) and its peak of tracked tensor bytes.
+enum Timing { kMemory, kStep, kFwd, kBwd, kCommWait, kUpdate, kGather, kOpt, kData, kCpu,
+              kCommElements, kStepPeak, kTimings };
 
 struct TimingSummary {
   nlohmann::json json;  // summary.json's "timing"

@@ -1,5 +1,5 @@
 // BERT_TEST_FAULT: deterministic faults for bert_pretrain's fault tests (tests/fault/). Header-only;
-// included by train.cpp.
+// included by run.hpp.
 #pragma once
 
 #include <csignal>

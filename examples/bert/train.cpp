@@ -3,24 +3,20 @@
 // every rank trains on its slice of each global batch and evaluates its share of the eval set,
 // rank 0 logs metrics.jsonl, plots the curves and writes summary.json; the final state is always
 // checkpointed. --synthetic trains on random tokens instead (benchmarks: bench/compare_peers.sh).
-#include <sys/resource.h>
+// The stages share a Run (run.hpp); what a run leaves behind is written by outputs.cpp.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <numeric>
-#include <optional>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -32,30 +28,26 @@
 #include "metrics.hpp"
 #include "model.hpp"
 #include "options.hpp"
+#include "outputs.hpp"
 #include "prepare.hpp"
 #include "prepare_on_rank0.hpp"
 #include "pretrained.hpp"
 #include "progress.hpp"
 #include "report.hpp"
+#include "run.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/shardopt.hpp"
 #include "test_fault.hpp"
 #include "tokenizer.hpp"
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 using bert::Args;
+using bert::Clock;
+using bert::Run;
+using bert::UsageError;
+using bert::seconds_since;
 
 namespace {
-
-// An error in the user's input, found after start-up: printed as one line, exit code 2.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // CPU seconds of the whole process (every thread): on a shared machine a steadier measure of the
 // work a step costs than wall time.
@@ -64,62 +56,6 @@ double process_cpu_s() {
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
-
-// Where batches come from: the pretraining file of bert::prepare_on_rank0, or random tokens.
-struct BatchSource {
-  std::unique_ptr<bert::PretrainingData> data;
-  std::unique_ptr<bert::BatchLoader> loader;
-  const Args* args = nullptr;
-  int64_t vocab_size = 0;
-  int rank = 0;
-  bert::Batch batch(int64_t index) {
-    if (loader) return loader->batch(index);
-    return bert::synthetic_batch(args->batch_size, args->max_seq_length, vocab_size,
-                                 args->masked_lm_prob, kSyntheticMaskId, args->seed, index, rank);
-  }
-  static constexpr int64_t kSyntheticMaskId = 103;  // [MASK] in BERT's uncased vocabulary
-};
-
-// What the stages of a run share: set up by set_up, load_data and build_model, advanced by
-// train_loop, reported by summarize.
-struct Run {
-  const Args& a;
-  shardopt::CommunicatorPtr comm;
-  shardopt::InitOptions init;
-  int rank = 0, world = 1;
-  bool lead = false;
-  torch::Device device{torch::kCPU};
-  Clock::time_point t_start = Clock::now();
-  std::unique_ptr<bert::ScopedBlockCache> block_cache;
-  std::optional<shardopt::ScopedMemoryTracking> tracking;
-  // Data.
-  bert::BertConfig config;
-  BatchSource loader;
-  bert::Prepared prepared;
-  std::unique_ptr<bert::PretrainingData> eval_data;
-  int64_t max_seq_length = 0;
-  // Model and optimizer.
-  bert::BertForPreTraining model{nullptr};
-  std::unique_ptr<shardopt::DistributedOptimizer> opt;
-  int64_t global_batch = 0;
-  // Progress: checkpoints, metrics, evaluations.
-  fs::path checkpoint_dir, metrics_path;
-  std::ofstream metrics;
-  nlohmann::json schedule;  // what the trajectory depends on; compared on resume
-  bert::RunState state;     // step, data position, losses, training time, tokens
-  int64_t start_step = 0, last_saved = -1, run_samples = 0, run_tokens = 0;
-  double start_train_s = 0;  // training seconds before this run (a resumed run's)
-  std::vector<std::vector<double>> timings;  // rank 0: [step of this run][rank * kTimings + Timing]
-  nlohmann::json last, first_eval, last_eval;
-  std::unique_ptr<bert::ProgressLine> progress;
-  bert::TestFault fault = bert::TestFault::from_env();
-  std::string hf_export;  // the directory written, if any
-
-  Run(const Args& args, shardopt::CommunicatorPtr c, shardopt::InitOptions options)
-      : a(args), comm(std::move(c)), init(std::move(options)), rank(comm->rank()),
-        world(comm->size()), lead(rank == 0), device(args.device) {}
-  std::string clear() const { return progress ? progress->prefix() : ""; }
-};
 
 // ---- set-up: threads, output folder, memory accounting ------------------------------------------
 void set_up(Run& r) {
@@ -217,19 +153,48 @@ void print_plan(const Run& r) {
       a.shard_group_size > 0
           ? fmt::format("{}, hybrid: shard groups of {}", r.comm->backend(), a.shard_group_size)
           : r.comm->backend();
-  fmt::print("[bert] training: {} ranks ({}) on {}, ZeRO stage {}, {}, global batch {} = {} rows/rank "
+  fmt::print("[bert] training: {} ranks ({}) on {}, ZeRO stage {}{}, {}, global batch {} = {} rows/rank "
              "x {} ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, weight decay {}), "
              "lr {} (warm-up {}, then {}), {} thread(s)/rank\n",
-             r.world, backend, a.device, a.stage, a.precision, r.global_batch, a.batch_size, r.world,
+             r.world, backend, a.device, a.stage, a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
+             a.precision, r.global_batch, a.batch_size, r.world,
              a.grad_accum, a.steps, epochs, a.optimizer, a.adam_betas.at(0), a.adam_betas.at(1),
              bert::adam_eps(a), a.weight_decay, a.lr, a.warmup_steps, a.lr_schedule, a.threads);
   std::fflush(stdout);
 }
 
+// The units stage 3 derives from the parameter names (what the optimizer computes from the same
+// names, numels and tensors; a tensor under two names would count once).
+void print_automatic_units(const torch::OrderedDict<std::string, at::Tensor>& params,
+                           const shardopt::UnitPolicy& policy) {
+  std::vector<std::string> names;
+  std::vector<int64_t> numels, ids;
+  std::map<const void*, int64_t> id_of;
+  for (const auto& p : params) {
+    if (!p.value().requires_grad()) continue;
+    names.push_back(p.key());
+    numels.push_back(p.value().numel());
+    ids.push_back(
+        id_of.emplace(p.value().unsafeGetTensorImpl(), static_cast<int64_t>(id_of.size())).first->second);
+  }
+  const auto derived = shardopt::derive_units(names, numels, ids, policy);
+  std::vector<std::string> units;
+  for (size_t u = 0; u < derived.names.size(); ++u) {
+    int64_t n = 0;
+    for (int i : derived.members[u]) n += numels[i];
+    units.push_back(fmt::format("{} ({:.3g} M)", derived.names[u], n / 1e6));
+  }
+  fmt::print("[bert] automatic units: {}; kept gathered through the step (under {} elements): {}\n",
+             fmt::join(units, ", "), policy.persist_below,
+             derived.persistent.empty() ? "none" : fmt::format("{}", fmt::join(derived.persistent, ", ")));
+}
+
 void build_model(Run& r) {
   const Args& a = r.a;
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
-  r.model = bert::BertForPreTraining(r.config);
+  // --units auto: no Units in the model; the optimizer derives them (shardopt/unit_policy.hpp).
+  const bool automatic = a.units == "auto";
+  r.model = bert::BertForPreTraining(r.config, /*declare_units=*/!automatic);
   r.model->set_recompute(a.recompute);
   if (r.lead) std::ofstream(fs::path(a.out) / "config.json") << r.config.to_hf_json().dump(2) << '\n';
   if (!a.init_checkpoint.empty()) {
@@ -245,7 +210,7 @@ void build_model(Run& r) {
   r.model->train();
   shardopt::ZeroOptions zo;
   zo.stage = shardopt::stage_from_int(a.stage);
-  zo.units = r.model->units();  // stage 3 gathers one encoder layer at a time
+  if (!automatic) zo.units = r.model->units();  // stage 3 gathers one encoder layer at a time
   zo.grad_accumulation_steps = a.grad_accum;
   zo.max_grad_norm = a.max_grad_norm;
   zo.timeout = r.init.timeout;
@@ -263,9 +228,10 @@ void build_model(Run& r) {
   r.opt = std::make_unique<shardopt::DistributedOptimizer>(groups, optimizer_rule(a), r.comm, zo);
   r.global_batch = a.batch_size * r.world * a.grad_accum;
   if (r.lead) print_plan(r);
+  if (r.lead && automatic) print_automatic_units(r.model->named_parameters(), zo.unit_policy);
 }
 
-// ---- checkpoints: --resume restores; --checkpoint-every and the end of the run save -------------
+// ---- checkpoints: --resume restores (outputs.cpp saves) ----------------------------------------
 void restore(Run& r) {
   const Args& a = r.a;
   r.schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps}, {"lr", a.lr},
@@ -302,27 +268,6 @@ void restore(Run& r) {
                                                     r.state.train_s);
 }
 
-void save(Run& r, int64_t done) {
-  const auto t0 = Clock::now();
-  if (!r.opt->parameters_finite()) {  // never replace the last good checkpoint with NaN/Inf
-    if (r.lead) fmt::print("\n[bert] checkpoint: step {} NOT saved: NaN/Inf parameters\n", done);
-    return;
-  }
-  bert::RunState s = r.state;
-  s.step = done;
-  shardopt::SaveOptions save_options;
-  save_options.after_shard_written = [&](int rank) {
-    if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
-  };
-  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(), bert::make_trainer_state(s, r.schedule),
-                            save_options);
-  r.last_saved = done;
-  if (r.lead) {
-    fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,
-               r.checkpoint_dir.string(), seconds_since(t0));
-  }
-}
-
 // ---- evaluation ---------------------------------------------------------------------------------
 nlohmann::json evaluate(Run& r, int64_t done) {
   const auto e = bert::evaluate(r.model, *r.eval_data, *r.comm, r.a.eval_batch_size);
@@ -332,25 +277,6 @@ nlohmann::json evaluate(Run& r, int64_t done) {
   if (r.first_eval.is_null()) r.first_eval = j;
   r.last_eval = j;
   return j;
-}
-
-// --export-hf DIR (and OUT/hf with --save-model): the fp32 master parameters of `checkpoint` when
-// given, else the model's own, gathered (collective: every rank calls it); rank 0 writes.
-void export_model(Run& r, const std::string& checkpoint) {
-  r.hf_export = r.a.export_hf.empty() ? (fs::path(r.a.out) / "hf").string() : r.a.export_hf;
-  bert::StateDict params;
-  if (checkpoint.empty()) {
-    r.opt->gather_full_parameters();
-    if (r.lead) params = r.model->named_parameters();
-  } else if (r.lead) {
-    params = shardopt::read_full_state(checkpoint).params;
-  }
-  shardopt::agree_on_errors(*r.comm, "writing the Hugging Face export", [&] {
-    if (!r.lead) return;
-    const auto files = bert::export_hf(r.hf_export, r.config, params, r.prepared.vocab_path,
-                                       r.prepared.lower_case);
-    fmt::print("[bert] Hugging Face export: {} ({})\n", r.hf_export, fmt::join(files, ", "));
-  });
 }
 
 // --eval-only: the held-out metrics of the model as it stands (a checkpoint's with --resume, the
@@ -373,7 +299,7 @@ int evaluate_only(Run& r) {
       if (r.lead) fmt::print("[bert] logits of the first eval batch: {}\n", r.a.dump_logits);
     });
   }
-  if (!r.a.export_hf.empty()) export_model(r, "");
+  if (!r.a.export_hf.empty()) bert::export_model(r, "");
   return 0;
 }
 
@@ -383,6 +309,8 @@ int evaluate_only(Run& r) {
 bert::StepRecord train_step(Run& r, int64_t step) {
   const Args& a = r.a;
   auto& opt = *r.opt;
+  // The tracker's peak window is the step (the run's peak is kept in tracked_peak).
+  r.tracked_peak = std::max(r.tracked_peak, r.tracking->tracker().reset_peak());
   const auto t0 = Clock::now();
   const double cpu0 = process_cpu_s();
   const double lr = bert::lr_at(a, step);
@@ -430,6 +358,8 @@ bert::StepRecord train_step(Run& r, int64_t step) {
   local[bert::kBwd] = bwd_s, local[bert::kOpt] = opt_s, local[bert::kCommWait] = stats.reduce_wait_s;
   local[bert::kUpdate] = stats.update_s, local[bert::kGather] = stats.gather_s;
   local[bert::kData] = data_s, local[bert::kCpu] = process_cpu_s() - cpu0 - metrics_cpu_s;
+  local[bert::kCommElements] = static_cast<double>(stats.comm_elements);
+  local[bert::kStepPeak] = static_cast<double>(r.tracking->tracker().peak_bytes());
 
   auto reduced = torch::tensor(std::vector<double>(sums.begin(), sums.end()), torch::kDouble);
   r.comm->all_reduce(reduced, shardopt::ReduceOp::Sum);
@@ -477,131 +407,10 @@ void train_loop(Run& r) {
       r.metrics << r.last.dump() << '\n';
       r.metrics.flush();
     }
-    if (save_now) save(r, done);
+    if (save_now) bert::save(r, done);
     if (r.lead) r.progress->step(rec, r.state.train_s, r.run_samples, r.run_tokens);
   }
   if (r.lead) r.progress->finish();
-}
-
-// The end of training: the final state is always saved (a stopped run too: --resume continues
-// it), model.pt and the Hugging Face export with --save-model / --export-hf.
-void finish(Run& r) {
-  const int64_t step = r.state.step;
-  if (step == r.start_step) return;
-  if (r.last_saved != step) save(r, step);
-  if (r.a.save_model) {
-    shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
-      if (!r.lead) return;
-      const fs::path model_path = fs::path(r.a.out) / "model.pt";
-      shardopt::consolidate_checkpoint(r.checkpoint_dir.string(), model_path.string());
-      fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
-    });
-  }
-  if (r.a.save_model || !r.a.export_hf.empty()) {
-    export_model(r, r.last_saved == step ? r.checkpoint_dir.string() : "");
-  }
-}
-
-// ---- summary: summary.json, the closing lines, the exit code ------------------------------------
-std::string plot(const Run& r) {
-  if (r.a.no_plot) return "skipped (--no-plot)";
-  const fs::path png = fs::path(r.a.out) / "loss.png";
-  const char* env = std::getenv("BERT_PLOT_SCRIPT");
-  const std::string script = env ? env : BERT_PLOT_SCRIPT;
-  const std::string cmd = fmt::format("/usr/bin/python3 '{}' '{}' '{}'", script,
-                                      r.metrics_path.string(), png.string());
-  return std::system(cmd.c_str()) == 0 ? png.string() : "failed (command: " + cmd + ")";
-}
-
-// Rank 0: summary.json and the closing lines; returns the exit code (--golden, --check-loss-decrease).
-int write_summary(Run& r, const std::vector<double>& peaks) {
-  const Args& a = r.a;
-  r.metrics.close();
-  const std::string plot_note = plot(r);
-  // Timing medians over this run's steps after --timing-warmup, per rank.
-  const int64_t ran = r.state.step - r.start_step;
-  const int64_t skip = std::min<int64_t>(a.timing_warmup, std::max<int64_t>(0, ran - 1));
-  const auto timing = bert::summarize_timings(r.timings, r.world, skip, r.global_batch);
-  std::vector<int64_t> rss, tensor_peak;
-  for (int k = 0; k < r.world; ++k) {
-    rss.push_back(static_cast<int64_t>(peaks[2 * k]));
-    tensor_peak.push_back(static_cast<int64_t>(peaks[2 * k + 1]));
-  }
-  const auto& losses = r.state.losses;
-  const size_t k = std::min<size_t>(5, losses.size());
-  const double first = k ? std::accumulate(losses.begin(), losses.begin() + k, 0.0) / k : 0.0;
-  const double final_ = k ? std::accumulate(losses.end() - k, losses.end(), 0.0) / k : 0.0;
-  const auto overall = bert::rates(ran, ran * r.global_batch, r.run_tokens, r.state.train_s - r.start_train_s);
-  const fs::path model_path = fs::path(a.out) / "model.pt";
-  nlohmann::json summary = {
-      {"preset", a.bert_config.empty() ? a.preset : ""}, {"bert_config", a.bert_config},
-      {"config", (fs::path(a.out) / "config.json").string()},
-      {"parameters", r.model->num_parameters()}, {"ranks", r.world}, {"stage", a.stage},
-      {"optimizer", a.optimizer}, {"lr_schedule", a.lr_schedule}, {"device", a.device},
-      {"steps", a.steps}, {"step", r.state.step}, {"steps_this_run", ran},
-      {"global_batch", r.global_batch}, {"first5_loss", first}, {"last5_loss", final_},
-      {"train_s", r.state.train_s}, {"train_s_this_run", r.state.train_s - r.start_train_s},
-      {"wall_s", seconds_since(r.t_start)}, {"tokens", r.state.tokens}, {"loss_window", k},
-      {"steps_per_s", overall.steps_per_s}, {"samples_per_s", overall.samples_per_s},
-      {"tokens_per_s", overall.tokens_per_s}, {"last", r.last},
-      {"vocab", r.prepared.vocab_path}, {"data", r.prepared.data_path},
-      {"eval_data", r.prepared.eval_path}, {"lower_case", r.prepared.lower_case},
-      {"synthetic", a.synthetic}, {"nsp", r.config.nsp},
-      {"mlm_all_positions", r.config.mlm_all_positions}, {"batch_size", a.batch_size},
-      {"threads", a.threads}, {"timing", timing.json}, {"peak_rss_bytes", rss},
-      {"peak_tensor_bytes", tensor_peak}, {"plot", plot_note}, {"metrics", r.metrics_path.string()},
-      {"checkpoint", r.last_saved >= 0 ? r.checkpoint_dir.string() : ""},
-      {"checkpoint_step", r.last_saved},
-      {"model", a.save_model && ran > 0 ? model_path.string() : ""}, {"hf_export", r.hf_export},
-      {"model_state_rank0", r.last.value("memory_rank0", nlohmann::json::object())}};
-  if (!r.last_eval.is_null()) {
-    summary["eval"] = r.last_eval;
-    summary["first_eval"] = r.first_eval;
-    summary["nsp_above_baseline"] =
-        r.last_eval["nsp_acc"].get<double>() - r.last_eval["nsp_baseline"].get<double>();
-  }
-  if (r.block_cache) {
-    const auto c = r.block_cache->stats();
-    summary["block_cache_rank0"] = {{"hits", c.hits}, {"misses", c.misses},
-                                    {"peak_cached_bytes", c.peak_cached_bytes},
-                                    {"dropped_unused", c.dropped_unused}};
-  }
-  const fs::path summary_path = fs::path(a.out) / "summary.json";
-  std::ofstream(summary_path) << summary.dump(2) << '\n';
-  bert::print_summary(summary, timing, r.start_step + skip + 1, summary_path.string());
-  int rc = 0;
-  if (!a.write_golden.empty()) bert::write_golden(a.write_golden, losses);
-  if (!a.golden.empty() && !bert::matches_golden(a.golden, losses, a.golden_tol)) rc = 4;
-  if (a.check_loss_decrease && !(final_ < first)) {
-    fmt::print(stderr, "[bert] --check-loss-decrease: the loss did not fall ({:.4f} -> {:.4f})\n",
-               first, final_);
-    rc = 3;
-  }
-  std::fflush(stdout);
-  return rc;
-}
-
-int summarize(Run& r) {
-  // Peak resident memory and peak tensor storage of every rank.
-  struct rusage usage {};
-  getrusage(RUSAGE_SELF, &usage);
-  auto peaks = torch::tensor({static_cast<double>(usage.ru_maxrss) * 1024.0,
-                              static_cast<double>(r.tracking->tracker().peak_bytes())},
-                             torch::kDouble);
-  auto all_peaks = torch::zeros({2 * r.world}, torch::kDouble);
-  r.comm->all_gather(peaks, all_peaks);
-  // Rank 0 alone writes the summary; an error there reaches every rank (no rank waits in the
-  // verdict's broadcast for a rank that is gone).
-  int rc = 0;
-  shardopt::agree_on_errors(*r.comm, "writing the summary", [&] {
-    if (!r.lead) return;
-    const double* p = all_peaks.data_ptr<double>();
-    rc = write_summary(r, std::vector<double>(p, p + 2 * r.world));
-  });
-  // Every rank exits with rank 0's verdict.
-  auto verdict = torch::tensor({static_cast<int64_t>(rc)}, torch::kLong);
-  r.comm->broadcast(verdict, 0);
-  return static_cast<int>(verdict.item<int64_t>());
 }
 
 // A checkpoint at or past the last step: nothing to train. Found from its manifest before any
@@ -629,8 +438,8 @@ int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::
   restore(r);
   if (a.eval_only) return evaluate_only(r);
   train_loop(r);
-  finish(r);
-  return summarize(r);
+  bert::finish(r);
+  return bert::summarize(r);
 }
 
 // Note [Errors on one rank]: an error that escapes train() on one rank (a file, the data, JSON)

@@ -18,7 +18,7 @@
 // are an upper bound). Parameters are assumed given in fp32, as the engine lays them out. Where
 // the plan buckets gradients (stages 2-3, and every stage under fp16/bf16, offload or a
 // reduce_dtype) the kept gradients are the reduced ones, in the master dtype (fp32) over this
-// rank's update range (Ψ/N sharded, Ψ at stage 0), plus two bucket buffers of bucket_bytes in
+// rank's update range (Ψ/N sharded, Ψ at stage 0), plus two bucket buffers of one bucket each in
 // the reduce dtype (while gradients arrive about in layout order; a bucket waiting for a late
 // gradient holds one more); otherwise (stages 0-1 in fp32) a full flat gradient buffer.
 // Offload puts the master, the state and the reduced gradients on the host.
@@ -29,10 +29,18 @@
 //   stage 0  (P + G + K)·Ψ      stage 1  (P + G)·Ψ + K·Ψ/N
 //   stage 2  P·Ψ + (G + K)·Ψ/N  stage 3  (P + G + K)·Ψ/N
 //
-// plus bounded buffers: stage 2 at most two bucket buffers of bucket_bytes, stage 3 the two
-// largest gathered units with their full gradients, (P + G)·(U1 + U2); Offload::CPU moves the
-// optimizer state (K part) to the host and, for stage >= 2, the gradient shard as fp32.
-// In fp32 without offload the two agree.
+// plus bounded buffers: stage 2 at most two bucket buffers, stage 3 the two largest gathered units
+// with their full gradients, (P + G)·(U1 + U2); Offload::CPU moves the optimizer state (K part) to
+// the host and, for stage >= 2, the gradient shard as fp32. In fp32 without offload the two agree.
+//
+// Bucket size: bucket_bytes when > 0; 0 (the default, as ZeroOptions') sizes a bucket as the
+// optimizer does, at most 16 MiB and at most a quarter of the gradient elements sharding frees,
+// Ψ·(N-1)/(4N) (Note [Default bucket size] in shardopt/detail/plan.hpp, the one place the rule
+// lives): the two buffers then cost at most half of what stage 2 saves over stage 1, so in fp32
+// with default options stage 3 <= stage 2 < stage 1 < stage 0 at N >= 2, stage 3 counted with two
+// gathered units of one bucket each (tests/unit/estimate_test.cpp,
+// DefaultBucketsKeepHigherStagesSmaller). An explicit bucket_bytes is honoured even where it
+// breaks that order.
 //
 // Communication per step and rank: 2Ψ elements for stages 0-2 (reduce-scatter + all-gather, or an
 // all-reduce), 3Ψ for stage 3 (an extra all-gather in backward); bytes: gradients travel with G
@@ -125,7 +133,7 @@ struct Options {
   bool params_on_host = false;
   Optimizer optimizer = Optimizer::AdamW;
   int state_bytes = -1;  // overrides K when >= 0 (master copy included)
-  int64_t bucket_bytes = int64_t{16} << 20;
+  int64_t bucket_bytes = 0;  // 0: sized from the model (Note [Default bucket size])
   // Shard boundaries aligned to this many bytes (ZeroOptions::align_bytes); Ψ is padded to a
   // multiple of N·align/P elements. 0: no padding (the DESIGN.md formulas verbatim).
   int64_t align_bytes = 0;
@@ -177,7 +185,8 @@ inline void zero_paper(const Options& o, Estimate& e, int64_t psi, int64_t shard
   if (o.stage == 2) {
     // Two pooled bucket buffers, never more than the whole gradient (a parameter may span
     // buckets, so no buffer is sized by the largest parameter).
-    dev.buffers = std::min<int64_t>(2 * o.bucket_bytes, g * psi);
+    const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, g);
+    dev.buffers = g * std::min(2 * bucket, psi);
   } else if (o.stage == 3) {
     dev.buffers = (p + g) * e.gathered_units_params;
   }
@@ -206,7 +215,7 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
   on_master.optimizer_state = e.k * update;
   if (plan.bucketed()) {
     on_master.grads = master * update;  // reduced gradients
-    const int64_t bucket = std::max<int64_t>(1, o.bucket_bytes / given);
+    const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, given);
     dev.buffers = reduce * std::min(2 * bucket, psi);  // the bucket pool
     if (place.pinned) host.buffers = reduce * std::min(bucket, psi);  // offload's staging
   } else {
@@ -258,7 +267,7 @@ inline Estimate model_states(const Options& o) {
   const int64_t shard = (psi + n - 1) / n;
   if (o.stage == 3) {
     int64_t units = o.gathered_units_params;
-    if (units == 0) units = 2 * std::max<int64_t>(1, o.bucket_bytes / e.p);
+    if (units == 0) units = 2 * detail::bucket_numel(o.bucket_bytes, o.params, o.world, e.p);
     e.gathered_units_params = std::min(units, psi);
   }
   if (paper) {

@@ -22,7 +22,9 @@ struct ZeroOptions {
   Stage stage = Stage::Gradients;
   // Gradients are reduced in buckets of this many bytes (plus alignment); a parameter that does
   // not fit continues in the next bucket, so bucket buffers never grow with the largest one.
-  int64_t bucket_bytes = int64_t{16} << 20;
+  // 0: sized from the model, at most 16 MiB and small enough that a higher stage never holds
+  // more than a lower one (Note [Default bucket size], shardopt/detail/plan.hpp).
+  int64_t bucket_bytes = 0;
   // Start each bucket's reduction from the backward hooks as soon as it is complete.
   bool overlap_comm = true;
   // k: backward() calls per step(). Gradients are summed over them and backward(loss) scales the

@@ -4,8 +4,10 @@
 //
 //   default:  every element of a module list / sequential (the path up to the first numbered
 //             component: "encoder.layers.3", "bert.encoder.layer.11") is a unit; the remaining
-//             parameters are grouped by top-level child ("embeddings", "decoder"; parameters of
-//             the root module itself form the group "").
+//             parameters are grouped by the child of the deepest module holding such a list
+//             ("bert.embeddings", "bert.pooler": "bert" holds "bert.encoder.layer"), else by
+//             top-level child ("embeddings", "decoder", "cls"; parameters of the root module
+//             itself form the group "").
 //   patterns: each parameter whose name begins with a match of one of these ECMAScript regular
 //             expressions (tried in order) is in the unit named by the matched text, e.g.
 //             {R"(encoder\.layers\.\d+)", "embeddings"}; the others persist.

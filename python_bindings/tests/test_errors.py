@@ -44,7 +44,7 @@ def test_invalid_stage_is_a_value_error_with_the_cpp_message(comm):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("bucket_bytes", 0, "bucket_bytes must be positive, got 0"),
+    ("bucket_bytes", -1, r"bucket_bytes must be >= 0 \(0: sized from the model\), got -1"),
     ("grad_accumulation_steps", 0, "grad_accumulation_steps must be at least 1, got 0"),
     ("max_grad_norm", -1.0, "max_grad_norm must be >= 0"),
     ("align_bytes", 48, "align_bytes must be a positive power of two, got 48"),

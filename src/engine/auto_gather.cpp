@@ -23,6 +23,13 @@
 //   off with one warning (collectives must be issued in the same order everywhere). Otherwise the
 //   forward gathers the next `prefetch` parts of the last pass's order when it reaches a part at
 //   the same position, and backward those that came before it in this pass's forward.
+// Communication per micro-step: a part is all-gathered at each forward use that finds it
+// released and once in backward unless the forward window still holds it, and reduce-scattered
+// once; the root part is all-gathered once per step. Declared units release every unit when its
+// run ends and gather it again in backward; here the window's last two parts stay gathered
+// through the loss into backward, which saves their backward gathers (BERT: the last encoder layer
+// and the embeddings that the tied decoder used last) at the cost of holding them meanwhile
+// (bench/RESULTS.md: BERT peer, 2.92 Psi per step vs 3.70 Psi with its explicit units, +5% peak).
 // Cost: one boxed fallback per operation on a parameter (gathered or not), measured in
 // bench/RESULTS.md. What bypasses the dispatcher bypasses this too: code that reads data_ptr()
 // of a parameter directly, or a TorchScript fuser kernel that takes a parameter as input (CPU

@@ -178,9 +178,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   }
   const auto& proto = params().front().tensor;
   const int64_t elem = static_cast<int64_t>(proto.element_size());
+  int64_t total = 0;
+  for (int64_t n : numels) total += n;
   FlatLayout layout =
       make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
-                  std::max<int64_t>(1, options_.bucket_bytes / elem), units);
+                  bucket_numel(options_.bucket_bytes, total, world_, elem), units);
   const BufferOptions where = buffer_options(
       Placement::make(plan_, options_.precision, options_.reduce_dtype, options_.reduce_in_fp32,
                       proto.is_cpu()),

@@ -12,9 +12,10 @@
 // Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
 // sorted by parameter group and, within a group, placed in reverse registration order, which is
 // roughly the order backward produces their gradients. They are packed into buckets of about
-// bucket_bytes; a parameter larger than the space left in a bucket fills it and continues in the
-// next (the split falls at a multiple of world * align, so the parameter stays contiguous in the
-// full flat buffer and its view stays one view). Each bucket is padded to a multiple of
+// bucket_bytes (when 0: Note [Default bucket size] in shardopt/detail/plan.hpp); a parameter
+// larger than the space left in a bucket fills it and continues in the next (the split falls at a
+// multiple of world * align, so the parameter stays contiguous in the full flat buffer and its
+// view stays one view). Each bucket is padded to a multiple of
 // world * align so it splits evenly, and rank r owns [r*S, (r+1)*S) of every bucket. Model
 // parameters become views into flat storage, so the optimizer updates them with no copy. A bucket
 // is the unit of one collective and is complete once every piece in it has its gradient

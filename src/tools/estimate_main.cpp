@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   std::string offload_arg = "none";
   std::string optimizer_arg = "adamw";
   int state_bytes = -1;
-  double bucket_mib = 16.0;
+  double bucket_mib = 0;
   int64_t align_bytes = 0;
   double unit_params = 0;
   bool json = false;
@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"adam", "adamw", "lamb", "sgd", "adagrad", "sgd-nomomentum"}));
   app.add_option("--state-bytes", state_bytes, "override K, optimizer bytes per parameter");
-  app.add_option("--bucket-mib", bucket_mib, "gradient bucket size in MiB (ZeroOptions::bucket_bytes)")
+  app.add_option("--bucket-mib", bucket_mib, "gradient bucket size in MiB (ZeroOptions::bucket_bytes; 0: sized from the model as "
+                 "the optimizer does)")
       ->capture_default_str();
   app.add_option("--align-bytes", align_bytes, "pad Ψ to N*align (0: none)")->capture_default_str();
   app.add_option("--unit-params", unit_params,
@@ -151,9 +152,10 @@ int main(int argc, char** argv) {
 
     const est::Estimate& first = rows.front();
     fmt::print("Model: {} — Ψ = {} parameters ({:.1f}M); precision {} (P={} G={} B), optimizer {} "
-               "(K={} B), offload {}, buckets {:g} MiB{}\n\n",
+               "(K={} B), offload {}, buckets {}{}\n\n",
                preset.empty() ? "custom" : "BERT-" + preset, psi, psi / 1e6, precision_arg, first.p,
-               first.g, optimizer_arg, first.k, offload_arg, bucket_mib,
+               first.g, optimizer_arg, first.k, offload_arg,
+               bucket_mib > 0 ? fmt::format("{:g} MiB", bucket_mib) : "sized from the model",
                std::find(stages.begin(), stages.end(), 3) != stages.end()
                    ? fmt::format(", stage-3 gathered units {:.2f}M params{}",
                                  rows.back().gathered_units_params / 1e6,

@@ -1,9 +1,12 @@
 // Non-finite gradients at every precision: a NaN/Inf loss on one rank skips the step on every
 // rank (fp16 through the loss scaler, fp32/bf16 through the non-finite check), leaving parameters
-// and optimizer state bitwise unchanged; repeated non-finite steps end in Error{NonFinite}.
+// and optimizer state bitwise unchanged; so does one NaN/Inf planted at the edges of buckets,
+// padding and shards (NonFinite.*, its own CTest entries); repeated non-finite steps end in
+// Error{NonFinite}.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <optional>
@@ -144,45 +147,100 @@ TEST(Precision, NonFiniteOnOneRankSkipsAtFp32AndBf16) {
   }
 }
 
-// One planted value, where a check that reads by bucket, by shard or by vector could miss it: the
-// last element of the last bucket, and the last element of an earlier bucket, just before that
-// bucket's padding. Only the last rank's gradient holds it (its reduced sum lands in one rank's
-// shard); every rank must skip, at every stage and precision, and the next step must go ahead.
+// One planted value where a check that reads by bucket, by shard or by vector could miss it
+// (issue 26): the last element of the last bucket (its padding, or the end of the buffer, follows);
+// the last element of an earlier bucket, just before that bucket's padding; the last element of an
+// unpadded bucket (the end of the last rank's shard); and the elements either side of a shard
+// boundary inside a bucket's parameters (the last of one rank's shard, the first of the next).
+// NaN, +Inf and -Inf each at each of them, in one rank's gradient only (rank 1, and the last
+// rank), at every stage and precision, with and without clipping. Every rank must skip the step
+// with the parameters bitwise as they were, then step on the same batch without it.
 struct Target {
-  std::string name;
+  std::string where;  // in the layout
+  std::string name;   // the parameter holding it
   int64_t element = 0;
 };
 
 std::vector<Target> planting_targets(DistributedOptimizer& opt) {
   auto& access = detail::shard_access(opt);
   const auto& layout = access.layout();
-  auto last_of = [&](int b) -> std::optional<Target> {
-    const auto& bl = layout.buckets[b];
-    if (bl.pieces.empty()) return std::nullopt;
-    const auto& piece = layout.pieces[bl.pieces.back()];
-    const std::string& name = access.param_name(piece.param);
-    if (name == "unused.weight") return std::nullopt;  // never gets a gradient
-    return Target{name, piece.param_offset + piece.numel - 1};
+  // The element at offset `at` of bucket b, where a parameter that gets a gradient holds it.
+  auto element_at = [&](int b, int64_t at, std::string where) -> std::optional<Target> {
+    for (int k : layout.buckets[b].pieces) {
+      const auto& piece = layout.pieces[k];
+      if (at < piece.offset || at >= piece.offset + piece.numel) continue;
+      const std::string& name = access.param_name(piece.param);
+      if (name == "unused.weight") return std::nullopt;  // never gets a gradient
+      return Target{std::move(where), name, piece.param_offset + at - piece.offset};
+    }
+    return std::nullopt;
   };
   const int last = static_cast<int>(layout.buckets.size()) - 1;
   std::vector<Target> targets;
-  if (auto t = last_of(last)) targets.push_back(*t);
-  for (int b = 0; b < last; ++b) {
+  if (auto t = element_at(last, layout.buckets[last].numel - 1, "the last bucket's last element")) {
+    targets.push_back(*t);
+  }
+  for (int b = last - 1; b >= 0; --b) {
     const auto& bl = layout.buckets[b];
     if (bl.padded == bl.numel) continue;
-    if (auto t = last_of(b)) {
+    if (auto t = element_at(b, bl.numel - 1, fmt::format("bucket {}'s last, before padding", b))) {
       targets.push_back(*t);
+      break;
+    }
+  }
+  for (int b = last; b >= 0; --b) {  // the end of the last rank's shard, no padding after it
+    const auto& bl = layout.buckets[b];
+    if (bl.padded != bl.numel) continue;
+    if (auto t = element_at(b, bl.numel - 1, fmt::format("bucket {}'s last, unpadded", b))) {
+      targets.push_back(*t);
+      break;
+    }
+  }
+  for (int b = last; b >= 0; --b) {
+    const auto& bl = layout.buckets[b];
+    const int64_t boundary = (bl.numel - 1) / bl.shard * bl.shard;  // last shard start in data
+    if (boundary == 0) continue;
+    const auto before =
+        element_at(b, boundary - 1, fmt::format("bucket {}[{}], a shard's last", b, boundary - 1));
+    const auto after =
+        element_at(b, boundary, fmt::format("bucket {}[{}], a shard's first", b, boundary));
+    if (before && after) {
+      targets.push_back(*before);
+      targets.push_back(*after);
       break;
     }
   }
   return targets;
 }
 
-TEST(Precision, PlantedNonFiniteElementSkipsEveryRank) {
+// The parameters as stored (compute dtype), for a bitwise comparison.
+std::map<std::string, at::Tensor> raw_snapshot(TinyNet& net, DistributedOptimizer& opt) {
+  opt.gather_full_parameters();
+  std::map<std::string, at::Tensor> out;
+  for (auto& [name, t] : net.named) out[name] = t.detach().clone();
+  return out;
+}
+
+// The first parameter whose bits differ, or "".
+std::string bitwise_difference(const std::map<std::string, at::Tensor>& a,
+                               const std::map<std::string, at::Tensor>& b) {
+  for (const auto& [name, t] : a) {
+    const auto bits = t.element_size() == 4 ? at::kInt : at::kShort;
+    const at::Tensor u = b.at(name);
+    if (u.scalar_type() != t.scalar_type() || !at::equal(t.view(bits), u.view(bits))) return name;
+  }
+  return "";
+}
+
+TEST(NonFinite, PlantedElementSkipsEveryRank) {
   auto comm = test::world();
+  const int n = comm->size();
   const float kValues[] = {std::numeric_limits<float>::quiet_NaN(),
                            std::numeric_limits<float>::infinity(),
                            -std::numeric_limits<float>::infinity()};
+  std::vector<int> planters{std::min(1, n - 1)};
+  if (n - 1 != planters.front()) planters.push_back(n - 1);
+  const int64_t per_rank = kBatch / n;
   int checked = 0;
   for (Precision precision : {Precision::FP32, Precision::BF16, Precision::FP16}) {
     for (int stage : {0, 1, 2, 3}) {
@@ -191,45 +249,49 @@ TEST(Precision, PlantedNonFiniteElementSkipsEveryRank) {
         DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm,
                                  options_for(stage, precision, clip, net));
         const auto targets = planting_targets(opt);
-        ASSERT_EQ(targets.size(), 2u) << "no padded bucket before the last one";
-        for (size_t k = 0; k < targets.size(); ++k) {
-          const Target& target = targets[k];
-          const float value = kValues[(checked + k) % 3];
-          const auto name = fmt::format("{} stage {} clip {}: {} at {}[{}]", to_string(precision),
-                                        stage, clip, value, target.name, target.element);
-          const bool plants = comm->rank() == comm->size() - 1;
-          at::Tensor param = net.by_name.at(target.name);
-          auto hook = param.register_hook([&](const at::Tensor& g) {
-            at::Tensor out = g.clone();
-            if (plants) out.view(-1)[target.element] = value;
-            return out;
-          });
-          const int64_t per_rank = kBatch / comm->size();
-          auto [x, y] = batch(static_cast<int64_t>(k), 0);
-          opt.zero_grad();
-          opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
-                                y.narrow(0, comm->rank() * per_rank, per_rank)));
-          const auto before = snapshot(net, opt);
-          opt.step();
-          const bool skipped = opt.last_step().skipped;
-          std::string worst;
-          const double moved = max_abs_diff(snapshot(net, opt), before, &worst);
-          param.remove_hook(hook);
-          EXPECT_TRUE(skipped) << name;
-          EXPECT_EQ(moved, 0.0) << name << ": the skipped step changed " << worst;
-          EXPECT_TRUE(test::all_ranks(skipped && moved == 0.0)) << name;
-          // The same batch without the planted value steps.
-          opt.zero_grad();
-          opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
-                                y.narrow(0, comm->rank() * per_rank, per_rank)));
-          opt.step();
-          EXPECT_FALSE(opt.last_step().skipped) << name << ": the clean step after";
-          ++checked;
+        // Two edges of padding, the end of an unpadded bucket; with several ranks, a shard
+        // boundary too.
+        ASSERT_EQ(targets.size(), n > 1 ? 5u : 3u) << "the layout lacks a planting target";
+        int64_t s = 0;
+        for (const Target& target : targets) {
+          for (const float value : kValues) {
+            for (const int planter : planters) {
+              const auto name =
+                  fmt::format("{} stage {} clip {} N = {}: {} on rank {} at {}[{}] ({})",
+                              to_string(precision), stage, clip, n, value, planter, target.name,
+                              target.element, target.where);
+              at::Tensor param = net.by_name.at(target.name);
+              auto hook = param.register_hook([&](const at::Tensor& g) {
+                at::Tensor out = g.clone();
+                if (comm->rank() == planter) out.view(-1)[target.element] = value;
+                return out;
+              });
+              auto [x, y] = batch(s++ % kSteps, 0);
+              const at::Tensor xr = x.narrow(0, comm->rank() * per_rank, per_rank);
+              const at::Tensor yr = y.narrow(0, comm->rank() * per_rank, per_rank);
+              opt.zero_grad();
+              opt.backward(net.loss(xr, yr));
+              const auto before = raw_snapshot(net, opt);
+              opt.step();
+              const bool skipped = opt.last_step().skipped;
+              const std::string changed = bitwise_difference(raw_snapshot(net, opt), before);
+              param.remove_hook(hook);
+              EXPECT_TRUE(skipped) << name;
+              EXPECT_EQ(changed, "") << name << ": the skipped step changed it";
+              EXPECT_TRUE(test::all_ranks(skipped && changed.empty())) << name;
+              // The same batch without the planted value steps.
+              opt.zero_grad();
+              opt.backward(net.loss(xr, yr));
+              opt.step();
+              EXPECT_FALSE(opt.last_step().skipped) << name << ": the clean step after";
+              ++checked;
+            }
+          }
         }
       }
     }
   }
-  EXPECT_EQ(checked, 3 * 4 * 2 * 2);
+  EXPECT_EQ(checked, 3 * 4 * 2 * (n > 1 ? 5 : 3) * 3 * static_cast<int>(planters.size()));
 }
 
 // max_nonfinite_steps skipped steps in a row end in Error{NonFinite} on every rank.

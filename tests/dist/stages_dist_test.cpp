@@ -453,8 +453,8 @@ TEST(StageValidation, InvalidOptionsAndArgumentsAreClearErrors) {
   zo.stage = static_cast<Stage>(7);
   expect_error(zo, "stage must be 0, 1, 2 or 3, got 7");
   zo = {};
-  zo.bucket_bytes = 0;
-  expect_error(zo, "bucket_bytes must be positive, got 0");
+  zo.bucket_bytes = -1;
+  expect_error(zo, "bucket_bytes must be >= 0 (0: sized from the model), got -1");
   zo = {};
   zo.grad_accumulation_steps = 0;
   expect_error(zo, "grad_accumulation_steps must be at least 1");

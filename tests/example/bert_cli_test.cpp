@@ -1,20 +1,25 @@
 // The bert_pretrain command line as a user meets it: checkpoints at the end and counted from the
 // resume point, held-out evaluation (identical at 1 and 2 ranks), plain progress lines with
-// throughput, one-line errors with exit code 2, the vocabulary found next to the data. Runs the
-// trainer (BertCli.*: CTest bert_cli); nothing here depends on timing.
+// throughput, one-line errors with exit code 2, the vocabulary found next to the data, model.pt
+// loading strictly. Runs the trainer (BertCli.*: CTest bert_cli); nothing here depends on timing.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 
+#include "bert_config.hpp"
 #include "corpus.hpp"
+#include "model.hpp"
 #include "prepare.hpp"
+#include "pretrained.hpp"
 #include "progress.hpp"
 #include "shardopt/checkpoint.hpp"
 
@@ -285,6 +290,66 @@ TEST_F(BertCli, CasedVocabularyIsLearnedAndReadAsCased) {
   a.lower_case = true;
   EXPECT_TRUE(resolve_lower_case(a, &cased, &warnings));
   EXPECT_EQ(warnings.size(), 1u);  // --lower-case against a cased vocabulary
+}
+
+// Issue 29: model.pt is the model's whole state dict (parameters, buffers, the tied decoder's
+// aliases). It loads strictly into a fresh model built from the run's config.json and computes
+// the trainer's logits (C++), and torch.load + load_state_dict(strict=True) take it in an
+// independent Hugging Face-structured PyTorch BERT with the same logits (Python).
+TEST_F(BertCli, ModelPtLoadsStrictlyInCppAndPython) {
+  ASSERT_EQ(run(train("strict") + " --steps 3 --save-model", 2).rc, 0);
+  // The trainer's logits on the first eval batch, from its sharded checkpoint (not model.pt).
+  const std::string logits_path = path("strict/logits.safetensors");
+  const Result e = run(train("strict") + " --steps 3 --resume --eval-only --dump-logits " + logits_path);
+  ASSERT_EQ(e.rc, 0) << e.out << e.err;
+  const StateDict batch = read_safetensors(logits_path);
+  const StateDict state = shardopt::read_state_dict(path("strict/model.pt"));
+
+  BertConfig config = BertConfig::load(path("strict/config.json"));
+  const int64_t rows = batch["input_ids"].size(0), length = batch["input_ids"].size(1);
+  config.mlm_all_positions = batch["mlm_logits"].size(0) == rows * length;
+  torch::manual_seed(7);  // other initial values than the trainer's
+  BertForPreTraining model(config);
+  load_state_dict_strict(model, state);
+  std::set<std::string> want, got;
+  for (const auto& item : model->named_parameters()) want.insert(item.key());
+  for (const auto& item : model->named_buffers()) want.insert(item.key());
+  for (const auto& [alias, name] : tied_aliases()) want.insert(alias);
+  for (const auto& item : state) got.insert(item.key());
+  EXPECT_EQ(got, want);
+  // The values are the trainer's final fp32 parameters, and its checkpoint names the aliases.
+  const auto full = shardopt::read_full_state(path("strict/checkpoint"));
+  EXPECT_EQ(full.aliases, tied_aliases());
+  for (const auto& item : full.params) {
+    EXPECT_TRUE(torch::equal(model->named_parameters()[item.key()], item.value())) << item.key();
+  }
+  model->eval();
+  torch::NoGradGuard no_grad;
+  BertInputs in;
+  in.input_ids = batch["input_ids"], in.token_type_ids = batch["token_type_ids"];
+  in.attention_mask = batch["attention_mask"], in.masked_positions = batch["masked_positions"];
+  in.masked_labels = batch["masked_labels"], in.nsp_labels = batch["nsp_labels"];
+  const BertOutputs out = model->forward(in);
+  EXPECT_LE((out.mlm_logits - batch["mlm_logits"]).abs().max().item<double>(), 1e-5);
+  ASSERT_TRUE(batch.contains("nsp_logits") && out.nsp_logits.defined());
+  EXPECT_LE((out.nsp_logits - batch["nsp_logits"]).abs().max().item<double>(), 1e-5);
+  // A file without one of the keys is refused, naming it.
+  StateDict less;
+  for (const auto& item : state) {
+    if (item.key() != "cls.predictions.decoder.weight") less.insert(item.key(), item.value());
+  }
+  try {
+    load_state_dict_strict(model, less);
+    ADD_FAILURE() << "a missing key was not reported";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("missing keys (1): [cls.predictions.decoder.weight]"),
+              std::string::npos) << error.what();
+  }
+  const std::string py = std::string("/usr/bin/python3 ") + BERT_HF_CHECKER + " " + path("strict") +
+                         " " + logits_path + " --state-dict " + path("strict/model.pt");
+  std::printf("[ RUN      ] %s\n", py.c_str());
+  std::fflush(stdout);
+  EXPECT_EQ(std::system(py.c_str()), 0) << py;
 }
 
 #endif  // BERT_PRETRAIN_EXE

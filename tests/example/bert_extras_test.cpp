@@ -8,6 +8,7 @@
 #include "block_cache.hpp"
 #include "data.hpp"
 #include "model.hpp"
+#include "shardopt/unit_policy.hpp"
 
 namespace bert {
 namespace {
@@ -169,6 +170,42 @@ TEST(BertVariants, PeerPresetIsMiniWithoutNspAndWithAllPositions) {
     EXPECT_EQ(p.key().find("pooler"), std::string::npos);
     EXPECT_EQ(p.key().find("seq_relationship"), std::string::npos);
   }
+}
+
+// The default UnitPolicy on BERT's own names (bert_pretrain --units auto): one unit per encoder
+// layer, the embeddings one unit, the pooler and the heads groups of their own (kept gathered
+// through the step below 10^5 elements); the model built without Units has the same names.
+shardopt::DerivedUnits derive_for(const BertConfig& c, int64_t persist_below) {
+  BertForPreTraining with_units(c), without(c, /*declare_units=*/false);
+  EXPECT_EQ(with_units->units()->size(), c.num_layers + (c.nsp ? 3 : 2));
+  EXPECT_FALSE(without->units());
+  std::vector<std::string> names;
+  std::vector<int64_t> numels, ids;
+  for (const auto& p : without->named_parameters()) {
+    names.push_back(p.key());
+    numels.push_back(p.value().numel());
+    ids.push_back(static_cast<int64_t>(ids.size()));  // no tensor appears under two names
+  }
+  EXPECT_EQ(names.size(), with_units->named_parameters().size());
+  shardopt::UnitPolicy policy;
+  policy.persist_below = persist_below;
+  return shardopt::derive_units(names, numels, ids, policy);
+}
+
+TEST(BertUnits, DefaultPolicyGroupsLayersEmbeddingsPoolerAndHeads) {
+  using V = std::vector<std::string>;
+  const BertConfig tiny = BertConfig::preset("tiny");  // with the pooler and the NSP head
+  const auto all = derive_for(tiny, 0);
+  EXPECT_EQ(all.names, (V{"bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1",
+                          "bert.pooler", "cls"}));
+  const auto tiny_default = derive_for(tiny, shardopt::UnitPolicy{}.persist_below);
+  EXPECT_EQ(tiny_default.names, (V{"bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"}));
+  EXPECT_EQ(tiny_default.persistent, (V{"bert.pooler", "cls"}));
+  // The peer: no pooler, no NSP; the MLM head (transform h^2 + h, LayerNorm, 30522 biases) persists.
+  const auto peer = derive_for(BertConfig::preset("peer"), shardopt::UnitPolicy{}.persist_below);
+  EXPECT_EQ(peer.names, (V{"bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1",
+                           "bert.encoder.layer.2", "bert.encoder.layer.3"}));
+  EXPECT_EQ(peer.persistent, (V{"cls"}));
 }
 
 }  // namespace

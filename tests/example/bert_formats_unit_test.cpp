@@ -1,6 +1,7 @@
 // BERT's formats, one process: config files (Google's and HF's keys, errors naming the key),
 // safetensors (round trip, corrupt files), --init-checkpoint's name matching and the HF state
-// dict's tied keys. The trainer-level checks are tests/example/bert_formats_test.sh.
+// dict's tied keys, strict loading of the whole state dict. The trainer-level checks are
+// tests/example/bert_formats_test.sh and BertCli.ModelPtLoadsStrictlyInCppAndPython.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -225,6 +226,63 @@ TEST(Pretrained, HuggingFaceStateDictHasTheTiedKeys) {
   const auto r = load_pretrained(again, back);
   EXPECT_TRUE(r.missing.empty() && r.unexpected.empty());
   EXPECT_TRUE(torch::equal(again->word_embeddings(), model->word_embeddings()));
+}
+
+
+// Issue 29: a checkpoint carries what the optimizer does not hold, so that its model.pt is the
+// whole state dict: the tied decoder's second names, and buffers and frozen parameters.
+TEST(Pretrained, SaveOptionsCarryTheTiedAliasesAndFrozenParameters) {
+  BertForPreTraining model(small_config());
+  auto options = model_save_options(model);
+  EXPECT_EQ(options.aliases, tied_aliases());
+  EXPECT_TRUE(options.module_state.empty());  // no buffers, every parameter trains
+  const std::string frozen = "bert.embeddings.position_embeddings.weight";
+  model->named_parameters()[frozen].set_requires_grad(false);
+  options = model_save_options(model);
+  ASSERT_EQ(options.module_state.size(), 1u);
+  EXPECT_EQ(options.module_state.begin()->first, frozen);
+}
+
+TEST(Pretrained, StrictLoadListsMissingAndUnexpectedKeysAndChecksShapesAndTiedCopies) {
+  torch::manual_seed(1);
+  BertForPreTraining source(small_config());
+  torch::manual_seed(2);
+  BertForPreTraining target(small_config());
+  StateDict full = source->named_parameters();
+  for (const auto& [alias, name] : tied_aliases()) {
+    const at::Tensor tied = full[name];
+    full.insert(alias, tied);
+  }
+  load_state_dict_strict(target, full);
+  for (const auto& item : source->named_parameters()) {
+    EXPECT_TRUE(torch::equal(target->named_parameters()[item.key()], item.value())) << item.key();
+  }
+  auto error = [&](const StateDict& sd) -> std::string {
+    try {
+      load_state_dict_strict(target, sd);
+      return "no error";
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+  };
+  StateDict other;  // the example's names only (a model.pt without the aliases), one key short
+  for (const auto& item : source->named_parameters()) {
+    if (item.key() != "cls.predictions.bias") other.insert(item.key(), item.value());
+  }
+  other.insert("classifier.weight", torch::zeros({3}));
+  EXPECT_NE(error(other).find("missing keys (3): [cls.predictions.bias, cls.predictions.decoder.bias, "
+                              "cls.predictions.decoder.weight]; unexpected keys (1): [classifier.weight]"),
+            std::string::npos) << error(other);
+  StateDict shape = full;
+  shape["bert.embeddings.token_type_embeddings.weight"] = torch::zeros({3, 16});
+  EXPECT_NE(error(shape).find("'bert.embeddings.token_type_embeddings.weight' has shape [3, 16] in "
+                              "the state dict but [2, 16] in the model"), std::string::npos)
+      << error(shape);
+  StateDict untied = full;
+  untied["cls.predictions.decoder.weight"] = torch::zeros_like(full["cls.predictions.decoder.weight"]);
+  EXPECT_NE(error(untied).find("'cls.predictions.decoder.weight' is tied to "
+                               "'bert.embeddings.word_embeddings.weight' but holds other values"),
+            std::string::npos) << error(untied);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // A real multi-layer transformer (the example's BERT, 3 layers, tied MLM decoder, one stage-3
 // unit per layer) trained for 10 steps at every stage on N ranks: each must match a
 // single-process torch optimizer on the whole global batch (fp32, <= 1e-6), and the stages must
-// match each other. Runs under mpirun with 1-4 ranks.
+// match each other. Stage 3 runs twice: with the model's explicit units, and on the same model
+// built without Units (automatic units from the names). Runs under mpirun with 1-4 ranks.
 #include <gtest/gtest.h>
 #include <torch/types.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -34,9 +35,9 @@ bert::BertConfig tiny_config() {
   return c;
 }
 
-bert::BertForPreTraining make_model() {
+bert::BertForPreTraining make_model(bool declare_units = true) {
   torch::manual_seed(7);
-  return bert::BertForPreTraining(tiny_config());
+  return bert::BertForPreTraining(tiny_config(), declare_units);
 }
 
 // Rows [begin, begin + n) of step s's global batch. Every row has kMasked real predictions, so
@@ -98,11 +99,15 @@ Params train_reference(const std::string& rule, double clip) {
   return snapshot(model);
 }
 
-Params train_sharded(const std::string& rule, double clip, int stage, const CommunicatorPtr& comm) {
-  auto model = make_model();
+// automatic: stage 3 on the model built without Units, every group a unit (this model's groups are
+// far below the default persistence threshold).
+Params train_sharded(const std::string& rule, double clip, int stage, const CommunicatorPtr& comm,
+                     bool automatic = false) {
+  auto model = make_model(/*declare_units=*/!automatic);
   ZeroOptions zo;
   zo.stage = shardopt::stage_from_int(stage);
   zo.units = model->units();
+  zo.unit_policy.persist_below = 0;
   zo.max_grad_norm = clip;
   zo.bucket_bytes = 4096;  // several buckets per unit
   zo.timeout = std::chrono::seconds(120);
@@ -140,6 +145,10 @@ TEST_P(BertStages, EveryStageMatchesTorchAndEachOther) {
     EXPECT_LE(d, 1e-6) << "stage " << stage << " vs torch, worst " << worst;
     ok = ok && d <= 1e-6;
   }
+  const Params automatic = train_sharded(c.rule, c.clip, 3, comm, /*automatic=*/true);
+  const double da = max_diff(automatic, reference, &worst);
+  EXPECT_LE(da, 1e-6) << "stage 3 with automatic units vs torch, worst " << worst;
+  ok = ok && da <= 1e-6;
   for (int stage : {1, 2}) {
     const double d = max_diff(by_stage[3], by_stage[stage], &worst);
     EXPECT_LE(d, 1e-6) << "stage 3 vs stage " << stage << ", worst " << worst;

@@ -6,8 +6,11 @@ BertSelfAttention, ..., BertPreTrainingHeads) and sharing no code with examples/
 loads model.safetensors with load_state_dict(strict=True), runs the batch that
 `bert_pretrain --eval-only --dump-logits FILE` wrote, and compares the MLM logits (at the masked
 positions) and the NSP logits with the example's. Also checks the tokenizer files.
+With --state-dict FILE (a run's model.pt: bert_pretrain --save-model), the state dict is instead
+torch.load(FILE) into the model built from EXPORT_DIR/config.json (the run's own output folder),
+strictly, as a PyTorch user loads it; a copy lacking a key must be refused.
 
-Usage: check_hf_export.py EXPORT_DIR LOGITS_FILE [--tol 1e-5]
+Usage: check_hf_export.py EXPORT_DIR LOGITS_FILE [--tol 1e-5] [--state-dict FILE]
 
 safetensors files are read with Debian's python3-safetensors where it is installed (trixie), else
 with read_safetensors below: the format is an unsigned 64-bit little-endian header length N, N
@@ -268,11 +271,24 @@ def check_tokenizer_files(export):
     return len([v for v in vocab if v])
 
 
+def check_refuses_a_missing_key(model, state):
+    """The strict load below can fail: without one key, load_state_dict names it."""
+    key = "bert.encoder.layer.0.output.dense.weight"
+    less = {k: v for k, v in state.items() if k != key}
+    try:
+        model.load_state_dict(less, strict=True)
+    except RuntimeError as e:
+        assert key in str(e), str(e)
+    else:
+        raise AssertionError(f"load_state_dict(strict=True) accepted a state dict without {key}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("export")
     ap.add_argument("logits")
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--state-dict", help="a torch.save'd state dict (model.pt) instead of model.safetensors")
     args = ap.parse_args()
     torch.manual_seed(0)
     reader = "python3-safetensors" if safetensors_load_file else "the fallback reader"
@@ -281,16 +297,21 @@ def main():
     config = json.load(open(os.path.join(args.export, "config.json")))
     assert config["model_type"] == "bert", config.get("model_type")
     assert config["architectures"] in (["BertForPreTraining"], ["BertForMaskedLM"]), config["architectures"]
-    vocab_lines = check_tokenizer_files(args.export)
-    assert vocab_lines <= config["vocab_size"], (vocab_lines, config["vocab_size"])
-
     model = BertForPreTraining(config)
-    state = load_safetensors(os.path.join(args.export, "model.safetensors"))
+    if args.state_dict:
+        state = torch.load(args.state_dict, weights_only=True)
+        source = args.state_dict
+        check_refuses_a_missing_key(model, state)
+    else:
+        vocab_lines = check_tokenizer_files(args.export)
+        assert vocab_lines <= config["vocab_size"], (vocab_lines, config["vocab_size"])
+        state = load_safetensors(os.path.join(args.export, "model.safetensors"))
+        source = "model.safetensors"
     for key in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias"):
-        assert key in state, f"model.safetensors lacks the tied key {key}"
+        assert key in state, f"{source} lacks the tied key {key}"
     model.load_state_dict(state, strict=True)  # raises on any missing or unexpected key
     model.eval()
-    print(f"loaded {len(state)} tensors strictly into the independent BertForPreTraining")
+    print(f"loaded {len(state)} tensors of {source} strictly into the independent BertForPreTraining")
 
     batch = load_safetensors(args.logits)
     with torch.no_grad():

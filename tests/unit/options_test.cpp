@@ -27,7 +27,7 @@ TEST(ZeroOptions, DefaultsAreValid) { EXPECT_NO_THROW(ZeroOptions{}.validate());
 TEST(ZeroOptions, EveryInvalidFieldIsNamed) {
   expect_invalid([](auto& o) { o.stage = static_cast<Stage>(-1); }, "stage must be 0, 1, 2 or 3, got -1");
   expect_invalid([](auto& o) { o.stage = static_cast<Stage>(4); }, "stage must be 0, 1, 2 or 3, got 4");
-  expect_invalid([](auto& o) { o.bucket_bytes = -5; }, "bucket_bytes must be positive, got -5");
+  expect_invalid([](auto& o) { o.bucket_bytes = -5; }, "bucket_bytes must be >= 0 (0: sized from the model), got -5");
   expect_invalid([](auto& o) { o.grad_accumulation_steps = 0; }, "grad_accumulation_steps");
   expect_invalid([](auto& o) { o.max_grad_norm = -1; }, "max_grad_norm must be >= 0");
   expect_invalid([](auto& o) { o.align_bytes = 48; }, "align_bytes must be a positive power of two");

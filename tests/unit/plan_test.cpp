@@ -115,5 +115,18 @@ TEST(StagePlan, StageFromInt) {
   for (int s = 0; s <= 3; ++s) EXPECT_EQ(to_int(stage_from_int(s)), s);
 }
 
+// Note [Default bucket size]: explicit bytes as given; the default at most 16 MiB and at most a
+// quarter of the gradient elements a rank frees; one rank frees nothing and keeps 16 MiB.
+TEST(StagePlan, DefaultBucketSize) {
+  EXPECT_EQ(bucket_numel(64, 1000, 2, 4), 16);
+  EXPECT_EQ(bucket_numel(2, 1000, 2, 4), 1);
+  EXPECT_EQ(bucket_numel(0, 1'000'000'000, 2, 4), (16 << 20) / 4);
+  EXPECT_EQ(bucket_numel(0, 1'000'000'000, 1, 4), (16 << 20) / 4);
+  EXPECT_EQ(bucket_numel(0, 11'201'594, 2, 4), 11'201'594 / 2 / 4);  // the peer BERT
+  EXPECT_EQ(bucket_numel(0, 8'000'000, 4, 2), 8'000'000 / 4 * 3 / 4);
+  EXPECT_EQ(bucket_numel(0, 3, 2, 4), 1);
+  static_assert(bucket_numel(0, 0, 8, 4) == 1, "never an empty bucket");
+}
+
 }  // namespace
 }  // namespace shardopt::detail

@@ -91,14 +91,41 @@ TEST(UnitPolicy, DeepNumberedPathsAndBadInput) {
   n.add("layers.0.weight", 10);  // a numbered component right below the root
   UnitPolicy p;
   p.persist_below = 0;
+  // "bert" holds a list, so its other children are groups of their own (not all of "bert").
   EXPECT_EQ(n.derive(p).names,
-            (std::vector<std::string>{"bert.encoder.layer.11", "bert", "layers.0"}));
+            (std::vector<std::string>{"bert.encoder.layer.11", "bert.embeddings", "layers.0"}));
   p.patterns = {"("};
   EXPECT_THROW(p.validate(), Error);
   p.patterns.clear();
   p.persist_below = -1;
   EXPECT_THROW(p.validate(), Error);
   EXPECT_THROW(derive_units({"a"}, {}, {}, UnitPolicy{}), Error);
+}
+
+// Below a module holding a list, each child is its own group; elsewhere the top-level child.
+TEST(UnitPolicy, GroupsDescendToTheChildrenOfModulesHoldingALayerList) {
+  Named n;
+  n.add("bert.embeddings.word_embeddings.weight", 10);
+  n.add("bert.embeddings.LayerNorm.weight", 10);
+  n.add("bert.encoder.layer.0.output.dense.weight", 10);
+  n.add("bert.encoder.layer.1.output.dense.weight", 10);
+  n.add("bert.encoder.scale", 10);  // the own parameter of a module holding the list
+  n.add("bert.pooler.dense.weight", 10);
+  n.add("cls.predictions.transform.dense.weight", 10);
+  n.add("cls.predictions.bias", 10);
+  n.add("cls.seq_relationship.weight", 10);
+  n.add("model.norm.weight", 10);  // a second top-level child without a list: one group
+  n.add("model.head.weight", 10);
+  UnitPolicy p;
+  p.persist_below = 0;
+  const DerivedUnits d = n.derive(p);
+  EXPECT_EQ(d.names, (std::vector<std::string>{"bert.embeddings", "bert.encoder.layer.0",
+                                               "bert.encoder.layer.1", "bert.encoder",
+                                               "bert.pooler", "cls", "model"}));
+  EXPECT_EQ(member_names(n, d, 0), (std::vector<std::string>{
+                                       "bert.embeddings.word_embeddings.weight",
+                                       "bert.embeddings.LayerNorm.weight"}));
+  EXPECT_EQ(member_names(n, d, 5).size(), 3u);
 }
 
 }  // namespace

@@ -17,6 +17,9 @@
 // reduce_dtype buckets the gradients.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include "shardopt/precision.hpp"
 #include "shardopt/sharding.hpp"
 
@@ -109,5 +112,32 @@ struct Placement {
     return p;
   }
 };
+
+// Note [Default bucket size]
+// Stage 2 frees (N-1)/N of the gradients but holds two pooled bucket buffers that stage 1 does
+// without (in fp32 it reduces in place); with fixed 16 MiB buckets a small model at N = 2 held
+// more at stage 2 than at stage 1 (DeepSpeed's "ZeRO-2 uses more memory than ZeRO-1"). So
+// ZeroOptions::bucket_bytes = 0 (the default) sizes buckets from the model: a bucket holds at most
+// kMaxDefaultBucketBytes and at most a quarter of the gradient elements a rank frees,
+// Ψ·(N-1)/(4N), so the two buffers are at most half of what stage 2 saves. Stage 3 saves as much
+// again on the parameters, which pays for two gathered units of one bucket each (the estimator's
+// default), so a higher stage never holds more model state than a lower one. The size depends on
+// Ψ and N only, not on the stage: every stage cuts the same buckets. One rank frees nothing and
+// keeps the maximum. An explicit bucket_bytes is used as given. The engine
+// (src/engine/engine.cpp), the estimator (shardopt/estimate.hpp) and bench/memory_scaling all
+// call bucket_numel.
+inline constexpr int64_t kMaxDefaultBucketBytes = int64_t{16} << 20;
+
+// Elements per bucket for `bucket_bytes` (0: the default above) over `params` elements of
+// `elem_bytes` each on `world` ranks; at least 1 (make_layout rounds it to whole shards).
+constexpr int64_t bucket_numel(int64_t bucket_bytes, int64_t params, int world,
+                               int64_t elem_bytes) {
+  const int64_t elem = std::max<int64_t>(1, elem_bytes);
+  if (bucket_bytes > 0) return std::max<int64_t>(1, bucket_bytes / elem);
+  const int64_t most = kMaxDefaultBucketBytes / elem;
+  if (world <= 1) return most;
+  const int64_t freed = params / world * (world - 1);
+  return std::max<int64_t>(1, std::min(most, freed / 4));
+}
 
 }  // namespace shardopt::detail

@@ -1,0 +1,193 @@
+// What a run leaves behind (see outputs.hpp).
+#include "outputs.hpp"
+
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "pretrained.hpp"
+#include "progress.hpp"
+#include "report.hpp"
+
+namespace bert {
+
+void save(Run& r, int64_t done) {
+  const auto t0 = Clock::now();
+  if (!r.opt->parameters_finite()) {  // never replace the last good checkpoint with NaN/Inf
+    if (r.lead) fmt::print("\n[bert] checkpoint: step {} NOT saved: NaN/Inf parameters\n", done);
+    return;
+  }
+  RunState s = r.state;
+  s.step = done;
+  shardopt::SaveOptions save_options = model_save_options(r.model);
+  save_options.after_shard_written = [&](int rank) {
+    if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
+  };
+  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(), make_trainer_state(s, r.schedule),
+                            save_options);
+  r.last_saved = done;
+  if (r.lead) {
+    fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,
+               r.checkpoint_dir.string(), seconds_since(t0));
+  }
+}
+
+// With a checkpoint, its parameters and module state (buffers, frozen parameters); else the
+// model's parameters and buffers.
+void export_model(Run& r, const std::string& checkpoint) {
+  r.hf_export = r.a.export_hf.empty() ? (fs::path(r.a.out) / "hf").string() : r.a.export_hf;
+  StateDict params;
+  if (checkpoint.empty()) {
+    r.opt->gather_full_parameters();
+    if (r.lead) {
+      params = r.model->named_parameters();
+      for (const auto& b : r.model->named_buffers()) params.insert(b.key(), b.value());
+    }
+  } else if (r.lead) {
+    shardopt::FullState full = shardopt::read_full_state(checkpoint);
+    params = std::move(full.params);
+    for (const auto& [name, t] : full.module_state) params.insert(name, t);
+  }
+  shardopt::agree_on_errors(*r.comm, "writing the Hugging Face export", [&] {
+    if (!r.lead) return;
+    const auto files =
+        export_hf(r.hf_export, r.config, params, r.prepared.vocab_path, r.prepared.lower_case);
+    fmt::print("[bert] Hugging Face export: {} ({})\n", r.hf_export, fmt::join(files, ", "));
+  });
+}
+
+void finish(Run& r) {
+  const int64_t step = r.state.step;
+  if (step == r.start_step) return;
+  if (r.last_saved != step) save(r, step);
+  if (r.a.save_model) {
+    shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
+      if (!r.lead) return;
+      const fs::path model_path = fs::path(r.a.out) / "model.pt";
+      shardopt::consolidate_checkpoint(r.checkpoint_dir.string(), model_path.string());
+      fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
+    });
+  }
+  if (r.a.save_model || !r.a.export_hf.empty()) {
+    export_model(r, r.last_saved == step ? r.checkpoint_dir.string() : "");
+  }
+}
+
+// ---- summary: summary.json, the closing lines, the exit code ------------------------------------
+namespace {
+
+std::string plot(const Run& r) {
+  if (r.a.no_plot) return "skipped (--no-plot)";
+  const fs::path png = fs::path(r.a.out) / "loss.png";
+  const char* env = std::getenv("BERT_PLOT_SCRIPT");
+  const std::string script = env ? env : BERT_PLOT_SCRIPT;
+  const std::string cmd = fmt::format("/usr/bin/python3 '{}' '{}' '{}'", script,
+                                      r.metrics_path.string(), png.string());
+  return std::system(cmd.c_str()) == 0 ? png.string() : "failed (command: " + cmd + ")";
+}
+
+// Rank 0: summary.json and the closing lines; returns the exit code (--golden, --check-loss-decrease).
+int write_summary(Run& r, const std::vector<double>& peaks) {
+  const Args& a = r.a;
+  r.metrics.close();
+  const std::string plot_note = plot(r);
+  // Timing medians over this run's steps after --timing-warmup, per rank.
+  const int64_t ran = r.state.step - r.start_step;
+  const int64_t skip = std::min<int64_t>(a.timing_warmup, std::max<int64_t>(0, ran - 1));
+  const auto timing = summarize_timings(r.timings, r.world, skip, r.global_batch);
+  std::vector<int64_t> rss, tensor_peak;
+  for (int k = 0; k < r.world; ++k) {
+    rss.push_back(static_cast<int64_t>(peaks[2 * k]));
+    tensor_peak.push_back(static_cast<int64_t>(peaks[2 * k + 1]));
+  }
+  const auto& losses = r.state.losses;
+  const size_t k = std::min<size_t>(5, losses.size());
+  const double first = k ? std::accumulate(losses.begin(), losses.begin() + k, 0.0) / k : 0.0;
+  const double final_ = k ? std::accumulate(losses.end() - k, losses.end(), 0.0) / k : 0.0;
+  const auto overall = rates(ran, ran * r.global_batch, r.run_tokens, r.state.train_s - r.start_train_s);
+  const fs::path model_path = fs::path(a.out) / "model.pt";
+  nlohmann::json summary = {
+      {"preset", a.bert_config.empty() ? a.preset : ""}, {"bert_config", a.bert_config},
+      {"config", (fs::path(a.out) / "config.json").string()},
+      {"parameters", r.model->num_parameters()}, {"ranks", r.world}, {"stage", a.stage},
+      {"optimizer", a.optimizer}, {"lr_schedule", a.lr_schedule}, {"device", a.device},
+      {"steps", a.steps}, {"step", r.state.step}, {"steps_this_run", ran},
+      {"global_batch", r.global_batch}, {"first5_loss", first}, {"last5_loss", final_},
+      {"train_s", r.state.train_s}, {"train_s_this_run", r.state.train_s - r.start_train_s},
+      {"wall_s", seconds_since(r.t_start)}, {"tokens", r.state.tokens}, {"loss_window", k},
+      {"steps_per_s", overall.steps_per_s}, {"samples_per_s", overall.samples_per_s},
+      {"tokens_per_s", overall.tokens_per_s}, {"last", r.last},
+      {"vocab", r.prepared.vocab_path}, {"data", r.prepared.data_path},
+      {"eval_data", r.prepared.eval_path}, {"lower_case", r.prepared.lower_case},
+      {"synthetic", a.synthetic}, {"nsp", r.config.nsp},
+      {"mlm_all_positions", r.config.mlm_all_positions}, {"batch_size", a.batch_size},
+      {"threads", a.threads}, {"timing", timing.json}, {"peak_rss_bytes", rss},
+      {"peak_tensor_bytes", tensor_peak}, {"plot", plot_note}, {"metrics", r.metrics_path.string()},
+      {"checkpoint", r.last_saved >= 0 ? r.checkpoint_dir.string() : ""},
+      {"checkpoint_step", r.last_saved},
+      {"model", a.save_model && ran > 0 ? model_path.string() : ""}, {"hf_export", r.hf_export},
+      {"model_state_rank0", r.last.value("memory_rank0", nlohmann::json::object())}};
+  if (!r.last_eval.is_null()) {
+    summary["eval"] = r.last_eval;
+    summary["first_eval"] = r.first_eval;
+    summary["nsp_above_baseline"] =
+        r.last_eval["nsp_acc"].get<double>() - r.last_eval["nsp_baseline"].get<double>();
+  }
+  if (r.block_cache) {
+    const auto c = r.block_cache->stats();
+    summary["block_cache_rank0"] = {{"hits", c.hits}, {"misses", c.misses},
+                                    {"peak_cached_bytes", c.peak_cached_bytes},
+                                    {"dropped_unused", c.dropped_unused}};
+  }
+  const fs::path summary_path = fs::path(a.out) / "summary.json";
+  std::ofstream(summary_path) << summary.dump(2) << '\n';
+  print_summary(summary, timing, r.start_step + skip + 1, summary_path.string());
+  int rc = 0;
+  if (!a.write_golden.empty()) write_golden(a.write_golden, losses);
+  if (!a.golden.empty() && !matches_golden(a.golden, losses, a.golden_tol)) rc = 4;
+  if (a.check_loss_decrease && !(final_ < first)) {
+    fmt::print(stderr, "[bert] --check-loss-decrease: the loss did not fall ({:.4f} -> {:.4f})\n",
+               first, final_);
+    rc = 3;
+  }
+  std::fflush(stdout);
+  return rc;
+}
+
+}  // namespace
+
+int summarize(Run& r) {
+  // Peak resident memory and peak tensor storage of every rank.
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  const int64_t tracked = std::max(r.tracked_peak, r.tracking->tracker().peak_bytes());
+  auto peaks = torch::tensor({static_cast<double>(usage.ru_maxrss) * 1024.0,
+                              static_cast<double>(tracked)},
+                             torch::kDouble);
+  auto all_peaks = torch::zeros({2 * r.world}, torch::kDouble);
+  r.comm->all_gather(peaks, all_peaks);
+  // Rank 0 alone writes the summary; an error there reaches every rank (no rank waits in the
+  // verdict's broadcast for a rank that is gone).
+  int rc = 0;
+  shardopt::agree_on_errors(*r.comm, "writing the summary", [&] {
+    if (!r.lead) return;
+    const double* p = all_peaks.data_ptr<double>();
+    rc = write_summary(r, std::vector<double>(p, p + 2 * r.world));
+  });
+  // Every rank exits with rank 0's verdict.
+  auto verdict = torch::tensor({static_cast<int64_t>(rc)}, torch::kLong);
+  r.comm->broadcast(verdict, 0);
+  return static_cast<int>(verdict.item<int64_t>());
+}
+
+}  // namespace bert

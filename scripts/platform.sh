@@ -29,7 +29,7 @@ host_mirror() {
 MIRROR="${SHARDOPT_DEBIAN_MIRROR:-$(host_mirror)}"
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 CACHE="${SHARDOPT_PLATFORM_CACHE:-/var/cache/shardopt/platforms}/$PLATFORM"
-RECIPE=2   # bump when the way the root is made changes
+RECIPE=3   # bump when the way the root is made changes
 [ "$(id -u)" -eq 0 ] || { echo "[platform] needs root (debootstrap, mount, chroot)" >&2; exit 2; }
 
 # debootstrap is the one host tool the platforms need beyond scripts/setup.sh's list.
@@ -78,7 +78,8 @@ else
   rm -rf "$NEW"
   t0=$SECONDS
   log "creating a $SUITE root in $NEW (debootstrap from $MIRROR)"
-  debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$NEW" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 \
+  # iproute2: `ip netns` and `tc` for the emulated-hosts tests (tests/multihost), which skip without it.
+  debootstrap --variant=minbase --include=ca-certificates,iproute2 "$SUITE" "$NEW" "$MIRROR" >"$CACHE/debootstrap.log" 2>&1 \
     || { tail -20 "$CACHE/debootstrap.log" >&2; echo "[platform] debootstrap failed (log: $CACHE/debootstrap.log)" >&2; exit 1; }
   t1=$SECONDS
   log "debootstrap took $((t1 - t0)) s; installing scripts/setup.sh's packages"
@@ -99,6 +100,9 @@ else
 fi
 flock -s 9   # other runs may share the root now; a rebuild waits for them
 
+# The root bound onto itself, so that "/" inside is a mount point: `ip netns exec` / `ip -n` make "/"
+# a slave mount (the emulated-hosts tests), which fails on a plain directory.
+mount --bind "$CHROOT" "$CHROOT" && MOUNTS+=("$CHROOT")
 mount_into "$CHROOT"
 mkdir -p "$CHROOT$ROOT"
 mount --bind "$ROOT" "$CHROOT$ROOT" && MOUNTS+=("$CHROOT$ROOT")

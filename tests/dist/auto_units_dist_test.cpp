@@ -10,6 +10,7 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -109,6 +110,8 @@ struct Trained {
   at::Tensor eval;  // logits of an evaluation batch under NoGradGuard after training
   int64_t peak = 0;        // tracked CPU bytes during the last step, above what was live before
   int64_t param_bytes = 0;
+  int64_t padded_numel = 0;
+  std::vector<int64_t> comm_elements;  // per step
 };
 
 at::Tensor eval_tokens() { return batch(99, 0).first; }
@@ -152,7 +155,7 @@ Trained train_reference(const std::string& kind, const std::string& rule, int ac
 }
 
 Trained train_sharded(const std::string& kind, int stage, const std::string& rule, CommunicatorPtr comm,
-                  int accumulation = 1) {
+                  int accumulation = 1, int reuse_distance = ZeroOptions{}.reuse_distance) {
   ScopedMemoryTracking tracking;  // before the model: every byte of the run is counted
   const int64_t base = tracking.tracker().live_bytes();  // what others hold (the last run's result)
   Model m = make(kind);
@@ -165,6 +168,7 @@ Trained train_sharded(const std::string& kind, int stage, const std::string& rul
   zo.unit_policy.persist_below = 0;   // every layer a unit, however small this model is
   zo.bucket_bytes = 4096;
   zo.grad_accumulation_steps = accumulation;
+  zo.reuse_distance = reuse_distance;
   zo.timeout = std::chrono::seconds(60);
   DistributedOptimizer opt(groups, rule_of(rule), comm, zo);
   const int64_t per_rank = kBatch / comm->size();
@@ -179,12 +183,14 @@ Trained train_sharded(const std::string& kind, int stage, const std::string& rul
     }
     opt.step();
     run.peak = tracking.tracker().peak_bytes() - base;
+    run.comm_elements.push_back(opt.last_step().comm_elements);
   }
   {
     at::NoGradGuard no_grad;  // every rank: parameters are gathered on use
     run.eval = m.forward(eval_tokens());
   }
   run.param_bytes = 4 * opt.numel();
+  run.padded_numel = opt.padded_numel();
   opt.gather_full_parameters();
   run.params = snapshot(m);
   return run;
@@ -269,6 +275,48 @@ TEST(AutoUnitsMemory, PeakBelowStage2) {
         << " B, parameters " << stage2.param_bytes << " B";
     EXPECT_TRUE(test::all_ranks(stage3.peak <= stage2.peak - margin));
   }
+}
+
+// Note [Reuse distance]: the trace of the last pass decides what forward keeps gathered. On the
+// native model (its decoder tied to the embedding), a distance beyond the trace keeps every part
+// until backward has used it, so each part is all-gathered once per step: with the reduce-scatter,
+// 2 * padded elements. Distance 2 frees the middle layers (their next use is in backward) and
+// keeps the last layer and the tied embedding into backward; 0 frees every part once another
+// starts, so the embedding is gathered again at the decoder and backward gathers all but the
+// last. The first step has no trace yet: the same fallback for every distance. The parameters do
+// not depend on it.
+TEST(AutoUnitsReuseDistance, TraceDecidesWhatStaysGathered) {
+  auto comm = test::world();
+  torch::jit::GraphOptimizerEnabledGuard optimize(false);
+  const Trained none = train_sharded("native", 3, "adamw", comm, 1, 0);
+  const Trained near = train_sharded("native", 3, "adamw", comm, 1, 2);
+  const Trained all = train_sharded("native", 3, "adamw", comm, 1, 1 << 20);
+  bool ok = true;
+  for (const Trained* run : {&none, &near}) {
+    std::string worst;
+    EXPECT_EQ(max_diff(run->params, all.params, &worst), 0.0) << worst;
+    EXPECT_EQ(run->comm_elements.front(), all.comm_elements.front());
+    ok = ok && max_diff(run->params, all.params, &worst) == 0.0 &&
+         run->comm_elements.front() == all.comm_elements.front();
+  }
+  const int64_t c0 = none.comm_elements.back(), c2 = near.comm_elements.back(),
+                call = all.comm_elements.back();
+  EXPECT_EQ(call, 2 * all.padded_numel);
+  EXPECT_GT(c2, call);
+  EXPECT_GT(c0, c2);
+  EXPECT_LT(none.peak, all.peak);
+  ok = ok && call == 2 * all.padded_numel && c2 > call && c0 > c2 && none.peak < all.peak;
+  if (comm->rank() == 0) {
+    std::printf("[reuse distance] last-step comm elements: 0 -> %lld, 2 -> %lld, all -> %lld "
+                "(padded %lld); step peak bytes: 0 -> %lld, 2 -> %lld, all -> %lld\n",
+                static_cast<long long>(c0), static_cast<long long>(c2),
+                static_cast<long long>(call), static_cast<long long>(all.padded_numel),
+                static_cast<long long>(none.peak), static_cast<long long>(near.peak),
+                static_cast<long long>(all.peak));
+  }
+  EXPECT_TRUE(test::all_ranks(ok)) << "comm elements in the last step: distance 0 " << c0
+                                   << ", 2 " << c2 << ", all " << call << "; padded "
+                                   << all.padded_numel;
 }
 
 }  // namespace

@@ -155,7 +155,11 @@ void AutoGather::release_by_window(const std::vector<int>& parts) {
 }
 
 void AutoGather::backward_use(int part) {
-  if (backward_.empty() || backward_.back() != part) backward_.push_back(part);
+  if (backward_.empty() || backward_.back() != part) {
+    // Backward passes that never reach the engine's end (gradients of inputs only): start over.
+    if (backward_.size() > 4 * static_cast<size_t>(store_.part_count()) + 16) backward_.clear();
+    backward_.push_back(part);
+  }
   if (!store_.part_gathered(part) && checked_ && trace_ok_ && prefetch_ > 0) {
     // Backward reaches the parts in reverse forward order: prefetch those before this one.
     size_t at = std::min(cursor_, order_.size());

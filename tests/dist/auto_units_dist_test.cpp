@@ -281,9 +281,8 @@ TEST(AutoUnitsMemory, PeakBelowStage2) {
 // native model (its decoder tied to the embedding), a distance beyond the trace keeps every part
 // until backward has used it, so each part is all-gathered once per step: with the reduce-scatter,
 // 2 * padded elements. Distance 2 frees the middle layers (their next use is in backward) and
-// keeps the last layer and the tied embedding into backward; 0 frees every part once another
-// starts, so the embedding is gathered again at the decoder and backward gathers all but the
-// last. The first step has no trace yet: the same fallback for every distance. The parameters do
+// keeps, at the end of forward, only what backward reads first; 0 frees every part once another
+// starts, so backward gathers all but the last again. The first step has no trace yet: the same fallback for every distance. The parameters do
 // not depend on it.
 TEST(AutoUnitsReuseDistance, TraceDecidesWhatStaysGathered) {
   auto comm = test::world();

@@ -261,7 +261,6 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
-  grads_clean_ = false;
   check_micro_step_open();
   tracker_->begin_pass();
   // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
@@ -319,11 +318,11 @@ void Engine::backward(const at::Tensor& loss) {
 
 // Note [step() consumes the gradients]: a trainer may hold only a torch::optim::Optimizer&, whose
 // zero_grad() on torch 1.13 is the base's (not virtual): it zeroes .grad in place and resets
-// nothing of ours. So step() itself leaves the gradient sinks zeroed and the micro-step count at
-// zero (end_step), and zero_grad() only repeats the zeroing when a backward ran since.
+// nothing of ours. So step() itself starts the gradients over and sets the micro-step count to
+// zero (end_step); zero_grad() repeats that (discarding a backward's gradients). Neither writes
+// the gradients (Note [Gradients start over without a zeroing pass]).
 void Engine::zero_grad() {
-  reducer_->zero(/*values=*/!grads_clean_);
-  grads_clean_ = true;
+  reducer_->start_over();
   tracker_->reset_micro_steps();
   store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
@@ -436,8 +435,7 @@ void Engine::after_update() {
 void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
-  reducer_->zero();  // Note [step() consumes the gradients]
-  grads_clean_ = true;
+  reducer_->start_over();  // Note [step() consumes the gradients]
   stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
   stats_.step_s = seconds_since(t0);
 }

@@ -108,7 +108,6 @@ class Engine final : public UnitRuntime {
   };
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
-  bool grads_clean_ = false;  // the gradient sinks are zero: no backward since they were zeroed
   int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };

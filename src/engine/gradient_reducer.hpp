@@ -59,9 +59,9 @@ class GradientReducer {
   void reduce_manual(int micro);
   // Waits for every reduction and folds it in; the next step starts with nothing launched.
   void complete_all();
-  // Reduced gradients to zero (unless `values` is false: they are zero already), .grad back to
-  // the in-place views (or none).
-  void zero(bool values = true);
+  // The next gradients start from zero (without writing them: Note [Gradients start over
+  // without a zeroing pass]); .grad undefined until backward reaches the parameter.
+  void start_over();
 
   int64_t take_comm_elements();
   int64_t grad_bytes() const;    // gradients kept between backward and step
@@ -76,6 +76,7 @@ class GradientReducer {
     int launched_micro = -1;  // micro-step of the last launch this step; -1: none yet
     WorkPtr work;
     int buffer = -1;  // Bucketed: pool index while filling or in flight
+    bool folded = false;  // Bucketed: folded into grad_reduced_ in this step (next fold adds)
   };
 
   int buckets() const { return static_cast<int>(buckets_.size()); }
@@ -99,6 +100,7 @@ class GradientReducer {
   int next_ = 0;  // first bucket not launched in this pass (layout order)
   at::Tensor grad_flat_;               // InPlace: full length, model dtype
   std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it
+  std::vector<char> written_;           // InPlace: the view holds this step's gradient
   at::Tensor grad_reduced_;            // Bucketed: update coordinates, master options
   std::vector<at::Tensor> pool_;       // Bucketed: bucket buffers
   at::Tensor host_staging_;            // offload of device gradients: pinned, one bucket

@@ -79,6 +79,7 @@ class Engine final : public UnitRuntime {
   void on_backward_end();
   // The phases of step().
   void finish_reduction();
+  double grad_divisor() const;
   bool skip_non_finite();
   void clip();
   void update();

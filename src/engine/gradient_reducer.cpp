@@ -55,7 +55,17 @@ at::Tensor GradientReducer::reduced(int bucket, const UpdatedRange& range) const
   return grad_flat_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
 }
 
+namespace {
+// Marks the reducer's calls from autograd's side (Note [The non-finite check during backward]).
+struct InBackward {
+  explicit InBackward(bool& flag) : flag_(flag) { flag_ = true; }
+  ~InBackward() { flag_ = false; }
+  bool& flag_;
+};
+}  // namespace
+
 void GradientReducer::accept(int index, int micro) {
+  InBackward in_backward(in_backward_);
   const auto& layout = flat_.layout();
   at::Tensor& grad = params_[index].mutable_grad();
   if (!plan_.bucketed()) {
@@ -77,6 +87,7 @@ void GradientReducer::accept(int index, int micro) {
       --buckets_[p->bucket].pending;
     }
     launch_ready(micro, /*pass_end=*/false);
+    complete_landed(micro);
     return;
   }
   const at::Tensor flat = grad.defined() ? grad.reshape(-1) : at::Tensor();
@@ -136,7 +147,9 @@ bool GradientReducer::pass_over_waiting(int micro) {
 }
 
 void GradientReducer::end_pass(int micro) {
+  InBackward in_backward(in_backward_);
   launch_ready(micro, /*pass_end=*/true);
+  if (!plan_.bucketed()) complete_landed(micro);
   next_ = 0;
   for (auto& b : buckets_) {
     b.pending = b.pieces;
@@ -216,6 +229,7 @@ void GradientReducer::launch(int bucket, int micro) {
       written_[i] = 1;
     }
     range = grad_flat_.narrow(0, bl.flat_offset, bl.padded);
+    landing_.push_back(bucket);
   }
   if (!plan_.sharded()) {
     b.work = comm_->all_reduce(range, ReduceOp::Sum, true);
@@ -239,7 +253,14 @@ void GradientReducer::complete(int bucket) {
   if (!b.work) return;
   b.work->wait(timeout_);
   b.work.reset();
-  if (!plan_.bucketed()) return;
+  // Landed while backward runs, in the step's last micro-step: these gradients are final.
+  const bool final = in_backward_ && on_reduced_ && b.launched_micro + 1 >= accumulation_;
+  if (!plan_.bucketed()) {
+    const auto it = std::find(landing_.begin(), landing_.end(), bucket);
+    if (it != landing_.end()) landing_.erase(it);
+    if (final) on_reduced_(bucket);
+    return;
+  }
   const auto range = flat_.updated(bucket);
   at::Tensor reduced = pool_[b.buffer].narrow(0, range.bucket_begin, range.length);
   at::Tensor into = grad_reduced_.narrow(0, range.state_offset, range.length);
@@ -270,6 +291,19 @@ void GradientReducer::complete(int bucket) {
   free_buffers_.push_back(b.buffer);
   b.buffer = -1;
   in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), bucket));
+  if (final) on_reduced_(bucket);
+}
+
+void GradientReducer::complete_landed(int micro) {
+  if (!on_reduced_ || !reduces(micro)) return;
+  for (size_t k = 0; k < landing_.size();) {
+    const int b = landing_[k];
+    if (buckets_[b].launched_micro == micro && buckets_[b].work->is_completed()) {
+      complete(b);  // erases it from landing_
+    } else {
+      ++k;
+    }
+  }
 }
 
 void GradientReducer::complete_all() {

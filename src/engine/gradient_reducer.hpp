@@ -28,6 +28,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <deque>
+#include <functional>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -63,6 +64,10 @@ class GradientReducer {
   // without a zeroing pass]); .grad undefined until backward reaches the parameter.
   void start_over();
 
+  // Called with a bucket whose reduction for this step landed while backward runs (from accept()
+  // or end_pass(), never from step()'s complete_all): its reduced gradients are final.
+  void set_on_reduced(std::function<void(int bucket)> fn) { on_reduced_ = std::move(fn); }
+
   int64_t take_comm_elements();
   int64_t grad_bytes() const;    // gradients kept between backward and step
   int64_t buffer_bytes() const;  // the bucket pool (+ offload's pinned staging buffer)
@@ -87,6 +92,8 @@ class GradientReducer {
   // hook_micro >= 0: called from a hook in that micro-step (it may pass over waiting buckets).
   int acquire_buffer(int bucket, int hook_micro = -1);
   void complete(int bucket);
+  // InPlace: completes the buckets launched in micro-step `micro` whose reduction has landed.
+  void complete_landed(int micro);
 
   const FlatState& flat_;
   const StagePlan plan_;
@@ -106,6 +113,9 @@ class GradientReducer {
   at::Tensor host_staging_;            // offload of device gradients: pinned, one bucket
   std::vector<int> free_buffers_;
   std::deque<int> in_flight_;
+  std::vector<int> landing_;            // InPlace: buckets in flight
+  std::function<void(int)> on_reduced_;
+  bool in_backward_ = false;            // inside accept() / end_pass()
   int64_t max_bucket_numel_ = 0;
   int64_t comm_elements_ = 0;
 };

@@ -1,6 +1,7 @@
 // BERT encoder, pooler, MLM and NSP heads (see model.hpp for names and the tied decoder).
 #include "model.hpp"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -25,6 +26,11 @@ BertInputs to_inputs(const Batch& b, const at::Device& device) {
   in.nsp_labels = make(b.nsp_labels, {b.rows});
   return in;
 }
+
+// Note [Step phases]: named ranges for the profiler (bench/profile_bert_step.py attributes each
+// forward op, and through its sequence number the backward node it creates, to the innermost
+// range); one branch on a thread-local flag when no profiler runs. The names are the peer's too.
+#define BERT_PHASE(name) RECORD_USER_SCOPE("phase::" name)
 
 // hidden_act: BERT's gelu is the exact (erf) one; gelu_new / gelu_pytorch_tanh the tanh
 // approximation (Hugging Face's names).
@@ -70,13 +76,38 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   auto split = [&](const at::Tensor& t) {  // [B, T, H] -> [B, heads, T, head_dim]
     return t.view({B, T, heads_, head_dim_}).transpose(1, 2);
   };
-  const auto q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
-  auto scores = torch::matmul(q, k.transpose(-1, -2)) * (1.0 / std::sqrt(double(head_dim_)));
-  auto probs = attn_dropout_(torch::softmax(scores + mask_bias, -1));
-  auto context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
-  auto attended = attn_norm_(hidden_dropout_(attn_dense_(context)) + x);
-  auto inner = activation(intermediate_(attended), act_);
-  return output_norm_(hidden_dropout_(output_(inner)) + attended);
+  at::Tensor q, k, v, scores, probs, context, attended, out;
+  {
+    BERT_PHASE("qkv");
+    q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
+  }
+  {
+    BERT_PHASE("scores");
+    scores = torch::matmul(q, k.transpose(-1, -2)) * (1.0 / std::sqrt(double(head_dim_)));
+    scores = scores + mask_bias;
+  }
+  {
+    BERT_PHASE("softmax");
+    probs = attn_dropout_(torch::softmax(scores, -1));
+  }
+  {
+    BERT_PHASE("context");
+    context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
+  }
+  {
+    BERT_PHASE("attn_out");
+    attended = hidden_dropout_(attn_dense_(context)) + x;
+  }
+  {
+    BERT_PHASE("layernorm");
+    attended = attn_norm_(attended);
+  }
+  {
+    BERT_PHASE("ffn");
+    out = hidden_dropout_(output_(activation(intermediate_(attended), act_))) + attended;
+  }
+  BERT_PHASE("layernorm");
+  return output_norm_(out);
 }
 
 // ---- the whole model --------------------------------------------------------------------------
@@ -163,9 +194,14 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   }
   const auto positions = torch::arange(T, input_ids.options()).unsqueeze(0);
   auto x = in_unit(embeddings_unit_, [&] {
+    BERT_PHASE("embeddings");
     auto e = word_embeddings_(input_ids) + position_embeddings_(positions) +
              token_type_embeddings_(token_type_ids);
-    return embeddings_dropout_(embeddings_norm_(e));
+    {
+      BERT_PHASE("layernorm");
+      e = embeddings_norm_(e);
+    }
+    return embeddings_dropout_(e);
   });
   // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation).
   const auto mask_bias =
@@ -209,11 +245,23 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     out.mlm_labels = labels.index_select(0, valid);
   }
   std::tie(out.mlm_logits, out.nsp_logits) = in_unit(heads_unit_, [&] {
-    const auto t = transform_norm_(activation(transform_(h), config_.hidden_act));
+    at::Tensor t;
+    {
+      BERT_PHASE("head_transform");
+      t = activation(transform_(h), config_.hidden_act);
+    }
+    {
+      BERT_PHASE("layernorm");
+      t = transform_norm_(t);
+    }
+    BERT_PHASE("decoder");
     return std::make_tuple(F::linear(t, word_embeddings_->weight, decoder_bias_),
                            seq_relationship_ ? seq_relationship_(pooled) : at::Tensor());
   });
-  out.mlm_loss = F::cross_entropy(out.mlm_logits.to(torch::kFloat), out.mlm_labels);
+  {
+    BERT_PHASE("loss");
+    out.mlm_loss = F::cross_entropy(out.mlm_logits.to(torch::kFloat), out.mlm_labels);
+  }
   if (seq_relationship_) {
     out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
     out.loss = out.mlm_loss + out.nsp_loss;

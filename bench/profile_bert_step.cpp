@@ -4,6 +4,7 @@
 // profiled steps' events go to --out as JSON: [name, sequence number, start us, end us, thread].
 // The model marks its phases with named ranges (Note [Step phases] in examples/bert/model.cpp).
 #include <CLI/CLI.hpp>
+#include <fmt/core.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
@@ -64,7 +65,8 @@ int main(int argc, char** argv) {
   app.add_option("--preset", preset, "BERT preset (peer: the PyTorch peer's model, all logits)");
   app.add_option("--batch", batch, "sequences")->check(CLI::PositiveNumber);
   app.add_option("--seq", seq, "sequence length")->check(CLI::Range(8, 512));
-  app.add_option("--steps", steps, "timed and profiled steps, alternating")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "timed and profiled steps, alternating")
+      ->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "unmeasured steps first")->check(CLI::NonNegativeNumber);
   app.add_option("--out", out_path, "events JSON");
   CLI11_PARSE(app, argc, argv);
@@ -107,12 +109,20 @@ int main(int argc, char** argv) {
       fwd.push_back(f), bwd.push_back(b);
     }
   }
+  // The phase ranges are what the script attributes by: a model without them profiles nothing.
+  const auto phases = std::count_if(events.begin(), events.end(), [](const nlohmann::json& e) {
+    return e[0].get<std::string>().rfind("phase::", 0) == 0;
+  });
+  if (phases == 0) {
+    fmt::print(stderr, "profile_bert_step: no phase::* ranges recorded (Note [Step phases])\n");
+    return 1;
+  }
   std::ofstream(out_path) << nlohmann::json{{"profiled_steps", steps},
                                             {"fwd_s", median(fwd)},
                                             {"bwd_s", median(bwd)},
                                             {"events", events}}
                                  .dump();
-  std::printf("forward %.4f s, backward %.4f s (medians, unprofiled); events: %s\n", median(fwd),
-              median(bwd), out_path.c_str());
+  fmt::print("forward {:.4f} s, backward {:.4f} s (medians, unprofiled); {} events, {} in phases\n",
+             median(fwd), median(bwd), events.size(), phases);
   return 0;
 }

@@ -60,7 +60,7 @@ def phased_forward(m, ids):
         with record_function("phase::softmax"):
             att = a.drop(att.softmax(dim=-1))
         with record_function("phase::context"):
-            ctx = (att @ v).transpose(1, 2).reshape(B, S, a.h * 1)
+            ctx = (att @ v).transpose(1, 2).reshape(B, S, a.h)
         with record_function("phase::attn_out"):
             y = x + layer.drop(a.o(ctx))
         with record_function("phase::layernorm"):

@@ -32,6 +32,13 @@ BertInputs to_inputs(const Batch& b, const at::Device& device) {
 // range); one branch on a thread-local flag when no profiler runs. The names are the peer's too.
 #define BERT_PHASE(name) RECORD_USER_SCOPE("phase::" name)
 
+// Through at::linear (PyTorch's F.linear): addmm with the bias for inputs of any rank. The C++
+// frontend's Linear / F::linear computes matmul and then adds the bias in a second pass over the
+// output (and a reduction for its gradient) whenever the input has more than two dimensions.
+static at::Tensor linear(const torch::nn::Linear& m, const at::Tensor& x) {
+  return torch::linear(x, m->weight, m->bias);
+}
+
 // hidden_act: BERT's gelu is the exact (erf) one; gelu_new / gelu_pytorch_tanh the tanh
 // approximation (Hugging Face's names).
 static at::Tensor activation(const at::Tensor& x, const std::string& name) {
@@ -79,12 +86,12 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   at::Tensor q, k, v, scores, probs, context, attended, out;
   {
     BERT_PHASE("qkv");
-    q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
+    q = split(linear(query_, x)), k = split(linear(key_, x)), v = split(linear(value_, x));
   }
   {
     BERT_PHASE("scores");
     scores = torch::matmul(q, k.transpose(-1, -2)) * (1.0 / std::sqrt(double(head_dim_)));
-    scores = scores + mask_bias;
+    if (mask_bias.defined()) scores = scores + mask_bias;
   }
   {
     BERT_PHASE("softmax");
@@ -96,7 +103,7 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   }
   {
     BERT_PHASE("attn_out");
-    attended = hidden_dropout_(attn_dense_(context)) + x;
+    attended = hidden_dropout_(linear(attn_dense_, context)) + x;
   }
   {
     BERT_PHASE("layernorm");
@@ -104,7 +111,8 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   }
   {
     BERT_PHASE("ffn");
-    out = hidden_dropout_(output_(activation(intermediate_(attended), act_))) + attended;
+    const auto inner = activation(linear(intermediate_, attended), act_);
+    out = hidden_dropout_(linear(output_, inner)) + attended;
   }
   BERT_PHASE("layernorm");
   return output_norm_(out);
@@ -203,9 +211,13 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
     }
     return embeddings_dropout_(e);
   });
-  // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation).
-  const auto mask_bias =
-      ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
+  // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation). None when
+  // every token is real: it would add -0.0 to every score (no change) in a pass per layer. Asked
+  // on the CPU only, where it costs no device synchronisation.
+  at::Tensor mask_bias;
+  if (!attention_mask.is_cpu() || attention_mask.eq(0).any().item<bool>()) {
+    mask_bias = ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto run_layer = [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
       return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
@@ -219,7 +231,9 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
     }
   }
   at::Tensor pooled;
-  if (pooler_) pooled = in_unit(pooler_unit_, [&] { return torch::tanh(pooler_(x.select(1, 0))); });
+  if (pooler_) {
+    pooled = in_unit(pooler_unit_, [&] { return torch::tanh(linear(pooler_, x.select(1, 0))); });
+  }
   return {x, pooled};
 }
 
@@ -248,19 +262,30 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     at::Tensor t;
     {
       BERT_PHASE("head_transform");
-      t = activation(transform_(h), config_.hidden_act);
+      t = activation(linear(transform_, h), config_.hidden_act);
     }
     {
       BERT_PHASE("layernorm");
       t = transform_norm_(t);
     }
     BERT_PHASE("decoder");
-    return std::make_tuple(F::linear(t, word_embeddings_->weight, decoder_bias_),
-                           seq_relationship_ ? seq_relationship_(pooled) : at::Tensor());
+    return std::make_tuple(torch::linear(t, word_embeddings_->weight, decoder_bias_),
+                           seq_relationship_ ? linear(seq_relationship_, pooled) : at::Tensor());
   });
   {
     BERT_PHASE("loss");
-    out.mlm_loss = F::cross_entropy(out.mlm_logits.to(torch::kFloat), out.mlm_labels);
+    auto logits = out.mlm_logits.to(torch::kFloat);
+    auto labels_in = out.mlm_labels;
+    if (config_.mlm_all_positions) {
+      // Every position has logits, but only the labelled rows enter the loss (in row order, as
+      // cross_entropy meets them): the other rows' log-probabilities would be computed and thrown
+      // away (ignore_index: their loss term and gradient are exactly zero), ~85% of a [B*T, vocab]
+      // log-softmax each way. The logits' gradient is still [B*T, vocab], zero on those rows.
+      const auto labelled = out.mlm_labels.ne(-100).nonzero().squeeze(1);
+      logits = logits.index_select(0, labelled);
+      labels_in = out.mlm_labels.index_select(0, labelled);
+    }
+    out.mlm_loss = F::cross_entropy(logits, labels_in);
   }
   if (seq_relationship_) {
     out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);

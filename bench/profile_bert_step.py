@@ -189,6 +189,44 @@ def by_phase(events, steps):
     return ({k: v * scale for k, v in times.items()}, {k: v * scale for k, v in ops.items()})
 
 
+def gemm_floor(a, rounds=3):
+    """CPU seconds of one step's matrix products alone (the peer's shapes, fwd + bwd), through
+    the same torch and BLAS both sides use: what no trainer that does the same work can go below.
+    Process CPU time, the median of `rounds`, so that a shared machine inflates it less."""
+    torch.set_num_threads(1)
+    n, h, inter, v, heads, t = a.batch * a.seq, 256, 1024, a.vocab, 4, a.seq
+    bh, d = a.batch * heads, h // heads
+    r = torch.randn
+    x, xi, w, wi, wo, W = r(n, h), r(n, inter), r(h, h), r(inter, h), r(h, inter), r(v, h)
+    q, kt, p, vv = r(bh, t, d), r(bh, d, t), r(bh, t, t), r(bh, t, d)
+
+    def linear(xin, weight):  # y = x W^T + b, then dx = dy W and dW = dy^T x (dy: y's shape)
+        y = torch.addmm(torch.zeros(weight.shape[0]), xin, weight.t())
+        return y, y @ weight, y.t() @ xin
+
+    def bmm(A, B):  # C = A B, then dA = dC B^T and dB = A^T dC
+        c = A @ B
+        return c, c @ B.transpose(1, 2), A.transpose(1, 2) @ c
+
+    def encoder():  # per layer: q, k, v, output, FFN in and out, scores, context; + the head's
+        for _ in range(4):
+            for _ in range(4):
+                linear(x, w)
+            linear(x, wi), linear(xi, wo), bmm(q, kt), bmm(p, vv)
+        linear(x, w)
+    parts = {"encoder + head transform": encoder, "decoder (logits, dX, dW)": lambda: linear(x, W)}
+    out = {}
+    for name, fn in parts.items():
+        fn()
+        ts = []
+        for _ in range(rounds):
+            c0 = time.process_time()
+            fn()
+            ts.append(time.process_time() - c0)
+        out[name] = sorted(ts)[len(ts) // 2]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -202,7 +240,15 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--top", type=int, default=30, help="ops listed by self time")
     ap.add_argument("--reuse", action="store_true", help="summarise the last run's events again")
+    ap.add_argument("--gemm-floor", action="store_true",
+                    help="only the CPU seconds of one step's matrix products (see gemm_floor)")
     a = ap.parse_args()
+    if a.gemm_floor:
+        f = gemm_floor(a)
+        for k, v in f.items():
+            print(f"{k}: {v:.3f} CPU s")
+        print(f"matrix products of one step: {sum(f.values()):.3f} CPU s")
+        return
 
     saved = os.path.join(a.workdir, "profile_bert_events.json")
     if a.reuse:

@@ -137,7 +137,7 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
-  if (plan_.per_unit()) {
+  if (plan_.per_part()) {
     unit_plan_ = options_.units;
     if (!unit_plan_) {
       unit_plan_ = derived_units(groups, options_.unit_policy, ranks_.world->rank() == 0);
@@ -145,11 +145,11 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
     }
   }
   model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
-                         plan_.per_unit() ? unit_plan_.get() : nullptr);
-  verify_same_model(params(), plan_.per_unit(), *ranks_.world, options_.timeout);
+                         plan_.per_part() ? unit_plan_.get() : nullptr);
+  verify_same_model(params(), plan_.per_part(), *ranks_.world, options_.timeout);
   build(rule, factory);
   attach_hooks();
-  if (plan_.per_unit() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
+  if (plan_.per_part() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
     fmt::print(stderr,
                "shardopt: stage 3: {} parameter(s) in no unit, gathered for every forward and "
                "backward until step(): {}\n",
@@ -170,11 +170,11 @@ Engine::~Engine() {
 // Placement (Note [Placement] in shardopt/detail/plan.hpp).
 void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   std::vector<int64_t> numels;
-  std::vector<int> groups, units, unit_of;
+  std::vector<int> groups, parts, part_of;
   for (const auto& p : params()) {
     numels.push_back(p.tensor.numel());
     groups.push_back(p.group);
-    if (plan_.per_unit()) units.push_back(p.unit);
+    if (plan_.per_part()) parts.push_back(p.part);
   }
   const auto& proto = params().front().tensor;
   const int64_t elem = static_cast<int64_t>(proto.element_size());
@@ -182,22 +182,22 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   for (int64_t n : numels) total += n;
   FlatLayout layout =
       make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
-                  bucket_numel(options_.bucket_bytes, total, world_, elem), units);
+                  bucket_numel(options_.bucket_bytes, total, world_, elem), parts);
   const BufferOptions where = buffer_options(
       Placement::make(plan_, options_.precision, options_.reduce_dtype, options_.reduce_in_fp32,
                       proto.is_cpu()),
       proto.options());
-  const int root = plan_.per_unit() ? model_.root_unit : 0;
-  for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);
+  const int root = plan_.per_part() ? model_.root_part : 0;
+  for (const auto& p : params()) part_of.push_back(plan_.per_part() && p.part != root ? p.part : -1);
   flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), where.model,
                                       where.master, where.reduce);
-  tracker_ = std::make_unique<BackwardTracker>(std::move(unit_of), root + 1);
+  tracker_ = std::make_unique<BackwardTracker>(std::move(part_of), root + 1);
 
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
   // the master weights (ParameterStore::adopt).
   store_ = make_store();
   if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
-    auto_ = std::make_unique<AutoGather>(*store_, model_.root_unit, options_.prefetch, comm_,
+    auto_ = std::make_unique<AutoGather>(*store_, model_.root_part, options_.prefetch, comm_,
                                          options_.timeout);
     store_->set_automatic(auto_.get());
   }
@@ -212,6 +212,10 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
       options_.fused_update);
+  // Note [The non-finite check during backward] in local_update.cpp.
+  reducer_->set_on_reduced([this](int bucket) {
+    update_->check_early(bucket, grad_divisor(), options_.max_grad_norm > 0);
+  });
   checkpoint_ = std::make_unique<CheckpointAccess>(
       options_, ranks_, model_, *flat_, *store_, *update_, owner_, scaler_, steps_, [this] {
         stats_ = StepStats{};
@@ -222,10 +226,10 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       });
 }
 
-// Per unit: one part per declared unit, shared set and the root (Note [Stage 3 units]); whole:
+// Per part: one part per declared unit, shared set and the root (Note [Stage 3 units]); whole:
 // one part, the model.
 std::unique_ptr<ParameterStore> Engine::make_store() {
-  if (plan_.per_unit()) {
+  if (plan_.per_part()) {
     return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
                                             part_labels(model_, *unit_plan_), model_.unit_parts,
                                             comm_, options_.timeout, options_.prefetch);
@@ -261,7 +265,6 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
-  grads_clean_ = false;
   check_micro_step_open();
   tracker_->begin_pass();
   // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
@@ -271,19 +274,19 @@ void Engine::begin_pass() {
 }
 
 // The path of a gradient: hook -> tracker (once per pass) -> reducer (into its bucket, launched
-// when due: Note [Bucket completion]) -> at stage 3, the unit's release once all of it is in.
+// when due: Note [Bucket completion]) -> at stage 3, the part's release once all of it is in.
 void Engine::on_grad_ready(int index) {
   begin_pass();
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
   reducer_->accept(index, tracker_->micro_steps());
-  // Every parameter of the unit has its gradient: its backward is over, free it.
-  if (arrival.unit_complete) store_->release(params()[index].unit);
+  // Every parameter of the part has its gradient: its backward is over, free it.
+  if (arrival.part_complete) store_->release(params()[index].part);
 }
 
 // End of one backward pass: the reducer reduces what is still pending.
 void Engine::on_backward_end() {
-  if (plan_.per_unit()) store_->end_backward();
+  if (plan_.per_part()) store_->end_backward();
   if (auto_) auto_->end_backward();
   reducer_->end_pass(tracker_->micro_steps());
   tracker_->end_pass();
@@ -319,11 +322,12 @@ void Engine::backward(const at::Tensor& loss) {
 
 // Note [step() consumes the gradients]: a trainer may hold only a torch::optim::Optimizer&, whose
 // zero_grad() on torch 1.13 is the base's (not virtual): it zeroes .grad in place and resets
-// nothing of ours. So step() itself leaves the gradient sinks zeroed and the micro-step count at
-// zero (end_step), and zero_grad() only repeats the zeroing when a backward ran since.
+// nothing of ours. So step() itself starts the gradients over and sets the micro-step count to
+// zero (end_step); zero_grad() repeats that (discarding a backward's gradients). Neither writes
+// the gradients (Note [Gradients start over without a zeroing pass]).
 void Engine::zero_grad() {
-  reducer_->zero(/*values=*/!grads_clean_);
-  grads_clean_ = true;
+  reducer_->start_over();
+  update_->forget_early();
   tracker_->reset_micro_steps();
   store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
@@ -375,13 +379,12 @@ void Engine::finish_reduction() {
 // on every rank (they agree on the flag).
 bool Engine::skip_non_finite() {
   RECORD_FUNCTION("shardopt::skip_non_finite", std::vector<c10::IValue>());
-  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
   const bool clipping = options_.max_grad_norm > 0;
-  const auto check =
-      update_->unscale_and_check(static_cast<double>(world_) * loss_scale, clipping);
+  const auto check = update_->unscale_and_check(grad_divisor(), clipping);
   if (clipping) stats_.grad_norm = check.norm;
   stats_.unscale_s = check.unscale_s;
   stats_.check_s = check.check_s;
+  stats_.check_backward_s = check.check_backward_s;
   const bool non_finite = check.non_finite;
   if (scaler_) {
     stats_.loss_scale = scaler_->scale();
@@ -401,6 +404,11 @@ bool Engine::skip_non_finite() {
                   options_.max_nonfinite_steps, steps_);
   }
   return non_finite;
+}
+
+// Reduced gradients are sums over ranks of loss-scaled ones: the unscale divides by this.
+double Engine::grad_divisor() const {
+  return static_cast<double>(world_) * (scaler_ ? scaler_->scale() : 1.0);
 }
 
 // Phase 3: global gradient-norm clipping (the norm was computed by phase 2).
@@ -423,7 +431,7 @@ void Engine::update() {
   stats_.write_back_s = seconds_since(w);
 }
 
-// Phase 5: parameters whole again where the model reads them (all-gather, or units released).
+// Phase 5: parameters whole again where the model reads them (all-gather, or parts released).
 void Engine::after_update() {
   RECORD_FUNCTION("shardopt::gather", std::vector<c10::IValue>());
   const auto t = Clock::now();
@@ -436,8 +444,7 @@ void Engine::after_update() {
 void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
-  reducer_->zero();  // Note [step() consumes the gradients]
-  grads_clean_ = true;
+  reducer_->start_over();  // Note [step() consumes the gradients]
   stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
   stats_.step_s = seconds_since(t0);
 }

@@ -68,6 +68,14 @@ CommunicatorPtr communicator(const std::string& backend) {
   return slot;
 }
 
+CommunicatorPtr first_ranks(int n) {
+  static std::map<int, CommunicatorPtr> cache;
+  auto it = cache.find(n);
+  if (it != cache.end()) return it->second;
+  const int rank = g_world->rank();
+  return cache[n] = g_world->split(rank < n ? 0 : -1, rank);
+}
+
 std::string shared_dir(const std::string& tag) {
   std::string path(256, '\0');
   if (world()->rank() == 0) {

@@ -25,6 +25,7 @@
 #include "shardopt/memory_tracker.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/dist_env.hpp"
+#include "support/first_ranks.hpp"
 
 namespace shardopt {
 namespace {

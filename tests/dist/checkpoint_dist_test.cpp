@@ -15,6 +15,7 @@
 #include "shardopt/error.hpp"
 #include "support/checkpoint_model.hpp"
 #include "support/dist_env.hpp"
+#include "support/first_ranks.hpp"
 
 namespace shardopt {
 namespace {

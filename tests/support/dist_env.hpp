@@ -23,10 +23,6 @@ std::string not_built(const std::string& backend);
 // A fresh Gloo group with its own store, for tests that leave it broken (timeouts); null when this
 // build has no Gloo engine.
 CommunicatorPtr fresh_gloo(Duration timeout);
-// A communicator over world ranks [0, n), null on the others (resharding tests: one mpirun -np 4
-// covers 1..4). Collective over the world the first time each n is asked for (every rank must ask
-// in the same order).
-CommunicatorPtr first_ranks(int n);
 // A fresh directory every rank sees (rank 0 makes it under $TMPDIR or /tmp, named after `tag`).
 // Collective.
 std::string shared_dir(const std::string& tag);

@@ -12,6 +12,7 @@
 #include "shardopt/config.hpp"
 #include "shardopt/process_group.hpp"
 #include "support/dist_env.hpp"
+#include "support/first_ranks.hpp"
 
 namespace shardopt::test {
 namespace {

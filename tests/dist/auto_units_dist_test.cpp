@@ -344,8 +344,8 @@ TEST(AutoUnitsCheckpoint, ResumesBitwiseAndAtOtherWorldSizes) {
   const int saver = std::min(2, world->size());
   const std::string base = test::shared_dir("auto-units-ckpt");
   const std::string dir = base + "/ckpt";
-  std::map<std::string, at::Tensor> uninterrupted = snapshot(make("native"));
-  const auto initial = uninterrupted;
+  const auto initial = snapshot(make("native"));
+  std::map<std::string, at::Tensor> uninterrupted = snapshot(make("native"));  // its own tensors
   if (auto comm = test::first_ranks(saver)) {
     Model m = make("native");
     DistributedOptimizer opt(groups_of(m), rule_of("adamw"), comm, auto_options(3));

@@ -211,7 +211,7 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
   const int64_t update = plan.sharded() ? shard : psi;  // elements this rank updates
   Breakdown dev, host;
   Breakdown& on_master = place.master_on_host ? host : dev;
-  dev.params = p * (plan.per_unit() ? shard : psi);
+  dev.params = p * (plan.per_part() ? shard : psi);
   on_master.optimizer_state = e.k * update;
   if (plan.bucketed()) {
     on_master.grads = master * update;  // reduced gradients
@@ -222,7 +222,7 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
     dev.grads = reduce * psi;  // the flat gradient buffer, reduced in place
   }
   // Stage 3: the gathered units and their gradients in the compute dtype.
-  if (plan.per_unit()) dev.buffers += 2 * p * e.gathered_units_params;
+  if (plan.per_part()) dev.buffers += 2 * p * e.gathered_units_params;
   e.device = dev;
   e.host = host;
 }

@@ -79,7 +79,7 @@ void AutoGather::forward_use(const std::vector<int>& parts) {
       continue;
     }
     if (order_.empty() || order_.back() != part) {
-      if (order_.size() > 4 * static_cast<size_t>(store_.parts()) + 16) {
+      if (order_.size() > 4 * static_cast<size_t>(store_.part_count()) + 16) {
         order_.clear();  // forwards without a backward (evaluation): a new trace starts
       }
       order_.push_back(part);
@@ -121,7 +121,7 @@ void AutoGather::backward_use(int part) {
       }
     }
   }
-  store_.gather_part(part);
+  store_.gather_for_backward(part);
 }
 
 void AutoGather::end_backward() {

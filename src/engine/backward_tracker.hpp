@@ -1,6 +1,6 @@
 // BackwardTracker: where the backward pass stands. Counts micro-steps (backward passes since the
 // last step()) and, within a pass, which parameters' gradients arrived, so the engine learns when
-// a stage-3 unit has all of its gradients (buckets count their own pieces: GradientReducer).
+// a stage-3 part has all of its gradients (buckets count their own pieces: GradientReducer).
 // Autograd may fire a parameter's hook twice in one pass (reentrant backward): the second arrival
 // is reported as a duplicate. Torch-free.
 #pragma once
@@ -12,11 +12,11 @@ namespace shardopt::detail {
 
 class BackwardTracker {
  public:
-  // unit_of[i]: parameter i's unit (-1: no unit is tracked for it).
-  BackwardTracker(std::vector<int> unit_of, int units)
-      : unit_of_(std::move(unit_of)), param_pass_(unit_of_.size(), -1), units_(units) {
-    for (int u : unit_of_) {
-      if (u >= 0) ++units_[u].size;
+  // part_of[i]: parameter i's part (-1: no part is tracked for it).
+  BackwardTracker(std::vector<int> part_of, int parts)
+      : part_of_(std::move(part_of)), param_pass_(part_of_.size(), -1), parts_(parts) {
+    for (int p : part_of_) {
+      if (p >= 0) ++parts_[p].size;
     }
   }
 
@@ -30,7 +30,7 @@ class BackwardTracker {
 
   struct Arrival {
     bool duplicate = false;      // already arrived in this pass: nothing to do
-    bool unit_complete = false;  // the last gradient of its unit in this pass
+    bool part_complete = false;  // the last gradient of its part in this pass
   };
   Arrival arrive(int param) {
     Arrival a;
@@ -39,8 +39,8 @@ class BackwardTracker {
       return a;
     }
     param_pass_[param] = pass_;
-    const int unit = unit_of_[param];
-    a.unit_complete = unit >= 0 && count_down(units_[unit]);
+    const int part = part_of_[param];
+    a.part_complete = part >= 0 && count_down(parts_[part]);
     return a;
   }
 
@@ -71,9 +71,9 @@ class BackwardTracker {
     return --c.pending == 0;
   }
 
-  std::vector<int> unit_of_;
+  std::vector<int> part_of_;
   std::vector<int64_t> param_pass_;  // pass in which each parameter's gradient last arrived
-  std::vector<Counter> units_;
+  std::vector<Counter> parts_;
   int64_t pass_ = 0;      // backward passes ever
   int micro_steps_ = 0;   // backward passes since the last step()
   bool in_pass_ = false;

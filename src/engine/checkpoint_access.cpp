@@ -68,7 +68,7 @@ void CheckpointAccess::after_load() {
     for (auto& w : works) w->wait(options_.timeout);
   }
   update_.write_back();  // master -> model dtype
-  store_.after_update();  // sharded: parameters; per unit: frees stale units, gathers the root
+  store_.after_update();  // sharded: parameters; per part: frees stale parts
   restart_();
 }
 

@@ -137,7 +137,7 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
-  if (plan_.per_unit()) {
+  if (plan_.per_part()) {
     unit_plan_ = options_.units;
     if (!unit_plan_) {
       unit_plan_ = derived_units(groups, options_.unit_policy, ranks_.world->rank() == 0);
@@ -145,11 +145,11 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
     }
   }
   model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
-                         plan_.per_unit() ? unit_plan_.get() : nullptr);
-  verify_same_model(params(), plan_.per_unit(), *ranks_.world, options_.timeout);
+                         plan_.per_part() ? unit_plan_.get() : nullptr);
+  verify_same_model(params(), plan_.per_part(), *ranks_.world, options_.timeout);
   build(rule, factory);
   attach_hooks();
-  if (plan_.per_unit() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
+  if (plan_.per_part() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
     fmt::print(stderr,
                "shardopt: stage 3: {} parameter(s) in no unit, gathered for every forward and "
                "backward until step(): {}\n",
@@ -170,11 +170,11 @@ Engine::~Engine() {
 // Placement (Note [Placement] in shardopt/detail/plan.hpp).
 void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   std::vector<int64_t> numels;
-  std::vector<int> groups, units, unit_of;
+  std::vector<int> groups, parts, part_of;
   for (const auto& p : params()) {
     numels.push_back(p.tensor.numel());
     groups.push_back(p.group);
-    if (plan_.per_unit()) units.push_back(p.unit);
+    if (plan_.per_part()) parts.push_back(p.part);
   }
   const auto& proto = params().front().tensor;
   const int64_t elem = static_cast<int64_t>(proto.element_size());
@@ -182,22 +182,22 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   for (int64_t n : numels) total += n;
   FlatLayout layout =
       make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
-                  bucket_numel(options_.bucket_bytes, total, world_, elem), units);
+                  bucket_numel(options_.bucket_bytes, total, world_, elem), parts);
   const BufferOptions where = buffer_options(
       Placement::make(plan_, options_.precision, options_.reduce_dtype, options_.reduce_in_fp32,
                       proto.is_cpu()),
       proto.options());
-  const int root = plan_.per_unit() ? model_.root_unit : 0;
-  for (const auto& p : params()) unit_of.push_back(plan_.per_unit() && p.unit != root ? p.unit : -1);
+  const int root = plan_.per_part() ? model_.root_part : 0;
+  for (const auto& p : params()) part_of.push_back(plan_.per_part() && p.part != root ? p.part : -1);
   flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), where.model,
                                       where.master, where.reduce);
-  tracker_ = std::make_unique<BackwardTracker>(std::move(unit_of), root + 1);
+  tracker_ = std::make_unique<BackwardTracker>(std::move(part_of), root + 1);
 
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
   // the master weights (ParameterStore::adopt).
   store_ = make_store();
   if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
-    auto_ = std::make_unique<AutoGather>(*store_, model_.root_unit, options_.prefetch, comm_,
+    auto_ = std::make_unique<AutoGather>(*store_, model_.root_part, options_.prefetch, comm_,
                                          options_.timeout);
     store_->set_automatic(auto_.get());
   }
@@ -222,10 +222,10 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       });
 }
 
-// Per unit: one part per declared unit, shared set and the root (Note [Stage 3 units]); whole:
+// Per part: one part per declared unit, shared set and the root (Note [Stage 3 units]); whole:
 // one part, the model.
 std::unique_ptr<ParameterStore> Engine::make_store() {
-  if (plan_.per_unit()) {
+  if (plan_.per_part()) {
     return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
                                             part_labels(model_, *unit_plan_), model_.unit_parts,
                                             comm_, options_.timeout, options_.prefetch);
@@ -271,19 +271,19 @@ void Engine::begin_pass() {
 }
 
 // The path of a gradient: hook -> tracker (once per pass) -> reducer (into its bucket, launched
-// when due: Note [Bucket completion]) -> at stage 3, the unit's release once all of it is in.
+// when due: Note [Bucket completion]) -> at stage 3, the part's release once all of it is in.
 void Engine::on_grad_ready(int index) {
   begin_pass();
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
   reducer_->accept(index, tracker_->micro_steps());
-  // Every parameter of the unit has its gradient: its backward is over, free it.
-  if (arrival.unit_complete) store_->release(params()[index].unit);
+  // Every parameter of the part has its gradient: its backward is over, free it.
+  if (arrival.part_complete) store_->release(params()[index].part);
 }
 
 // End of one backward pass: the reducer reduces what is still pending.
 void Engine::on_backward_end() {
-  if (plan_.per_unit()) store_->end_backward();
+  if (plan_.per_part()) store_->end_backward();
   if (auto_) auto_->end_backward();
   reducer_->end_pass(tracker_->micro_steps());
   tracker_->end_pass();
@@ -423,7 +423,7 @@ void Engine::update() {
   stats_.write_back_s = seconds_since(w);
 }
 
-// Phase 5: parameters whole again where the model reads them (all-gather, or units released).
+// Phase 5: parameters whole again where the model reads them (all-gather, or parts released).
 void Engine::after_update() {
   RECORD_FUNCTION("shardopt::gather", std::vector<c10::IValue>());
   const auto t = Clock::now();

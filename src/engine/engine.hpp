@@ -2,9 +2,9 @@
 // autograd and stage-3 unit events to them and runs step() as five named phases. Each piece owns
 // its state and none calls another:
 //   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
-//   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per unit
+//   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per part
 //   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
-//   BackwardTracker  (backward_tracker.hpp)  micro-steps, duplicate hooks, which units are complete
+//   BackwardTracker  (backward_tracker.hpp)  micro-steps, duplicate hooks, which parts are complete
 //   LocalUpdate      (local_update.hpp)      unscale, non-finite check, clip, the rules and kernels
 // Two roles: the optimizer (step, zero_grad, backward) and the stage-3 unit runtime. What
 // checkpoints read and write (ShardAccess) is CheckpointAccess over the same pieces.
@@ -93,7 +93,7 @@ class Engine final : public UnitRuntime {
   int world_ = 1;
   CollectedModel model_;
   UnitsPtr unit_plan_;  // stage 3: the model's declared units (attached to this engine)
-  bool automatic_ = false;  // stage 3: units_plan_ derived from names (Note [Automatic units])
+  bool automatic_ = false;  // stage 3: unit_plan_ derived from names (Note [Automatic units])
   std::optional<LossScaler> scaler_;  // fp16
   std::unique_ptr<FlatState> flat_;
   std::unique_ptr<AutoGather> auto_;  // before store_: the store unregisters it on destruction

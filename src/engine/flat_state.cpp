@@ -43,7 +43,7 @@ at::Tensor FlatState::owned_copy(const at::Tensor& flat, const at::TensorOptions
 
 void FlatState::init_master(const at::Tensor& initial) {
   if (!plan_.separate_master()) return;
-  master_ = plan_.per_unit() ? initial.to(master_options_, false, true)
+  master_ = plan_.per_part() ? initial.to(master_options_, false, true)
                              : updated_copy(initial, master_options_);
 }
 

@@ -19,7 +19,7 @@ namespace {
 // Each parameter's part: its declaring unit's own part when one unit declares it, a part of
 // its own per set of units sharing it (BERT's word embeddings, declared by the embeddings and by
 // the heads that reuse them as the MLM decoder), the root part when no unit declares it.
-void assign_units(CollectedModel& m, const Units& units) {
+void assign_parts(CollectedModel& m, const Units& units) {
   const int declared = units.size();
   std::unordered_map<const c10::TensorImpl*, std::vector<int>> declared_by;
   for (int u = 0; u < declared; ++u) {
@@ -48,9 +48,9 @@ void assign_units(CollectedModel& m, const Units& units) {
     }
     part_of[i] = pos->second;
   }
-  m.root_unit = declared + static_cast<int>(shared.size());
+  m.root_part = declared + static_cast<int>(shared.size());
   for (size_t i = 0; i < m.params.size(); ++i) {
-    m.params[i].unit = part_of[i] >= 0 ? part_of[i] : m.root_unit;
+    m.params[i].part = part_of[i] >= 0 ? part_of[i] : m.root_part;
     if (part_of[i] < 0) m.loose_names.push_back(m.params[i].name);
   }
 }
@@ -136,24 +136,24 @@ CollectedModel collect_model(std::vector<ParamGroup> groups, const Rule& rule, b
   SHARDOPT_CHECK(!mixed || first.scalar_type() != at::kDouble, InvalidArgument,
                  "optimizer: precision {} needs float32 parameters (the master copy is fp32), "
                  "'{}' is {}", to_string(precision), params.front().name, describe(first));
-  if (units) assign_units(m, *units);
-  // Layout order: by group, (unit,) then reverse registration order (see Note [Flat layout] in flat_state.hpp).
+  if (units) assign_parts(m, *units);
+  // Layout order: by group, (part,) then reverse registration order (see Note [Flat layout] in flat_state.hpp).
   std::stable_sort(params.begin(), params.end(), [](const ModelParam& a, const ModelParam& b) {
     if (a.group != b.group) return a.group < b.group;
-    if (a.unit != b.unit) return a.unit < b.unit;
+    if (a.part != b.part) return a.part < b.part;
     return a.order > b.order;
   });
   return m;
 }
 
-void verify_same_model(const std::vector<ModelParam>& params, bool per_unit, Communicator& comm,
+void verify_same_model(const std::vector<ModelParam>& params, bool per_part, Communicator& comm,
                        Duration timeout) {
   const int world = comm.size();
   if (world == 1) return;
   std::string mine;
   for (const auto& p : params) {
     mine += fmt::format("'{}' {} (group {}{})\n", p.name, describe(p.tensor), p.group,
-                        per_unit ? fmt::format(", unit {}", p.unit) : std::string());
+                        per_part ? fmt::format(", part {}", p.part) : std::string());
   }
   const auto all = all_gather_strings(comm, mine, timeout);
   if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
@@ -192,7 +192,7 @@ void verify_same_model(const std::vector<ModelParam>& params, bool per_unit, Com
 // How a released parameter's error names the units that gather its part (release_guard.hpp):
 // "unit 'layer'", "units 'embeddings', 'heads'" for a shared part, "no unit" for the root part.
 std::vector<std::string> part_labels(const CollectedModel& model, const Units& units) {
-  std::vector<std::vector<std::string>> users(model.root_unit + 1);
+  std::vector<std::vector<std::string>> users(model.root_part + 1);
   for (size_t u = 0; u < model.unit_parts.size(); ++u) {
     for (int part : model.unit_parts[u]) {
       users[part].push_back(fmt::format("'{}'", units.name(static_cast<int>(u))));

@@ -1,4 +1,21 @@
-// ParameterStore: the model's parameter storage, whole or gathered per unit.
+// ParameterStore: the model's parameter storage, whole or gathered per part.
+//
+// Note [Part lifecycle]
+// Below the Units API the engine gathers parts (Note [Stage 3 units] in engine.cpp): a declared
+// unit needs one or more parts, automatic units are parts. Each part is in one PartState, changed
+// only by transition(), which asserts that the change is one of:
+//   Released         -> Gathering          launch_gather: storage allocated, all-gathers started
+//   Gathering        -> Gathered           finish_gather: every all-gather waited for
+//   Gathered         -> NeededInBackward   gather_for_backward: backward reached it (not the root)
+//   Gathered         -> Released           release: storage freed, parameters guarded
+//   NeededInBackward -> Released           release: its gradients are in (or the pass ended)
+// Storage is never freed under a collective: release() of a Gathering part finishes the gather
+// first. NeededInBackward is what lets a forward run inside backward (a recomputation) end
+// without freeing the part backward still reads. Both paths use these functions: declared units
+// through enter/exit/before_backward and the gradient countdown (release); automatic units through
+// AutoGather (prefetch_part, gather_part, gather_for_backward, release). Beside the state, `runs`
+// counts the declared units running a part in forward (a shared part serves two): exit() releases
+// it when none is left. Whole plans have one part, Gathered for good.
 #include "engine/parameter_store.hpp"
 
 #include <ATen/ATen.h>
@@ -19,20 +36,30 @@ ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> pa
     : flat_(flat), plan_(flat.plan()), params_(std::move(params)), names_(std::move(names)),
       part_labels_(std::move(part_labels)), comm_(std::move(comm)), timeout_(timeout),
       prefetch_(prefetch), rank_(flat.rank()) {
-  units_.resize(part_labels_.size());
+  parts_.resize(part_labels_.size());
   unit_parts_ = std::move(unit_parts);
-  root_unit_ = static_cast<int>(units_.size()) - 1;
-  units_[root_unit_].gathered = !plan_.per_unit();
+  root_part_ = static_cast<int>(parts_.size()) - 1;
+  if (!plan_.per_part()) parts_[root_part_].state = PartState::Gathered;  // for good
+}
+
+const char* part_state_name(PartState state) {
+  switch (state) {
+    case PartState::Released: return "Released";
+    case PartState::Gathering: return "Gathering";
+    case PartState::Gathered: return "Gathered";
+    case PartState::NeededInBackward: return "NeededInBackward";
+  }
+  return "?";
 }
 
 ParameterStore::~ParameterStore() {
-  for (const auto& u : units_) {
-    if (automatic_ != nullptr && u.full.defined()) stop_gather_on_use(u.full);
-    for (int i : u.params) forget_parameter(params_[i]);
+  for (const auto& part : parts_) {
+    if (automatic_ != nullptr && part.full.defined()) stop_gather_on_use(part.full);
+    for (int i : part.params) forget_parameter(params_[i]);
   }
   if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
-  for (auto& u : units_) {
-    for (auto& w : u.works) {
+  for (auto& part : parts_) {
+    for (auto& w : part.works) {
       try {
         w->wait(timeout_);
       } catch (...) {
@@ -43,7 +70,7 @@ ParameterStore::~ParameterStore() {
 
 at::Tensor ParameterStore::adopt(const at::TensorOptions& master_options, bool broadcast) {
   at::NoGradGuard no_grad;
-  return plan_.per_unit() ? adopt_shards(master_options, broadcast)
+  return plan_.per_part() ? adopt_shards(master_options, broadcast)
                           : adopt_whole(master_options, broadcast);
 }
 
@@ -86,7 +113,7 @@ at::Tensor ParameterStore::adopt_whole(const at::TensorOptions& master_options, 
   return initial;
 }
 
-// PerUnit: the parameters move into this rank's shard bucket by bucket, each parameter's own
+// PerPart: the parameters move into this rank's shard bucket by bucket, each parameter's own
 // storage given back after its last bucket, so construction holds the model once plus the shard
 // and one bucket.
 at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options, bool broadcast) {
@@ -95,39 +122,38 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
   const int world = comm_->size();
   // Each part's full buffer (its buckets back to back), created released: storage only while
   // gathered. A split parameter's buckets are consecutive in the layout and in its part's buffer.
-  std::vector<int64_t> at_in_unit(layout.buckets.size(), 0);
-  std::vector<int64_t> unit_numel(units_.size(), 0);
+  std::vector<int64_t> at_in_part(layout.buckets.size(), 0);
+  std::vector<int64_t> part_numel(parts_.size(), 0);
   int64_t max_padded = 0;
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const auto& bl = layout.buckets[b];
-    units_[bl.unit].buckets.push_back(static_cast<int>(b));
-    at_in_unit[b] = unit_numel[bl.unit];
-    unit_numel[bl.unit] += bl.padded;
+    parts_[bl.part].buckets.push_back(static_cast<int>(b));
+    at_in_part[b] = part_numel[bl.part];
+    part_numel[bl.part] += bl.padded;
     max_padded = std::max(max_padded, bl.padded);
   }
   // Views are checked against the storage's size, not its bytes: each part's buffer is a storage
   // that has its size and no bytes (as released), so taking the views allocates nothing.
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
-    units_[layout.buckets[layout.slots[i].bucket].unit].params.push_back(i);
+    parts_[layout.buckets[layout.slots[i].bucket].part].params.push_back(i);
   }
   full_.resize(layout.buckets.size());
   std::vector<at::Tensor> views(params_.size());
-  for (size_t u = 0; u < units_.size(); ++u) {
-    auto& part = units_[u];
+  for (size_t p = 0; p < parts_.size(); ++p) {  // every part starts Released
+    auto& part = parts_[p];
     part.full = at::empty({0}, options);
     part.full.storage().unsafeGetStorageImpl()->set_nbytes(
-        static_cast<size_t>(unit_numel[u]) * part.full.element_size());
-    part.full.set_(part.full.storage(), 0, {unit_numel[u]}, {1});
+        static_cast<size_t>(part_numel[p]) * part.full.element_size());
+    part.full.set_(part.full.storage(), 0, {part_numel[p]}, {1});
     for (int b : part.buckets) {
-      full_[b] = part.full.narrow(0, at_in_unit[b], layout.buckets[b].padded);
+      full_[b] = part.full.narrow(0, at_in_part[b], layout.buckets[b].padded);
     }
     for (int i : part.params) {
       const auto& slot = layout.slots[i];
-      views[i] = part.full.narrow(0, at_in_unit[slot.bucket] + slot.offset, slot.numel)
+      views[i] = part.full.narrow(0, at_in_part[slot.bucket] + slot.offset, slot.numel)
                      .view(params_[i].sizes());
     }
     part.full.storage().unsafeGetStorageImpl()->reset();
-    part.gathered = false;
   }
   // Bucket by bucket: this rank's owned slice of the initial values (rank 0's, broadcast one
   // bucket at a time), in master precision; a parameter gives its own storage back after its
@@ -170,10 +196,10 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
     // Same TensorImpl (autograd identity), no storage until gathered.
     for (int i : done_after[b]) {
       params_[i].set_data(views[i]);
-      const int part = layout.buckets[layout.slots[i].bucket].unit;
+      const int part = layout.buckets[layout.slots[i].bucket].part;
       remember_parameter(params_[i], names_[i], part_labels_[part]);
       guard_released(params_[i]);  // automatic: for good (gathered on use)
-      if (automatic_ != nullptr) gather_on_use(units_[part].full, automatic_, part);
+      if (automatic_ != nullptr) gather_on_use(parts_[part].full, automatic_, part);
     }
   }
   shard_ = initial.to(options);  // no copy when the model computes in master precision
@@ -184,21 +210,21 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
 
 at::Tensor ParameterStore::model_slice(int bucket, const UpdatedRange& range) const {
   const auto& bl = flat_.layout().buckets[bucket];
-  if (plan_.per_unit()) return shard_.narrow(0, bl.shard_offset, range.length);
+  if (plan_.per_part()) return shard_.narrow(0, bl.shard_offset, range.length);
   return flat_params_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
 }
 
 at::Tensor ParameterStore::owned_slice(int bucket) const {
   const auto& bl = flat_.layout().buckets[bucket];
-  if (plan_.per_unit()) return shard_.narrow(0, bl.shard_offset, bl.shard);
+  if (plan_.per_part()) return shard_.narrow(0, bl.shard_offset, bl.shard);
   return flat_params_.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard);
 }
 
 void ParameterStore::after_update() {
-  if (plan_.per_unit()) {
+  if (plan_.per_part()) {
     // Parts gather on demand (the root part before the next forward); any still gathered holds
     // stale values now.
-    for (int u = 0; u <= root_unit_; ++u) release(u);
+    for (int part = 0; part <= root_part_; ++part) release(part);
     return;
   }
   if (!plan_.gathers_after_update()) return;
@@ -211,17 +237,17 @@ void ParameterStore::after_update() {
   for (auto& w : works) w->wait(timeout_);
 }
 
-// ---- PerUnit (see Note [Stage 3 units]) -------------------------------------------------------
+// ---- PerPart: declared units (Note [Stage 3 units] in engine.cpp) -----------------------------
 
 void ParameterStore::enter(int unit, bool in_backward) {
   if (in_backward) {
     for (int part : unit_parts_[unit]) {
-      ++units_[part].active;
+      ++parts_[part].runs;
       ensure_gathered(part);
     }
     return;
   }
-  if (forward_order_.size() > 4 * units_.size() + 16) {  // forwards without backward (eval)
+  if (forward_order_.size() > 4 * parts_.size() + 16) {  // forwards without backward (eval)
     previous_order_ = std::move(forward_order_);
     forward_order_.clear();
   }
@@ -229,7 +255,7 @@ void ParameterStore::enter(int unit, bool in_backward) {
   forward_order_.push_back(unit);
   backward_cursor_ = forward_order_.size();
   for (int part : unit_parts_[unit]) {
-    ++units_[part].active;
+    ++parts_[part].runs;
     ensure_gathered(part);
   }
   // Prefetch what came next in the last pass (declaration order on the first pass).
@@ -247,27 +273,23 @@ void ParameterStore::enter(int unit, bool in_backward) {
 
 void ParameterStore::exit(int unit) {
   for (int part : unit_parts_[unit]) {
-    if (--units_[part].active <= 0) {
-      units_[part].active = 0;
+    auto& p = parts_[part];
+    if (--p.runs <= 0) {
+      p.runs = 0;
       // A recomputation inside the unit's backward (Note [Recompute and ZeRO], recompute.hpp)
       // ends while backward still needs the parameters: they go when their gradients are in.
-      if (!units_[part].backward) release(part);
+      if (p.state != PartState::NeededInBackward) release(part);
     }
   }
 }
 
 void ParameterStore::before_backward(int unit) {
-  for (int part : unit_parts_[unit]) {
-    ensure_gathered(part);
-    units_[part].backward = true;
-  }
+  for (int part : unit_parts_[unit]) gather_for_backward(part);
   prefetch_after(unit);
 }
 
 void ParameterStore::prefetch_unit(int unit) {
-  for (int part : unit_parts_[unit]) {
-    if (!units_[part].gathered) launch_gather(part);
-  }
+  for (int part : unit_parts_[unit]) prefetch_part(part);
 }
 
 // The units backward reaches next: those run before this run of `unit` in this pass's forward
@@ -283,79 +305,101 @@ void ParameterStore::prefetch_after(int unit) {
   }
 }
 
+// ---- PerPart: both paths (Note [Part lifecycle]) ---------------------------------------------
+
 void ParameterStore::gather_root() {
-  if (!plan_.per_unit() || units_[root_unit_].gathered || units_[root_unit_].buckets.empty()) {
+  if (!plan_.per_part() || parts_[root_part_].state != PartState::Released ||
+      parts_[root_part_].buckets.empty()) {
     return;
   }
-  launch_gather(root_unit_);
-  ensure_gathered(root_unit_);
+  launch_gather(root_part_);
+  ensure_gathered(root_part_);
 }
 
 void ParameterStore::end_backward() {
   // Parts whose parameters got no gradient (or a prefetch nobody used) are freed here; the root
   // part stays until the step (another micro-step's forward needs it).
-  for (int u = 0; u < root_unit_; ++u) release(u);
+  for (int part = 0; part < root_part_; ++part) release(part);
   previous_order_ = std::move(forward_order_);
   forward_order_.clear();
 }
 
 void ParameterStore::gather_full() {
-  if (!plan_.per_unit()) return;
-  for (int u = 0; u <= root_unit_; ++u) {
-    if (!units_[u].gathered) launch_gather(u);
-  }
-  for (int u = 0; u <= root_unit_; ++u) ensure_gathered(u);
+  if (!plan_.per_part()) return;
+  for (int part = 0; part <= root_part_; ++part) prefetch_part(part);
+  for (int part = 0; part <= root_part_; ++part) ensure_gathered(part);
 }
 
 void ParameterStore::prefetch_part(int part) {
-  if (!units_[part].gathered) launch_gather(part);
+  if (parts_[part].state == PartState::Released) launch_gather(part);
 }
 
 void ParameterStore::gather_part(int part) { ensure_gathered(part); }
 
-// Allocates the unit's full buffers and starts all-gathering its shards into them.
-void ParameterStore::launch_gather(int unit) {
-  auto& u = units_[unit];
+void ParameterStore::gather_for_backward(int part) {
+  ensure_gathered(part);
+  if (parts_[part].state == PartState::Gathered) transition(part, PartState::NeededInBackward);
+}
+
+void ParameterStore::transition(int part, PartState to) {
+  const PartState from = parts_[part].state;
+  const bool legal =
+      (from == PartState::Released && to == PartState::Gathering) ||
+      (from == PartState::Gathering && to == PartState::Gathered) ||
+      (from == PartState::Gathered && to == PartState::NeededInBackward && part != root_part_) ||
+      (from == PartState::Gathered && to == PartState::Released) ||
+      (from == PartState::NeededInBackward && to == PartState::Released);
+  SHARDOPT_INTERNAL_ASSERT(legal, "stage-3 part {} ({}) cannot go from {} to {}", part,
+                           part_labels_[part], part_state_name(from), part_state_name(to));
+  parts_[part].state = to;
+}
+
+// Released -> Gathering: allocates the part's full buffer and starts all-gathering its shards
+// into it.
+void ParameterStore::launch_gather(int part) {
+  transition(part, PartState::Gathering);
+  auto& p = parts_[part];
   const auto& layout = flat_.layout();
-  auto* storage = u.full.storage().unsafeGetStorageImpl();
-  if (storage->nbytes() == 0 && u.full.numel() > 0) {
-    const size_t nbytes = static_cast<size_t>(u.full.numel()) * u.full.element_size();
+  auto* storage = p.full.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0 && p.full.numel() > 0) {
+    const size_t nbytes = static_cast<size_t>(p.full.numel()) * p.full.element_size();
     auto* allocator = storage->allocator() ? storage->allocator()  // CUDA: torch's caching one
-                                           : c10::GetAllocator(u.full.device().type());
+                                           : c10::GetAllocator(p.full.device().type());
     storage->set_data_ptr_noswap(allocator->allocate(nbytes));
     storage->set_nbytes(nbytes);
   }
   if (automatic_ == nullptr) {
-    for (int i : u.params) unguard(params_[i]);
+    for (int i : p.params) unguard(params_[i]);
   }
-  for (int b : u.buckets) {
+  for (int b : p.buckets) {
     const auto& bl = layout.buckets[b];
-    u.works.push_back(
+    p.works.push_back(
         comm_->all_gather(shard_.narrow(0, bl.shard_offset, bl.shard), full_[b], true));
     comm_elements_ += bl.padded;
   }
-  u.gathered = true;
 }
 
-void ParameterStore::ensure_gathered(int unit) {
-  auto& u = units_[unit];
-  if (!u.gathered) launch_gather(unit);
-  for (auto& w : u.works) w->wait(timeout_);
-  u.works.clear();
+// Any state -> Gathered or NeededInBackward: launches the gather if released, waits for it if in
+// flight.
+void ParameterStore::ensure_gathered(int part) {
+  auto& p = parts_[part];
+  if (p.state == PartState::Released) launch_gather(part);
+  if (p.state != PartState::Gathering) return;
+  for (auto& w : p.works) w->wait(timeout_);
+  p.works.clear();
+  transition(part, PartState::Gathered);
 }
 
-// Frees the unit's full storage (the parameters keep their shape, not their bytes).
-void ParameterStore::release(int unit) {
-  auto& u = units_[unit];
-  if (!u.gathered) return;
-  for (auto& w : u.works) w->wait(timeout_);  // never free under a collective
-  u.works.clear();
-  if (u.full.defined()) u.full.storage().unsafeGetStorageImpl()->reset();
+// Frees the part's full storage (the parameters keep their shape, not their bytes).
+void ParameterStore::release(int part) {
+  auto& p = parts_[part];
+  if (p.state == PartState::Released) return;
+  ensure_gathered(part);  // never free under a collective
+  if (p.full.defined()) p.full.storage().unsafeGetStorageImpl()->reset();
   if (automatic_ == nullptr) {
-    for (int i : u.params) guard_released(params_[i]);
+    for (int i : p.params) guard_released(params_[i]);
   }
-  u.gathered = false;
-  u.backward = false;
+  transition(part, PartState::Released);
 }
 
 int64_t ParameterStore::take_comm_elements() {
@@ -365,13 +409,13 @@ int64_t ParameterStore::take_comm_elements() {
 }
 
 int64_t ParameterStore::param_bytes() const {
-  return static_cast<int64_t>(plan_.per_unit() ? shard_.nbytes() : flat_params_.nbytes());
+  return static_cast<int64_t>(plan_.per_part() ? shard_.nbytes() : flat_params_.nbytes());
 }
 
 int64_t ParameterStore::gathered_bytes() const {
   int64_t bytes = 0;
-  for (const auto& u : units_) {
-    if (u.full.defined()) bytes += static_cast<int64_t>(u.full.storage().nbytes());
+  for (const auto& part : parts_) {
+    if (part.full.defined()) bytes += static_cast<int64_t>(part.full.storage().nbytes());
   }
   return bytes;
 }

@@ -2,12 +2,12 @@
 // where the model reads it.
 //   Whole:   one flat buffer, full length, that the parameters are views of; sharded plans
 //            all-gather it after each update.
-//   PerUnit: stage 3 (Note [Stage 3 units]). This rank's shard of every bucket is the storage;
-//            each unit also has one full buffer (its buckets back to back, so a parameter split
-//            across two of them is still one contiguous view) whose storage exists only while
-//            the unit is gathered, and the parameters are views into it. Units are gathered on entry (with
-//            prefetch of the next ones in the last pass's order), released on exit, gathered
-//            again when backward reaches them and released once their gradients are in.
+//   PerPart: stage 3 (Note [Stage 3 units] in engine.cpp). This rank's shard of every bucket is
+//            the storage; each part also has one full buffer (its buckets back to back, so a
+//            parameter split across two of them is still one contiguous view) whose storage
+//            exists only while the part is gathered, and the parameters are views into it. Each
+//            part moves through one lifecycle (Note [Part lifecycle] in parameter_store.cpp),
+//            driven by declared units (enter/exit/before_backward) or by AutoGather.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,10 +21,19 @@
 
 namespace shardopt::detail {
 
+// Where a stage-3 part stands (Note [Part lifecycle] in parameter_store.cpp).
+enum class PartState {
+  Released,          // no storage; the parameters are guarded
+  Gathering,         // storage allocated, all-gathers in flight
+  Gathered,          // storage holds the full values
+  NeededInBackward,  // gathered for its backward: kept until its gradients are in
+};
+const char* part_state_name(PartState state);
+
 class ParameterStore {
  public:
-  // params[i] is layout slot i, named names[i]. PerUnit: parameters are gathered in parts (the
-  // buckets' unit field), the last the root part (parameters in no unit: gathered from
+  // params[i] is layout slot i, named names[i]. PerPart: parameters are gathered in parts (the
+  // buckets' part field), the last the root part (parameters in no unit: gathered from
   // construction or gather_root() until the end of the step); unit_parts[u]: the parts declared
   // unit u needs; part_labels[p]: how errors name part p's units (Note [Released parameters] in
   // release_guard.cpp: released parameters raise a named error when read). Whole plans pass one
@@ -39,9 +48,9 @@ class ParameterStore {
   // Takes over the parameters' storage with their initial values (rank 0's on every rank when
   // `broadcast`, as DDP does) and returns those values in `master_options`, the master weights'
   // start (FlatState::init_master): the full flat buffer (Whole), or this rank's shard
-  // (PerUnit). The parameters become views into the store's storage (same TensorImpl, so
+  // (PerPart). The parameters become views into the store's storage (same TensorImpl, so
   // autograd identity is kept); construction holds about one copy of the model (Note [One copy
-  // at construction] in parameter_store.cpp). PerUnit: the parameters start released but the
+  // at construction] in parameter_store.cpp). PerPart: the parameters start released but the
   // root part, which is gathered.
   at::Tensor adopt(const at::TensorOptions& master_options, bool broadcast);
   // The model's storage of a bucket's updated range (the update's target or its low copy).
@@ -52,11 +61,11 @@ class ParameterStore {
   const at::Tensor& whole() const { return flat_params_; }
 
   // After the update: all-gather the updated shards (Whole), or release every part, the root
-  // part included: nothing stays gathered between steps (PerUnit).
+  // part included: nothing stays gathered between steps (PerPart).
   void after_update();
 
-  // ---- PerUnit: the unit runtime (declared units in, parts gathered) -------------------------
-  int root_unit() const { return root_unit_; }
+  // ---- PerPart, declared units (Units::run and its output hooks drive these) -----------------
+  int root_part() const { return root_part_; }
   // A declared unit's forward starts / ends: its parts are gathered for it (a unit may run
   // several times in one forward; a part shared by two units is gathered while either runs).
   // enter(unit, /*in_backward=*/true): a unit run again inside backward (a recomputation that
@@ -64,10 +73,12 @@ class ParameterStore {
   // forward order that guides prefetch.
   void enter(int unit, bool in_backward = false);
   void exit(int unit);
-  // Backward reached the unit's outputs: gather its parts, prefetch the unit backward reaches
-  // next.
+  // Backward reached the unit's outputs: gather its parts for backward, prefetch the unit
+  // backward reaches next.
   void before_backward(int unit);
-  // Frees part `part` (its gradients are all in).
+
+  // ---- PerPart, both paths ---------------------------------------------------------------------
+  // Frees part `part` if it holds storage (its gradients are all in, or its use is over).
   void release(int part);
   // Gathers the root part (parameters in no unit) if it is not: before a forward (zero_grad()
   // or the first unit entered).
@@ -75,34 +86,37 @@ class ParameterStore {
   // End of a backward pass: parts left over but the root are freed; this pass's order guides
   // prefetch.
   void end_backward();
-  // Gathers every unit (to read or save the whole model outside Units::run).
+  // Gathers every part (to read or save the whole model outside Units::run).
   void gather_full();
 
-  // ---- PerUnit, automatic units (src/engine/auto_gather.hpp drives these) ----------------------
+  // ---- PerPart, automatic units (src/engine/auto_gather.hpp drives these) ----------------------
   // Before adopt(): the parameters keep the release guard's key for good and operations
   // on them call `owner` (release_guard.hpp), instead of Units::run entering their units.
   void set_automatic(GatherOnUse* owner) { automatic_ = owner; }
-  int parts() const { return static_cast<int>(units_.size()); }
-  bool part_gathered(int part) const { return units_[part].gathered; }
-  void prefetch_part(int part);  // starts gathering it (no wait)
-  void gather_part(int part);    // gathered when it returns
+  int part_count() const { return static_cast<int>(parts_.size()); }
+  PartState part_state(int part) const { return parts_[part].state; }
+  bool part_gathered(int part) const { return parts_[part].state != PartState::Released; }
+  void prefetch_part(int part);          // starts gathering it (no wait)
+  void gather_part(int part);            // gathered when it returns
+  void gather_for_backward(int part);    // gathered, and NeededInBackward until released
 
   int64_t take_comm_elements();
-  int64_t param_bytes() const;     // the model's storage (PerUnit: the shard)
-  int64_t gathered_bytes() const;  // PerUnit: full buffers holding storage now
+  int64_t param_bytes() const;     // the model's storage (PerPart: the shard)
+  int64_t gathered_bytes() const;  // PerPart: full buffers holding storage now
 
  private:
-  struct UnitState {
+  struct Part {
     std::vector<int> buckets;
     at::Tensor full;             // the buckets' full buffers back to back
     std::vector<int> params;     // layout slots of its parameters (guarded while released)
-    bool gathered = false;       // storage allocated (and filled once `works` complete)
-    std::vector<WorkPtr> works;  // all-gathers in flight
-    int active = 0;              // declared units using it in forward right now
-    bool backward = false;       // gathered for its backward: a recomputation's exit keeps it
+    PartState state = PartState::Released;
+    std::vector<WorkPtr> works;  // all-gathers in flight (Gathering only)
+    int runs = 0;                // declared units running it in forward right now
   };
   at::Tensor adopt_whole(const at::TensorOptions& master_options, bool broadcast);
   at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
+  // The one place a part's state changes; asserts the change is legal (Note [Part lifecycle]).
+  void transition(int part, PartState to);
   void launch_gather(int part);
   void ensure_gathered(int part);
   void prefetch_unit(int unit);
@@ -119,12 +133,12 @@ class ParameterStore {
   int prefetch_ = 1;
   int rank_ = 0;
   at::Tensor flat_params_;        // Whole: every parameter, full length
-  at::Tensor shard_;              // PerUnit: this rank's slice of every bucket
-  std::vector<at::Tensor> full_;  // PerUnit: per bucket, a view of its unit's full buffer
-  std::vector<UnitState> units_;  // parts: declared units' own, shared ones, the root
+  at::Tensor shard_;              // PerPart: this rank's slice of every bucket
+  std::vector<at::Tensor> full_;  // PerPart: per bucket, a view of its part's full buffer
+  std::vector<Part> parts_;       // declared units' own parts, shared ones, the root
   std::vector<std::vector<int>> unit_parts_;  // declared unit -> its parts
-  int root_unit_ = 0;
-  std::vector<int> forward_order_;   // units entered in this pass
+  int root_part_ = 0;
+  std::vector<int> forward_order_;   // declared units entered in this pass
   std::vector<int> previous_order_;  // ... and in the last pass (prefetch order)
   size_t backward_cursor_ = 0;       // backward is at the run forward_order_[cursor]
   int64_t comm_elements_ = 0;

@@ -43,7 +43,7 @@ struct KeySetAccess : c10::TensorImpl {
 
 struct Known {
   std::string name;
-  std::string unit;
+  std::string part_label;
 };
 std::mutex g_mutex;
 std::unordered_map<const c10::TensorImpl*, Known> g_known;  // guarded by g_mutex
@@ -52,7 +52,7 @@ std::string describe_released(const c10::TensorImpl* impl) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_known.find(impl);
   if (it == g_known.end()) return "a released stage-3 parameter";
-  return fmt::format("parameter '{}' ({})", it->second.name, it->second.unit);
+  return fmt::format("parameter '{}' ({})", it->second.name, it->second.part_label);
 }
 
 struct Gatherer {
@@ -158,9 +158,9 @@ bool guard_available() {
 
 bool release_guard_available() { return guard_available(); }
 
-void remember_parameter(const at::Tensor& param, std::string name, std::string unit) {
+void remember_parameter(const at::Tensor& param, std::string name, std::string part_label) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_known[param.unsafeGetTensorImpl()] = Known{std::move(name), std::move(unit)};
+  g_known[param.unsafeGetTensorImpl()] = Known{std::move(name), std::move(part_label)};
 }
 
 void forget_parameter(const at::Tensor& param) {

@@ -10,9 +10,10 @@
 
 namespace shardopt::detail {
 
-// `param` (a model parameter, by TensorImpl) is known as `name`, of unit `unit`, in messages until
-// forget_parameter(); a parameter still guarded then keeps raising, without its name.
-void remember_parameter(const at::Tensor& param, std::string name, std::string unit);
+// `param` (a model parameter, by TensorImpl) is known as `name`, in the part `part_label` names
+// (by the units gathering it), in messages until forget_parameter(); a parameter still guarded
+// then keeps raising, without its name.
+void remember_parameter(const at::Tensor& param, std::string name, std::string part_label);
 void forget_parameter(const at::Tensor& param);
 // Released: every ATen operation on `param` throws Error{InvalidArgument} naming it. Cheap: one
 // bit in the tensor's dispatch key set. Not thread-safe against concurrent ops on `param`.

@@ -46,7 +46,7 @@ inline ShardRange intersect(ShardRange a, ShardRange b) {
 
 struct BucketLayout {
   int group = 0;
-  int unit = 0;              // stage 3: the unit whose parameters it holds
+  int part = 0;              // stage 3: the part whose parameters it holds
   int64_t flat_offset = 0;   // start in the full flat buffer
   int64_t numel = 0;         // parameters' elements
   int64_t padded = 0;        // numel rounded up to a multiple of world * align
@@ -82,12 +82,12 @@ inline int64_t round_up(int64_t x, int64_t multiple) {
 // Packs parameters, in the given order, into buckets of `bucket_numel` elements rounded down to
 // a multiple of world * align (at least one such multiple): a parameter that does not fit in the
 // open bucket fills it and continues in the next ones, so no bucket is sized by the largest
-// parameter. A bucket never spans two groups, nor two units when `units` is given (it is closed,
-// padded to a multiple of world * align, before the next group or unit). `numels[i]`,
-// `groups[i]` (and `units[i]`) describe parameter i. Empty shards are allowed (world > numel).
+// parameter. A bucket never spans two groups, nor two stage-3 parts when `parts` is given (it is
+// closed, padded to a multiple of world * align, before the next group or part). `numels[i]`,
+// `groups[i]` (and `parts[i]`) describe parameter i. Empty shards are allowed (world > numel).
 inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vector<int>& groups,
                               int world, int64_t align_numel, int64_t bucket_numel,
-                              const std::vector<int>& units = {}) {
+                              const std::vector<int>& parts = {}) {
   FlatLayout layout;
   layout.slots.resize(numels.size());
   const int64_t quantum = static_cast<int64_t>(world) * std::max<int64_t>(1, align_numel);
@@ -104,15 +104,15 @@ inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vec
   };
   BucketLayout open;
   bool has_open = false;
-  auto start = [&](int group, int unit) {
+  auto start = [&](int group, int part) {
     open = BucketLayout{};
     open.group = group;
-    open.unit = unit;
+    open.part = part;
     has_open = true;
   };
   for (size_t i = 0; i < numels.size(); ++i) {
-    const int unit = units.empty() ? 0 : units[i];
-    if (has_open && (open.group != groups[i] || open.unit != unit)) {
+    const int part = parts.empty() ? 0 : parts[i];
+    if (has_open && (open.group != groups[i] || open.part != part)) {
       close(open);
       has_open = false;
     }
@@ -126,7 +126,7 @@ inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vec
         close(open);
         has_open = false;
       }
-      if (!has_open) start(groups[i], unit);
+      if (!has_open) start(groups[i], part);
       const int64_t take = std::min(numels[i] - done, capacity - open.numel);
       ParamPiece piece{static_cast<int>(i), static_cast<int>(layout.buckets.size()), open.numel,
                        done, take};

@@ -11,7 +11,7 @@
 //            slices; then every bucket is all-gathered in place.
 //   stage 2: + Bucketed gradients: a hook copies each fresh .grad into a pooled bucket buffer and
 //            frees it; a complete bucket is reduce-scattered and folded into the gradient shard.
-//   stage 3: + PerUnit parameters (Note [Stage 3 units] in src/engine/engine.cpp).
+//   stage 3: + PerPart parameters (Note [Stage 3 units] in src/engine/engine.cpp).
 // fp16/bf16 make the master Separate and the gradients Bucketed at every stage; so does offload
 // (the master stays the model's storage when the parameters already live on the host), and a
 // reduce_dtype buckets the gradients.
@@ -32,8 +32,9 @@ struct StagePlan {
   // .grad are views of, reduced once per step. Bucketed: each gradient is copied into a pooled
   // bucket buffer and freed; buckets are reduced every micro-step into the reduced-gradient shard.
   enum class Gradients { InPlace, Bucketed };
-  // The model's parameters: whole on every rank, or sharded and gathered per unit while used.
-  enum class Parameters { Whole, PerUnit };
+  // The model's parameters: whole on every rank, or sharded and gathered per part (Note [Part
+  // lifecycle] in src/engine/parameter_store.cpp) while used.
+  enum class Parameters { Whole, PerPart };
   // The update's target: the model's own storage, or a separate master copy (fp32 and/or host).
   enum class Master { Model, Separate };
 
@@ -54,7 +55,7 @@ struct StagePlan {
     p.loss_scaling = precision == Precision::FP16;
     p.master_on_host = offload == Offload::CPU;
     p.ownership = stage == Stage::Replicated ? Ownership::Replicated : Ownership::Sharded;
-    p.parameters = stage == Stage::Parameters ? Parameters::PerUnit : Parameters::Whole;
+    p.parameters = stage == Stage::Parameters ? Parameters::PerPart : Parameters::Whole;
     p.master = p.mixed || (p.master_on_host && !params_on_host) ? Master::Separate : Master::Model;
     // A separate fp32 or host master needs its gradients out of autograd (cast, moved) anyway,
     // and so does a reduction in another dtype (a cast into the bucket).
@@ -66,12 +67,12 @@ struct StagePlan {
 
   bool sharded() const { return ownership == Ownership::Sharded; }
   bool bucketed() const { return gradients == Gradients::Bucketed; }
-  bool per_unit() const { return parameters == Parameters::PerUnit; }
+  bool per_part() const { return parameters == Parameters::PerPart; }
   bool separate_master() const { return master == Master::Separate; }
   // Bucketed gradients are reduced every micro-step; in-place ones on the last micro-step only.
   bool reduces_every_micro_step() const { return bucketed(); }
-  // Sharded whole parameters are all-gathered after the update (per-unit ones on use).
-  bool gathers_after_update() const { return sharded() && !per_unit(); }
+  // Sharded whole parameters are all-gathered after the update (per-part ones on use).
+  bool gathers_after_update() const { return sharded() && !per_part(); }
 };
 
 // An element type, relative to the parameters as the optimizer is given them.

@@ -79,6 +79,13 @@ int launcher_rank() {
   return 0;
 }
 
+int launcher_world_size() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE"}) {
+    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
+  }
+  return 1;
+}
+
 std::string vocab_next_to(const std::string& data) {
   std::error_code ec;
   for (const fs::path& p : {fs::path(data + ".vocab.txt"), fs::path(data).parent_path() / "vocab.txt"}) {

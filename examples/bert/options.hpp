@@ -117,5 +117,7 @@ double lr_at(const Args& a, int64_t step);
 // The launcher's rank of this process (mpirun, srun, torchrun), 0 when not launched: who prints
 // option errors before the communicator exists.
 int launcher_rank();
+// The launcher's world size (OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS, WORLD_SIZE), 1 if none.
+int launcher_world_size();
 
 }  // namespace bert

@@ -445,7 +445,9 @@ int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::
 // Note [Errors on one rank]: an error that escapes train() on one rank (a file, the data, JSON)
 // ends the whole job at once through shardopt::run_or_abort, so no rank waits for the collective
 // timeout. Usage errors are found alike on every rank (the same arguments and files), so every
-// rank returns 2 and rank 0 alone prints the one line.
+// rank returns 2 and rank 0 alone prints the one line; the others wait at a barrier until it has,
+// since a launcher may end the job as soon as one rank exits non-zero (OpenMPI 5's prterun did,
+// before rank 0 had printed anything).
 int run(const Args& a) {
   shardopt::InitOptions init;  // --timeout, else SHARDOPT_TIMEOUT, else the library's default
   if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));
@@ -457,6 +459,8 @@ int run(const Args& a) {
     } catch (const UsageError& e) {
       std::fflush(stdout);
       if (comm->rank() == 0) fmt::print(stderr, "bert_pretrain: error: {}\n", e.what());
+      std::fflush(stderr);
+      comm->barrier();
       return 2;
     }
   });
@@ -469,10 +473,19 @@ int main(int argc, char** argv) {
   bert::Commands commands;
   CLI::App app{"BERT pretraining (MLM + NSP) with shardopt's ZeRO optimizer; run under mpirun -np N"};
   bert::add_options(app, a, commands);
-  // Every rank parses and checks the same arguments and files; rank 0 alone says what is wrong.
+  // Every rank parses and checks the same arguments and files; rank 0 alone says what is wrong,
+  // and under a launcher the others wait for it (Note [Errors on one rank]).
   const bool speaker = bert::launcher_rank() == 0;
   auto usage_error = [&](const std::string& what) {
     if (speaker) fmt::print(stderr, "bert_pretrain: error: {}\n", what);
+    std::fflush(stderr);
+    if (bert::launcher_world_size() > 1) {
+      try {
+        shardopt::init_from_env()->barrier();
+      } catch (const std::exception&) {
+        // No communicator to be had (a launcher without MPI): nothing to wait with.
+      }
+    }
     return 2;
   };
   try {

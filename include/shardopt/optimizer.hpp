@@ -65,6 +65,9 @@ struct StepStats {
   double unscale_s = 0.0;        // dividing 16-bit gradients by ranks x loss scale (fp32 ones
                                  // are divided inside the non-finite check's pass: 0 then)
   double check_s = 0.0;          // the non-finite check (+ fp32 unscale, + the clip's squares)
+  double check_backward_s = 0.0;  // the check's share done during backward, as reductions
+                                  // landed (Note [The non-finite check during backward]; not
+                                  // part of step_s)
   double clip_s = 0.0;           // scaling the gradients down to max_grad_norm
   double update_s = 0.0;         // the local optimizer update (the fused kernels)
   double write_back_s = 0.0;     // master weights cast into the model's dtype where the kernels

@@ -212,6 +212,10 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
       options_.fused_update);
+  // Note [The non-finite check during backward] in local_update.cpp.
+  reducer_->set_on_reduced([this](int bucket) {
+    update_->check_early(bucket, grad_divisor(), options_.max_grad_norm > 0);
+  });
   checkpoint_ = std::make_unique<CheckpointAccess>(
       options_, ranks_, model_, *flat_, *store_, *update_, owner_, scaler_, steps_, [this] {
         stats_ = StepStats{};
@@ -261,7 +265,6 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
-  grads_clean_ = false;
   check_micro_step_open();
   tracker_->begin_pass();
   // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
@@ -319,11 +322,12 @@ void Engine::backward(const at::Tensor& loss) {
 
 // Note [step() consumes the gradients]: a trainer may hold only a torch::optim::Optimizer&, whose
 // zero_grad() on torch 1.13 is the base's (not virtual): it zeroes .grad in place and resets
-// nothing of ours. So step() itself leaves the gradient sinks zeroed and the micro-step count at
-// zero (end_step), and zero_grad() only repeats the zeroing when a backward ran since.
+// nothing of ours. So step() itself starts the gradients over and sets the micro-step count to
+// zero (end_step); zero_grad() repeats that (discarding a backward's gradients). Neither writes
+// the gradients (Note [Gradients start over without a zeroing pass]).
 void Engine::zero_grad() {
-  reducer_->zero(/*values=*/!grads_clean_);
-  grads_clean_ = true;
+  reducer_->start_over();
+  update_->forget_early();
   tracker_->reset_micro_steps();
   store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
 }
@@ -375,13 +379,12 @@ void Engine::finish_reduction() {
 // on every rank (they agree on the flag).
 bool Engine::skip_non_finite() {
   RECORD_FUNCTION("shardopt::skip_non_finite", std::vector<c10::IValue>());
-  const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
   const bool clipping = options_.max_grad_norm > 0;
-  const auto check =
-      update_->unscale_and_check(static_cast<double>(world_) * loss_scale, clipping);
+  const auto check = update_->unscale_and_check(grad_divisor(), clipping);
   if (clipping) stats_.grad_norm = check.norm;
   stats_.unscale_s = check.unscale_s;
   stats_.check_s = check.check_s;
+  stats_.check_backward_s = check.check_backward_s;
   const bool non_finite = check.non_finite;
   if (scaler_) {
     stats_.loss_scale = scaler_->scale();
@@ -401,6 +404,11 @@ bool Engine::skip_non_finite() {
                   options_.max_nonfinite_steps, steps_);
   }
   return non_finite;
+}
+
+// Reduced gradients are sums over ranks of loss-scaled ones: the unscale divides by this.
+double Engine::grad_divisor() const {
+  return static_cast<double>(world_) * (scaler_ ? scaler_->scale() : 1.0);
 }
 
 // Phase 3: global gradient-norm clipping (the norm was computed by phase 2).
@@ -436,8 +444,7 @@ void Engine::after_update() {
 void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
-  reducer_->zero();  // Note [step() consumes the gradients]
-  grads_clean_ = true;
+  reducer_->start_over();  // Note [step() consumes the gradients]
   stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
   stats_.step_s = seconds_since(t0);
 }

@@ -79,6 +79,7 @@ class Engine final : public UnitRuntime {
   void on_backward_end();
   // The phases of step().
   void finish_reduction();
+  double grad_divisor() const;
   bool skip_non_finite();
   void clip();
   void update();
@@ -108,7 +109,6 @@ class Engine final : public UnitRuntime {
   };
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
-  bool grads_clean_ = false;  // the gradient sinks are zero: no backward since they were zeroed
   int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };

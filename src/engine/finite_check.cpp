@@ -55,15 +55,21 @@ bool folds_scale(const at::Tensor& t) {
          fused_kernels_for(t.device().type()) != nullptr;
 }
 
-FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, bool sum_squares,
-                       Communicator* agree, Duration timeout) {
+FiniteScan scan_local(const at::Tensor& t, double scale, bool sum_squares) {
   FiniteScan scan;
-  for (const auto& t : tensors) {
-    if (!t.defined() || t.numel() == 0) continue;
-    const auto r = scan_one(t, scale, sum_squares);
-    scan.non_finite = scan.non_finite || r.non_finite;
-    scan.sum_sq += r.sum_sq;
-  }
+  if (!t.defined() || t.numel() == 0) return scan;
+  const auto r = scan_one(t, scale, sum_squares);
+  scan.non_finite = r.non_finite;
+  scan.sum_sq = r.sum_sq;
+  return scan;
+}
+
+void add_scan(FiniteScan& total, const FiniteScan& part) {
+  total.non_finite = total.non_finite || part.non_finite;
+  total.sum_sq += part.sum_sq;
+}
+
+FiniteScan agree_on(FiniteScan scan, bool sum_squares, Communicator* agree, Duration timeout) {
   scan.non_finite = scan.non_finite || !std::isfinite(scan.sum_sq);
   if (agree != nullptr && agree->size() > 1 && sum_squares) {
     // The sum of squares (a rank's non-finite value makes it NaN, and so the total).
@@ -77,6 +83,13 @@ FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, boo
     scan.non_finite = flag.item<float>() > 0;
   }
   return scan;
+}
+
+FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, bool sum_squares,
+                       Communicator* agree, Duration timeout) {
+  FiniteScan scan;
+  for (const auto& t : tensors) add_scan(scan, scan_local(t, scale, sum_squares));
+  return agree_on(scan, sum_squares, agree, timeout);
 }
 
 }  // namespace shardopt::detail

@@ -31,4 +31,12 @@ bool folds_scale(const at::Tensor& t);
 FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, bool sum_squares,
                        Communicator* agree, Duration timeout);
 
+// scan_finite's two halves, for callers that scan tensors at different times: one tensor on this
+// rank (scaled as above; an undefined or empty one is finite), and the combination of every
+// rank's totals (added up by add_scan in a fixed order, so the result does not depend on when
+// each tensor was scanned).
+FiniteScan scan_local(const at::Tensor& t, double scale, bool sum_squares);
+void add_scan(FiniteScan& total, const FiniteScan& part);
+FiniteScan agree_on(FiniteScan local, bool sum_squares, Communicator* agree, Duration timeout);
+
 }  // namespace shardopt::detail

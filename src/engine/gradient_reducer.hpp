@@ -28,6 +28,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <deque>
+#include <functional>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -59,9 +60,13 @@ class GradientReducer {
   void reduce_manual(int micro);
   // Waits for every reduction and folds it in; the next step starts with nothing launched.
   void complete_all();
-  // Reduced gradients to zero (unless `values` is false: they are zero already), .grad back to
-  // the in-place views (or none).
-  void zero(bool values = true);
+  // The next gradients start from zero (without writing them: Note [Gradients start over
+  // without a zeroing pass]); .grad undefined until backward reaches the parameter.
+  void start_over();
+
+  // Called with a bucket whose reduction for this step landed while backward runs (from accept()
+  // or end_pass(), never from step()'s complete_all): its reduced gradients are final.
+  void set_on_reduced(std::function<void(int bucket)> fn) { on_reduced_ = std::move(fn); }
 
   int64_t take_comm_elements();
   int64_t grad_bytes() const;    // gradients kept between backward and step
@@ -76,6 +81,7 @@ class GradientReducer {
     int launched_micro = -1;  // micro-step of the last launch this step; -1: none yet
     WorkPtr work;
     int buffer = -1;  // Bucketed: pool index while filling or in flight
+    bool folded = false;  // Bucketed: folded into grad_reduced_ in this step (next fold adds)
   };
 
   int buckets() const { return static_cast<int>(buckets_.size()); }
@@ -86,6 +92,8 @@ class GradientReducer {
   // hook_micro >= 0: called from a hook in that micro-step (it may pass over waiting buckets).
   int acquire_buffer(int bucket, int hook_micro = -1);
   void complete(int bucket);
+  // InPlace: completes the buckets launched in micro-step `micro` whose reduction has landed.
+  void complete_landed(int micro);
 
   const FlatState& flat_;
   const StagePlan plan_;
@@ -99,11 +107,15 @@ class GradientReducer {
   int next_ = 0;  // first bucket not launched in this pass (layout order)
   at::Tensor grad_flat_;               // InPlace: full length, model dtype
   std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it
+  std::vector<char> written_;           // InPlace: the view holds this step's gradient
   at::Tensor grad_reduced_;            // Bucketed: update coordinates, master options
   std::vector<at::Tensor> pool_;       // Bucketed: bucket buffers
   at::Tensor host_staging_;            // offload of device gradients: pinned, one bucket
   std::vector<int> free_buffers_;
   std::deque<int> in_flight_;
+  std::vector<int> landing_;            // InPlace: buckets in flight
+  std::function<void(int)> on_reduced_;
+  bool in_backward_ = false;            // inside accept() / end_pass()
   int64_t max_bucket_numel_ = 0;
   int64_t comm_elements_ = 0;
 };

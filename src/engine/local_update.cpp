@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -17,7 +18,11 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
                          const Rule& rule, const ShardOptimizerFactory& factory, RuleOf rule_of,
                          bool fused)
     : flat_(flat), comm_(std::move(comm)), timeout_(timeout), rule_of_(std::move(rule_of)),
-      lamb_(std::holds_alternative<Lamb>(rule)), low_done_(flat_.segments().size(), 0) {
+      lamb_(std::holds_alternative<Lamb>(rule)), low_done_(flat_.segments().size(), 0),
+      bucket_segments_(flat_.layout().buckets.size()), early_(flat_.segments().size()) {
+  for (size_t k = 0; k < flat_.segments().size(); ++k) {
+    bucket_segments_[flat_.segments()[k].bucket].push_back(static_cast<int>(k));
+  }
   if (fused) kernels_ = fused_kernels_for(flat_.master_options().device().type());
   if (factory) {
     for (auto& s : flat_.segments()) {
@@ -37,29 +42,66 @@ void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
   comm_->all_reduce(t, op, true)->wait(timeout_);
 }
 
+FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
+                                     double* unscale_s) const {
+  double scale = 1.0 / divisor;
+  if (scale != 1.0 && !folds_scale(s.grad)) {  // 16-bit gradients: torch's mul_ defines their rounding
+    const auto t = std::chrono::steady_clock::now();
+    s.grad.mul_(scale);
+    scale = 1.0;
+    *unscale_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+  return scan_local(s.grad, scale, norm);
+}
+
+// Note [The non-finite check during backward]
+// The check reads every reduced gradient once. A bucket whose reduction lands while backward is
+// still running (always at one rank; at more, as the collectives finish) is unscaled and checked
+// then, from the reducer's hook path, while its values are still in cache and off step()'s
+// critical path; step() checks the rest and combines the per-segment results in segment order, so
+// the sum of squares (and so clipping) is bitwise the same whichever segments went early. Between
+// backward and step() a trainer may thus find some .grad already divided by world x loss scale;
+// they are the reducer's buffers, never the local gradients, at more than one rank anyway.
+void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
+  const auto t = std::chrono::steady_clock::now();
+  double unscale_s = 0.0;
+  for (int k : bucket_segments_[bucket]) {
+    auto& s = flat_.segments()[k];
+    if (early_[k] || !s.grad.defined() || !s.grad.device().is_cpu()) continue;
+    early_[k] = scan_segment(s, divisor, norm, &unscale_s);
+  }
+  early_divisor_ = divisor;
+  early_norm_ = norm;
+  early_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+void LocalUpdate::forget_early() {
+  std::fill(early_.begin(), early_.end(), std::nullopt);
+  early_s_ = 0.0;
+}
+
 LocalUpdate::GradCheck LocalUpdate::unscale_and_check(double divisor, bool norm) {
   using Clock = std::chrono::steady_clock;
-  std::vector<at::Tensor> grads;
-  bool folded = true;
-  for (auto& s : flat_.segments()) {
-    grads.push_back(s.grad);
-    folded = folded && folds_scale(s.grad);
-  }
-  double scale = 1.0 / divisor;
-  const auto t0 = Clock::now();
-  if (scale != 1.0 && !folded) {  // 16-bit gradients: torch's mul_ defines their rounding
-    for (auto& g : grads) g.mul_(scale);
-    scale = 1.0;
-  }
-  const auto t1 = Clock::now();
-  // Replicated plans hold the same reduced gradients on every rank: the answers agree already.
-  const auto scan = scan_finite(grads, scale, norm, flat_.plan().sharded() ? comm_.get() : nullptr,
-                                timeout_);
   GradCheck check;
+  const bool any_early = std::any_of(early_.begin(), early_.end(),
+                                     [](const auto& e) { return e.has_value(); });
+  SHARDOPT_CHECK(!any_early || (early_divisor_ == divisor && early_norm_ == norm), Internal,
+                 "optimizer: gradients were unscaled by {} during backward but step() divides "
+                 "by {}", early_divisor_, divisor);
+  const auto t0 = Clock::now();
+  FiniteScan total;
+  auto& segments = flat_.segments();
+  for (size_t k = 0; k < segments.size(); ++k) {
+    add_scan(total, early_[k] ? *early_[k]
+                              : scan_segment(segments[k], divisor, norm, &check.unscale_s));
+  }
+  // Replicated plans hold the same reduced gradients on every rank: the answers agree already.
+  const auto scan = agree_on(total, norm, flat_.plan().sharded() ? comm_.get() : nullptr, timeout_);
   check.non_finite = scan.non_finite;
   if (norm) check.norm = std::sqrt(scan.sum_sq);
-  check.unscale_s = std::chrono::duration<double>(t1 - t0).count();
-  check.check_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  check.check_s = std::chrono::duration<double>(Clock::now() - t0).count() - check.unscale_s;
+  check.check_backward_s = early_s_;
+  forget_early();
   return check;
 }
 

@@ -8,7 +8,10 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
+#include <vector>
 
+#include "engine/finite_check.hpp"
 #include "engine/flat_state.hpp"
 #include "engine/fused_kernels.hpp"
 #include "shardopt/comm.hpp"
@@ -32,7 +35,14 @@ class LocalUpdate {
     double norm = -1.0;       // global L2 norm when asked (the same value on every rank)
     double unscale_s = 0.0;   // a separate unscale pass (16-bit gradients)
     double check_s = 0.0;     // the check's pass (with the fp32 unscale) and its all-reduce
+    double check_backward_s = 0.0;  // the part done by check_early (before step())
   };
+  // Unscales and checks the segments of `bucket` now, whose reduced gradients are final before
+  // step() (Note [The non-finite check during backward]); unscale_and_check, which must get the
+  // same divisor and norm, then only combines the result. Gradients not on the CPU wait for it.
+  void check_early(int bucket, double divisor, bool norm);
+  // The gradients start over (step() taken or skipped, zero_grad()): nothing checked early.
+  void forget_early();
   // Divides the reduced gradients by `divisor` (world * loss scale; 1: nothing to write), finds
   // whether any rank holds a non-finite one and, with `norm`, their global L2 norm: one pass over
   // this rank's segments and one all-reduce when sharded (src/engine/finite_check.hpp).
@@ -60,6 +70,8 @@ class LocalUpdate {
   template <typename Fn>
   void for_each_param_piece(const Segment& s, Fn&& fn) const;
   void all_reduce_small(at::Tensor& t, ReduceOp op = ReduceOp::Sum);
+  // One segment's unscale (by 1/divisor) and check; a 16-bit unscale's time goes to *unscale_s.
+  FiniteScan scan_segment(Segment& s, double divisor, bool norm, double* unscale_s) const;
 
   FlatState& flat_;
   CommunicatorPtr comm_;
@@ -70,6 +82,11 @@ class LocalUpdate {
   std::unique_ptr<torch::optim::Optimizer> inner_;
   std::vector<at::Tensor> inner_params_;
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
+  std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
+  std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early
+  double early_divisor_ = 0.0;
+  bool early_norm_ = false;
+  double early_s_ = 0.0;
 };
 
 }  // namespace shardopt::detail

@@ -1,6 +1,7 @@
 // BERT encoder, pooler, MLM and NSP heads (see model.hpp for names and the tied decoder).
 #include "model.hpp"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -24,6 +25,18 @@ BertInputs to_inputs(const Batch& b, const at::Device& device) {
   in.masked_labels = make(b.masked_labels, {b.rows, b.max_predictions});
   in.nsp_labels = make(b.nsp_labels, {b.rows});
   return in;
+}
+
+// Note [Step phases]: named ranges for the profiler (bench/profile_bert_step.py attributes each
+// forward op, and through its sequence number the backward node it creates, to the innermost
+// range); one branch on a thread-local flag when no profiler runs. The names are the peer's too.
+#define BERT_PHASE(name) RECORD_USER_SCOPE("phase::" name)
+
+// Through at::linear (PyTorch's F.linear): addmm with the bias for inputs of any rank. The C++
+// frontend's Linear / F::linear computes matmul and then adds the bias in a second pass over the
+// output (and a reduction for its gradient) whenever the input has more than two dimensions.
+static at::Tensor linear(const torch::nn::Linear& m, const at::Tensor& x) {
+  return torch::linear(x, m->weight, m->bias);
 }
 
 // hidden_act: BERT's gelu is the exact (erf) one; gelu_new / gelu_pytorch_tanh the tanh
@@ -70,13 +83,39 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   auto split = [&](const at::Tensor& t) {  // [B, T, H] -> [B, heads, T, head_dim]
     return t.view({B, T, heads_, head_dim_}).transpose(1, 2);
   };
-  const auto q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
-  auto scores = torch::matmul(q, k.transpose(-1, -2)) * (1.0 / std::sqrt(double(head_dim_)));
-  auto probs = attn_dropout_(torch::softmax(scores + mask_bias, -1));
-  auto context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
-  auto attended = attn_norm_(hidden_dropout_(attn_dense_(context)) + x);
-  auto inner = activation(intermediate_(attended), act_);
-  return output_norm_(hidden_dropout_(output_(inner)) + attended);
+  at::Tensor q, k, v, scores, probs, context, attended, out;
+  {
+    BERT_PHASE("qkv");
+    q = split(linear(query_, x)), k = split(linear(key_, x)), v = split(linear(value_, x));
+  }
+  {
+    BERT_PHASE("scores");
+    scores = torch::matmul(q, k.transpose(-1, -2)) * (1.0 / std::sqrt(double(head_dim_)));
+    if (mask_bias.defined()) scores = scores + mask_bias;
+  }
+  {
+    BERT_PHASE("softmax");
+    probs = attn_dropout_(torch::softmax(scores, -1));
+  }
+  {
+    BERT_PHASE("context");
+    context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
+  }
+  {
+    BERT_PHASE("attn_out");
+    attended = hidden_dropout_(linear(attn_dense_, context)) + x;
+  }
+  {
+    BERT_PHASE("layernorm");
+    attended = attn_norm_(attended);
+  }
+  {
+    BERT_PHASE("ffn");
+    const auto inner = activation(linear(intermediate_, attended), act_);
+    out = hidden_dropout_(linear(output_, inner)) + attended;
+  }
+  BERT_PHASE("layernorm");
+  return output_norm_(out);
 }
 
 // ---- the whole model --------------------------------------------------------------------------
@@ -163,13 +202,22 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   }
   const auto positions = torch::arange(T, input_ids.options()).unsqueeze(0);
   auto x = in_unit(embeddings_unit_, [&] {
+    BERT_PHASE("embeddings");
     auto e = word_embeddings_(input_ids) + position_embeddings_(positions) +
              token_type_embeddings_(token_type_ids);
-    return embeddings_dropout_(embeddings_norm_(e));
+    {
+      BERT_PHASE("layernorm");
+      e = embeddings_norm_(e);
+    }
+    return embeddings_dropout_(e);
   });
-  // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation).
-  const auto mask_bias =
-      ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
+  // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation). None when
+  // every token is real: it would add -0.0 to every score (no change) in a pass per layer. Asked
+  // on the CPU only, where it costs no device synchronisation.
+  at::Tensor mask_bias;
+  if (!attention_mask.is_cpu() || attention_mask.eq(0).any().item<bool>()) {
+    mask_bias = ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto run_layer = [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
       return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
@@ -183,7 +231,9 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
     }
   }
   at::Tensor pooled;
-  if (pooler_) pooled = in_unit(pooler_unit_, [&] { return torch::tanh(pooler_(x.select(1, 0))); });
+  if (pooler_) {
+    pooled = in_unit(pooler_unit_, [&] { return torch::tanh(linear(pooler_, x.select(1, 0))); });
+  }
   return {x, pooled};
 }
 
@@ -209,11 +259,34 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     out.mlm_labels = labels.index_select(0, valid);
   }
   std::tie(out.mlm_logits, out.nsp_logits) = in_unit(heads_unit_, [&] {
-    const auto t = transform_norm_(activation(transform_(h), config_.hidden_act));
-    return std::make_tuple(F::linear(t, word_embeddings_->weight, decoder_bias_),
-                           seq_relationship_ ? seq_relationship_(pooled) : at::Tensor());
+    at::Tensor t;
+    {
+      BERT_PHASE("head_transform");
+      t = activation(linear(transform_, h), config_.hidden_act);
+    }
+    {
+      BERT_PHASE("layernorm");
+      t = transform_norm_(t);
+    }
+    BERT_PHASE("decoder");
+    return std::make_tuple(torch::linear(t, word_embeddings_->weight, decoder_bias_),
+                           seq_relationship_ ? linear(seq_relationship_, pooled) : at::Tensor());
   });
-  out.mlm_loss = F::cross_entropy(out.mlm_logits.to(torch::kFloat), out.mlm_labels);
+  {
+    BERT_PHASE("loss");
+    auto logits = out.mlm_logits.to(torch::kFloat);
+    auto labels_in = out.mlm_labels;
+    if (config_.mlm_all_positions) {
+      // Every position has logits, but only the labelled rows enter the loss (in row order, as
+      // cross_entropy meets them): the other rows' log-probabilities would be computed and thrown
+      // away (ignore_index: their loss term and gradient are exactly zero), ~85% of a [B*T, vocab]
+      // log-softmax each way. The logits' gradient is still [B*T, vocab], zero on those rows.
+      const auto labelled = out.mlm_labels.ne(-100).nonzero().squeeze(1);
+      logits = logits.index_select(0, labelled);
+      labels_in = out.mlm_labels.index_select(0, labelled);
+    }
+    out.mlm_loss = F::cross_entropy(logits, labels_in);
+  }
   if (seq_relationship_) {
     out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
     out.loss = out.mlm_loss + out.nsp_loss;

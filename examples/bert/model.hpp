@@ -52,7 +52,8 @@ struct BertOutputs {
 class BertLayerImpl : public torch::nn::Module {
  public:
   explicit BertLayerImpl(const BertConfig& config);
-  // x: [B, T, H]; mask_bias: [B, 1, 1, T], 0 for tokens and a large negative for padding.
+  // x: [B, T, H]; mask_bias: [B, 1, 1, T], 0 for tokens and a large negative for padding, or
+  // undefined (no padding).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& mask_bias);
 
  private:

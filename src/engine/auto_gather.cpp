@@ -52,10 +52,11 @@
 // bench/RESULTS.md. What bypasses the dispatcher bypasses this too: code that reads data_ptr()
 // of a parameter directly, or a TorchScript fuser kernel that takes a parameter as input (CPU
 // fusion is off by default in torch): such code sees no bytes while the part is released; call
-// DistributedOptimizer::gather_full_parameters() first, or disable the fuser
-// (torch::jit::setTensorExprFuserEnabled(false)). Collectives are issued from whichever rank's
-// operation needs them: every rank must run the same operations on the parameters (as DDP assumes
-// of its buckets); a read on one rank alone fails with the collective's timeout error.
+// DistributedOptimizer::gather_full_parameters() first (outside a pass), or disable the fuser
+// (CUDA: nvFuser on torch 1.12-1.13, NNC on 2.x; README "Stage 3"). Collectives are issued from
+// whichever rank's operation needs them: every rank must run the same operations on the
+// parameters (as DDP assumes of its buckets); a read on one rank alone times out and raises the
+// released parameter's named error (release_guard.cpp), tested by AutoUnitsReleasedRead.
 #include "engine/auto_gather.hpp"
 
 #include <ATen/ATen.h>

@@ -89,8 +89,24 @@ void released_read(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   GatherOnUse* owner = nullptr;  // one optimizer's parts per operation (several: each in turn)
   std::vector<int> parts;
+  const c10::TensorImpl* first = nullptr;  // the owner's first tensor, for the message
   auto flush = [&] {
-    if (owner != nullptr) owner->use(parts);
+    if (owner != nullptr) {
+      try {
+        owner->use(parts);
+      } catch (const Error& e) {
+        // The gather is a collective: a read that only this rank makes (outside any pass) waits
+        // for ranks that never join. Name what was read, as for a released explicit unit.
+        if (e.kind() != ErrorKind::Timeout) throw;
+        SHARDOPT_FAIL(Timeout,
+                      "stage 3: {} is released (its values live only as shards between uses) and "
+                      "was read by {}, but gathering it on first use did not complete: every rank "
+                      "must run the same operations on the parameters (a read on one rank alone "
+                      "cannot be served; call DistributedOptimizer::gather_full_parameters() on "
+                      "every rank first), or a rank died or stalled. {}",
+                      describe_released(first), op.schema().name(), e.what());
+      }
+    }
     owner = nullptr;
     parts.clear();
   };
@@ -103,7 +119,10 @@ void released_read(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (it == g_gather.end()) continue;
       g = it->second;
     }
-    if (g.owner != owner) flush();
+    if (g.owner != owner) {
+      flush();
+      first = t.unsafeGetTensorImpl();
+    }
     owner = g.owner;
     if (std::find(parts.begin(), parts.end(), g.part) == parts.end()) parts.push_back(g.part);
   }

@@ -15,6 +15,7 @@
 #include "shardopt/error.hpp"
 #include "support/checkpoint_model.hpp"
 #include "support/dist_env.hpp"
+#include "support/first_ranks.hpp"
 
 namespace shardopt {
 namespace {
@@ -23,17 +24,7 @@ namespace fs = std::filesystem;
 using test::ckpt_rule;
 using test::ckpt_train;
 using test::CkptNet;
-
-// A communicator over world ranks [0, n), null on the others. Collective over the world the first
-// time each n is asked for (every rank must ask in the same order).
-CommunicatorPtr first_ranks(int n) {
-  static std::map<int, CommunicatorPtr> cache;
-  auto it = cache.find(n);
-  if (it != cache.end()) return it->second;
-  const int rank = test::world()->rank();
-  return cache[n] = test::world()->split(rank < n ? 0 : -1, rank);
-}
-
+using test::first_ranks;
 
 ZeroOptions zero(int stage, int64_t bucket_bytes = 64) {
   ZeroOptions zo;

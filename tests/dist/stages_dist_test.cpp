@@ -523,14 +523,16 @@ TEST(StageValidation, DuplicateAndEmptyNamesAreRefused) {
 // Mixed precision: fp16/bf16 parameters with an fp32 master copy track the fp32 run. The
 // tolerances are what 10 AdamW steps of lr 0.01 leave after rounding the parameters (|p| <= ~3)
 // to the compute dtype: bf16 keeps 8 bits of mantissa, fp16 11. Measured at N = 1..4: 4.5e-3
-// (bf16) and 7.2e-4 (fp16); the bounds are about three times that.
+// (bf16) and 7.2e-4 (fp16); the bounds are about three times that. Stage 3 runs twice: with the
+// model's units and with automatic units (no units declared), held to the same bound.
 TEST(Precision, MixedTracksFp32) {
   auto comm = test::world();
   for (Precision precision : {Precision::BF16, Precision::FP16}) {
     const double tol = precision == Precision::BF16 ? 1.5e-2 : 2.5e-3;
-    for (int stage : {0, 1, 2, 3}) {
+    for (int stage : {0, 1, 2, 3, 4}) {  // 4: stage 3 with automatic units
       for (bool reduce_in_fp32 : {true, false}) {
-        Case c{stage, "adamw", 2, 0.05};
+        Case c{std::min(stage, 3), "adamw", 2, 0.05};
+        c.auto_units = stage == 4;
         c.precision = precision;
         c.reduce_in_fp32 = reduce_in_fp32;
         const auto reference = train_reference(c);

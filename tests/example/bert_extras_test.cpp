@@ -1,5 +1,6 @@
 // The BERT example's benchmark helpers: the exact-size block cache, synthetic batches, the MLM
-// variants (all positions vs masked only give the same loss and gradients) and the NSP-less model.
+// variants (all positions vs masked only give the same loss and gradients), the loss over the
+// labelled rows, the encoder without a mask when nothing is padded and the NSP-less model.
 #include <ATen/ATen.h>
 #include <c10/core/Allocator.h>
 #include <gtest/gtest.h>
@@ -152,6 +153,42 @@ TEST(BertVariants, AllPositionsAndMaskedOnlyGiveTheSameLossAndGradients) {
     EXPECT_LT((pm[i].value().grad() - pa[i].value().grad()).abs().max().item<double>(), 1e-6)
         << pm[i].key();
   }
+}
+
+// With logits at every position, the loss takes only the labelled rows (model.cpp): the same loss
+// and the same gradient of the logits as cross_entropy over every row with ignore_index.
+TEST(BertVariants, AllPositionsLossIsCrossEntropyOverEveryRow) {
+  BertConfig c = BertConfig::preset("tiny");
+  c.vocab_size = 500;
+  c.nsp = false;
+  c.mlm_all_positions = true;
+  const Batch batch = synthetic_batch(2, 16, c.vocab_size, 0.3, 103, 1, 0, 0);
+  torch::manual_seed(0);
+  BertForPreTraining model(c);
+  const auto out = model->forward(to_inputs(batch));
+  ASSERT_GT(batch.num_masked, 0);
+  ASSERT_LT(batch.num_masked, 2 * 16);  // some rows have no label
+  const auto every_row = torch::nn::functional::cross_entropy(out.mlm_logits, out.mlm_labels);
+  EXPECT_NEAR(out.mlm_loss.item<double>(), every_row.item<double>(), 1e-6);
+  const auto g = torch::autograd::grad({out.mlm_loss}, {out.mlm_logits}, {}, true)[0];
+  const auto g_every = torch::autograd::grad({every_row}, {out.mlm_logits})[0];
+  EXPECT_LT((g - g_every).abs().max().item<double>(), 1e-7);
+  const auto unlabelled = out.mlm_labels.eq(-100).nonzero().squeeze(1);
+  EXPECT_EQ(g.index_select(0, unlabelled).abs().max().item<double>(), 0.0);
+}
+
+// Without padding the encoder adds no mask (model.cpp): the same output as with the zero mask.
+TEST(BertVariants, UnpaddedBatchNeedsNoMask) {
+  BertConfig c = BertConfig::preset("tiny");
+  c.hidden_dropout = c.attention_dropout = 0.0;
+  torch::manual_seed(0);
+  BertLayer layer(c);
+  const auto x = torch::randn({2, 16, c.hidden_size});
+  const auto zero_mask = ((1.0 - torch::ones({2, 16})) * -10000.0).view({2, 1, 1, 16});
+  EXPECT_TRUE(torch::equal(layer->forward(x, at::Tensor()), layer->forward(x, zero_mask)));
+  auto padded = torch::zeros({2, 1, 1, 16});
+  padded.index_put_({0, 0, 0, 15}, -10000.0);
+  EXPECT_FALSE(torch::equal(layer->forward(x, at::Tensor()), layer->forward(x, padded)));
 }
 
 TEST(BertVariants, PeerPresetIsMiniWithoutNspAndWithAllPositions) {

@@ -12,6 +12,7 @@
 #include "shardopt/config.hpp"
 #include "shardopt/process_group.hpp"
 #include "support/dist_env.hpp"
+#include "support/first_ranks.hpp"
 
 namespace shardopt::test {
 namespace {
@@ -66,6 +67,14 @@ CommunicatorPtr communicator(const std::string& backend) {
   auto& slot = g_engines[backend];
   if (!slot) slot = fresh_gloo(std::chrono::seconds(120));
   return slot;
+}
+
+CommunicatorPtr first_ranks(int n) {
+  static std::map<int, CommunicatorPtr> cache;
+  auto it = cache.find(n);
+  if (it != cache.end()) return it->second;
+  const int rank = g_world->rank();
+  return cache[n] = g_world->split(rank < n ? 0 : -1, rank);
 }
 
 std::string shared_dir(const std::string& tag) {

@@ -440,6 +440,9 @@ void bind_options(py::module_& m) {
       .def_readwrite("broadcast_initial_params", &ZeroOptions::broadcast_initial_params)
       .def_readwrite("align_bytes", &ZeroOptions::align_bytes)
       .def_readwrite("prefetch", &ZeroOptions::prefetch)
+      .def_readwrite("reuse_distance", &ZeroOptions::reuse_distance,
+                     "stage 3, automatic units: a unit used again within this many unit uses "
+                     "stays gathered in forward")
       .def_readwrite("shard_group_size", &ZeroOptions::shard_group_size,
                      "hybrid sharding: shard within groups of this many ranks (0: all)")
       .def_property(

@@ -34,6 +34,8 @@ void ZeroOptions::validate() const {
                  "options: align_bytes must be a positive power of two, got {}", align_bytes);
   SHARDOPT_CHECK(prefetch >= 0, InvalidArgument, "options: prefetch must be >= 0, got {}",
                  prefetch);
+  SHARDOPT_CHECK(reuse_distance >= 0, InvalidArgument,
+                 "options: reuse_distance must be >= 0 (unit uses ahead), got {}", reuse_distance);
   SHARDOPT_CHECK(shard_group_size >= 0, InvalidArgument,
                  "options: shard_group_size must be >= 0 (0: all ranks), got {}", shard_group_size);
   SHARDOPT_CHECK(reduce_dtype == Precision::FP32 || reduce_in_fp32 || precision == Precision::FP32 ||

@@ -79,6 +79,14 @@ struct ZeroOptions {
   // Stage 3: how many units ahead to gather asynchronously (forward and backward); 0 gathers
   // each unit only when it is needed.
   int prefetch = 1;
+  // Stage 3, automatic units: in forward, when a unit starts, a gathered unit stays gathered if
+  // the order recorded in the last pass (its forward, then its backward) uses it again within
+  // this many unit uses, and is released otherwise (DeepSpeed's stage3_max_reuse_distance,
+  // counted in uses). 0 frees each unit as soon as another starts; larger values trade memory
+  // for fewer gathers. The first pass, or ranks that recorded different orders, keep the two
+  // most recently used units instead (Note [Reuse distance] in src/engine/auto_gather.cpp).
+  // Declared units (`units`) are freed when their run ends.
+  int reuse_distance = 2;
   // Deadline of every collective the optimizer waits on.
   Duration timeout = default_timeout();
   // Non-finite (NaN/Inf) gradients on any rank skip the step on every rank at every precision

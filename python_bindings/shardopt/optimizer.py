@@ -262,7 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``bucket_bytes``, ``overlap_comm``, ``grad_accumulation_steps``, ``max_grad_norm``,
             ``precision``, ``reduce_in_fp32``, ``loss_scale`` (a ``LossScaleOptions`` or a dict),
             ``fused_update``, ``offload``, ``broadcast_initial_params``, ``align_bytes``,
-            ``shard_group_size``, ``reduce_dtype``, ``prefetch``, ``timeout`` (a
+            ``shard_group_size``, ``reduce_dtype``, ``prefetch``, ``reuse_distance``, ``timeout`` (a
             ``datetime.timedelta`` or seconds) and ``max_nonfinite_steps``.
         units: stage 3: the modules whose parameters are gathered together, usually one per
             layer: a list of modules (or ``(name, module)`` pairs, or a dict), or a policy applied

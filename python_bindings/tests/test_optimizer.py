@@ -289,7 +289,7 @@ def test_param_groups_look_like_torch(comm):
 NON_DEFAULT = dict(stage=1, bucket_bytes=4096, overlap_comm=False, grad_accumulation_steps=2,
                    max_grad_norm=2.5, precision="bf16", reduce_in_fp32=False,
                    reduce_dtype="bf16", shard_group_size=1, fused_update=False, offload="cpu",
-                   broadcast_initial_params=False, align_bytes=128, prefetch=3,
+                   broadcast_initial_params=False, align_bytes=128, prefetch=3, reuse_distance=7,
                    timeout=datetime.timedelta(seconds=42), max_nonfinite_steps=0,
                    unit_policy=shardopt.UnitPolicy(patterns=["layers"], persist_below=5))
 LOSS_SCALE = dict(dynamic=False, initial_scale=1024.0, growth_factor=3.0, growth_interval=7,

@@ -13,23 +13,41 @@
 // key. Autograd therefore records the real parameters; a part released between forward and
 // backward is gathered again when backward first reads it, and the gather writes the part's
 // buffer, never the parameters' version counters, so unpacking saved leaves stays valid.
-//   Forward: a part is gathered on first use; the `keep` most recently used parts stay gathered
-//   (a bias read right after the tied decoder does not regather its layer), older ones are
-//   released. A part used again later (a tied embedding at the decoder) is gathered again.
-//   Backward: a part is gathered when backward first reads it and released once its gradients are
-//   in (the engine's tracker), as for declared units; end of backward frees the rest but the root.
-//   Prefetch: the order of first uses in forward is recorded per pass. After the first backward
-//   the order is compared across ranks (a hash, one all-reduce); if it differs, prefetch stays
-//   off with one warning (collectives must be issued in the same order everywhere). Otherwise the
-//   forward gathers the next `prefetch` parts of the last pass's order when it reaches a part at
-//   the same position, and backward those that came before it in this pass's forward.
+//   Forward: a part is gathered on first use and released when the trace says its use is over
+//   (Note [Reuse distance]). A part used again later (a tied embedding at the decoder) is
+//   gathered again unless it was kept.
+//   Backward: a part is gathered when backward first reads it (NeededInBackward, Note [Part
+//   lifecycle] in parameter_store.cpp) and released once its gradients are in (the engine's
+//   tracker), as for declared units; end of backward frees the rest but the root.
+//   Trace: the order of first uses in forward, then in backward, is recorded per pass. After the
+//   first backward it is compared across ranks (a hash, one all-reduce); if it differs, prefetch
+//   and the trace-driven release stay off with one warning (collectives must be issued in the
+//   same order everywhere). Otherwise the forward gathers the next `prefetch` parts of the last
+//   pass's order when it reaches a part at the same position, and backward those that came
+//   before it in this pass's forward.
 // Communication per micro-step: a part is all-gathered at each forward use that finds it
-// released and once in backward unless the forward window still holds it, and reduce-scattered
-// once; the root part is all-gathered once per step. Declared units release every unit when its
-// run ends and gather it again in backward; here the window's last two parts stay gathered
-// through the loss into backward, which saves their backward gathers (BERT: the last encoder layer
-// and the embeddings that the tied decoder used last) at the cost of holding them meanwhile
+// released and once in backward unless forward kept it, and reduce-scattered once; the root part
+// is all-gathered once per step. Declared units release every unit when its run ends and gather
+// it again in backward; here the parts whose backward use is near stay gathered through the loss
+// into backward, which saves their backward gathers (BERT: the last encoder layer and the
+// embeddings that the tied decoder used last) at the cost of holding them meanwhile
 // (bench/RESULTS.md: BERT peer, 2.92 Psi per step vs 3.70 Psi with its explicit units, +5% peak).
+//
+// Note [Reuse distance]
+// When forward starts a new part-use at position k of the trace (the last pass's forward order,
+// then its backward order), every gathered part the operation does not read is looked up: if its
+// next use in the trace is at most ZeroOptions::reuse_distance positions ahead it stays gathered,
+// otherwise (or if it is not used again) it is released. The backward half is what keeps the
+// forward's last parts for backward: near the end of forward their backward uses are close. So
+// 0 frees every part as soon as another starts; 1 keeps a part read again right after the next
+// (a layer around a shared bias); the default 2 also keeps, at the end of forward, the part
+// before the last for backward; a distance longer than the trace keeps every part until
+// backward's gradients free it (stage-2 memory, 2 Psi per step). Releases are no collectives, but
+// they decide which later uses gather, so every rank must decide alike: the trace is the one
+// checked across ranks, and the decision uses only it and positions. Fallback, while there is no
+// usable trace (the first pass, ranks that disagreed, a forward that left the trace, forwards
+// without backward that overran it): the `keep` most recently used parts stay gathered, older
+// ones are released.
 // Cost: one boxed fallback per operation on a parameter (gathered or not), measured in
 // bench/RESULTS.md. What bypasses the dispatcher bypasses this too: code that reads data_ptr()
 // of a parameter directly, or a TorchScript fuser kernel that takes a parameter as input (CPU
@@ -51,10 +69,12 @@
 
 namespace shardopt::detail {
 
-AutoGather::AutoGather(ParameterStore& store, int root, int prefetch, CommunicatorPtr comm,
-                       Duration timeout, int keep)
+AutoGather::AutoGather(ParameterStore& store, int root, int prefetch, int reuse_distance,
+                       CommunicatorPtr comm, Duration timeout, int keep)
     : store_(store), root_(root), prefetch_(prefetch), comm_(std::move(comm)), timeout_(timeout),
-      keep_(static_cast<size_t>(std::max(1, keep))) {}
+      reuse_distance_(static_cast<size_t>(std::max(0, reuse_distance))),
+      keep_(static_cast<size_t>(std::max(1, keep))),
+      last_at_(static_cast<size_t>(store.part_count()), 0) {}
 
 void AutoGather::use(const std::vector<int>& parts) {
   // Inside a backward pass the autograd engine has a current graph task.
@@ -81,9 +101,12 @@ void AutoGather::forward_use(const std::vector<int>& parts) {
     if (order_.empty() || order_.back() != part) {
       if (order_.size() > 4 * static_cast<size_t>(store_.part_count()) + 16) {
         order_.clear();  // forwards without a backward (evaluation): a new trace starts
+        following_ = false;  // ... which the last pass's trace does not describe
       }
       order_.push_back(part);
       const size_t k = order_.size() - 1;
+      last_at_[part] = k;
+      following_ = following_ && k < previous_.size() && previous_[k] == part;
       if (prefetching && k < previous_.size() && previous_[k] == part) {
         store_.prefetch_part(part);  // first in line, then the ones the trace says come next
         for (size_t i = 1; i <= static_cast<size_t>(prefetch_) && k + i < previous_.size(); ++i) {
@@ -96,7 +119,32 @@ void AutoGather::forward_use(const std::vector<int>& parts) {
     if (at != recent_.end()) recent_.erase(at);
     recent_.push_back(part);
   }
-  // Release the least recently used parts beyond the window, never one this operation reads.
+  if (following_) {
+    release_by_trace(parts);
+  } else {
+    release_by_window(parts);
+  }
+  cursor_ = order_.size();
+}
+
+void AutoGather::release_by_trace(const std::vector<int>& parts) {
+  const size_t k = order_.size() - 1;  // recent_ is empty while order_ is
+  for (auto it = recent_.begin(); it != recent_.end();) {
+    const int part = *it;
+    const size_t next = next_[last_at_[part]];  // > k: this forward followed the trace
+    const bool in_use = std::find(parts.begin(), parts.end(), part) != parts.end();
+    if (in_use || (next != kNever && next - k <= reuse_distance_)) {
+      ++it;
+      continue;
+    }
+    store_.release(part);
+    it = recent_.erase(it);
+  }
+}
+
+// The fallback without a usable trace: the least recently used parts beyond the window go, never
+// one this operation reads.
+void AutoGather::release_by_window(const std::vector<int>& parts) {
   for (auto it = recent_.begin(); recent_.size() > keep_ && it != recent_.end();) {
     if (std::find(parts.begin(), parts.end(), *it) != parts.end()) {
       ++it;
@@ -105,10 +153,14 @@ void AutoGather::forward_use(const std::vector<int>& parts) {
     store_.release(*it);
     it = recent_.erase(it);
   }
-  cursor_ = order_.size();
 }
 
 void AutoGather::backward_use(int part) {
+  if (backward_.empty() || backward_.back() != part) {
+    // Backward passes that never reach the engine's end (gradients of inputs only): start over.
+    if (backward_.size() > 4 * static_cast<size_t>(store_.part_count()) + 16) backward_.clear();
+    backward_.push_back(part);
+  }
   if (!store_.part_gathered(part) && checked_ && trace_ok_ && prefetch_ > 0) {
     // Backward reaches the parts in reverse forward order: prefetch those before this one.
     size_t at = std::min(cursor_, order_.size());
@@ -128,27 +180,46 @@ void AutoGather::end_backward() {
   if (!checked_) {
     checked_ = true;
     if (comm_->size() > 1) {
-      uint32_t h = 2166136261u;  // FNV-1a over the order of first uses
-      for (int part : order_) {
-        for (int byte = 0; byte < 4; ++byte) {
-          h = (h ^ ((static_cast<uint32_t>(part) >> (8 * byte)) & 0xffu)) * 16777619u;
-        }
-      }
-      const double mine = static_cast<double>(h) + 1e10 * static_cast<double>(order_.size() % 1000);
+      uint32_t h = 2166136261u;  // FNV-1a over the order of first uses, forward then backward
+      auto add = [&h](uint32_t word) {
+        for (int byte = 0; byte < 4; ++byte) h = (h ^ ((word >> (8 * byte)) & 0xffu)) * 16777619u;
+      };
+      for (int part : order_) add(static_cast<uint32_t>(part));
+      add(0xffffffffu);
+      for (int part : backward_) add(static_cast<uint32_t>(part));
+      const size_t uses = order_.size() + 31 * backward_.size();
+      const double mine = static_cast<double>(h) + 1e10 * static_cast<double>(uses % 1000);
       at::Tensor both = at::tensor({mine, -mine}, at::kDouble);
       comm_->all_reduce(both, ReduceOp::Max, true)->wait(timeout_);
       trace_ok_ = both[0].item<double>() == -both[1].item<double>();
       if (!trace_ok_ && comm_->rank() == 0) {
         fmt::print(stderr,
                    "shardopt: stage 3: the ranks used the automatic units in different orders in "
-                   "the first pass (control flow that depends on the data?); prefetch is off\n");
+                   "the first pass (control flow that depends on the data?); prefetch is off and "
+                   "forward keeps the last {} parts gathered\n", keep_);
       }
     }
   }
   previous_ = std::move(order_);
   order_.clear();
+  make_trace();
   recent_.clear();
   cursor_ = 0;
+  following_ = trace_ok_ && !previous_.empty();
+}
+
+// trace_: the forward order, then the backward order; next_[i]: where trace_[i]'s part is used
+// next (kNever: not again in the pass).
+void AutoGather::make_trace() {
+  trace_ = previous_;
+  trace_.insert(trace_.end(), backward_.begin(), backward_.end());
+  backward_.clear();
+  next_.assign(trace_.size(), kNever);
+  std::vector<size_t> seen(last_at_.size(), kNever);
+  for (size_t i = trace_.size(); i-- > 0;) {
+    next_[i] = seen[trace_[i]];
+    seen[trace_[i]] = i;
+  }
 }
 
 }  // namespace shardopt::detail

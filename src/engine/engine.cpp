@@ -197,8 +197,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   // the master weights (ParameterStore::adopt).
   store_ = make_store();
   if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
-    auto_ = std::make_unique<AutoGather>(*store_, model_.root_part, options_.prefetch, comm_,
-                                         options_.timeout);
+    auto_ = std::make_unique<AutoGather>(*store_, model_.root_part, options_.prefetch,
+                                         options_.reuse_distance, comm_, options_.timeout);
     store_->set_automatic(auto_.get());
   }
   flat_->init_master(store_->adopt(where.initial, options_.broadcast_initial_params));

@@ -124,6 +124,8 @@ struct Trained {
   bool bytes_after_gather = false;
   int64_t peak = 0;        // tracked CPU bytes during the last step, above what was live before
   int64_t param_bytes = 0;
+  int64_t padded_numel = 0;
+  std::vector<int64_t> comm_elements;  // per step
 };
 
 at::Tensor eval_tokens() { return batch(99, 0).first; }
@@ -215,15 +217,18 @@ bool all_have_bytes(const Model& m, bool expected) {
 }
 
 Trained train_sharded(const std::string& kind, int stage, const std::string& rule, CommunicatorPtr comm,
-                  int accumulation = 1) {
+                  int accumulation = 1, int reuse_distance = ZeroOptions{}.reuse_distance) {
   ScopedMemoryTracking tracking;  // before the model: every byte of the run is counted
   const int64_t base = tracking.tracker().live_bytes();  // what others hold (the last run's result)
   Model m = make(kind);
-  DistributedOptimizer opt(groups_of(m), rule_of(rule), comm, auto_options(stage, accumulation));
+  ZeroOptions zo = auto_options(stage, accumulation);
+  zo.reuse_distance = reuse_distance;
+  DistributedOptimizer opt(groups_of(m), rule_of(rule), comm, zo);
   Trained run;
   tracking.tracker().reset_peak();
   train_steps(m, opt, 0, kSteps, accumulation, [&](int64_t s) {
     run.peak = tracking.tracker().peak_bytes() - base;
+    run.comm_elements.push_back(opt.last_step().comm_elements);
     if (s == kEvalAfter && stage == 3) {
       run.released_after_step = all_have_bytes(m, false);
       run.eval_mid = evaluate(m);  // every rank: parameters are gathered on use
@@ -235,6 +240,7 @@ Trained train_sharded(const std::string& kind, int stage, const std::string& rul
   });
   run.eval = evaluate(m);
   run.param_bytes = 4 * opt.numel();
+  run.padded_numel = opt.padded_numel();
   opt.gather_full_parameters();
   run.params = snapshot(m);
   return run;
@@ -331,6 +337,47 @@ TEST(AutoUnitsMemory, PeakBelowStage2) {
         << " B, parameters " << stage2.param_bytes << " B";
     EXPECT_TRUE(test::all_ranks(stage3.peak <= stage2.peak - margin));
   }
+}
+
+// Note [Reuse distance]: the trace of the last pass decides what forward keeps gathered. On the
+// native model (its decoder tied to the embedding), a distance beyond the trace keeps every part
+// until backward has used it, so each part is all-gathered once per step: with the reduce-scatter,
+// 2 * padded elements. Distance 2 frees the middle layers (their next use is in backward) and
+// keeps, at the end of forward, only what backward reads first; 0 frees every part once another
+// starts, so backward gathers all but the last again. The first step has no trace yet: the same
+// fallback for every distance. The parameters do not depend on it.
+TEST(AutoUnitsReuseDistance, TraceDecidesWhatStaysGathered) {
+  auto comm = test::world();
+  torch::jit::GraphOptimizerEnabledGuard optimize(false);
+  const Trained none = train_sharded("native", 3, "adamw", comm, 1, 0);
+  const Trained near = train_sharded("native", 3, "adamw", comm, 1, 2);
+  const Trained all = train_sharded("native", 3, "adamw", comm, 1, 1 << 20);
+  bool ok = true;
+  for (const Trained* run : {&none, &near}) {
+    std::string worst;
+    EXPECT_EQ(max_diff(run->params, all.params, &worst), 0.0) << worst;
+    EXPECT_EQ(run->comm_elements.front(), all.comm_elements.front());
+    ok = ok && max_diff(run->params, all.params, &worst) == 0.0 &&
+         run->comm_elements.front() == all.comm_elements.front();
+  }
+  const int64_t c0 = none.comm_elements.back(), c2 = near.comm_elements.back(),
+                call = all.comm_elements.back();
+  EXPECT_EQ(call, 2 * all.padded_numel);
+  EXPECT_GT(c2, call);
+  EXPECT_GT(c0, c2);
+  EXPECT_LT(none.peak, all.peak);
+  ok = ok && call == 2 * all.padded_numel && c2 > call && c0 > c2 && none.peak < all.peak;
+  if (comm->rank() == 0) {
+    std::printf("[reuse distance] last-step comm elements: 0 -> %lld, 2 -> %lld, all -> %lld "
+                "(padded %lld); step peak bytes: 0 -> %lld, 2 -> %lld, all -> %lld\n",
+                static_cast<long long>(c0), static_cast<long long>(c2),
+                static_cast<long long>(call), static_cast<long long>(all.padded_numel),
+                static_cast<long long>(none.peak), static_cast<long long>(near.peak),
+                static_cast<long long>(all.peak));
+  }
+  EXPECT_TRUE(test::all_ranks(ok)) << "comm elements in the last step: distance 0 " << c0
+                                   << ", 2 " << c2 << ", all " << call << "; padded "
+                                   << all.padded_numel;
 }
 
 // Checkpoints with automatic units: saved after step kSaveAt by N = min(2, world) ranks, loaded into

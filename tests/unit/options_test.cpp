@@ -32,6 +32,7 @@ TEST(ZeroOptions, EveryInvalidFieldIsNamed) {
   expect_invalid([](auto& o) { o.max_grad_norm = -1; }, "max_grad_norm must be >= 0");
   expect_invalid([](auto& o) { o.align_bytes = 48; }, "align_bytes must be a positive power of two");
   expect_invalid([](auto& o) { o.prefetch = -1; }, "prefetch must be >= 0");
+  expect_invalid([](auto& o) { o.reuse_distance = -3; }, "reuse_distance must be >= 0 (unit uses ahead), got -3");
   expect_invalid([](auto& o) { o.timeout = Duration::zero(); }, "timeout must be positive");
   expect_invalid([](auto& o) { o.shard_group_size = -2; }, "shard_group_size must be >= 0");
   expect_invalid(

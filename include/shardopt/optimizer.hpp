@@ -108,8 +108,9 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Finishes the gradient reduction, clips, updates the local shard and gathers parameters.
   // The closure, when given, is called first (under grad mode) and its loss returned.
   at::Tensor step(LossClosure closure = nullptr) override;
-  // Clears gradients (in place for stages 0-1; shards for stage 2); `set_to_none` does not
-  // matter (gradients live in shardopt's buffers). Optional between steps: step() consumes the
+  // Discards the gradients: every .grad becomes undefined and the next backward's first gradient
+  // overwrites shardopt's buffers (nothing is written now), whatever `set_to_none` says.
+  // Optional between steps: step() consumes the
   // gradients, so the next backward starts from zero also when a trainer holding a
   // torch::optim::Optimizer& calls the base's zero_grad, which is not virtual (torch 1.13's
   // zero_grad(), 2.6's zero_grad(bool)), or none at all.

@@ -358,8 +358,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none=None):
-        """Clears gradients. Stages 0-1 keep ``.grad`` as views into the flat gradient buffer
-        (zeroed in place) and stage 2 frees them, whatever ``set_to_none`` says."""
+        """Discards the gradients: every ``.grad`` becomes None (whatever ``set_to_none`` says)
+        and the next backward's first gradient overwrites shardopt's buffers; ``step()`` does
+        the same, so calling this between steps is optional."""
         self._core.zero_grad()
 
     def step(self, closure=None):

@@ -1,0 +1,160 @@
+// Python bindings: torch.optim's hyper-parameter names <-> shardopt::Rule (bindings.hpp). Torch-free:
+// only pybind11 and the rule field lists (Note [One place per rule] in shardopt/rules.hpp).
+#include <fmt/ranges.h>
+#include <pybind11/pybind11.h>
+
+#include <functional>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "bindings.hpp"
+#include "shardopt/detail/rule_traits.hpp"
+#include "shardopt/error.hpp"
+
+namespace py = pybind11;
+
+namespace shardopt::python {
+namespace {
+
+// ---- hyper-parameters: torch.optim's names <-> shardopt::Rule ---------------------------------
+
+// Reads a {name: value} dict of torch-style hyper-parameters into one rule, rejecting unknown
+// names and out-of-range values with InvalidArgument (ValueError) messages that name them.
+class HyperReader {
+ public:
+  HyperReader(const char* rule, const py::dict& values, bool strict)
+      : rule_(rule), strict_(strict) {
+    for (auto item : values) {
+      SHARDOPT_CHECK(py::isinstance<py::str>(item.first), InvalidArgument,
+                     "optimizer: {} hyper-parameter names must be strings", rule_);
+      items_.emplace(py::cast<std::string>(item.first), py::reinterpret_borrow<py::object>(item.second));
+    }
+  }
+
+  // lower <= value (< upper when upper_open).
+  void number(const char* key, double lower, const std::function<void(double)>& set,
+              double upper = std::numeric_limits<double>::infinity()) {
+    known_.push_back(key);
+    auto it = items_.find(key);
+    if (it == items_.end()) return;
+    const double v = to_double(key, it->second);
+    SHARDOPT_CHECK(v >= lower && v < upper, InvalidArgument,
+                   "optimizer: {} hyper-parameter '{}' must lie in [{}, {}), got {}", rule_, key,
+                   lower, upper, v);
+    set(v);
+    items_.erase(it);
+  }
+  void flag(const char* key, const std::function<void(bool)>& set) {
+    known_.push_back(key);
+    auto it = items_.find(key);
+    if (it == items_.end()) return;
+    SHARDOPT_CHECK(py::isinstance<py::bool_>(it->second), InvalidArgument,
+                   "optimizer: {} hyper-parameter '{}' must be True or False, got {}", rule_, key,
+                   py::str(py::repr(it->second)).cast<std::string>());
+    set(it->second.cast<bool>());
+    items_.erase(it);
+  }
+  void betas(const std::function<void(double, double)>& set) {
+    known_.push_back("betas");
+    auto it = items_.find("betas");
+    if (it == items_.end()) return;
+    SHARDOPT_CHECK(py::isinstance<py::sequence>(it->second) && py::len(it->second) == 2,
+                   InvalidArgument, "optimizer: {} hyper-parameter 'betas' must be a pair "
+                   "(beta1, beta2), got {}", rule_,
+                   py::str(py::repr(it->second)).cast<std::string>());
+    py::sequence pair = it->second;
+    const double b1 = to_double("betas[0]", pair[0]), b2 = to_double("betas[1]", pair[1]);
+    SHARDOPT_CHECK(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, InvalidArgument,
+                   "optimizer: {} betas must lie in [0, 1), got ({}, {})", rule_, b1, b2);
+    set(b1, b2);
+    items_.erase(it);
+  }
+  // Unknown names are an error when strict (what the user wrote), ignored otherwise (what LR
+  // schedulers add to param_groups: initial_lr, max_lr, ...).
+  void finish() const {
+    if (!strict_ || items_.empty()) return;
+    SHARDOPT_FAIL(InvalidArgument,
+                  "optimizer: {} has no hyper-parameter '{}'; expected one of {}", rule_,
+                  items_.begin()->first, fmt::join(known_, ", "));
+  }
+
+ private:
+  double to_double(const char* key, py::handle value) const {
+    const bool number = !py::isinstance<py::bool_>(value) &&
+                        (PyFloat_Check(value.ptr()) || PyLong_Check(value.ptr()) ||
+                         py::hasattr(value, "__float__"));
+    SHARDOPT_CHECK(number, InvalidArgument,
+                   "optimizer: {} hyper-parameter '{}' must be a number, got {}", rule_, key,
+                   py::str(py::repr(value)).cast<std::string>());
+    return py::float_(py::reinterpret_borrow<py::object>(value)).cast<double>();
+  }
+
+  const char* rule_;
+  bool strict_;
+  std::map<std::string, py::object> items_;
+  std::vector<const char*> known_;
+};
+
+// The codec is written once over each rule's field list (Note [One place per rule] in
+// shardopt/rules.hpp); torch spells the fields beta1, beta2 as one pair, 'betas'.
+template <typename R>
+Rule read_rule_of(HyperReader& h, const py::dict& values, bool strict) {
+  if (detail::kNeedsLr<R>) {
+    // torch.optim.SGD has no default learning rate either.
+    SHARDOPT_CHECK(!strict || values.contains("lr"), InvalidArgument,
+                   "optimizer: {} needs a learning rate, e.g. lr=0.1", R::kName);
+  }
+  R r = detail::blank_rule<R>();
+  double* beta1 = nullptr;
+  R::fields(r, [&](const detail::Field& f, auto& value) {
+    const std::string name = f.name;
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
+      h.flag(f.name, [&](bool v) { value = v; });
+    } else if (name == "beta1") {
+      beta1 = &value;
+    } else if (name == "beta2") {
+      h.betas([&](double b1, double b2) {
+        *beta1 = b1;
+        value = b2;
+      });
+    } else {
+      h.number(f.name, f.lowest, [&](double v) { value = v; });
+    }
+  });
+  const std::string problem = detail::rule_problem(r);
+  SHARDOPT_CHECK(problem.empty(), InvalidArgument, "optimizer: {}: {}", R::kName, problem);
+  return r;
+}
+
+}  // namespace
+
+Rule read_rule(const std::string& name, const py::dict& values, bool strict) {
+  HyperReader h(name.c_str(), values, strict);
+  Rule rule;
+  const bool known = detail::with_rule_named(name, [&](auto type) {
+    rule = read_rule_of<typename decltype(type)::type>(h, values, strict);
+  });
+  SHARDOPT_CHECK(known, InvalidArgument,
+                 "optimizer: unknown optimizer '{}'; expected one of {} (or a "
+                 "torch.optim.Optimizer class)",
+                 name, fmt::join(detail::rule_names(), ", "));
+  h.finish();
+  return rule;
+}
+
+// The torch-style hyper-parameter dict of a rule (what param_groups hold).
+py::dict rule_dict(const Rule& rule) {
+  py::dict d;
+  detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
+      d[name] = py::make_tuple(value.first, value.second);
+    } else {
+      d[name] = value;
+    }
+  });
+  return d;
+}
+
+}  // namespace shardopt::python

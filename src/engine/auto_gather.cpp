@@ -35,7 +35,8 @@
 //
 // Note [Reuse distance]
 // When forward starts a new part-use at position k of the trace (the last pass's forward order,
-// then its backward order), every gathered part the operation does not read is looked up: if its
+// then its backward order), and only then, every gathered part the operation does not read is
+// looked up (operations on the root part or on the current part decide nothing): if its
 // next use in the trace is at most ZeroOptions::reuse_distance positions ahead it stays gathered,
 // otherwise (or if it is not used again) it is released. The backward half is what keeps the
 // forward's last parts for backward: near the end of forward their backward uses are close. So
@@ -93,6 +94,7 @@ void AutoGather::use(const std::vector<int>& parts) {
 
 void AutoGather::forward_use(const std::vector<int>& parts) {
   const bool prefetching = checked_ && trace_ok_ && prefetch_ > 0;
+  bool started = false;  // a new part-use: the only point where forward releases
   for (int part : parts) {
     if (part == root_) {
       store_.gather_root();
@@ -104,6 +106,7 @@ void AutoGather::forward_use(const std::vector<int>& parts) {
         following_ = false;  // ... which the last pass's trace does not describe
       }
       order_.push_back(part);
+      started = true;
       const size_t k = order_.size() - 1;
       last_at_[part] = k;
       following_ = following_ && k < previous_.size() && previous_[k] == part;
@@ -119,10 +122,15 @@ void AutoGather::forward_use(const std::vector<int>& parts) {
     if (at != recent_.end()) recent_.erase(at);
     recent_.push_back(part);
   }
-  if (following_) {
-    release_by_trace(parts);
-  } else {
-    release_by_window(parts);
+  // Operations that read only the root part (a head between the last layer and the tied decoder)
+  // or the current part start no new use: deciding there would release the current part at its
+  // own position, one further from its backward use than the next part-use will be.
+  if (started) {
+    if (following_) {
+      release_by_trace(parts);
+    } else {
+      release_by_window(parts);
+    }
   }
   cursor_ = order_.size();
 }

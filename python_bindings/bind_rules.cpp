@@ -1,5 +1,6 @@
-// Python bindings: torch.optim's hyper-parameter names <-> shardopt::Rule (bindings.hpp). Torch-free:
-// only pybind11 and the rule field lists (Note [One place per rule] in shardopt/rules.hpp).
+// Python bindings: torch.optim's hyper-parameter names <-> shardopt::Rule (bindings.hpp).
+// Torch-free: only pybind11 and the rule field lists (Note [One place per rule] in
+// shardopt/rules.hpp).
 #include <fmt/ranges.h>
 #include <pybind11/pybind11.h>
 
@@ -29,7 +30,8 @@ class HyperReader {
     for (auto item : values) {
       SHARDOPT_CHECK(py::isinstance<py::str>(item.first), InvalidArgument,
                      "optimizer: {} hyper-parameter names must be strings", rule_);
-      items_.emplace(py::cast<std::string>(item.first), py::reinterpret_borrow<py::object>(item.second));
+      items_.emplace(py::cast<std::string>(item.first),
+                     py::reinterpret_borrow<py::object>(item.second));
     }
   }
 

@@ -31,7 +31,7 @@
 // it again in backward; here the parts whose backward use is near stay gathered through the loss
 // into backward, which saves their backward gathers (BERT: the last encoder layer and the
 // embeddings that the tied decoder used last) at the cost of holding them meanwhile
-// (bench/RESULTS.md: BERT peer, 2.92 Psi per step vs 3.70 Psi with its explicit units, +5% peak).
+// (bench/RESULTS.md: BERT peer, 2.92 Psi per step vs 3.70 Psi with its explicit units, peak +0.1%).
 //
 // Note [Reuse distance]
 // When forward starts a new part-use at position k of the trace (the last pass's forward order,

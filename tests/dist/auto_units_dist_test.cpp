@@ -38,6 +38,7 @@ constexpr int64_t kEvalAfter = 3;  // an evaluation forward after this step (0-b
 struct Model {
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::function<at::Tensor(const at::Tensor&)> forward;  // tokens (B, S) -> logits (B, S, V)
+  int64_t persist_below = 0;  // UnitPolicy::persist_below: 0, every group a unit
 };
 
 Model scripted() {
@@ -54,9 +55,12 @@ Model scripted() {
 }
 
 // libtorch's own modules, written as a user would (no shardopt in it).
+// With a head, a Linear(kDim, kDim) runs between the encoder and the tied decoder, as BERT's MLM
+// transform does.
 struct NativeLMImpl : torch::nn::Module {
-  NativeLMImpl() {
+  explicit NativeLMImpl(bool with_head = false) {
     embedding = register_module("embedding", torch::nn::Embedding(kVocab, kDim));
+    if (with_head) head = register_module("head", torch::nn::Linear(kDim, kDim));
     encoder = register_module(
         "encoder", torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
                        torch::nn::TransformerEncoderLayerOptions(kDim, kHeads)
@@ -67,20 +71,25 @@ struct NativeLMImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& tokens) {
     at::Tensor h = encoder(embedding(tokens).transpose(0, 1)).transpose(0, 1);
+    if (head) h = head(h);
     return torch::nn::functional::linear(h, embedding->weight, decoder_bias);  // tied decoder
   }
   torch::nn::Embedding embedding{nullptr};
   torch::nn::TransformerEncoder encoder{nullptr};
+  torch::nn::Linear head{nullptr};
   at::Tensor decoder_bias;
 };
 TORCH_MODULE(NativeLM);
 
-Model native() {
+Model native(bool with_head = false) {
   torch::manual_seed(0);
-  NativeLM module;
+  NativeLM module(with_head);
   Model m;
   for (const auto& p : module->named_parameters()) m.named.emplace_back(p.key(), p.value());
   m.forward = [module](const at::Tensor& x) mutable { return module->forward(x); };
+  // The head (272 elements) and the decoder bias (23) persist in the root part; the embedding
+  // (368) and every layer (2,224) are units.
+  if (with_head) m.persist_below = 300;
   return m;
 }
 
@@ -89,7 +98,7 @@ Model native() {
 // depends on how the batch is split; Adam divides it by its own magnitude and turns it into
 // lr-sized steps of either sign, whoever computes it. (Frozen parameters are left whole.)
 Model make(const std::string& kind) {
-  Model m = kind == "scripted" ? scripted() : native();
+  Model m = kind == "scripted" ? scripted() : native(/*with_head=*/kind == "native_head");
   for (auto& [name, t] : m.named) {
     if (name.size() >= 12 && name.compare(name.size() - 12, 12, "in_proj_bias") == 0) {
       t.set_requires_grad(false);
@@ -222,6 +231,7 @@ Trained train_sharded(const std::string& kind, int stage, const std::string& rul
   const int64_t base = tracking.tracker().live_bytes();  // what others hold (the last run's result)
   Model m = make(kind);
   ZeroOptions zo = auto_options(stage, accumulation);
+  zo.unit_policy.persist_below = m.persist_below;
   zo.reuse_distance = reuse_distance;
   DistributedOptimizer opt(groups_of(m), rule_of(rule), comm, zo);
   Trained run;
@@ -378,6 +388,26 @@ TEST(AutoUnitsReuseDistance, TraceDecidesWhatStaysGathered) {
   EXPECT_TRUE(test::all_ranks(ok)) << "comm elements in the last step: distance 0 " << c0
                                    << ", 2 " << c2 << ", all " << call << "; padded "
                                    << all.padded_numel;
+}
+
+// Operations that read only the root part start no new use, so they release nothing: with the
+// head between the last layer and the tied decoder, the trace is still (embedding, layers 0-11,
+// embedding) then (embedding, layer 11, ...) in backward, and at the decoder layer 11's backward
+// use is 2 uses ahead. Distance 2 must then keep it as distance 3 does (the same communication);
+// deciding at the head, one position earlier, released it and gathered it again in backward.
+TEST(AutoUnitsReuseDistance, RootOnlyOperationsReleaseNothing) {
+  auto comm = test::world();
+  const Trained two = train_sharded("native_head", 3, "adamw", comm, 1, 2);
+  const Trained three = train_sharded("native_head", 3, "adamw", comm, 1, 3);
+  const Trained one = train_sharded("native_head", 3, "adamw", comm, 1, 1);
+  const int64_t c1 = one.comm_elements.back(), c2 = two.comm_elements.back(),
+                c3 = three.comm_elements.back();
+  std::string worst;
+  EXPECT_EQ(max_diff(two.params, three.params, &worst), 0.0) << worst;
+  EXPECT_EQ(c2, c3) << "distance 2 gathered something again that distance 3 kept";
+  EXPECT_GT(c1, c2) << "distance 1 should release layer 11 before backward";
+  EXPECT_TRUE(test::all_ranks(c2 == c3 && c1 > c2))
+      << "last-step comm elements: distance 1 " << c1 << ", 2 " << c2 << ", 3 " << c3;
 }
 
 // Checkpoints with automatic units: saved after step kSaveAt by N = min(2, world) ranks, loaded into

@@ -2,6 +2,7 @@
 #include "bert_config.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join
 
 #include <algorithm>
 #include <cmath>

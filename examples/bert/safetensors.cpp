@@ -2,6 +2,7 @@
 #include "safetensors.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join
 
 #include <algorithm>
 #include <cstdio>

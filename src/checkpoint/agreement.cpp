@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join
 
 #include "checkpoint/format.hpp"
 #include "shardopt/error.hpp"

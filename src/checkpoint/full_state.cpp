@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <map>

@@ -1,6 +1,7 @@
 // Communicator front end: argument validation shared by every engine, Avg emulation, the
 // single-process engine and init_from_env().
 #include <ATen/ATen.h>
+#include <fmt/ranges.h>  // fmt::join
 
 #include <unistd.h>
 

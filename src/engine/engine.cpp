@@ -47,6 +47,7 @@
 #include "engine/group_options.hpp"
 #include "engine/placement.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/memory_tracker.hpp"
 #include "shardopt/recompute.hpp"
 
 namespace shardopt::detail {
@@ -194,17 +195,34 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   tracker_ = std::make_unique<BackwardTracker>(std::move(part_of), root + 1);
 
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
-  // the master weights (ParameterStore::adopt).
+  // the master weights (ParameterStore::adopt). Allocations are attributed by category (Note
+  // [Peak attribution] in shardopt/memory_tracker.hpp).
   store_ = make_store();
   if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
     auto_ = std::make_unique<AutoGather>(*store_, model_.root_part, options_.prefetch,
                                          options_.reuse_distance, comm_, options_.timeout);
     store_->set_automatic(auto_.get());
   }
-  flat_->init_master(store_->adopt(where.initial, options_.broadcast_initial_params));
-  reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
-                                               options_.overlap_comm,
-                                               options_.grad_accumulation_steps, options_.timeout);
+  at::Tensor initial;
+  {
+    MemoryScope scope(plan_.per_part() ? "parameter shards" : "parameters", "optimizer");
+    initial = store_->adopt(where.initial, options_.broadcast_initial_params);
+  }
+  {
+    MemoryScope scope("optimizer state", "optimizer");
+    flat_->init_master(initial);
+    initial = at::Tensor();
+  }
+  {
+    MemoryScope scope("gradients", "optimizer");
+    reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
+                                                 options_.overlap_comm,
+                                                 options_.grad_accumulation_steps,
+                                                 options_.timeout);
+  }
+  bucket_tag_ = MemoryScope::tag("gradient buckets", "optimizer");
+  step_tag_ = MemoryScope::tag("step temporaries", "optimizer");
+  MemoryScope state_scope("optimizer state", "optimizer");
   flat_->build_segments(
       [&](int b, const UpdatedRange& r) { return store_->model_slice(b, r); },
       [&](int b, const UpdatedRange& r) { return reducer_->reduced(b, r); });
@@ -230,9 +248,12 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
 // one part, the model.
 std::unique_ptr<ParameterStore> Engine::make_store() {
   if (plan_.per_part()) {
+    auto labels = part_labels(model_, *unit_plan_);
+    if (automatic_) labels.back() = "the persistent groups, gathered for good";
     return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
-                                            part_labels(model_, *unit_plan_), model_.unit_parts,
-                                            comm_, options_.timeout, options_.prefetch);
+                                            std::move(labels), model_.unit_parts,
+                                            comm_, options_.timeout, options_.prefetch,
+                                            /*root_persists=*/automatic_);
   }
   return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
                                           std::vector<std::string>{"the whole model"},
@@ -276,6 +297,7 @@ void Engine::begin_pass() {
 // The path of a gradient: hook -> tracker (once per pass) -> reducer (into its bucket, launched
 // when due: Note [Bucket completion]) -> at stage 3, the part's release once all of it is in.
 void Engine::on_grad_ready(int index) {
+  MemoryScope scope(bucket_tag_);
   begin_pass();
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
@@ -341,6 +363,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
+  MemoryScope scope(step_tag_);
   const auto t0 = Clock::now();
   stats_ = StepStats{};
   stats_.step = steps_;
@@ -362,6 +385,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
 void Engine::finish_reduction() {
   RECORD_FUNCTION("shardopt::reduce", std::vector<c10::IValue>());
   const auto t = Clock::now();
+  MemoryScope scope(bucket_tag_);
   if (tracker_->in_pass()) on_backward_end();
   if (reducer_->nothing_launched()) {
     // step() without backward() through our hooks (e.g. gradients set by hand): reduce now.
@@ -466,6 +490,7 @@ MemoryReport Engine::memory() const {
   m.grad_bytes = reducer_->grad_bytes();
   m.optimizer_state_bytes = flat_->state_bytes();
   m.buffer_bytes = store_->gathered_bytes() + reducer_->buffer_bytes();
+  m.persistent_param_bytes = store_->persistent_bytes();
   return m;
 }
 

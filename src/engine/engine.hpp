@@ -109,6 +109,7 @@ class Engine final : public UnitRuntime {
   };
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
+  int bucket_tag_ = 0, step_tag_ = 0;  // MemoryScope tags (Note [Peak attribution])
   int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };

@@ -37,11 +37,12 @@ class ParameterStore {
   // construction or gather_root() until the end of the step); unit_parts[u]: the parts declared
   // unit u needs; part_labels[p]: how errors name part p's units (Note [Released parameters] in
   // release_guard.cpp: released parameters raise a named error when read). Whole plans pass one
-  // part and no unit_parts.
+  // part and no unit_parts. root_persists: the root part is persistent (Note [Persistent
+  // parameters] in parameter_store.cpp): gathered for good, its shard a view into it.
   ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
                  std::vector<std::string> names, std::vector<std::string> part_labels,
                  std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm, Duration timeout,
-                 int prefetch);
+                 int prefetch, bool root_persists = false);
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~ParameterStore();
 
@@ -61,7 +62,7 @@ class ParameterStore {
   const at::Tensor& whole() const { return flat_params_; }
 
   // After the update: all-gather the updated shards (Whole), or release every part, the root
-  // part included: nothing stays gathered between steps (PerPart).
+  // part included, but all-gather a persistent part in place (PerPart).
   void after_update();
 
   // ---- PerPart, declared units (Units::run and its output hooks drive these) -----------------
@@ -101,8 +102,9 @@ class ParameterStore {
   void gather_for_backward(int part);    // gathered, and NeededInBackward until released
 
   int64_t take_comm_elements();
-  int64_t param_bytes() const;     // the model's storage (PerPart: the shard)
-  int64_t gathered_bytes() const;  // PerPart: full buffers holding storage now
+  int64_t param_bytes() const;       // the model's storage (PerPart: shards + persistent parts)
+  int64_t persistent_bytes() const;  // PerPart: the persistent parts' whole buffers
+  int64_t gathered_bytes() const;    // PerPart: other parts' full buffers holding storage now
 
  private:
   struct Part {
@@ -112,12 +114,17 @@ class ParameterStore {
     PartState state = PartState::Released;
     std::vector<WorkPtr> works;  // all-gathers in flight (Gathering only)
     int runs = 0;                // declared units running it in forward right now
+    bool persistent = false;     // gathered for good, holding this rank's shard
+    int memory_tag = 0;          // its full buffer's MemoryScope tag (Note [Peak attribution])
   };
   at::Tensor adopt_whole(const at::TensorOptions& master_options, bool broadcast);
   at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
   // The one place a part's state changes; asserts the change is legal (Note [Part lifecycle]).
   void transition(int part, PartState to);
   void launch_gather(int part);
+  void allocate_full(Part& p);
+  // Persistent parts: all-gather each bucket's owned slice in place (after an update or load).
+  void gather_in_place(int part);
   void ensure_gathered(int part);
   void prefetch_unit(int unit);
   void prefetch_after(int unit);
@@ -133,7 +140,9 @@ class ParameterStore {
   int prefetch_ = 1;
   int rank_ = 0;
   at::Tensor flat_params_;        // Whole: every parameter, full length
-  at::Tensor shard_;              // PerPart: this rank's slice of every bucket
+  at::Tensor shard_;              // PerPart: this rank's slice of every non-persistent bucket
+  std::vector<at::Tensor> owned_; // PerPart: per bucket, this rank's slice (in shard_ or, for a
+                                  // persistent part, in its full buffer)
   std::vector<at::Tensor> full_;  // PerPart: per bucket, a view of its part's full buffer
   std::vector<Part> parts_;       // declared units' own parts, shared ones, the root
   std::vector<std::vector<int>> unit_parts_;  // declared unit -> its parts

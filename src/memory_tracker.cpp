@@ -8,9 +8,6 @@
 #include "shardopt/memory_tracker.hpp"
 
 #include <c10/core/Allocator.h>
-#if __has_include(<torch/version.h>)
-#include <torch/version.h>
-#endif
 
 #include <fmt/format.h>
 
@@ -22,17 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "allocator_compat.hpp"
 #include "shardopt/error.hpp"
-
-// torch 2.3 made Allocator::allocate non-const and added the pure copy_data().
-#if defined(TORCH_VERSION_MAJOR) && \
-    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3))
-#define SHARDOPT_ALLOCATE_CONST
-#define SHARDOPT_ALLOCATOR_HAS_COPY_DATA 1
-#else
-#define SHARDOPT_ALLOCATE_CONST const
-#define SHARDOPT_ALLOCATOR_HAS_COPY_DATA 0
-#endif
 
 namespace shardopt {
 namespace {

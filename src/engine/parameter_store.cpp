@@ -11,11 +11,9 @@
 //   NeededInBackward -> Released           release: its gradients are in (or the pass ended)
 // Storage is never freed under a collective: release() of a Gathering part finishes the gather
 // first. NeededInBackward is what lets a forward run inside backward (a recomputation) end
-// without freeing the part backward still reads. Both paths use these functions: declared units
-// through enter/exit/before_backward and the gradient countdown (release); automatic units through
-// AutoGather (prefetch_part, gather_part, gather_for_backward, release). Beside the state, `runs`
-// counts the declared units running a part in forward (a shared part serves two): exit() releases
-// it when none is left. Whole plans have one part, Gathered for good.
+// without freeing the part backward still reads. The store changes states only when asked (no
+// policy): the schedulers (part_scheduler.hpp, Note [One owner of releases]) decide, for declared
+// and automatic units alike. Whole plans have one part, Gathered for good.
 //
 // Note [Persistent parameters]
 // A persistent part (automatic units' root part: UnitPolicy's small groups, within its
@@ -44,13 +42,11 @@ namespace shardopt::detail {
 
 ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
                                std::vector<std::string> names, std::vector<std::string> part_labels,
-                               std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm,
-                               Duration timeout, int prefetch, bool root_persists)
+                               CommunicatorPtr comm, Duration timeout, bool root_persists)
     : flat_(flat), plan_(flat.plan()), params_(std::move(params)), names_(std::move(names)),
       part_labels_(std::move(part_labels)), comm_(std::move(comm)), timeout_(timeout),
-      prefetch_(prefetch), rank_(flat.rank()) {
+      rank_(flat.rank()) {
   parts_.resize(part_labels_.size());
-  unit_parts_ = std::move(unit_parts);
   root_part_ = static_cast<int>(parts_.size()) - 1;
   if (!plan_.per_part()) parts_[root_part_].state = PartState::Gathered;  // for good
   parts_[root_part_].persistent = plan_.per_part() && root_persists;
@@ -71,8 +67,8 @@ const char* part_state_name(PartState state) {
 }
 
 ParameterStore::~ParameterStore() {
+  registrations_.clear();
   for (const auto& part : parts_) {
-    if (automatic_ != nullptr && part.full.defined()) stop_gather_on_use(part.full);
     for (int i : part.params) forget_parameter(params_[i]);
   }
   if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
@@ -243,11 +239,17 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
       remember_parameter(params_[i], names_[i], part_labels_[part]);
       if (parts_[part].persistent) continue;
       guard_released(params_[i]);  // automatic: for good (gathered on use)
-      if (automatic_ != nullptr) gather_on_use(parts_[part].full, automatic_, part);
     }
   }
+  // Automatic units: operations on the parameters find the scheduler through their storage
+  // (Note [Part registration] in release_guard.cpp).
   for (int part = 0; part <= root_part_; ++part) {
-    if (parts_[part].persistent) gather_in_place(part);
+    if (parts_[part].persistent) {
+      gather_in_place(part);
+    } else if (automatic_ != nullptr && !parts_[part].params.empty()) {
+      registrations_.push_back(
+          std::make_unique<PartRegistration>(parts_[part].full, automatic_, part));
+    }
   }
   comm_elements_ = 0;  // construction's collectives are no step's
   // The parameters in no unit stay gathered for the first forward, until the first step.
@@ -290,75 +292,7 @@ void ParameterStore::after_update() {
   for (auto& w : works) w->wait(timeout_);
 }
 
-// ---- PerPart: declared units (Note [Stage 3 units] in engine.cpp) -----------------------------
-
-void ParameterStore::enter(int unit, bool in_backward) {
-  if (in_backward) {
-    for (int part : unit_parts_[unit]) {
-      ++parts_[part].runs;
-      ensure_gathered(part);
-    }
-    return;
-  }
-  if (forward_order_.size() > 4 * parts_.size() + 16) {  // forwards without backward (eval)
-    previous_order_ = std::move(forward_order_);
-    forward_order_.clear();
-  }
-  gather_root();  // a forward is running: parameters in no unit are needed too
-  forward_order_.push_back(unit);
-  backward_cursor_ = forward_order_.size();
-  for (int part : unit_parts_[unit]) {
-    ++parts_[part].runs;
-    ensure_gathered(part);
-  }
-  // Prefetch what came next in the last pass (declaration order on the first pass).
-  const size_t k = forward_order_.size() - 1;
-  for (int i = 1; i <= prefetch_; ++i) {
-    int next = -1;
-    if (k + i < previous_order_.size()) {
-      next = previous_order_[k + i];
-    } else if (previous_order_.empty()) {
-      next = unit + i;
-    }
-    if (next >= 0 && next < static_cast<int>(unit_parts_.size())) prefetch_unit(next);
-  }
-}
-
-void ParameterStore::exit(int unit) {
-  for (int part : unit_parts_[unit]) {
-    auto& p = parts_[part];
-    if (--p.runs <= 0) {
-      p.runs = 0;
-      // A recomputation inside the unit's backward (Note [Recompute and ZeRO], recompute.hpp)
-      // ends while backward still needs the parameters: they go when their gradients are in.
-      if (p.state != PartState::NeededInBackward) release(part);
-    }
-  }
-}
-
-void ParameterStore::before_backward(int unit) {
-  for (int part : unit_parts_[unit]) gather_for_backward(part);
-  prefetch_after(unit);
-}
-
-void ParameterStore::prefetch_unit(int unit) {
-  for (int part : unit_parts_[unit]) prefetch_part(part);
-}
-
-// The units backward reaches next: those run before this run of `unit` in this pass's forward
-// order. Backward visits the runs in reverse, so the run is the latest one before the cursor
-// (a unit run twice is found once for each run).
-void ParameterStore::prefetch_after(int unit) {
-  size_t at = std::min(backward_cursor_, forward_order_.size());
-  while (at > 0 && forward_order_[at - 1] != unit) --at;
-  if (at == 0) return;  // not run in this forward (or already passed): nothing to guess
-  backward_cursor_ = at - 1;
-  for (int i = 1; i <= prefetch_ && backward_cursor_ >= static_cast<size_t>(i); ++i) {
-    prefetch_unit(forward_order_[backward_cursor_ - i]);
-  }
-}
-
-// ---- PerPart: both paths (Note [Part lifecycle]) ---------------------------------------------
+// ---- PerPart: on request (Note [Part lifecycle]) ----------------------------------------------
 
 void ParameterStore::gather_root() {
   if (!plan_.per_part() || parts_[root_part_].state != PartState::Released ||
@@ -367,14 +301,6 @@ void ParameterStore::gather_root() {
   }
   launch_gather(root_part_);
   ensure_gathered(root_part_);
-}
-
-void ParameterStore::end_backward() {
-  // Parts whose parameters got no gradient (or a prefetch nobody used) are freed here; the root
-  // part stays until the step (another micro-step's forward needs it).
-  for (int part = 0; part < root_part_; ++part) release(part);
-  previous_order_ = std::move(forward_order_);
-  forward_order_.clear();
 }
 
 void ParameterStore::gather_full() {

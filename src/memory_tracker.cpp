@@ -8,26 +8,19 @@
 #include "shardopt/memory_tracker.hpp"
 
 #include <c10/core/Allocator.h>
-#if __has_include(<torch/version.h>)
-#include <torch/version.h>
-#endif
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <atomic>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
+#include "allocator_compat.hpp"
 #include "shardopt/error.hpp"
-
-// torch 2.3 made Allocator::allocate non-const and added the pure copy_data().
-#if defined(TORCH_VERSION_MAJOR) && \
-    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3))
-#define SHARDOPT_ALLOCATE_CONST
-#define SHARDOPT_ALLOCATOR_HAS_COPY_DATA 1
-#else
-#define SHARDOPT_ALLOCATE_CONST const
-#define SHARDOPT_ALLOCATOR_HAS_COPY_DATA 0
-#endif
 
 namespace shardopt {
 namespace {
@@ -86,6 +79,44 @@ struct Counters {
 struct Record {
   int64_t bytes;
   c10::DataPtr inner;
+  int tag = 0;
+};
+
+// Note [Peak attribution]: the (category, owner) pairs, interned; tag 0 is "other".
+struct Tags {
+  std::mutex mutex;
+  std::vector<std::pair<std::string, std::string>> names{{"other", ""}};
+  std::map<std::pair<std::string, std::string>, int> index{{{"other", ""}, 0}};
+};
+Tags& tags() {
+  static auto* t = new Tags();  // never destroyed, like the allocator
+  return *t;
+}
+thread_local int t_tag = 0;  // the innermost open MemoryScope's tag on this thread
+
+// Live bytes per tag and their copy at the peak; guarded by the allocator's table mutex.
+struct Attribution {
+  std::vector<int64_t> live;
+  int64_t live_total = 0;
+  std::vector<int64_t> at_peak;
+  int64_t peak_total = 0;
+  void add(int tag, int64_t bytes) {
+    if (static_cast<size_t>(tag) >= live.size()) live.resize(tag + 1, 0);
+    live[tag] += bytes;
+    live_total += bytes;
+    if (live_total > peak_total) {
+      at_peak = live;
+      peak_total = live_total;
+    }
+  }
+  void remove(int tag, int64_t bytes) {
+    live[tag] -= bytes;
+    live_total -= bytes;
+  }
+  void reset() {
+    at_peak = live;
+    peak_total = live_total;
+  }
 };
 
 class TrackingAllocator final : public c10::Allocator {
@@ -105,7 +136,8 @@ class TrackingAllocator final : public c10::Allocator {
     if (data != nullptr) {
       if (n == 0) counters_.note(counters_.live.load(std::memory_order_relaxed));
       std::lock_guard<std::mutex> lock(table_mutex_);
-      table_.emplace(data, Record{bytes, std::move(inner)});
+      table_.emplace(data, Record{bytes, std::move(inner), t_tag});
+      attribution_.add(t_tag, bytes);
     } else if (n > 0) {
       counters_.unreserve(bytes);
     }
@@ -129,6 +161,15 @@ class TrackingAllocator final : public c10::Allocator {
   c10::Allocator* inner() const { return inner_.load(std::memory_order_acquire); }
   Counters& counters() { return counters_; }
 
+  void reset_attribution() {
+    std::lock_guard<std::mutex> lock(table_mutex_);
+    attribution_.reset();
+  }
+  std::pair<std::vector<int64_t>, int64_t> attribution_at_peak() const {
+    std::lock_guard<std::mutex> lock(table_mutex_);
+    return {attribution_.at_peak, attribution_.peak_total};
+  }
+
  private:
   static void release(void* data) {
     if (data == nullptr) return;
@@ -140,6 +181,7 @@ class TrackingAllocator final : public c10::Allocator {
       if (it == self.table_.end()) return;  // not ours: cannot happen with our own DataPtrs
       record = std::move(it->second);
       self.table_.erase(it);
+      self.attribution_.remove(record.tag, record.bytes);
     }
     self.counters_.remove(record.bytes);
     // record.inner frees the memory through the wrapped allocator's deleter on scope exit.
@@ -149,6 +191,7 @@ class TrackingAllocator final : public c10::Allocator {
   mutable std::mutex table_mutex_;
   mutable std::unordered_map<void*, Record> table_;
   mutable Counters counters_;
+  mutable Attribution attribution_;  // guarded by table_mutex_
 };
 
 std::mutex& install_mutex() {
@@ -177,8 +220,56 @@ int64_t MemoryTracker::total_allocations() const {
 }
 int64_t MemoryTracker::reset_peak() {
   auto& c = TrackingAllocator::get().counters();
+  TrackingAllocator::get().reset_attribution();
   return c.peak.exchange(c.live.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
+
+MemoryPeakReport MemoryTracker::peak_report() const {
+  auto [at_peak, total] = TrackingAllocator::get().attribution_at_peak();
+  MemoryPeakReport report;
+  report.peak_bytes = total;
+  {
+    auto& t = tags();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    for (size_t i = 0; i < at_peak.size(); ++i) {
+      if (at_peak[i] != 0) {
+        report.entries.push_back({t.names[i].first, t.names[i].second, at_peak[i]});
+      }
+    }
+  }
+  std::stable_sort(report.entries.begin(), report.entries.end(),
+                   [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
+  return report;
+}
+
+int64_t MemoryPeakReport::bytes_of(const std::string& category) const {
+  int64_t bytes = 0;
+  for (const auto& e : entries) {
+    if (e.category == category) bytes += e.bytes;
+  }
+  return bytes;
+}
+
+std::string MemoryPeakReport::to_string() const {
+  std::string out = fmt::format("peak {:.3f} MB of tracked CPU tensor storage:\n", peak_bytes / 1e6);
+  for (const auto& e : entries) {
+    out += fmt::format("  {:>10.3f} MB  {}{}\n", e.bytes / 1e6, e.category,
+                       e.owner.empty() ? std::string() : " (" + e.owner + ")");
+  }
+  return out;
+}
+
+int MemoryScope::tag(const char* category, const std::string& owner) {
+  auto& t = tags();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto [it, fresh] = t.index.emplace(std::make_pair(std::string(category), owner),
+                                     static_cast<int>(t.names.size()));
+  if (fresh) t.names.emplace_back(category, owner);
+  return it->second;
+}
+
+MemoryScope::MemoryScope(int tag) : previous_(t_tag) { t_tag = tag; }
+MemoryScope::~MemoryScope() { t_tag = previous_; }
 
 void MemoryTracker::set_limit(int64_t bytes) {
   SHARDOPT_CHECK(bytes >= 0, InvalidArgument,

@@ -78,6 +78,9 @@ class DefaultRule {
 void UnitPolicy::validate() const {
   SHARDOPT_CHECK(persist_below >= 0, InvalidArgument,
                  "options: unit_policy.persist_below must be >= 0 elements, got {}", persist_below);
+  SHARDOPT_CHECK(persist_share >= 0.0 && persist_share <= 1.0, InvalidArgument,
+                 "options: unit_policy.persist_share must be in [0, 1] (a share of the model's "
+                 "elements), got {}", persist_share);
   for (const auto& p : patterns) {
     try {
       std::regex re(p);
@@ -124,22 +127,46 @@ DerivedUnits derive_units(const std::vector<std::string>& names,
     it->second.push_back(static_cast<int>(i));
   }
   DerivedUnits out;
-  for (const auto& group : order) {
-    const auto& list = members[group];
+  auto elements_of = [&](const std::vector<int>& list) {
     std::set<int64_t> seen;
     int64_t elements = 0;
     for (int i : list) {
       if (seen.insert(tensor[i]).second) elements += numels[i];
     }
-    const std::string label = group.empty() ? std::string("(root)") : group;
-    if (elements < policy.persist_below) {
+    return elements;
+  };
+  std::vector<int> all(names.size());
+  for (size_t i = 0; i < names.size(); ++i) all[i] = static_cast<int>(i);
+  out.numel = elements_of(all);
+  // Persistence: the groups under persist_below, smallest first (ties: first seen), while their
+  // elements together stay within persist_share of the model's.
+  std::vector<int64_t> elements(order.size());
+  std::vector<size_t> by_size;
+  for (size_t g = 0; g < order.size(); ++g) {
+    elements[g] = elements_of(members[order[g]]);
+    if (elements[g] < policy.persist_below) by_size.push_back(g);
+  }
+  std::stable_sort(by_size.begin(), by_size.end(),
+                   [&](size_t a, size_t b) { return elements[a] < elements[b]; });
+  const auto budget = static_cast<int64_t>(policy.persist_share * static_cast<double>(out.numel));
+  int64_t persistent = elements_of(no_group);  // what no pattern names persists regardless
+  std::vector<bool> persists(order.size(), false);
+  for (size_t g : by_size) {
+    if (persistent + elements[g] > budget) break;
+    persistent += elements[g];
+    persists[g] = true;
+  }
+  for (size_t g = 0; g < order.size(); ++g) {
+    const std::string label = order[g].empty() ? std::string("(root)") : order[g];
+    if (persists[g]) {
       out.persistent.push_back(label);
       continue;
     }
     out.names.push_back(label);
-    out.members.push_back(list);
+    out.members.push_back(members[order[g]]);
   }
   if (!no_group.empty()) out.persistent.push_back("(matched by no pattern)");
+  out.persistent_numel = persistent;
   return out;
 }
 

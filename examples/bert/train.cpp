@@ -184,8 +184,9 @@ void print_automatic_units(const torch::OrderedDict<std::string, at::Tensor>& pa
     for (int i : derived.members[u]) n += numels[i];
     units.push_back(fmt::format("{} ({:.3g} M)", derived.names[u], n / 1e6));
   }
-  fmt::print("[bert] automatic units: {}; kept gathered through the step (under {} elements): {}\n",
-             fmt::join(units, ", "), policy.persist_below,
+  fmt::print("[bert] automatic units: {}; kept gathered for good (under {} elements, within {:g}% "
+             "of the model): {}\n",
+             fmt::join(units, ", "), policy.persist_below, 100 * policy.persist_share,
              derived.persistent.empty() ? "none" : fmt::format("{}", fmt::join(derived.persistent, ", ")));
 }
 

@@ -32,6 +32,8 @@
 // plus bounded buffers: stage 2 at most two bucket buffers, stage 3 the two largest gathered units
 // with their full gradients, (P + G)·(U1 + U2); Offload::CPU moves the optimizer state (K part) to
 // the host and, for stage >= 2, the gradient shard as fp32. In fp32 without offload the two agree.
+// Stage 3 with persistent_params = Ψ_p elements held whole for good (UnitPolicy's persistent
+// groups): parameters P·(Ψ_p + (Ψ - Ψ_p)/N) instead of P·Ψ/N, in both accountings.
 //
 // Bucket size: bucket_bytes when > 0; 0 (the default, as ZeroOptions') sizes a bucket as the
 // optimizer does, at most 16 MiB and at most a quarter of the gradient elements sharding frees,
@@ -140,6 +142,10 @@ struct Options {
   // Stage 3: elements of the two largest units gathered at once (the current one and the
   // prefetched one). 0: two units of one bucket each.
   int64_t gathered_units_params = 0;
+  // Stage 3: elements kept gathered for good (the persistent groups of UnitPolicy: their shard a
+  // view into the whole copy, Note [Persistent parameters] in src/engine/parameter_store.cpp);
+  // they cost P bytes each, the rest P/N.
+  int64_t persistent_params = 0;
   // Elements of the largest parameter. Buckets split parameters, so it no longer sizes the
   // bucket buffers (bucket_bytes does); kept so that callers setting it still compile.
   int64_t largest_param = 0;
@@ -165,11 +171,15 @@ struct Estimate {
   int64_t comm_bytes = 0;     // those elements at their dtype's size
   int64_t wire_bytes = 0;     // what a rank actually sends with ring/pairwise algorithms
   int64_t gathered_units_params = 0;  // stage 3: the unit elements assumed gathered at once
+  int64_t persistent_params = 0;      // stage 3: the elements held whole for good
   int64_t total() const { return device.total() + host.total(); }
   int64_t model_state() const { return device.model_state() + host.model_state(); }
 };
 
 namespace detail_estimate {
+
+// Elements of an n-way shard of `numel` (the largest rank's when uneven).
+inline int64_t shard_of(int64_t numel, int64_t n) { return (numel + n - 1) / n; }
 
 // DESIGN.md's table (Accounting::ZeroPaper).
 inline void zero_paper(const Options& o, Estimate& e, int64_t psi, int64_t shard) {
@@ -179,7 +189,9 @@ inline void zero_paper(const Options& o, Estimate& e, int64_t psi, int64_t shard
     case 0: dev.params = p * psi; dev.grads = g * psi; dev.optimizer_state = k * psi; break;
     case 1: dev.params = p * psi; dev.grads = g * psi; dev.optimizer_state = k * shard; break;
     case 2: dev.params = p * psi; dev.grads = g * shard; dev.optimizer_state = k * shard; break;
-    case 3: dev.params = p * shard; dev.grads = g * shard; dev.optimizer_state = k * shard; break;
+    case 3:
+      dev.params = p * (e.persistent_params + shard_of(psi - e.persistent_params, o.world));
+      dev.grads = g * shard; dev.optimizer_state = k * shard; break;
   }
   // Bounded buffers.
   if (o.stage == 2) {
@@ -211,7 +223,9 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
   const int64_t update = plan.sharded() ? shard : psi;  // elements this rank updates
   Breakdown dev, host;
   Breakdown& on_master = place.master_on_host ? host : dev;
-  dev.params = p * (plan.per_part() ? shard : psi);
+  dev.params = p * (plan.per_part()
+                        ? e.persistent_params + shard_of(psi - e.persistent_params, o.world)
+                        : psi);
   on_master.optimizer_state = e.k * update;
   if (plan.bucketed()) {
     on_master.grads = master * update;  // reduced gradients
@@ -234,9 +248,10 @@ inline Estimate model_states(const Options& o) {
   if (o.world < 1) throw std::invalid_argument("estimate: world must be >= 1");
   if (o.stage < 0 || o.stage > 3) throw std::invalid_argument("estimate: stage must be 0..3");
   if (o.bucket_bytes < 0 || o.align_bytes < 0 || o.gathered_units_params < 0 ||
-      o.largest_param < 0) {
+      o.largest_param < 0 || o.persistent_params < 0 || o.persistent_params > o.params) {
     throw std::invalid_argument(
-        "estimate: bucket_bytes, align_bytes, gathered_units_params, largest_param >= 0");
+        "estimate: bucket_bytes, align_bytes, gathered_units_params, largest_param >= 0, "
+        "0 <= persistent_params <= params");
   }
   using shardopt::detail::Placement;
   using shardopt::detail::StagePlan;
@@ -269,6 +284,7 @@ inline Estimate model_states(const Options& o) {
     int64_t units = o.gathered_units_params;
     if (units == 0) units = 2 * detail::bucket_numel(o.bucket_bytes, o.params, o.world, e.p);
     e.gathered_units_params = std::min(units, psi);
+    e.persistent_params = o.persistent_params;
   }
   if (paper) {
     detail_estimate::zero_paper(o, e, psi, shard);

@@ -20,11 +20,35 @@
 // would take live_bytes() over the cap: it throws Error{OutOfMemory} naming the rank, the request,
 // the cap and what is live, and nothing is allocated. The check and the count are one atomic step,
 // so concurrent allocations cannot pass the cap together. A cap applies only while installed.
+//
+// Note [Peak attribution]
+// Each tracked allocation carries the (category, owner) of the MemoryScope open on its thread
+// when it was made (none: "other", which is activations saved for backward, autograd's
+// temporaries and the user's tensors). The tracker keeps live bytes per (category, owner) and,
+// whenever live_bytes() reaches a new peak, a copy of them: peak_report() says where the bytes
+// were at the peak, as torch's memory snapshot does for CUDA. shardopt's optimizer opens scopes
+// where it allocates: "parameter shards", "persistent parameters", "gathered parts" (owner: the
+// part), "gradients", "gradient buckets", "optimizer state", "step temporaries".
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace shardopt {
+
+// Tracked bytes by category and owner at one moment (Note [Peak attribution]).
+struct MemoryPeakReport {
+  struct Entry {
+    std::string category;
+    std::string owner;
+    int64_t bytes = 0;
+  };
+  int64_t peak_bytes = 0;      // MemoryTracker::peak_bytes() when it was taken
+  std::vector<Entry> entries;  // non-zero ones, largest first; they sum to peak_bytes
+  int64_t bytes_of(const std::string& category) const;  // summed over owners
+  std::string to_string() const;  // one line per entry, in MB (10^6 bytes)
+};
 
 class MemoryTracker {
  public:
@@ -40,6 +64,8 @@ class MemoryTracker {
   int64_t total_allocations() const;
   // Starts a new peak window at the current live bytes; returns the previous peak.
   int64_t reset_peak();
+  // Where the tracked bytes were at the peak of this window (Note [Peak attribution]).
+  MemoryPeakReport peak_report() const;
   // The cap on live_bytes() (Note [Memory cap]); 0 (the default) means none.
   void set_limit(int64_t bytes);
   int64_t limit() const;
@@ -57,6 +83,22 @@ class MemoryTracker {
  private:
   MemoryTracker() = default;
   int depth_ = 0;
+};
+
+// Allocations this thread makes while the scope is open are attributed to (category, owner)
+// (Note [Peak attribution]); scopes nest, the innermost wins. Cheap: a thread-local index.
+class MemoryScope {
+ public:
+  MemoryScope(const char* category, const std::string& owner) : MemoryScope(tag(category, owner)) {}
+  // A tag from tag(): what a hot path keeps instead of the strings.
+  explicit MemoryScope(int tag);
+  ~MemoryScope();
+  static int tag(const char* category, const std::string& owner);
+  MemoryScope(const MemoryScope&) = delete;
+  MemoryScope& operator=(const MemoryScope&) = delete;
+
+ private:
+  int previous_ = 0;
 };
 
 // Installs MemoryTracker::cpu() for the lifetime of the object; its peak window starts here.

@@ -12,10 +12,15 @@
 //             expressions (tried in order) is in the unit named by the matched text, e.g.
 //             {R"(encoder\.layers\.\d+)", "embeddings"}; the others persist.
 //
-// A group with fewer than `persist_below` elements persists (DeepSpeed's
-// stage3_param_persistence_threshold): it is gathered on first use and kept until step(). A
-// parameter whose names (a tied weight is reachable under several) fall into different units gets
-// a part of its own, gathered for each use. Torch-free (tests/unit/unit_policy_test.cpp).
+// Persistence (Note [Persistent parameters] in src/engine/parameter_store.cpp): groups with fewer
+// than `persist_below` elements (DeepSpeed's stage3_param_persistence_threshold) persist,
+// smallest first, while their elements together stay within `persist_share` of the model's
+// (DeepSpeed's model_persistence_threshold, as a share): a persistent group is kept gathered for
+// good (its shard a view into it, so it costs what stage 2 costs for it, never more) and is
+// all-gathered once per step. The share bounds what persistence can take back from stage 3's
+// saving, so stage 3 stays below stage 2 on a model of many small layers. A parameter whose names
+// (a tied weight is reachable under several) fall into different units gets a part of its own,
+// gathered for each use. Torch-free (tests/unit/unit_policy_test.cpp).
 #pragma once
 
 #include <cstdint>
@@ -27,8 +32,10 @@ namespace shardopt {
 struct UnitPolicy {
   std::vector<std::string> patterns;  // empty: the default rule above
   int64_t persist_below = 100'000;    // elements; 0: every group is a unit
+  double persist_share = 0.1;         // of the model's elements, for all persistent groups; 0..1
 
-  // Throws Error{InvalidArgument} naming an invalid pattern or a negative threshold.
+  // Throws Error{InvalidArgument} naming an invalid pattern, a negative threshold or a share
+  // outside [0, 1].
   void validate() const;
 };
 
@@ -37,7 +44,9 @@ struct UnitPolicy {
 struct DerivedUnits {
   std::vector<std::string> names;           // unit names, in order of first appearance
   std::vector<std::vector<int>> members;    // per unit: indices into the given names
-  std::vector<std::string> persistent;      // groups kept gathered through the step
+  std::vector<std::string> persistent;      // groups kept gathered for good
+  int64_t persistent_numel = 0;             // their elements (tied tensors once)
+  int64_t numel = 0;                        // the model's elements (tied tensors once)
 };
 DerivedUnits derive_units(const std::vector<std::string>& names,
                           const std::vector<int64_t>& numels, const std::vector<int64_t>& tensor,

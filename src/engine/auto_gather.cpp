@@ -1,4 +1,4 @@
-// AutoGather: gathering stage-3 parts on first use.
+// AutoUnits: the stage-3 scheduler that gathers parts on first use (part_scheduler.hpp).
 //
 // Note [Automatic units]
 // Without a Units object, stage 3 derives units from the parameters' names (shardopt/
@@ -9,22 +9,24 @@
 // dispatch key for good (release_guard.cpp), and views made from them (weight.t() saved by addmm,
 // p.data) inherit it, because view kernels copy their base's key set. Every operation on such a
 // tensor, in forward, in backward (reading what autograd saved) or anywhere else, first reaches
-// the guard's fallback, which gathers the parts the operation reads and then runs it below the
-// key. Autograd therefore records the real parameters; a part released between forward and
+// the guard's fallback, which finds this scheduler and the parts through their storage (the part
+// store's registration, Note [Part registration] in release_guard.cpp), has them gathered (use())
+// and then runs the operation below the key. Autograd therefore records the real parameters; a part released between forward and
 // backward is gathered again when backward first reads it, and the gather writes the part's
 // buffer, never the parameters' version counters, so unpacking saved leaves stays valid.
 //   Forward: a part is gathered on first use and released when the trace says its use is over
 //   (Note [Reuse distance]). A part used again later (a tied embedding at the decoder) is
 //   gathered again unless it was kept.
 //   Backward: a part is gathered when backward first reads it (NeededInBackward, Note [Part
-//   lifecycle] in parameter_store.cpp) and released once its gradients are in (the engine's
-//   tracker), as for declared units; end of backward frees the rest but the root.
-//   Trace: the order of first uses in forward, then in backward, is recorded per pass. After the
-//   first backward it is compared across ranks (a hash, one all-reduce); if it differs, prefetch
-//   and the trace-driven release stay off with one warning (collectives must be issued in the
-//   same order everywhere). Otherwise the forward gathers the next `prefetch` parts of the last
-//   pass's order when it reaches a part at the same position, and backward those that came
-//   before it in this pass's forward.
+//   lifecycle] in parameter_store.cpp) and released once its gradients are in (the engine reports
+//   it: PartScheduler::post_backward), as for declared units; end of backward frees the rest but
+//   the root.
+//   Trace: the order of first uses in forward, then in backward (Note [Use trace] in
+//   part_scheduler.hpp, shared with declared units and checked across ranks); if the ranks
+//   differ, prefetch and the trace-driven release stay off with one warning (collectives must be
+//   issued in the same order everywhere). Otherwise the forward gathers the next `prefetch` parts
+//   of the last pass's order when it reaches a part at the same position, and backward those that
+//   came before it in this pass's forward.
 // Communication per micro-step: a part is all-gathered at each forward use that finds it
 // released and once in backward unless forward kept it, and reduce-scattered once; the root part
 // is all-gathered once per step. Declared units release every unit when its run ends and gather
@@ -58,26 +60,21 @@
 // whichever rank's operation needs them: every rank must run the same operations on the
 // parameters (as DDP assumes of its buckets); a read on one rank alone times out and raises the
 // released parameter's named error (release_guard.cpp), tested by AutoUnitsReleasedRead.
-#include "engine/auto_gather.hpp"
-
-#include <ATen/ATen.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include <fmt/format.h>
-
 #include <algorithm>
-#include <cstdio>
+
+#include "engine/part_scheduler.hpp"
 
 namespace shardopt::detail {
 
-AutoGather::AutoGather(ParameterStore& store, int root, int prefetch, int reuse_distance,
-                       CommunicatorPtr comm, Duration timeout, int keep)
-    : store_(store), root_(root), prefetch_(prefetch), comm_(std::move(comm)), timeout_(timeout),
+AutoUnits::AutoUnits(ParameterStore& store, int root, int prefetch, int reuse_distance,
+                     CommunicatorPtr comm, Duration timeout, int keep)
+    : PartScheduler(store, store.part_count(), std::move(comm), timeout, prefetch), root_(root),
       reuse_distance_(static_cast<size_t>(std::max(0, reuse_distance))),
-      keep_(static_cast<size_t>(std::max(1, keep))),
-      last_at_(static_cast<size_t>(store.part_count()), 0) {}
+      keep_(static_cast<size_t>(std::max(1, keep))) {}
 
-void AutoGather::use(const std::vector<int>& parts) {
+void AutoUnits::use(const std::vector<int>& parts) {
   // Inside a backward pass the autograd engine has a current graph task.
   if (torch::autograd::get_current_graph_task_exec_info() != nullptr) {
     for (int part : parts) {
@@ -92,28 +89,24 @@ void AutoGather::use(const std::vector<int>& parts) {
   forward_use(parts);
 }
 
-void AutoGather::forward_use(const std::vector<int>& parts) {
-  const bool prefetching = checked_ && trace_ok_ && prefetch_ > 0;
+// The pre-forward moment of the parts one operation reads.
+void AutoUnits::forward_use(const std::vector<int>& parts) {
+  const bool prefetching = trace_.usable() && prefetch_ > 0;
   bool started = false;  // a new part-use: the only point where forward releases
   for (int part : parts) {
     if (part == root_) {
       store_.gather_root();
       continue;
     }
-    if (order_.empty() || order_.back() != part) {
-      if (order_.size() > 4 * static_cast<size_t>(store_.part_count()) + 16) {
-        order_.clear();  // forwards without a backward (evaluation): a new trace starts
-        following_ = false;  // ... which the last pass's trace does not describe
-      }
-      order_.push_back(part);
+    if (trace_.forward(part)) {
       started = true;
-      const size_t k = order_.size() - 1;
-      last_at_[part] = k;
-      following_ = following_ && k < previous_.size() && previous_[k] == part;
-      if (prefetching && k < previous_.size() && previous_[k] == part) {
+      const size_t k = trace_.position();
+      if (prefetching && trace_.previous_at(k) == part) {
         store_.prefetch_part(part);  // first in line, then the ones the trace says come next
-        for (size_t i = 1; i <= static_cast<size_t>(prefetch_) && k + i < previous_.size(); ++i) {
-          if (previous_[k + i] != root_) store_.prefetch_part(previous_[k + i]);
+        for (int i = 1; i <= prefetch_; ++i) {
+          const int next = trace_.previous_at(k + i);
+          if (next < 0) break;
+          if (next != root_) store_.prefetch_part(next);
         }
       }
     }
@@ -126,22 +119,23 @@ void AutoGather::forward_use(const std::vector<int>& parts) {
   // or the current part start no new use: deciding there would release the current part at its
   // own position, one further from its backward use than the next part-use will be.
   if (started) {
-    if (following_) {
+    if (trace_.following()) {
       release_by_trace(parts);
     } else {
       release_by_window(parts);
     }
   }
-  cursor_ = order_.size();
 }
 
-void AutoGather::release_by_trace(const std::vector<int>& parts) {
-  const size_t k = order_.size() - 1;  // recent_ is empty while order_ is
+// Forward, after a use at trace position k: releases the gathered parts the operation does not
+// read whose use is over (Note [Reuse distance]).
+void AutoUnits::release_by_trace(const std::vector<int>& parts) {
+  const size_t k = trace_.position();  // recent_ is empty while the forward is
   for (auto it = recent_.begin(); it != recent_.end();) {
     const int part = *it;
-    const size_t next = next_[last_at_[part]];  // > k: this forward followed the trace
+    const size_t next = trace_.next_use(part);  // > k: this forward followed the trace
     const bool in_use = std::find(parts.begin(), parts.end(), part) != parts.end();
-    if (in_use || (next != kNever && next - k <= reuse_distance_)) {
+    if (in_use || (next != UseTrace::kNever && next - k <= reuse_distance_)) {
       ++it;
       continue;
     }
@@ -152,7 +146,7 @@ void AutoGather::release_by_trace(const std::vector<int>& parts) {
 
 // The fallback without a usable trace: the least recently used parts beyond the window go, never
 // one this operation reads.
-void AutoGather::release_by_window(const std::vector<int>& parts) {
+void AutoUnits::release_by_window(const std::vector<int>& parts) {
   for (auto it = recent_.begin(); recent_.size() > keep_ && it != recent_.end();) {
     if (std::find(parts.begin(), parts.end(), *it) != parts.end()) {
       ++it;
@@ -163,71 +157,22 @@ void AutoGather::release_by_window(const std::vector<int>& parts) {
   }
 }
 
-void AutoGather::backward_use(int part) {
-  if (backward_.empty() || backward_.back() != part) {
-    // Backward passes that never reach the engine's end (gradients of inputs only): start over.
-    if (backward_.size() > 4 * static_cast<size_t>(store_.part_count()) + 16) backward_.clear();
-    backward_.push_back(part);
-  }
-  if (!store_.part_gathered(part) && checked_ && trace_ok_ && prefetch_ > 0) {
-    // Backward reaches the parts in reverse forward order: prefetch those before this one.
-    size_t at = std::min(cursor_, order_.size());
-    while (at > 0 && order_[at - 1] != part) --at;
-    if (at > 0) {
-      cursor_ = at - 1;
-      store_.prefetch_part(part);
-      for (size_t i = 1; i <= static_cast<size_t>(prefetch_) && cursor_ >= i; ++i) {
-        if (order_[cursor_ - i] != root_) store_.prefetch_part(order_[cursor_ - i]);
-      }
+// The pre-backward moment: backward reaches the parts in reverse forward order, so those before
+// this one are prefetched.
+void AutoUnits::backward_use(int part) {
+  trace_.backward(part);
+  if (!store_.part_gathered(part) && trace_.usable() && prefetch_ > 0) {
+    store_.prefetch_part(part);
+    for (int p : trace_.before_in_forward(part, prefetch_)) {
+      if (p != root_) store_.prefetch_part(p);
     }
   }
   store_.gather_for_backward(part);
 }
 
-void AutoGather::end_backward() {
-  if (!checked_) {
-    checked_ = true;
-    if (comm_->size() > 1) {
-      uint32_t h = 2166136261u;  // FNV-1a over the order of first uses, forward then backward
-      auto add = [&h](uint32_t word) {
-        for (int byte = 0; byte < 4; ++byte) h = (h ^ ((word >> (8 * byte)) & 0xffu)) * 16777619u;
-      };
-      for (int part : order_) add(static_cast<uint32_t>(part));
-      add(0xffffffffu);
-      for (int part : backward_) add(static_cast<uint32_t>(part));
-      const size_t uses = order_.size() + 31 * backward_.size();
-      const double mine = static_cast<double>(h) + 1e10 * static_cast<double>(uses % 1000);
-      at::Tensor both = at::tensor({mine, -mine}, at::kDouble);
-      comm_->all_reduce(both, ReduceOp::Max, true)->wait(timeout_);
-      trace_ok_ = both[0].item<double>() == -both[1].item<double>();
-      if (!trace_ok_ && comm_->rank() == 0) {
-        fmt::print(stderr,
-                   "shardopt: stage 3: the ranks used the automatic units in different orders in "
-                   "the first pass (control flow that depends on the data?); prefetch is off and "
-                   "forward keeps the last {} parts gathered\n", keep_);
-      }
-    }
-  }
-  previous_ = std::move(order_);
-  order_.clear();
-  make_trace();
+void AutoUnits::end_backward() {
+  PartScheduler::end_backward();
   recent_.clear();
-  cursor_ = 0;
-  following_ = trace_ok_ && !previous_.empty();
-}
-
-// trace_: the forward order, then the backward order; next_[i]: where trace_[i]'s part is used
-// next (kNever: not again in the pass).
-void AutoGather::make_trace() {
-  trace_ = previous_;
-  trace_.insert(trace_.end(), backward_.begin(), backward_.end());
-  backward_.clear();
-  next_.assign(trace_.size(), kNever);
-  std::vector<size_t> seen(last_at_.size(), kNever);
-  for (size_t i = trace_.size(); i-- > 0;) {
-    next_[i] = seen[trace_[i]];
-    seen[trace_[i]] = i;
-  }
 }
 
 }  // namespace shardopt::detail

@@ -21,6 +21,10 @@
 // assumes), the reductions because the reducer launches buckets in layout order (Note [Bucket
 // completion] in gradient_reducer.hpp).
 //
+// Who decides: a scheduler (part_scheduler.hpp: DeclaredUnits for these units, AutoUnits for
+// automatic ones) owns every gather, prefetch and release (Note [One owner of releases]); the
+// engine reports the moments, the store executes.
+//
 // Communication per micro-step at stage 3 (elements, padded): each part is all-gathered once per
 // forward run of a unit that needs it and once in backward, and reduce-scattered once; the root
 // part is all-gathered once per step instead. With every unit run once and no sharing that is
@@ -42,11 +46,13 @@
 #include <cmath>
 #include <cstdio>
 #include <unordered_map>
+#include <utility>
 
 #include "engine/finite_check.hpp"
 #include "engine/group_options.hpp"
 #include "engine/placement.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/memory_tracker.hpp"
 #include "shardopt/recompute.hpp"
 
 namespace shardopt::detail {
@@ -81,7 +87,7 @@ std::vector<std::string> names_of(const std::vector<ModelParam>& params) {
 // Stage 3 without declared units: units from the parameters' names (shardopt/unit_policy.hpp),
 // as a Units object no model code runs (Note [Automatic units] in auto_gather.cpp). Without the
 // release guard's key (another library holds it) nothing can gather on use: every parameter is
-// then in the root part, gathered through the step.
+// then in the root part, which persists (Note [Persistent parameters] in parameter_store.cpp).
 UnitsPtr derived_units(const std::vector<ParamGroup>& groups, const UnitPolicy& policy,
                        bool report) {
   std::vector<std::string> names;
@@ -103,8 +109,8 @@ UnitsPtr derived_units(const std::vector<ParamGroup>& groups, const UnitPolicy& 
   if (!release_guard_available()) {
     if (report) {
       fmt::print(stderr, "shardopt: stage 3: automatic units need the dispatch key {} that "
-                 "another library holds; every parameter stays gathered from zero_grad() to "
-                 "step()\n", "TESTING_ONLY_GenericWrapper");
+                 "another library holds; every parameter stays gathered for good, as at stage "
+                 "2\n", "TESTING_ONLY_GenericWrapper");
     }
     return units;
   }
@@ -194,17 +200,31 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   tracker_ = std::make_unique<BackwardTracker>(std::move(part_of), root + 1);
 
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
-  // the master weights (ParameterStore::adopt).
+  // the master weights (ParameterStore::adopt). Allocations are attributed by category (Note
+  // [Peak attribution] in shardopt/memory_tracker.hpp).
   store_ = make_store();
   if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
-    auto_ = std::make_unique<AutoGather>(*store_, model_.root_part, options_.prefetch,
-                                         options_.reuse_distance, comm_, options_.timeout);
-    store_->set_automatic(auto_.get());
+    auto automatic = std::make_unique<AutoUnits>(*store_, model_.root_part, options_.prefetch,
+                                                 options_.reuse_distance, comm_, options_.timeout);
+    store_->set_automatic(automatic.get());
+    scheduler_ = std::move(automatic);
+  } else if (plan_.per_part()) {
+    scheduler_ = std::make_unique<DeclaredUnits>(*store_, model_.unit_parts, comm_,
+                                                 options_.timeout, options_.prefetch);
   }
-  flat_->init_master(store_->adopt(where.initial, options_.broadcast_initial_params));
-  reducer_ = std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
-                                               options_.overlap_comm,
-                                               options_.grad_accumulation_steps, options_.timeout);
+  // A scope lives to the end of its full expression: (scope(c), allocating call).
+  auto scope = [](const char* category) { return MemoryScope(category, "optimizer"); };
+  at::Tensor initial = (scope(plan_.per_part() ? "parameter shards" : "parameters"),
+                        store_->adopt(where.initial, options_.broadcast_initial_params));
+  (scope("optimizer state"), flat_->init_master(std::exchange(initial, at::Tensor())));
+  reducer_ = (scope("gradients"),
+              std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
+                                                options_.overlap_comm,
+                                                options_.grad_accumulation_steps,
+                                                options_.timeout));
+  bucket_tag_ = MemoryScope::tag("gradient buckets", "optimizer");
+  step_tag_ = MemoryScope::tag("step temporaries", "optimizer");
+  MemoryScope state_scope("optimizer state", "optimizer");
   flat_->build_segments(
       [&](int b, const UpdatedRange& r) { return store_->model_slice(b, r); },
       [&](int b, const UpdatedRange& r) { return reducer_->reduced(b, r); });
@@ -230,14 +250,15 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
 // one part, the model.
 std::unique_ptr<ParameterStore> Engine::make_store() {
   if (plan_.per_part()) {
+    auto labels = part_labels(model_, *unit_plan_);
+    if (automatic_) labels.back() = "the persistent groups, gathered for good";
     return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
-                                            part_labels(model_, *unit_plan_), model_.unit_parts,
-                                            comm_, options_.timeout, options_.prefetch);
+                                            std::move(labels), comm_, options_.timeout,
+                                            /*root_persists=*/automatic_);
   }
   return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
-                                          std::vector<std::string>{"the whole model"},
-                                          std::vector<std::vector<int>>{}, comm_,
-                                          options_.timeout, options_.prefetch);
+                                          std::vector<std::string>{"the whole model"}, comm_,
+                                          options_.timeout);
 }
 
 void Engine::attach_hooks() {
@@ -256,7 +277,7 @@ void Engine::attach_hooks() {
 void Engine::mark_for_backward(int unit, const at::Tensor& output) {
   output.register_hook([this, unit](const at::Tensor&) {
     begin_pass();
-    store_->before_backward(unit);
+    scheduler_->pre_backward(unit);
   });
 }
 
@@ -274,20 +295,20 @@ void Engine::begin_pass() {
 }
 
 // The path of a gradient: hook -> tracker (once per pass) -> reducer (into its bucket, launched
-// when due: Note [Bucket completion]) -> at stage 3, the part's release once all of it is in.
+// when due: Note [Bucket completion]) -> at stage 3, the scheduler learns when all of a part is
+// in (its post-backward moment).
 void Engine::on_grad_ready(int index) {
+  MemoryScope scope(bucket_tag_);
   begin_pass();
   const auto arrival = tracker_->arrive(index);
   if (arrival.duplicate) return;  // reentrant double fire: counted once
   reducer_->accept(index, tracker_->micro_steps());
-  // Every parameter of the part has its gradient: its backward is over, free it.
-  if (arrival.part_complete) store_->release(params()[index].part);
+  if (arrival.part_complete) scheduler_->post_backward(params()[index].part);
 }
 
 // End of one backward pass: the reducer reduces what is still pending.
 void Engine::on_backward_end() {
-  if (plan_.per_part()) store_->end_backward();
-  if (auto_) auto_->end_backward();
+  if (scheduler_) scheduler_->end_backward();
   reducer_->end_pass(tracker_->micro_steps());
   tracker_->end_pass();
 }
@@ -329,7 +350,7 @@ void Engine::zero_grad() {
   reducer_->start_over();
   update_->forget_early();
   tracker_->reset_micro_steps();
-  store_->gather_root();  // stage 3: parameters in no unit, for the forward that follows
+  if (scheduler_) scheduler_->start_forward();  // stage 3: a forward follows
 }
 
 // ---- step() ---------------------------------------------------------------------------------------
@@ -341,6 +362,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
     loss = closure();
   }
   at::NoGradGuard no_grad;
+  MemoryScope scope(step_tag_);
   const auto t0 = Clock::now();
   stats_ = StepStats{};
   stats_.step = steps_;
@@ -362,6 +384,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
 void Engine::finish_reduction() {
   RECORD_FUNCTION("shardopt::reduce", std::vector<c10::IValue>());
   const auto t = Clock::now();
+  MemoryScope scope(bucket_tag_);
   if (tracker_->in_pass()) on_backward_end();
   if (reducer_->nothing_launched()) {
     // step() without backward() through our hooks (e.g. gradients set by hand): reduce now.
@@ -436,7 +459,7 @@ void Engine::after_update() {
   RECORD_FUNCTION("shardopt::gather", std::vector<c10::IValue>());
   const auto t = Clock::now();
   store_->after_update();
-  if (auto_) auto_->after_update();
+  if (scheduler_) scheduler_->after_step();
   stats_.gather_s = seconds_since(t);
 }
 
@@ -466,6 +489,7 @@ MemoryReport Engine::memory() const {
   m.grad_bytes = reducer_->grad_bytes();
   m.optimizer_state_bytes = flat_->state_bytes();
   m.buffer_bytes = store_->gathered_bytes() + reducer_->buffer_bytes();
+  m.persistent_param_bytes = store_->persistent_bytes();
   return m;
 }
 

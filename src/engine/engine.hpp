@@ -1,8 +1,9 @@
 // Engine: DistributedOptimizer's machinery. It builds the pieces from one StagePlan, routes the
 // autograd and stage-3 unit events to them and runs step() as five named phases. Each piece owns
-// its state and none calls another:
+// its state:
 //   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
 //   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per part
+//   PartScheduler    (part_scheduler.hpp)    stage 3: when each part is gathered and released
 //   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
 //   BackwardTracker  (backward_tracker.hpp)  micro-steps, duplicate hooks, which parts are complete
 //   LocalUpdate      (local_update.hpp)      unscale, non-finite check, clip, the rules and kernels
@@ -17,7 +18,6 @@
 #include <optional>
 #include <vector>
 
-#include "engine/auto_gather.hpp"
 #include "engine/backward_tracker.hpp"
 #include "engine/checkpoint_access.hpp"
 #include "engine/flat_state.hpp"
@@ -25,6 +25,7 @@
 #include "engine/local_update.hpp"
 #include "engine/model_check.hpp"
 #include "engine/parameter_store.hpp"
+#include "engine/part_scheduler.hpp"
 #include "shardopt/detail/plan.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
@@ -51,15 +52,17 @@ class Engine final : public UnitRuntime {
   const CommunicatorPtr& communicator() const { return ranks_.world; }
   int64_t numel() const { return flat_->layout().numel; }
   int64_t padded_numel() const { return flat_->layout().padded_numel; }
-  void gather_full_parameters() { store_->gather_full(); }
+  void gather_full_parameters() {
+    if (scheduler_) scheduler_->gather_all();
+  }
   bool parameters_finite();
   // The torch param groups DistributedOptimizer registers, and their rules.
   const CollectedModel& model() const { return model_; }
   torch::optim::Optimizer* factory_optimizer() const { return update_->factory_optimizer(); }
 
   // ---- UnitRuntime (stage 3): called by Units::run and the output hooks ---------------------
-  void enter(int unit) override { store_->enter(unit, tracker_->in_pass()); }
-  void exit(int unit) override { store_->exit(unit); }
+  void enter(int unit) override { scheduler_->pre_forward(unit, tracker_->in_pass()); }
+  void exit(int unit) override { scheduler_->post_forward(unit); }
   void mark_for_backward(int unit, const at::Tensor& output) override;
 
   // What src/checkpoint reads and writes.
@@ -97,7 +100,8 @@ class Engine final : public UnitRuntime {
   bool automatic_ = false;  // stage 3: unit_plan_ derived from names (Note [Automatic units])
   std::optional<LossScaler> scaler_;  // fp16
   std::unique_ptr<FlatState> flat_;
-  std::unique_ptr<AutoGather> auto_;  // before store_: the store unregisters it on destruction
+  // Stage 3; before store_: the store unregisters it on destruction.
+  std::unique_ptr<PartScheduler> scheduler_;
   std::unique_ptr<ParameterStore> store_;
   std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<LocalUpdate> update_;
@@ -109,6 +113,7 @@ class Engine final : public UnitRuntime {
   };
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
+  int bucket_tag_ = 0, step_tag_ = 0;  // MemoryScope tags (Note [Peak attribution])
   int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };

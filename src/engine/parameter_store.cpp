@@ -11,11 +11,21 @@
 //   NeededInBackward -> Released           release: its gradients are in (or the pass ended)
 // Storage is never freed under a collective: release() of a Gathering part finishes the gather
 // first. NeededInBackward is what lets a forward run inside backward (a recomputation) end
-// without freeing the part backward still reads. Both paths use these functions: declared units
-// through enter/exit/before_backward and the gradient countdown (release); automatic units through
-// AutoGather (prefetch_part, gather_part, gather_for_backward, release). Beside the state, `runs`
-// counts the declared units running a part in forward (a shared part serves two): exit() releases
-// it when none is left. Whole plans have one part, Gathered for good.
+// without freeing the part backward still reads. The store changes states only when asked (no
+// policy): the schedulers (part_scheduler.hpp, Note [One owner of releases]) decide, for declared
+// and automatic units alike. Whole plans have one part, Gathered for good.
+//
+// Note [Persistent parameters]
+// A persistent part (automatic units' root part: UnitPolicy's small groups, within its
+// persist_share of the model) is Gathered for good, and this rank's shard of its buckets is a
+// view into its full buffer, not a second copy: the update writes the owned slice there (or the
+// write-back casts into it under mixed precision, whose master is separate anyway) and
+// after_update() all-gathers each bucket in place, as Whole plans do. So a persistent parameter
+// costs what it costs at stage 2 (P bytes), never the P + P/N of a gathered copy beside a shard,
+// and stage 3 never holds more than stage 2 for it; its parameters carry no guard key (nothing to
+// gather on use), so operations on them cost nothing extra. The other parts' shards are packed in
+// shard_. Declared units' root part (parameters no unit declares) is not persistent: it is
+// gathered from zero_grad() to step() and released after it.
 #include "engine/parameter_store.hpp"
 
 #include <ATen/ATen.h>
@@ -26,20 +36,24 @@
 
 #include "engine/release_guard.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/memory_tracker.hpp"
 
 namespace shardopt::detail {
 
 ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
                                std::vector<std::string> names, std::vector<std::string> part_labels,
-                               std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm,
-                               Duration timeout, int prefetch)
+                               CommunicatorPtr comm, Duration timeout, bool root_persists)
     : flat_(flat), plan_(flat.plan()), params_(std::move(params)), names_(std::move(names)),
       part_labels_(std::move(part_labels)), comm_(std::move(comm)), timeout_(timeout),
-      prefetch_(prefetch), rank_(flat.rank()) {
+      rank_(flat.rank()) {
   parts_.resize(part_labels_.size());
-  unit_parts_ = std::move(unit_parts);
   root_part_ = static_cast<int>(parts_.size()) - 1;
   if (!plan_.per_part()) parts_[root_part_].state = PartState::Gathered;  // for good
+  parts_[root_part_].persistent = plan_.per_part() && root_persists;
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    parts_[p].memory_tag = MemoryScope::tag(
+        parts_[p].persistent ? "persistent parameters" : "gathered parts", part_labels_[p]);
+  }
 }
 
 const char* part_state_name(PartState state) {
@@ -53,8 +67,8 @@ const char* part_state_name(PartState state) {
 }
 
 ParameterStore::~ParameterStore() {
+  registrations_.clear();
   for (const auto& part : parts_) {
-    if (automatic_ != nullptr && part.full.defined()) stop_gather_on_use(part.full);
     for (int i : part.params) forget_parameter(params_[i]);
   }
   if (collective_timed_out()) return;  // nothing in flight can land; the engine holds the tensors
@@ -155,20 +169,44 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
     }
     part.full.storage().unsafeGetStorageImpl()->reset();
   }
+  // Where this rank's slice of each bucket lives: packed in shard_, or inside a persistent part's
+  // full buffer (Note [Persistent parameters]), whose storage exists from here on.
+  int64_t packed_numel = 0;
+  std::vector<int64_t> packed_at(layout.buckets.size(), -1);
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    if (parts_[layout.buckets[b].part].persistent) continue;
+    packed_at[b] = packed_numel;
+    packed_numel += layout.buckets[b].shard;
+  }
+  shard_ = at::empty({packed_numel}, options);
+  for (auto& part : parts_) {
+    if (part.persistent) allocate_full(part);
+  }
+  owned_.resize(layout.buckets.size());
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bl = layout.buckets[b];
+    owned_[b] = packed_at[b] >= 0 ? shard_.narrow(0, packed_at[b], bl.shard)
+                                  : full_[b].narrow(0, rank_ * bl.shard, bl.shard);
+  }
   // Bucket by bucket: this rank's owned slice of the initial values (rank 0's, broadcast one
   // bucket at a time), in master precision; a parameter gives its own storage back after its
-  // last bucket, so the model moves over with one bucket in flight.
+  // last bucket, so the model moves over with one bucket in flight. When the model computes in
+  // master precision the values go straight to the model's storage and `initial` stays empty.
   std::vector<std::vector<int>> done_after(layout.buckets.size());
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     done_after[(layout.pieces_end(i) - 1)->bucket].push_back(i);
   }
   const bool from_rank0 = broadcast && world > 1;
+  const bool same_storage = !plan_.separate_master() &&
+                            master_options.dtype() == options.dtype() &&
+                            master_options.device() == options.device();
   at::Tensor bucket_values;
   if (from_rank0) bucket_values = at::empty({max_padded}, master_options);
-  at::Tensor initial = at::empty({layout.shard_numel}, master_options);
+  at::Tensor initial;
+  if (!same_storage) initial = at::empty({layout.shard_numel}, master_options);
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const auto& bl = layout.buckets[b];
-    at::Tensor owned = initial.narrow(0, bl.shard_offset, bl.shard);
+    at::Tensor owned = same_storage ? owned_[b] : initial.narrow(0, bl.shard_offset, bl.shard);
     const ShardRange mine = bl.owned(rank_);
     if (from_rank0) {
       at::Tensor full = bucket_values.narrow(0, 0, bl.padded);
@@ -193,16 +231,27 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
                                                         r.size()));
       }
     }
-    // Same TensorImpl (autograd identity), no storage until gathered.
+    if (!same_storage) owned_[b].copy_(owned);
+    // Same TensorImpl (autograd identity), no storage until gathered (persistent: for good).
     for (int i : done_after[b]) {
       params_[i].set_data(views[i]);
       const int part = layout.buckets[layout.slots[i].bucket].part;
       remember_parameter(params_[i], names_[i], part_labels_[part]);
+      if (parts_[part].persistent) continue;
       guard_released(params_[i]);  // automatic: for good (gathered on use)
-      if (automatic_ != nullptr) gather_on_use(parts_[part].full, automatic_, part);
     }
   }
-  shard_ = initial.to(options);  // no copy when the model computes in master precision
+  // Automatic units: operations on the parameters find the scheduler through their storage
+  // (Note [Part registration] in release_guard.cpp).
+  for (int part = 0; part <= root_part_; ++part) {
+    if (parts_[part].persistent) {
+      gather_in_place(part);
+    } else if (automatic_ != nullptr && !parts_[part].params.empty()) {
+      registrations_.push_back(
+          std::make_unique<PartRegistration>(parts_[part].full, automatic_, part));
+    }
+  }
+  comm_elements_ = 0;  // construction's collectives are no step's
   // The parameters in no unit stay gathered for the first forward, until the first step.
   gather_root();
   return initial;
@@ -210,21 +259,27 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
 
 at::Tensor ParameterStore::model_slice(int bucket, const UpdatedRange& range) const {
   const auto& bl = flat_.layout().buckets[bucket];
-  if (plan_.per_part()) return shard_.narrow(0, bl.shard_offset, range.length);
+  if (plan_.per_part()) return owned_[bucket].narrow(0, 0, range.length);
   return flat_params_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
 }
 
 at::Tensor ParameterStore::owned_slice(int bucket) const {
+  if (plan_.per_part()) return owned_[bucket];
   const auto& bl = flat_.layout().buckets[bucket];
-  if (plan_.per_part()) return shard_.narrow(0, bl.shard_offset, bl.shard);
   return flat_params_.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard);
 }
 
 void ParameterStore::after_update() {
   if (plan_.per_part()) {
     // Parts gather on demand (the root part before the next forward); any still gathered holds
-    // stale values now.
-    for (int part = 0; part <= root_part_; ++part) release(part);
+    // stale values now. Persistent parts are all-gathered in place.
+    for (int part = 0; part <= root_part_; ++part) {
+      if (parts_[part].persistent) {
+        gather_in_place(part);
+      } else {
+        release(part);
+      }
+    }
     return;
   }
   if (!plan_.gathers_after_update()) return;
@@ -237,75 +292,7 @@ void ParameterStore::after_update() {
   for (auto& w : works) w->wait(timeout_);
 }
 
-// ---- PerPart: declared units (Note [Stage 3 units] in engine.cpp) -----------------------------
-
-void ParameterStore::enter(int unit, bool in_backward) {
-  if (in_backward) {
-    for (int part : unit_parts_[unit]) {
-      ++parts_[part].runs;
-      ensure_gathered(part);
-    }
-    return;
-  }
-  if (forward_order_.size() > 4 * parts_.size() + 16) {  // forwards without backward (eval)
-    previous_order_ = std::move(forward_order_);
-    forward_order_.clear();
-  }
-  gather_root();  // a forward is running: parameters in no unit are needed too
-  forward_order_.push_back(unit);
-  backward_cursor_ = forward_order_.size();
-  for (int part : unit_parts_[unit]) {
-    ++parts_[part].runs;
-    ensure_gathered(part);
-  }
-  // Prefetch what came next in the last pass (declaration order on the first pass).
-  const size_t k = forward_order_.size() - 1;
-  for (int i = 1; i <= prefetch_; ++i) {
-    int next = -1;
-    if (k + i < previous_order_.size()) {
-      next = previous_order_[k + i];
-    } else if (previous_order_.empty()) {
-      next = unit + i;
-    }
-    if (next >= 0 && next < static_cast<int>(unit_parts_.size())) prefetch_unit(next);
-  }
-}
-
-void ParameterStore::exit(int unit) {
-  for (int part : unit_parts_[unit]) {
-    auto& p = parts_[part];
-    if (--p.runs <= 0) {
-      p.runs = 0;
-      // A recomputation inside the unit's backward (Note [Recompute and ZeRO], recompute.hpp)
-      // ends while backward still needs the parameters: they go when their gradients are in.
-      if (p.state != PartState::NeededInBackward) release(part);
-    }
-  }
-}
-
-void ParameterStore::before_backward(int unit) {
-  for (int part : unit_parts_[unit]) gather_for_backward(part);
-  prefetch_after(unit);
-}
-
-void ParameterStore::prefetch_unit(int unit) {
-  for (int part : unit_parts_[unit]) prefetch_part(part);
-}
-
-// The units backward reaches next: those run before this run of `unit` in this pass's forward
-// order. Backward visits the runs in reverse, so the run is the latest one before the cursor
-// (a unit run twice is found once for each run).
-void ParameterStore::prefetch_after(int unit) {
-  size_t at = std::min(backward_cursor_, forward_order_.size());
-  while (at > 0 && forward_order_[at - 1] != unit) --at;
-  if (at == 0) return;  // not run in this forward (or already passed): nothing to guess
-  backward_cursor_ = at - 1;
-  for (int i = 1; i <= prefetch_ && backward_cursor_ >= static_cast<size_t>(i); ++i) {
-    prefetch_unit(forward_order_[backward_cursor_ - i]);
-  }
-}
-
-// ---- PerPart: both paths (Note [Part lifecycle]) ---------------------------------------------
+// ---- PerPart: on request (Note [Part lifecycle]) ----------------------------------------------
 
 void ParameterStore::gather_root() {
   if (!plan_.per_part() || parts_[root_part_].state != PartState::Released ||
@@ -314,14 +301,6 @@ void ParameterStore::gather_root() {
   }
   launch_gather(root_part_);
   ensure_gathered(root_part_);
-}
-
-void ParameterStore::end_backward() {
-  // Parts whose parameters got no gradient (or a prefetch nobody used) are freed here; the root
-  // part stays until the step (another micro-step's forward needs it).
-  for (int part = 0; part < root_part_; ++part) release(part);
-  previous_order_ = std::move(forward_order_);
-  forward_order_.clear();
 }
 
 void ParameterStore::gather_full() {
@@ -354,12 +333,8 @@ void ParameterStore::transition(int part, PartState to) {
   parts_[part].state = to;
 }
 
-// Released -> Gathering: allocates the part's full buffer and starts all-gathering its shards
-// into it.
-void ParameterStore::launch_gather(int part) {
-  transition(part, PartState::Gathering);
-  auto& p = parts_[part];
-  const auto& layout = flat_.layout();
+void ParameterStore::allocate_full(Part& p) {
+  MemoryScope scope(p.memory_tag);
   auto* storage = p.full.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == 0 && p.full.numel() > 0) {
     const size_t nbytes = static_cast<size_t>(p.full.numel()) * p.full.element_size();
@@ -368,15 +343,35 @@ void ParameterStore::launch_gather(int part) {
     storage->set_data_ptr_noswap(allocator->allocate(nbytes));
     storage->set_nbytes(nbytes);
   }
+}
+
+// Released -> Gathering: allocates the part's full buffer and starts all-gathering its shards
+// into it.
+void ParameterStore::launch_gather(int part) {
+  transition(part, PartState::Gathering);
+  auto& p = parts_[part];
+  allocate_full(p);
   if (automatic_ == nullptr) {
     for (int i : p.params) unguard(params_[i]);
   }
   for (int b : p.buckets) {
-    const auto& bl = layout.buckets[b];
-    p.works.push_back(
-        comm_->all_gather(shard_.narrow(0, bl.shard_offset, bl.shard), full_[b], true));
-    comm_elements_ += bl.padded;
+    p.works.push_back(comm_->all_gather(owned_[b], full_[b], true));
+    comm_elements_ += flat_.layout().buckets[b].padded;
   }
+}
+
+// A persistent part: Gathered for good; the owned slices are views of full_, so the all-gather
+// runs in place. The first call (adopt) moves it out of Released.
+void ParameterStore::gather_in_place(int part) {
+  auto& p = parts_[part];
+  if (p.state == PartState::Released) transition(part, PartState::Gathering);
+  if (p.state == PartState::Gathering) transition(part, PartState::Gathered);
+  std::vector<WorkPtr> works;
+  for (int b : p.buckets) {
+    works.push_back(comm_->all_gather(owned_[b], full_[b], true));
+    comm_elements_ += flat_.layout().buckets[b].padded;
+  }
+  for (auto& w : works) w->wait(timeout_);
 }
 
 // Any state -> Gathered or NeededInBackward: launches the gather if released, waits for it if in
@@ -393,7 +388,7 @@ void ParameterStore::ensure_gathered(int part) {
 // Frees the part's full storage (the parameters keep their shape, not their bytes).
 void ParameterStore::release(int part) {
   auto& p = parts_[part];
-  if (p.state == PartState::Released) return;
+  if (p.state == PartState::Released || p.persistent) return;  // persistent: for good
   ensure_gathered(part);  // never free under a collective
   if (p.full.defined()) p.full.storage().unsafeGetStorageImpl()->reset();
   if (automatic_ == nullptr) {
@@ -409,13 +404,26 @@ int64_t ParameterStore::take_comm_elements() {
 }
 
 int64_t ParameterStore::param_bytes() const {
-  return static_cast<int64_t>(plan_.per_part() ? shard_.nbytes() : flat_params_.nbytes());
+  if (!plan_.per_part()) return static_cast<int64_t>(flat_params_.nbytes());
+  return static_cast<int64_t>(shard_.nbytes()) + persistent_bytes();
+}
+
+int64_t ParameterStore::persistent_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& part : parts_) {
+    if (part.persistent && part.full.defined()) {
+      bytes += static_cast<int64_t>(part.full.storage().nbytes());
+    }
+  }
+  return bytes;
 }
 
 int64_t ParameterStore::gathered_bytes() const {
   int64_t bytes = 0;
   for (const auto& part : parts_) {
-    if (part.full.defined()) bytes += static_cast<int64_t>(part.full.storage().nbytes());
+    if (!part.persistent && part.full.defined()) {
+      bytes += static_cast<int64_t>(part.full.storage().nbytes());
+    }
   }
   return bytes;
 }

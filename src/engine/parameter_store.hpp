@@ -7,11 +7,12 @@
 //            parameter split across two of them is still one contiguous view) whose storage
 //            exists only while the part is gathered, and the parameters are views into it. Each
 //            part moves through one lifecycle (Note [Part lifecycle] in parameter_store.cpp),
-//            driven by declared units (enter/exit/before_backward) or by AutoGather.
+//            on request: the store has no policy; a scheduler (part_scheduler.hpp) decides.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,14 +35,14 @@ class ParameterStore {
  public:
   // params[i] is layout slot i, named names[i]. PerPart: parameters are gathered in parts (the
   // buckets' part field), the last the root part (parameters in no unit: gathered from
-  // construction or gather_root() until the end of the step); unit_parts[u]: the parts declared
-  // unit u needs; part_labels[p]: how errors name part p's units (Note [Released parameters] in
+  // construction or gather_root() until the end of the step); part_labels[p]: how errors name
+  // part p's units (Note [Released parameters] in
   // release_guard.cpp: released parameters raise a named error when read). Whole plans pass one
-  // part and no unit_parts.
+  // part. root_persists: the root part is persistent (Note [Persistent parameters] in
+  // parameter_store.cpp): gathered for good, its shard a view into it.
   ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
                  std::vector<std::string> names, std::vector<std::string> part_labels,
-                 std::vector<std::vector<int>> unit_parts, CommunicatorPtr comm, Duration timeout,
-                 int prefetch);
+                 CommunicatorPtr comm, Duration timeout, bool root_persists = false);
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~ParameterStore();
 
@@ -61,48 +62,31 @@ class ParameterStore {
   const at::Tensor& whole() const { return flat_params_; }
 
   // After the update: all-gather the updated shards (Whole), or release every part, the root
-  // part included: nothing stays gathered between steps (PerPart).
+  // part included, but all-gather a persistent part in place (PerPart).
   void after_update();
 
-  // ---- PerPart, declared units (Units::run and its output hooks drive these) -----------------
+  // ---- PerPart: on request of a scheduler (part_scheduler.hpp) -------------------------------
   int root_part() const { return root_part_; }
-  // A declared unit's forward starts / ends: its parts are gathered for it (a unit may run
-  // several times in one forward; a part shared by two units is gathered while either runs).
-  // enter(unit, /*in_backward=*/true): a unit run again inside backward (a recomputation that
-  // calls Units::run or the Python hooks): gathered as usual, but the run is not part of the
-  // forward order that guides prefetch.
-  void enter(int unit, bool in_backward = false);
-  void exit(int unit);
-  // Backward reached the unit's outputs: gather its parts for backward, prefetch the unit
-  // backward reaches next.
-  void before_backward(int unit);
-
-  // ---- PerPart, both paths ---------------------------------------------------------------------
-  // Frees part `part` if it holds storage (its gradients are all in, or its use is over).
-  void release(int part);
-  // Gathers the root part (parameters in no unit) if it is not: before a forward (zero_grad()
-  // or the first unit entered).
-  void gather_root();
-  // End of a backward pass: parts left over but the root are freed; this pass's order guides
-  // prefetch.
-  void end_backward();
-  // Gathers every part (to read or save the whole model outside Units::run).
-  void gather_full();
-
-  // ---- PerPart, automatic units (src/engine/auto_gather.hpp drives these) ----------------------
-  // Before adopt(): the parameters keep the release guard's key for good and operations
-  // on them call `owner` (release_guard.hpp), instead of Units::run entering their units.
-  void set_automatic(GatherOnUse* owner) { automatic_ = owner; }
   int part_count() const { return static_cast<int>(parts_.size()); }
   PartState part_state(int part) const { return parts_[part].state; }
   bool part_gathered(int part) const { return parts_[part].state != PartState::Released; }
   void prefetch_part(int part);          // starts gathering it (no wait)
   void gather_part(int part);            // gathered when it returns
   void gather_for_backward(int part);    // gathered, and NeededInBackward until released
+  // Frees part `part` if it holds storage (a persistent part: never).
+  void release(int part);
+  // Gathers the root part (parameters in no unit) if it is not.
+  void gather_root();
+  // Gathers every part (to read or save the whole model outside a pass).
+  void gather_full();
+  // Automatic units, before adopt(): the parameters keep the release guard's key for good and
+  // operations on them call `owner` (release_guard.hpp), instead of Units::run entering units.
+  void set_automatic(GatherOnUse* owner) { automatic_ = owner; }
 
   int64_t take_comm_elements();
-  int64_t param_bytes() const;     // the model's storage (PerPart: the shard)
-  int64_t gathered_bytes() const;  // PerPart: full buffers holding storage now
+  int64_t param_bytes() const;       // the model's storage (PerPart: shards + persistent parts)
+  int64_t persistent_bytes() const;  // PerPart: the persistent parts' whole buffers
+  int64_t gathered_bytes() const;    // PerPart: other parts' full buffers holding storage now
 
  private:
   struct Part {
@@ -111,36 +95,36 @@ class ParameterStore {
     std::vector<int> params;     // layout slots of its parameters (guarded while released)
     PartState state = PartState::Released;
     std::vector<WorkPtr> works;  // all-gathers in flight (Gathering only)
-    int runs = 0;                // declared units running it in forward right now
+    bool persistent = false;     // gathered for good, holding this rank's shard
+    int memory_tag = 0;          // its full buffer's MemoryScope tag (Note [Peak attribution])
   };
   at::Tensor adopt_whole(const at::TensorOptions& master_options, bool broadcast);
   at::Tensor adopt_shards(const at::TensorOptions& master_options, bool broadcast);
   // The one place a part's state changes; asserts the change is legal (Note [Part lifecycle]).
   void transition(int part, PartState to);
   void launch_gather(int part);
+  void allocate_full(Part& p);
+  // Persistent parts: all-gather each bucket's owned slice in place (after an update or load).
+  void gather_in_place(int part);
   void ensure_gathered(int part);
-  void prefetch_unit(int unit);
-  void prefetch_after(int unit);
 
   const FlatState& flat_;
   const StagePlan plan_;
   GatherOnUse* automatic_ = nullptr;
+  std::vector<std::unique_ptr<PartRegistration>> registrations_;  // automatic: per part
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::vector<std::string> part_labels_;
   CommunicatorPtr comm_;
   Duration timeout_;
-  int prefetch_ = 1;
   int rank_ = 0;
   at::Tensor flat_params_;        // Whole: every parameter, full length
-  at::Tensor shard_;              // PerPart: this rank's slice of every bucket
+  at::Tensor shard_;              // PerPart: this rank's slice of every non-persistent bucket
+  std::vector<at::Tensor> owned_; // PerPart: per bucket, this rank's slice (in shard_ or, for a
+                                  // persistent part, in its full buffer)
   std::vector<at::Tensor> full_;  // PerPart: per bucket, a view of its part's full buffer
   std::vector<Part> parts_;       // declared units' own parts, shared ones, the root
-  std::vector<std::vector<int>> unit_parts_;  // declared unit -> its parts
   int root_part_ = 0;
-  std::vector<int> forward_order_;   // declared units entered in this pass
-  std::vector<int> previous_order_;  // ... and in the last pass (prefetch order)
-  size_t backward_cursor_ = 0;       // backward is at the run forward_order_[cursor]
   int64_t comm_elements_ = 0;
 };
 

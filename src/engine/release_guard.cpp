@@ -18,6 +18,7 @@
 #include "engine/release_guard.hpp"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -28,9 +29,49 @@
 #include <utility>
 #include <vector>
 
+#include "allocator_compat.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt::detail {
+
+// Note [Part registration]
+// The fallback must find, from any tensor carrying the key (a parameter, or a view autograd saved,
+// weight.t()), which scheduler and part own its bytes. The link they all share is the storage, and
+// a storage keeps its allocator whether it holds bytes or not: the part store registers a part by
+// making its storage allocate through a Handle, an allocator that forwards to the storage's own
+// and carries (owner, part). So the one path is: operation -> released_read -> the storage's
+// Handle -> owner.use(parts) (the scheduler) -> the store gathers. No global map, no lock per
+// operation; the registration's end restores the storage's allocator (parameters outlive the
+// optimizer).
+struct PartRegistration::Handle final : c10::Allocator {
+  Handle(c10::Storage s, GatherOnUse* o, int p) : storage(std::move(s)), owner(o), part(p) {
+    inner = storage.unsafeGetStorageImpl()->allocator();
+    if (inner == nullptr) inner = c10::GetAllocator(storage.device().type());
+  }
+  c10::DataPtr allocate(size_t n) SHARDOPT_ALLOCATE_CONST override {
+    return inner->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
+#if SHARDOPT_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner->copy_data(dest, src, count);
+  }
+#endif
+  c10::Storage storage;
+  GatherOnUse* owner;
+  int part;
+  c10::Allocator* inner = nullptr;
+};
+
+PartRegistration::PartRegistration(const at::Tensor& storage_holder, GatherOnUse* owner, int part)
+    : handle_(std::make_unique<Handle>(storage_holder.storage(), owner, part)) {
+  handle_->storage.unsafeGetStorageImpl()->set_allocator(handle_.get());
+}
+
+PartRegistration::~PartRegistration() {
+  handle_->storage.unsafeGetStorageImpl()->set_allocator(handle_->inner);
+}
+
 namespace {
 
 constexpr c10::DispatchKey kReleasedKey = c10::DispatchKey::TESTING_ONLY_GenericWrapper;
@@ -54,12 +95,6 @@ std::string describe_released(const c10::TensorImpl* impl) {
   if (it == g_known.end()) return "a released stage-3 parameter";
   return fmt::format("parameter '{}' ({})", it->second.name, it->second.part_label);
 }
-
-struct Gatherer {
-  GatherOnUse* owner = nullptr;
-  int part = 0;
-};
-std::unordered_map<const c10::StorageImpl*, Gatherer> g_gather;  // guarded by g_mutex
 
 // No bytes behind a tensor that has elements: a released part's storage.
 bool without_bytes(const at::Tensor& t) {
@@ -112,19 +147,15 @@ void released_read(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (const auto& t : keyed) {
     if (!t.has_storage()) continue;
-    Gatherer g;
-    {
-      std::lock_guard<std::mutex> lock(g_mutex);
-      auto it = g_gather.find(t.storage().unsafeGetStorageImpl());
-      if (it == g_gather.end()) continue;
-      g = it->second;
-    }
-    if (g.owner != owner) {
+    const auto* g = dynamic_cast<const PartRegistration::Handle*>(
+        t.storage().unsafeGetStorageImpl()->allocator());
+    if (g == nullptr) continue;  // not a registered part: an explicit unit's parameter
+    if (g->owner != owner) {
       flush();
       first = t.unsafeGetTensorImpl();
     }
-    owner = g.owner;
-    if (std::find(parts.begin(), parts.end(), g.part) == parts.end()) parts.push_back(g.part);
+    owner = g->owner;
+    if (std::find(parts.begin(), parts.end(), g->part) == parts.end()) parts.push_back(g->part);
   }
   flush();
   for (const auto& t : keyed) {
@@ -177,20 +208,6 @@ void guard_released(const at::Tensor& param) {
 void unguard(const at::Tensor& param) {
   auto& keys = KeySetAccess::of(param.unsafeGetTensorImpl());
   keys = keys.remove(kReleasedKey);
-}
-
-}  // namespace shardopt::detail
-
-namespace shardopt::detail {
-
-void gather_on_use(const at::Tensor& storage_holder, GatherOnUse* owner, int part) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_gather[storage_holder.storage().unsafeGetStorageImpl()] = Gatherer{owner, part};
-}
-
-void stop_gather_on_use(const at::Tensor& storage_holder) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_gather.erase(storage_holder.storage().unsafeGetStorageImpl());
 }
 
 }  // namespace shardopt::detail

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,8 +24,8 @@ void unguard(const at::Tensor& param);
 
 // Automatic stage-3 units (Note [Automatic units] in src/engine/auto_gather.cpp): the parameters
 // keep the key for good (views made from them inherit it), and an operation on any tensor whose
-// storage is registered here first calls owner.use(part), which gathers it. A tensor still
-// without bytes afterwards raises the named error above.
+// storage the part store registered first calls owner.use(parts), which gathers them. A tensor
+// still without bytes afterwards raises the named error above.
 class GatherOnUse {
  public:
   virtual ~GatherOnUse() = default;
@@ -34,7 +35,21 @@ class GatherOnUse {
 // False when another library holds the dispatch key: released reads then go unguarded, and
 // automatic units cannot work (stage 3 then keeps every parameter gathered through the step).
 bool release_guard_available();
-void gather_on_use(const at::Tensor& storage_holder, GatherOnUse* owner, int part);
-void stop_gather_on_use(const at::Tensor& storage_holder);
+
+// The part store's registration of one part (Note [Part registration] in release_guard.cpp):
+// while it lives, the storage of `storage_holder` allocates through a handle that names (owner,
+// part), which is how the fallback finds them; its destruction gives the storage its allocator
+// back.
+class PartRegistration {
+ public:
+  PartRegistration(const at::Tensor& storage_holder, GatherOnUse* owner, int part);
+  ~PartRegistration();
+  PartRegistration(const PartRegistration&) = delete;
+  PartRegistration& operator=(const PartRegistration&) = delete;
+  struct Handle;  // the storage's allocator while registered (release_guard.cpp)
+
+ private:
+  std::unique_ptr<Handle> handle_;
+};
 
 }  // namespace shardopt::detail

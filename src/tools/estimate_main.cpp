@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
   double bucket_mib = 0;
   int64_t align_bytes = 0;
   double unit_params = 0;
+  double persistent_params = 0;
   bool json = false;
   auto* preset_opt = app.add_option("--preset", preset, "BERT preset: tiny, mini, small, base, large")
                          ->check(CLI::IsMember({"tiny", "mini", "small", "base", "large"}));
@@ -83,6 +84,9 @@ int main(int argc, char** argv) {
   app.add_option("--unit-params", unit_params,
                  "stage 3: elements of the two largest units gathered together (default: the "
                  "preset's, or two buckets)");
+  app.add_option("--persistent-params", persistent_params,
+                 "stage 3: elements kept gathered for good (UnitPolicy's persistent groups: "
+                 "memory().persistent_param_bytes / P)");
   app.add_flag("--json", json, "machine-readable output");
   CLI11_PARSE(app, argc, argv);
 
@@ -117,6 +121,7 @@ int main(int argc, char** argv) {
     base.bucket_bytes = static_cast<int64_t>(std::llround(bucket_mib * (1 << 20)));
     base.align_bytes = align_bytes;
     base.gathered_units_params = units;
+    base.persistent_params = static_cast<int64_t>(std::llround(persistent_params));
     base.largest_param = largest;
 
     std::vector<est::Estimate> rows;

@@ -73,6 +73,28 @@ TEST(Estimate, ModelStateMatchesTheDesignTable) {
 
 // The ZeRO paper (Rajbhandari et al. 2020, Figure 1): 7.5B parameters, mixed-precision Adam,
 // N = 64: 120 GB baseline, 31.4 GB (P_os), 16.6 GB (P_os+g), 1.9 GB (P_os+g+p).
+// Stage 3 with persistent groups (UnitPolicy::persist_share): they cost P bytes each, the rest
+// P/N, in both accountings; other stages ignore them.
+TEST(Estimate, PersistentParametersCostWhatStage2Costs) {
+  for (Accounting a : {Accounting::Engine, Accounting::ZeroPaper}) {
+    Options o;
+    o.accounting = a;
+    o.params = 1'000'000;
+    o.world = 4;
+    o.stage = 3;
+    const int64_t sharded = model_states(o).device.params;
+    o.persistent_params = 100'000;
+    const Estimate e = model_states(o);
+    EXPECT_EQ(e.persistent_params, 100'000);
+    EXPECT_EQ(e.device.params, 4 * (100'000 + 900'000 / 4));
+    EXPECT_EQ(e.device.params - sharded, 4 * 100'000 * 3 / 4);
+    o.stage = 2;
+    EXPECT_EQ(model_states(o).device.params, 4'000'000);
+    o.persistent_params = 2'000'000;  // more than the model
+    EXPECT_THROW(model_states(o), std::invalid_argument);
+  }
+}
+
 TEST(Estimate, ReproducesTheZeroPaperExample) {
   const int64_t psi = 7'500'000'000;
   const double expected_gb[] = {120.0, 31.4, 16.6, 1.9};

@@ -4,6 +4,7 @@
 #include <c10/core/Allocator.h>
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "shardopt/error.hpp"
@@ -65,6 +66,35 @@ TEST(MemoryTracker, PeakFollowsTheHighestLiveTotal) {
   EXPECT_EQ(t.peak_bytes() - base, 2 * kMiB + kMiB / 2);
   at::Tensor four = floats(kMiB);  // 4 MiB on top of 0.5
   EXPECT_EQ(t.peak_bytes() - base, 4 * kMiB + kMiB / 2);
+}
+
+// Note [Peak attribution]: the bytes by (category, owner) at the peak of the window.
+TEST(MemoryTracker, PeakReportSaysWhereTheBytesWereAtThePeak) {
+  ScopedMemoryTracking tracking;
+  auto& t = tracking.tracker();
+  at::Tensor a, b, inner;
+  {
+    MemoryScope scope("test shards", "owner a");
+    a = floats(kMiB / 4);  // 1 MiB
+    {
+      MemoryScope nested("test parts", "part 1");  // the innermost scope wins
+      inner = floats(kMiB / 16);  // 0.25 MiB
+    }
+    b = floats(kMiB / 2);  // 2 MiB, still "test shards": the peak
+  }
+  b.reset();
+  at::Tensor c = floats(kMiB / 8);  // 0.5 MiB of "other" after the peak
+  MemoryPeakReport r = t.peak_report();
+  EXPECT_EQ(r.bytes_of("test shards"), 3 * kMiB);
+  EXPECT_EQ(r.bytes_of("test parts"), kMiB / 4);
+  EXPECT_EQ(r.peak_bytes, t.peak_bytes());
+  ASSERT_FALSE(r.entries.empty());
+  EXPECT_EQ(r.entries.front().owner, "owner a");  // largest first
+  EXPECT_NE(r.to_string().find("test parts (part 1)"), std::string::npos);
+  t.reset_peak();  // a new window: where the bytes are now
+  r = t.peak_report();
+  EXPECT_EQ(r.bytes_of("test shards"), kMiB);
+  EXPECT_EQ(r.peak_bytes, t.live_bytes());
 }
 
 TEST(MemoryTracker, StoragePredatingInstallationIsFreedOutsideTheCounts) {

@@ -59,6 +59,7 @@ TEST(UnitPolicy, SmallGroupsPersistAndTiedTensorsCountOnce) {
   const Named n = transformer();
   UnitPolicy p;
   p.persist_below = 1001;  // a layer has 1500 elements; the decoder 1010; the embedding 1000
+  p.persist_share = 1.0;   // the per-group size alone (the share: next test)
   const DerivedUnits d = n.derive(p);
   EXPECT_EQ(d.names, (std::vector<std::string>{"encoder.layers.0", "encoder.layers.1",
                                                "decoder"}));
@@ -68,6 +69,32 @@ TEST(UnitPolicy, SmallGroupsPersistAndTiedTensorsCountOnce) {
   tied_twice.add("head.b", 600, 7);
   p.persist_below = 1000;
   EXPECT_TRUE(tied_twice.derive(p).names.empty());
+}
+
+// Persistence within persist_share of the model's elements (4011 here), smallest groups first:
+// (root) 1, then the embedding 1000 (cumulative 1001), then the decoder 1010 (its weight is the
+// embedding's, counted again in its group: 2011).
+TEST(UnitPolicy, PersistenceStaysWithinItsShareSmallestFirst) {
+  const Named n = transformer();
+  UnitPolicy p;
+  p.persist_below = 2000;  // every group but the layers (1500 each is under it too)
+  const auto persistent = [&](double share) {
+    p.persist_share = share;
+    const DerivedUnits d = n.derive(p);
+    EXPECT_EQ(d.numel, 4011);
+    return std::make_pair(d.persistent, d.persistent_numel);
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(persistent(0.0), std::make_pair(V{}, int64_t{0}));
+  EXPECT_EQ(persistent(0.1), std::make_pair(V{"(root)"}, int64_t{1}));          // budget 401
+  EXPECT_EQ(persistent(0.25), std::make_pair(V{"embedding", "(root)"}, int64_t{1001}));
+  EXPECT_EQ(persistent(0.6), std::make_pair(V{"embedding", "decoder", "(root)"}, int64_t{2011}));
+  // The default: a tenth of the model.
+  EXPECT_EQ(UnitPolicy{}.persist_share, 0.1);
+  p.persist_share = 1.5;
+  EXPECT_THROW(p.validate(), Error);
+  p.persist_share = -0.1;
+  EXPECT_THROW(p.validate(), Error);
 }
 
 TEST(UnitPolicy, PatternsNameUnitsAndTheRestPersists) {

@@ -577,6 +577,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = version();
   m.attr("has_mpi") = bool(SHARDOPT_HAS_MPI);
   m.attr("has_gloo") = bool(SHARDOPT_HAS_GLOO);
+  m.attr("has_c10d") = bool(SHARDOPT_HAS_C10D);
   m.attr("has_nccl") = bool(SHARDOPT_HAS_NCCL);
   m.attr("has_cuda") = bool(SHARDOPT_HAS_CUDA);
   register_errors(m);

@@ -2,6 +2,7 @@
 #include "bert_config.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
 
 #include <algorithm>
 #include <cmath>

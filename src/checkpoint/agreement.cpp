@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
 
 #include "checkpoint/format.hpp"
 #include "shardopt/error.hpp"

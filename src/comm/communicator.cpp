@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
 
 #include "comm/engines.hpp"
 #include "plugins.hpp"

@@ -10,13 +10,21 @@
 // adapter template serves both: a group handed in by the user (torch.distributed's, from
 // Python) is wrapped as a ProcessGroup on every version, and our own Gloo group is wrapped as what
 // ProcessGroupGloo is on this version (GlooGroup below), with no dispatcher in between.
+//
+// Note [c10d without Gloo]: pip's torch wheels carry ProcessGroupGloo.hpp but not Gloo's own
+// headers, so there this TU is built without SHARDOPT_HAS_GLOO: the adapter over a group made by
+// torch.distributed (from Python) works, our own Gloo groups (make_gloo_communicator, torchrun's
+// variables in init_from_env, split()) do not exist.
 #include "shardopt/process_group.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "shardopt/config.hpp"
+#if SHARDOPT_HAS_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
@@ -35,10 +43,12 @@
 namespace shardopt {
 namespace {
 
+#if SHARDOPT_HAS_GLOO
 #if TORCH_VERSION_MAJOR >= 2
 using GlooGroup = c10d::Backend;
 #else
 using GlooGroup = c10d::ProcessGroup;
+#endif
 #endif
 
 // torch >= 2.4 defaults TCPStore to its libuv server, which Debian's torch 2.6 is built without
@@ -100,8 +110,10 @@ at::Tensor transport_bits(const at::Tensor& t, bool gloo) {
   return gloo && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
 }
 
+#if SHARDOPT_HAS_GLOO
 CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                           Duration timeout, const std::string& where);
+#endif
 
 // Group: c10d::ProcessGroup, or c10d::Backend on torch >= 2 (Note [c10d across torch versions]).
 template <class Group>
@@ -218,11 +230,18 @@ class ProcessGroupCommunicator final : public Communicator {
     }
     std::sort(members.begin(), members.end());
     const auto me = std::find(members.begin(), members.end(), std::make_pair(int64_t{key}, rank()));
+#if SHARDOPT_HAS_GLOO
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
         fmt::format("shardopt.split{}.color{}", sequence, color), store_);
     return make_gloo(prefixed, static_cast<int>(me - members.begin()),
                      static_cast<int>(members.size()), timeout(),
                      fmt::format("the parent group's store (split {}, color {})", sequence, color));
+#else
+    SHARDOPT_FAIL(Unsupported,
+                  "comm.split: sub-groups of a {} process group need Gloo, which this build of "
+                  "shardopt lacks (Note [c10d without Gloo]); {} of {} members asked for one",
+                  name_, members.size(), size());
+#endif
   }
 
  private:
@@ -249,6 +268,7 @@ class ProcessGroupCommunicator final : public Communicator {
   int64_t splits_ = 0;
 };
 
+#if SHARDOPT_HAS_GLOO
 // GLOO_SOCKET_IFNAME=eth0[,eth1] picks the interfaces, as torch.distributed does; otherwise
 // Gloo binds to the address the hostname resolves to.
 std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices() {
@@ -280,6 +300,7 @@ CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int s
   comm->set_timeout(timeout);
   return comm;
 }
+#endif  // SHARDOPT_HAS_GLOO
 
 }  // namespace
 
@@ -294,6 +315,7 @@ CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::Process
   return make_process_group_communicator(std::move(group), {});
 }
 
+#if SHARDOPT_HAS_GLOO
 CommunicatorPtr make_gloo_communicator(const GlooOptions& options) {
   SHARDOPT_CHECK(options.size >= 1 && options.rank >= 0 && options.rank < options.size,
                  InvalidArgument, "comm.gloo: rank must lie in [0, size), got rank {} of size {}",
@@ -377,5 +399,6 @@ CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string
   return make_gloo(store, rank, size, timeout, where);
 }
 }  // namespace detail
+#endif  // SHARDOPT_HAS_GLOO
 
 }  // namespace shardopt

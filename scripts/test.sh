@@ -28,7 +28,9 @@ set -e
 if [ -f Testing/Temporary/LastTest.log ]; then
   awk '/^[0-9]+\/[0-9]+ Testing: /{entry=$3}
        /: Skipped$/{getline reason; n[entry ": " reason]++; total++}
+       /^skipped: /{whole[entry] = substr($0, 10)}
        END{for (k in n) printf "[test] skipped %d in %s\n", n[k], k;
+           for (k in whole) printf "[test] skipped CTest entry %s: %s\n", k, whole[k];
            printf "[test] %d GoogleTest cases skipped in all\n", total}' \
     Testing/Temporary/LastTest.log | sort
 fi

@@ -61,6 +61,30 @@ auto use_classic_tcp_store(Options& o, int) -> decltype(o.useLibUV = false, void
 template <class Options>
 void use_classic_tcp_store(Options&, long) {}
 
+// Recent torch names ProcessGroup's flat collectives all_gather_single/reduce_scatter_single and
+// deprecates _allgather_base/_reduce_scatter_base; Backend and older releases have only the latter.
+template <class Group>
+auto all_gather_flat(Group& g, at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o,
+                     int) -> decltype(g.all_gather_single(out, in, o)) {
+  return g.all_gather_single(out, in, o);
+}
+template <class Group>
+auto all_gather_flat(Group& g, at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o,
+                     long) {
+  return g._allgather_base(out, in, o);
+}
+template <class Group>
+auto reduce_scatter_flat(Group& g, at::Tensor& out, at::Tensor& in,
+                         const c10d::ReduceScatterOptions& o, int)
+    -> decltype(g.reduce_scatter_single(out, in, o)) {
+  return g.reduce_scatter_single(out, in, o);
+}
+template <class Group>
+auto reduce_scatter_flat(Group& g, at::Tensor& out, at::Tensor& in,
+                         const c10d::ReduceScatterOptions& o, long) {
+  return g._reduce_scatter_base(out, in, o);
+}
+
 c10d::ReduceOp c10d_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::Sum: return c10d::ReduceOp::SUM;
@@ -163,7 +187,7 @@ class ProcessGroupCommunicator final : public Communicator {
       opts.reduceOp = c10d_op(op);
       opts.timeout = timeout();
       at::Tensor o = out, i = in;
-      return wrap(what, group_->_reduce_scatter_base(o, i, opts));
+      return wrap(what, reduce_scatter_flat(*group_, o, i, opts, 0));
     }
     // Emulation: all_reduce a copy (the input must stay unchanged), keep our slice.
     at::Tensor copy = needs_widening(in) ? in.reshape(-1).to(at::kFloat) : in.reshape(-1).clone();
@@ -181,7 +205,7 @@ class ProcessGroupCommunicator final : public Communicator {
     at::Tensor flat_out = out.view(-1);
     if (name_ == "nccl") {
       at::Tensor i = in;
-      return wrap(what, group_->_allgather_base(flat_out, i, opts));
+      return wrap(what, all_gather_flat(*group_, flat_out, i, opts, 0));
     }
     // Gloo writes each rank's piece into a list of outputs: views into `out`. Our own input may
     // alias its slot, so it travels as a copy.
@@ -211,6 +235,12 @@ class ProcessGroupCommunicator final : public Communicator {
   // A c10d subgroup, as torch.distributed.new_group makes it: a fresh Gloo group of the members
   // over a PrefixStore of this group's store, unique per split call and color.
   CommunicatorPtr do_split(int color, int key) override {
+#if !SHARDOPT_HAS_GLOO
+    SHARDOPT_FAIL(Unsupported,
+                  "comm.split: sub-groups of a {} process group need Gloo, which this build of "
+                  "shardopt lacks (Note [c10d without Gloo])",
+                  name_);
+#else
     SHARDOPT_CHECK(store_, Unsupported,
                    "comm.split: this {} communicator was made from a ProcessGroup without its "
                    "store; pass the store to make_process_group_communicator(group, store)",
@@ -230,17 +260,11 @@ class ProcessGroupCommunicator final : public Communicator {
     }
     std::sort(members.begin(), members.end());
     const auto me = std::find(members.begin(), members.end(), std::make_pair(int64_t{key}, rank()));
-#if SHARDOPT_HAS_GLOO
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
         fmt::format("shardopt.split{}.color{}", sequence, color), store_);
     return make_gloo(prefixed, static_cast<int>(me - members.begin()),
                      static_cast<int>(members.size()), timeout(),
                      fmt::format("the parent group's store (split {}, color {})", sequence, color));
-#else
-    SHARDOPT_FAIL(Unsupported,
-                  "comm.split: sub-groups of a {} process group need Gloo, which this build of "
-                  "shardopt lacks (Note [c10d without Gloo]); {} of {} members asked for one",
-                  name_, members.size(), size());
 #endif
   }
 

@@ -1,6 +1,7 @@
 // One BERT-base pretraining step on one GPU (MLM logits at every position, no NSP head: the model
-// of bench/gpu_bert_peer.py), through DistributedOptimizer at --stage 2 or 3 with bf16 compute
-// and fp32 master weights, fused AdamW. Reports samples/s (median step time after --warmup) and
+// of bench/gpu_bert_peer.py), through DistributedOptimizer at --stage 2 or 3 (--units explicit, the
+// model's declared units, or auto, units from the parameters' names) with bf16 compute and fp32
+// master weights, fused AdamW. Reports samples/s (median step time after --warmup) and
 // the caching allocator's peak bytes, as one JSON object. Without a GPU: {"skipped": ...}, exit 0.
 #include <ATen/Context.h>
 #include <torch/torch.h>
@@ -52,6 +53,10 @@ int main(int argc, char** argv) {
   const int64_t seq = arg(argc, argv, "--seq", 128);
   const int warmup = static_cast<int>(arg(argc, argv, "--warmup", 3));
   const int steps = static_cast<int>(arg(argc, argv, "--steps", 10));
+  bool auto_units = false;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--units") == 0) auto_units = std::strcmp(argv[i + 1], "auto") == 0;
+  }
   if (!at::hasCUDA()) {
     std::printf("{\"skipped\": \"this libtorch has no CUDA or no GPU is visible\"}\n");
     return 0;
@@ -66,7 +71,7 @@ int main(int argc, char** argv) {
   shardopt::ZeroOptions zo;
   zo.stage = shardopt::stage_from_int(stage);
   zo.precision = shardopt::Precision::BF16;
-  if (stage == 3) zo.units = model->units();
+  if (stage == 3 && !auto_units) zo.units = model->units();
   auto groups = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
   });
@@ -100,10 +105,11 @@ int main(int argc, char** argv) {
   std::sort(ms.begin(), ms.end());
   const double median = ms[ms.size() / 2];
   std::printf(
-      "{\"what\": \"shardopt stage %d bf16\", \"batch\": %lld, \"seq\": %lld, \"steps\": %d,\n"
+      "{\"what\": \"shardopt stage %d%s bf16\", \"batch\": %lld, \"seq\": %lld, \"steps\": %d,\n"
       " \"median_step_ms\": %.2f, \"samples_per_s\": %.1f, \"peak_allocated_bytes\": %lld,\n"
       " \"last_loss\": %.4f}\n",
-      stage, static_cast<long long>(batch), static_cast<long long>(seq), steps, median,
+      stage, stage == 3 ? (auto_units ? " (automatic units)" : " (explicit units)") : "",
+      static_cast<long long>(batch), static_cast<long long>(seq), steps, median,
       batch * 1000.0 / median, static_cast<long long>(peak_allocated()), loss);
   return 0;
 }

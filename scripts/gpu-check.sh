@@ -172,11 +172,14 @@ if [ "$configured" = 1 ]; then
   if [ "$HAVE_GPU" = 0 ] && [ "$BUILD_WITHOUT_GPU" = 0 ]; then
     phase build skipped "no GPU (--build-without-gpu builds anyway)"
   else
+    # The list is read once: `ninja ... | grep -q` under pipefail fails at random when grep's early
+    # exit kills ninja with SIGPIPE, which once dropped three of the four targets.
+    all_targets="$(ninja -C "$BUILD" -t targets all 2>/dev/null)"
     present=()
     for t in "${targets[@]}"; do
-      ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q "^$t: " && present+=("$t")
+      grep -q "^$t: " <<<"$all_targets" && present+=("$t")
     done
-    if run_logged build 1800 cmake --build "$BUILD" --target "${present[@]}"; then
+    if run_logged build 1800 cmake --build "$BUILD" --target "${present[@]}" -- -k 0; then  # -k 0: every error in one log
       built=1
       phase build ok "targets: ${present[*]}"
     else
@@ -199,20 +202,27 @@ else
   phase tests skipped "$([ "$HAVE_GPU" = 1 ] && echo "not built" || echo "no GPU")"
 fi
 
-# ---- the BERT example on the GPU: --device cuda, fp16 at stage 2 and fp32 at stage 3 ----------
+# ---- the BERT example on the GPU: BERT-base bf16 for 50 steps at stages 2 and 3 (the figures the
+# report quotes), BERT-tiny fp16 at stage 2 (dynamic loss scaling) and fp32 at stage 3. No
+# --check-loss-decrease: --synthetic draws tokens uniformly, so the loss starts at its floor,
+# ln(30522) = 10.33, and only wanders; correctness is the GPU tests' job ------------------------
 if [ "$SKIP_TESTS" = 1 ]; then
   phase bert_example skipped "--skip-tests"
 elif [ "$HAVE_GPU" = 1 ] && [ "$built" = 1 ] && [ -x "$BUILD/examples/bert_pretrain" ]; then
   ok=1
-  for run in "2 fp16" "3 fp32"; do
+  # stage precision preset steps batch seq
+  for run in "2 bf16 base 50 32 128" "3 bf16 base 50 32 128" "2 fp16 tiny 50 8 64" \
+             "3 fp32 tiny 50 8 64"; do
     set -- $run
-    name="bert_cuda_stage$1_$2"
-    run_logged "$name" 600 "$BUILD/examples/bert_pretrain" --device cuda --synthetic --preset tiny \
-      --steps 8 --batch-size 8 --max-seq-length 64 --stage "$1" --precision "$2" --no-plot \
-      --progress lines --log-every 1 --check-loss-decrease --export-hf "$OUTDIR/$name/hf" \
+    name="bert_cuda_$3_stage$1_$2"
+    run_logged "$name" 600 "$BUILD/examples/bert_pretrain" --device cuda --synthetic --preset "$3" \
+      --steps "$4" --batch-size "$5" --max-seq-length "$6" --warmup-steps 5 --stage "$1" \
+      --precision "$2" --no-plot --progress lines --log-every 10 \
       --out "$OUTDIR/$name" || { ok=0; log "$name failed (see $name.log)"; }
+    rm -rf "$OUTDIR/$name/checkpoint"  # hundreds of MB for BERT-base; the log has the figures
   done
-  if [ "$ok" = 1 ]; then phase bert_example ok "bert_pretrain --device cuda: fp16 stage 2, fp32 stage 3"
+  if [ "$ok" = 1 ]; then
+    phase bert_example ok "bert_pretrain --device cuda: base bf16 stages 2/3 (50 steps), tiny fp16 stage 2, fp32 stage 3"
   else phase bert_example FAILED "see bert_cuda_*.log"; fi
 else
   phase bert_example skipped "$([ "$HAVE_GPU" = 1 ] && echo "bert_pretrain not built (no utf8proc carried?)" || echo "no GPU")"
@@ -220,7 +230,7 @@ fi
 
 # ---- benchmarks -------------------------------------------------------------------------------
 numel=100000000
-steps=10
+steps=30  # 10 gave medians 25-45% apart between machines and runs
 if [ "$QUICK" = 1 ]; then numel=10000000; steps=3; fi
 bench() {  # bench NAME CMD...: JSON on stdout into NAME.json, stderr into NAME.log
   local name="$1"
@@ -236,9 +246,9 @@ if [ "$SKIP_BENCH" = 1 ]; then
 elif [ "$HAVE_GPU" = 1 ] && [ "$built" = 1 ]; then
   [ -x "$BUILD/bench/gpu_kernels_bench" ] && bench kernels "$BUILD/bench/gpu_kernels_bench" --numel "$numel"
   bench kernels_torch "$PY" "$ROOT/bench/gpu_adamw_peer.py" --numel "$numel"
-  for stage in 2 3; do
-    bench "bert_stage$stage" "$BUILD/bench/gpu_bert_step" --stage "$stage" --steps "$steps"
-  done
+  bench bert_stage2 "$BUILD/bench/gpu_bert_step" --stage 2 --steps "$steps"
+  bench bert_stage3 "$BUILD/bench/gpu_bert_step" --stage 3 --units explicit --steps "$steps"
+  bench bert_stage3_auto "$BUILD/bench/gpu_bert_step" --stage 3 --units auto --steps "$steps"
   bench bert_torch "$PY" "$ROOT/bench/gpu_bert_peer.py" --steps "$steps"
 else
   phase benchmarks skipped "$([ "$HAVE_GPU" = 1 ] && echo "not built" || echo "no GPU")"

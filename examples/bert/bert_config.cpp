@@ -2,7 +2,10 @@
 #include "bert_config.hpp"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
+<<<<<<< HEAD
+=======
+#include <fmt/ranges.h>  // fmt::join
+>>>>>>> main
 
 #include <algorithm>
 #include <cmath>

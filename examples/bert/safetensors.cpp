@@ -2,7 +2,7 @@
 #include "safetensors.hpp"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
+#include <fmt/ranges.h>  // fmt::join
 
 #include <algorithm>
 #include <cstdio>

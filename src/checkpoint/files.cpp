@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -34,6 +35,21 @@ Paths paths_of(const std::string& dir) {
   p.tmp = p.parent / ("." + name + ".tmp");
   p.old = p.parent / ("." + name + ".old");
   return p;
+}
+
+void remove_tree(const fs::path& path, std::error_code& ec) {
+  ec.clear();
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno != ENOENT) ec.assign(errno, std::generic_category());
+    return;
+  }
+  // Depth first (children before their directory), not following symbolic links.
+  const int rc = ::nftw(
+      path.c_str(),
+      [](const char* name, const struct stat*, int, struct FTW*) { return ::remove(name); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+  if (rc != 0) ec.assign(errno ? errno : EIO, std::generic_category());
 }
 
 std::string shard_file_name(int rank, int world) {
@@ -166,7 +182,7 @@ void publish(const Paths& p) {
   }
   if (::renameat2(AT_FDCWD, p.tmp.c_str(), AT_FDCWD, p.dir.c_str(), RENAME_EXCHANGE) == 0) {
     fsync_dir(p.parent);
-    fs::remove_all(p.tmp, ec);  // now the previous checkpoint
+    remove_tree(p.tmp, ec);  // now the previous checkpoint
     return;
   }
   SHARDOPT_CHECK(errno == EINVAL || errno == ENOSYS || errno == ENOTSUP, Checkpoint,
@@ -174,7 +190,7 @@ void publish(const Paths& p) {
                  errno_text());
   // No RENAME_EXCHANGE on this filesystem: a crash between these renames leaves the previous
   // checkpoint at .<name>.old, which load_checkpoint points to.
-  fs::remove_all(p.old, ec);
+  remove_tree(p.old, ec);
   SHARDOPT_CHECK(::rename(p.dir.c_str(), p.old.c_str()) == 0, Checkpoint,
                  "checkpoint: cannot rename {} to {}: {}", p.dir.string(), p.old.string(),
                  errno_text());
@@ -182,7 +198,7 @@ void publish(const Paths& p) {
                  "checkpoint: cannot rename {} to {}: {}", p.tmp.string(), p.dir.string(),
                  errno_text());
   fsync_dir(p.parent);
-  fs::remove_all(p.old, ec);
+  remove_tree(p.old, ec);
 }
 
 void prepare_tmp(const Paths& p) {
@@ -199,7 +215,7 @@ void prepare_tmp(const Paths& p) {
                    "replace it",
                    p.dir.string(), kManifest);
   }
-  fs::remove_all(p.tmp, ec);
+  remove_tree(p.tmp, ec);
   SHARDOPT_CHECK(!ec, Checkpoint, "checkpoint: cannot remove the leftover {}: {}", p.tmp.string(),
                  ec.message());
   fs::create_directory(p.tmp, ec);

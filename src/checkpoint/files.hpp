@@ -26,6 +26,14 @@ std::string shard_file_name(int rank, int world);
 
 std::string errno_text();
 
+// Note [No std::filesystem::remove_all]
+// Removes a file or a directory tree, as std::filesystem::remove_all(path, ec) would; a path that
+// does not exist is no error. Built on nftw, because pip's libtorch.so exports a static copy of
+// std::filesystem whose remove_all jumps to a null address on a non-empty directory (torch 2.11,
+// seen on a GPU machine: its recursive_directory_iterator::__erase is an unresolved weak symbol),
+// and the dynamic linker may bind our calls to that copy rather than libstdc++'s.
+void remove_tree(const std::filesystem::path& path, std::error_code& ec);
+
 // Writes a file sequentially, computing its CRC-32 on the way; sync() makes it durable.
 class FileWriter {
  public:

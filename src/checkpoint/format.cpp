@@ -3,7 +3,7 @@
 #include "checkpoint/format.hpp"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
+#include <fmt/ranges.h>  // fmt::join
 
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/error.hpp"

@@ -5,7 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
+#include <fmt/ranges.h>  // fmt::join
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <map>

@@ -154,7 +154,7 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
       },
       [&] {
         std::error_code ec;
-        if (rank == 0 && !simulated) fs::remove_all(paths.tmp, ec);  // a crash would leave it
+        if (rank == 0 && !simulated) remove_tree(paths.tmp, ec);  // a crash would leave it
       });
 
   // 3. Rank 0 writes the manifest and publishes the directory.
@@ -181,7 +181,7 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
       },
       [&] {
         std::error_code ec;
-        if (rank == 0) fs::remove_all(paths.tmp, ec);
+        if (rank == 0) remove_tree(paths.tmp, ec);
       });
 }
 

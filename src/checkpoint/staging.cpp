@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
+#include <fmt/ranges.h>  // fmt::join
 
 #include <functional>
 #include <set>

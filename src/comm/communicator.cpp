@@ -1,13 +1,13 @@
 // Communicator front end: argument validation shared by every engine, Avg emulation, the
 // single-process engine and init_from_env().
 #include <ATen/ATen.h>
+#include <fmt/ranges.h>  // fmt::join
 
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
-#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
 
 #include "comm/engines.hpp"
 #include "plugins.hpp"

@@ -5,7 +5,7 @@
 //   shardopt-consolidate out/bert/checkpoint --info
 #include <fmt/core.h>
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (moved here in fmt 11)
+#include <fmt/ranges.h>  // fmt::join
 
 #include <CLI/CLI.hpp>
 #include <cstdio>

@@ -20,6 +20,7 @@
 #include <tuple>
 #include <vector>
 
+#include "checkpoint/files.hpp"  // remove_tree: Note [No std::filesystem::remove_all]
 #include "engine/fused_kernels.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/nccl.hpp"
@@ -36,6 +37,13 @@ extern char** environ;
 
 namespace shardopt {
 namespace {
+
+// Not std::filesystem::remove_all, which may bind to pip libtorch's broken copy (Note [No
+// std::filesystem::remove_all] in src/checkpoint/files.hpp).
+void remove_dir(const std::filesystem::path& dir) {
+  std::error_code ec;
+  detail::remove_tree(dir, ec);
+}
 
 constexpr int64_t kIn = 24, kHidden = 64, kClasses = 10, kBatch = 32;
 constexpr int kSteps = 10;
@@ -218,7 +226,7 @@ TEST_F(EngineCuda, EveryStageMatchesAtTwoRanksOnOneGpu) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("shardopt_gpu_ranks_" + std::to_string(getpid()));
   for (int stage : {0, 1, 2, 3}) {
-    std::filesystem::remove_all(dir);
+    remove_dir(dir);
     std::filesystem::create_directories(dir);
     pid_t pids[2];
     for (int r = 0; r < 2; ++r) {
@@ -256,7 +264,7 @@ TEST_F(EngineCuda, EveryStageMatchesAtTwoRanksOnOneGpu) {
                                                    << ", worst " << worst;
     }
   }
-  std::filesystem::remove_all(dir);
+  remove_dir(dir);
 #else
   GTEST_SKIP() << "built without the Gloo engine (SHARDOPT_WITH_GLOO=OFF)";
 #endif
@@ -342,7 +350,7 @@ TEST_F(EngineCuda, OffloadToPinnedHostMatches) {
 TEST_F(EngineCuda, CheckpointSavedOnGpuLoadsOnCpuAndBack) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("shardopt_gpu_ckpt_" + std::to_string(getpid()));
-  std::filesystem::remove_all(dir);
+  remove_dir(dir);
   auto comm = make_single_communicator();
   auto run = [&](at::Device device, const std::string& load, const std::string& save,
                  int first_step) {
@@ -370,7 +378,7 @@ TEST_F(EngineCuda, CheckpointSavedOnGpuLoadsOnCpuAndBack) {
   // CPU and GPU matrix products differ in rounding: close, not equal.
   EXPECT_LE(max_diff(on_cpu, on_gpu, &worst), 1e-5) << worst;
   EXPECT_LE(max_diff(back, cpu_cont, &worst), 1e-5) << worst;
-  std::filesystem::remove_all(dir);
+  remove_dir(dir);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "checkpoint/files.hpp"
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/error.hpp"
 #include "support/checkpoint_model.hpp"
@@ -36,9 +37,10 @@ class TempDir {
   }
   ~TempDir() {
     std::error_code ec;
-    fs::remove_all(path_, ec);
+    detail::remove_tree(path_, ec);  // Note [No std::filesystem::remove_all]
   }
   std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+  const fs::path& path() const { return path_; }
 
  private:
   fs::path path_;
@@ -561,6 +563,25 @@ TEST(CheckpointFixture, LoadFromPython) {
   for (const auto& item : saved) {
     EXPECT_TRUE(net.by_name[item.key()].equal(item.value() + 1)) << item.key();
   }
+}
+
+// Note [No std::filesystem::remove_all]: the nftw-based removal that checkpoints use removes a
+// whole tree, leaves what a symbolic link points to, and takes a missing path as already removed.
+TEST(RemoveTree, RemovesATreeButNotWhatALinkPointsTo) {
+  TempDir outside, dir;
+  const fs::path kept = outside.path() / "kept.txt";
+  std::ofstream(kept) << "stays";
+  fs::create_directories(dir.path() / "a" / "b");
+  std::ofstream(dir.path() / "a" / "b" / "f.bin") << "x";
+  std::ofstream(dir.path() / "top.txt") << "y";
+  fs::create_symlink(outside.path(), dir.path() / "a" / "link");
+  std::error_code ec;
+  detail::remove_tree(dir.path(), ec);
+  EXPECT_FALSE(ec) << ec.message();
+  EXPECT_FALSE(fs::exists(dir.path()));
+  EXPECT_TRUE(fs::exists(kept));
+  detail::remove_tree(dir.path(), ec);
+  EXPECT_FALSE(ec) << "a missing path: " << ec.message();
 }
 
 }  // namespace

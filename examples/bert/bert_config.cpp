@@ -2,10 +2,7 @@
 #include "bert_config.hpp"
 
 #include <fmt/format.h>
-<<<<<<< HEAD
-=======
 #include <fmt/ranges.h>  // fmt::join
->>>>>>> main
 
 #include <algorithm>
 #include <cmath>

@@ -88,8 +88,10 @@ void register_errors(py::module_& m) {
        "An allocation over MemoryTracker's cap was refused (as a device would refuse it)."},
   };
   for (const auto& info : infos) {
-    py::tuple bases = info.builtin ? py::make_tuple(py::handle(base), py::handle(info.builtin))
-                                   : py::make_tuple(py::handle(base));
+    // pybind11 3's make_tuple returns typed tuples (Tuple<handle, handle> vs Tuple<handle>).
+    py::tuple bases = info.builtin
+                          ? py::tuple(py::make_tuple(py::handle(base), py::handle(info.builtin)))
+                          : py::tuple(py::make_tuple(py::handle(base)));
     const std::string qualified = std::string("shardopt.") + info.name;
     PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), info.doc, bases.ptr(), nullptr);
     if (!type) throw py::error_already_set();

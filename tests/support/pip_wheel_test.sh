@@ -15,6 +15,9 @@ unset PYTHONPATH
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$(dirname "$REPO")}"
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
+# The compilers CMake picks by itself (scikit-build-core would take Python's sysconfig CXX,
+# x86_64-linux-gnu-g++, and every ccache lookup would miss).
+export CC="${CC:-cc}" CXX="${CXX:-c++}"
 
 t0=$SECONDS
 "$PY" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps --no-index \

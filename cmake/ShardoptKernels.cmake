@@ -35,10 +35,7 @@ option(SHARDOPT_WITH_CUDA_KERNELS
        "Fused CUDA optimizer kernels on raw pointers (nvcc + CUDA runtime only)"
        ${_shardopt_cuda_kernels_default})
 if(SHARDOPT_WITH_CUDA_KERNELS)
-  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-    # Turing, Ampere, Hopper as cubins, plus Hopper PTX for newer GPUs (CUDA 13 starts at sm_75).
-    set(CMAKE_CUDA_ARCHITECTURES 75-real 80-real 90)
-  endif()
+  set(CMAKE_CUDA_ARCHITECTURES ${SHARDOPT_CUDA_ARCHITECTURES})  # CMakeLists.txt
   enable_language(CUDA)
   add_library(shardopt_cuda_kernels STATIC src/kernels/adam_cuda.cu src/kernels/sgd_lamb_cuda.cu
                                           src/kernels/finite_cuda.cu)

@@ -27,13 +27,15 @@ function(shardopt_python_available out)
   endif()
   execute_process(
     COMMAND "${python}" -c
-      "import os, torch; c = torch._C; print(torch.__version__.split('+')[0]); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(getattr(c, '_PYBIND11_COMPILER_TYPE', '')); print(getattr(c, '_PYBIND11_STDLIB', '')); print(getattr(c, '_PYBIND11_BUILD_ABI', ''))"
+      "import os, torch; c = torch._C; print('|'.join([torch.__version__.split('+')[0], os.path.join(os.path.dirname(torch.__file__), 'lib')] + [getattr(c, '_PYBIND11_' + k, '') for k in ('COMPILER_TYPE', 'STDLIB', 'BUILD_ABI')]))"
     RESULT_VARIABLE rc OUTPUT_VARIABLE lines ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
   if(NOT rc EQUAL 0)
     message(STATUS "shardopt: Python bindings off: ${python} cannot import torch")
     return()
   endif()
-  string(REPLACE "\n" ";" lines "${lines}")
+  # One line, '|' between fields: torch >= 2.x with pybind11 3 has no _PYBIND11_* attributes
+  # (its ABI id is compiled into the headers, which we take from torch), so fields may be empty.
+  string(REPLACE "|" ";" lines "${lines}")
   list(GET lines 0 py_torch_version)
   list(GET lines 1 py_torch_lib)
   list(GET lines 2 pb_compiler)

@@ -8,7 +8,7 @@
 #include "bindings.hpp"
 #include "shardopt/shardopt.hpp"
 
-#if SHARDOPT_HAS_GLOO
+#if SHARDOPT_HAS_C10D
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "shardopt/process_group.hpp"
@@ -130,13 +130,15 @@ void bind_comm(py::module_& m) {
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
   m.def("make_single_communicator", [] { return make_single_communicator(); });
-#if SHARDOPT_HAS_GLOO
+#if SHARDOPT_HAS_C10D
   m.def(
       "_make_process_group_communicator",
       [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
         return make_process_group_communicator(std::move(group));
       },
       "group"_a);
+#endif
+#if SHARDOPT_HAS_GLOO
   m.def(
       "make_gloo_communicator",
       [](int rank, int size, const std::string& store, py::object timeout) {

@@ -88,8 +88,10 @@ void register_errors(py::module_& m) {
        "An allocation over MemoryTracker's cap was refused (as a device would refuse it)."},
   };
   for (const auto& info : infos) {
-    py::tuple bases = info.builtin ? py::make_tuple(py::handle(base), py::handle(info.builtin))
-                                   : py::make_tuple(py::handle(base));
+    // pybind11 3's make_tuple returns typed tuples (Tuple<handle, handle> vs Tuple<handle>).
+    py::tuple bases = info.builtin
+                          ? py::tuple(py::make_tuple(py::handle(base), py::handle(info.builtin)))
+                          : py::tuple(py::make_tuple(py::handle(base)));
     const std::string qualified = std::string("shardopt.") + info.name;
     PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), info.doc, bases.ptr(), nullptr);
     if (!type) throw py::error_already_set();
@@ -577,6 +579,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = version();
   m.attr("has_mpi") = bool(SHARDOPT_HAS_MPI);
   m.attr("has_gloo") = bool(SHARDOPT_HAS_GLOO);
+  m.attr("has_c10d") = bool(SHARDOPT_HAS_C10D);
   m.attr("has_nccl") = bool(SHARDOPT_HAS_NCCL);
   m.attr("has_cuda") = bool(SHARDOPT_HAS_CUDA);
   register_errors(m);

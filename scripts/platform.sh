@@ -8,15 +8,52 @@
 # kill -9 included; the EXIT trap also unmounts explicitly. The clone is bind-mounted at its own
 # path, and the platform builds in build-<platform>/ (ignored by git), so host and platform builds
 # of one clone never share a build tree.
+#
+# The `pip` platform is no root but a virtual environment of this host's Python with PyPI's torch
+# (scripts/pip-venv.sh, cached likewise): the command runs on the host with the venv first on PATH
+# and CMake pointed at the wheel's libtorch, in build-pip/.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PLATFORM="${1:-}"
 case "$PLATFORM" in
   debian13) SUITE=trixie ;;
-  *) echo "usage: scripts/platform.sh debian13 [command...]  (unknown platform '${PLATFORM}')" >&2
+  pip) ;;
+  *) echo "usage: scripts/platform.sh debian13|pip [command...]  (unknown platform '${PLATFORM}')" >&2
      exit 2 ;;
 esac
 shift
+
+if [ "$PLATFORM" = pip ]; then
+  VENV="$("$ROOT/scripts/pip-venv.sh")"
+  PY="$VENV/bin/python"
+  TORCH_PREFIX="$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+  # The NCCL that the wheel's libtorch loads (nvidia-nccl-cu13), not /usr/local/cuda's: one
+  # process, one libnccl.so.2.
+  NCCL_DIR="$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)"
+  # torch/ itself in the prefix path too: TorchConfig's find_library() would otherwise take the
+  # system's libtorch (Debian's libtorch-dev) before the wheel's torch/lib.
+  TORCH_ROOT="$("$PY" -c 'import torch, os; print(os.path.dirname(torch.__file__))')"
+  args="-DCMAKE_PREFIX_PATH=$TORCH_PREFIX;$TORCH_ROOT -DSHARDOPT_PYTHON_EXECUTABLE=$PY"
+  args+=" -Dpybind11_DIR=$("$PY" -m pybind11 --cmakedir)"
+  # pip's torchrun works (Debian's does not): the real-torchrun tests; and the pip wheel test.
+  args+=" -DSHARDOPT_TORCHRUN=$VENV/bin/torchrun -DSHARDOPT_TEST_PIP_WHEEL=ON"
+  if [ -n "$NCCL_DIR" ] && [ -f "$NCCL_DIR/include/nccl.h" ]; then
+    args+=" -DNCCL_INCLUDE_DIR=$NCCL_DIR/include -DNCCL_LIBRARY=$(ls "$NCCL_DIR"/lib/libnccl.so.* | head -1)"
+  fi
+  [ -x /usr/local/cuda/bin/nvcc ] && args+=" -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc"
+  export PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV" SHARDOPT_PLATFORM=pip
+  export SHARDOPT_TORCH_PYTHON="$PY" SHARDOPT_BUILD_DIR="$ROOT/build-pip"
+  export SHARDOPT_CMAKE_ARGS="$args${SHARDOPT_CMAKE_ARGS:+ $SHARDOPT_CMAKE_ARGS}"
+  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
+  [ $# -gt 0 ] || set -- scripts/test.sh
+  echo "[platform pip] $("$PY" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})")') in $VENV, running: $*"
+  cd "$ROOT"
+  set +e
+  "$@"
+  rc=$?
+  echo "[platform pip] exit status $rc"
+  exit "$rc"
+fi
 # The mirror: SHARDOPT_DEBIAN_MIRROR, else the archive this host's own apt already uses for its
 # release (sources.list or deb822 .sources, read through apt itself), else Debian's default.
 host_mirror() {

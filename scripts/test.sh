@@ -5,10 +5,12 @@
 #   scripts/test.sh [ctest args]                      on this machine (Debian 12 in CI)
 #   scripts/test.sh --platform debian13 [ctest args]  the same inside a cached Debian 13 root
 #                                                     (scripts/platform.sh; needs root)
+#   scripts/test.sh --platform pip [ctest args]       against PyPI's torch in a cached venv of
+#                                                     this host's Python (scripts/pip-venv.sh)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "${1:-}" = "--platform" ]; then
-  [ $# -ge 2 ] || { echo "usage: scripts/test.sh --platform debian13 [ctest args]" >&2; exit 2; }
+  [ $# -ge 2 ] || { echo "usage: scripts/test.sh --platform debian13|pip [ctest args]" >&2; exit 2; }
   platform="$2"
   shift 2
   exec "$ROOT/scripts/platform.sh" "$platform" scripts/test.sh "$@"
@@ -26,7 +28,9 @@ set -e
 if [ -f Testing/Temporary/LastTest.log ]; then
   awk '/^[0-9]+\/[0-9]+ Testing: /{entry=$3}
        /: Skipped$/{getline reason; n[entry ": " reason]++; total++}
+       /^skipped: /{whole[entry] = substr($0, 10)}
        END{for (k in n) printf "[test] skipped %d in %s\n", n[k], k;
+           for (k in whole) printf "[test] skipped CTest entry %s: %s\n", k, whole[k];
            printf "[test] %d GoogleTest cases skipped in all\n", total}' \
     Testing/Temporary/LastTest.log | sort
 fi

@@ -80,6 +80,10 @@ void DistributedOptimizer::register_groups(const std::vector<ParamGroup>& groups
     torch::optim::OptimizerParamGroup group(model.torch_groups[g],
                                             defaults_of(model.group_rules[g]));
     torch::optim::Optimizer::add_param_group(group);
+    // Recent torch merges a group's options with the optimizer's defaults, taking the defaults
+    // wherever a value equals the options class's constructor default (an explicit
+    // weight_decay(0.01) for AdamW is lost that way): the group keeps exactly its own.
+    param_groups().back().set_options(defaults_of(model.group_rules[g]));
   }
   std::unordered_map<const c10::TensorImpl*, int> slot;
   for (size_t i = 0; i < model.params.size(); ++i) {

@@ -5,6 +5,8 @@
     mpirun -np 2 /usr/bin/python3 python_bindings/examples/train_bert.py --stage 2
     # or torch.multiprocessing + a torch.distributed Gloo group that shardopt reuses:
     /usr/bin/python3 python_bindings/examples/train_bert.py --launcher spawn --world-size 2
+    # or pip's torchrun + torch.distributed's Gloo group over torchrun's store:
+    torchrun --nproc-per-node=2 python_bindings/examples/train_bert.py --launcher torchrun
 
 PYTHONPATH must reach the package (<build>/python after scripts/build.sh, or pip install it).
 
@@ -155,6 +157,9 @@ def train(args, comm):
         comm.all_reduce(mean_loss, shardopt.ReduceOp.AVG)  # the global batch's loss
         losses.append(mean_loss.item())
         times.append(time.perf_counter() - t0)
+        if rank == 0 and args.losses:
+            with open(args.losses, "a") as f:
+                f.write(f'{{"step": {step}, "loss": {losses[-1]!r}}}\n')
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             s = opt.last_step()
             print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  "
@@ -210,9 +215,12 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--corpus", default="/usr/share/common-licenses")
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--launcher", choices=["env", "spawn"], default="env",
+    ap.add_argument("--launcher", choices=["env", "spawn", "torchrun"], default="env",
                     help="env: mpirun/torchrun/one process via shardopt.init_from_env(); "
-                         "spawn: --world-size processes over a torch.distributed Gloo group")
+                         "spawn: --world-size processes over a torch.distributed Gloo group; "
+                         "torchrun: torch.distributed's Gloo group from torchrun's variables "
+                         "(env://), reused through shardopt.from_process_group()")
+    ap.add_argument("--losses", help="rank 0 appends each step's global loss here (JSON lines)")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--check-loss-decreases", action="store_true",
                     help="exit 1 unless the loss fell (and, always, unless ranks agree)")
@@ -225,6 +233,12 @@ def main():
             mp.spawn(spawn_worker, args=(args, os.path.join(tmp, "store")),
                      nprocs=args.world_size)
         return 0
+    if args.launcher == "torchrun":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        ok = train(args, shardopt.from_process_group())
+        dist.destroy_process_group()
+        return 0 if ok else 1
     return 0 if train(args, shardopt.init_from_env()) else 1
 
 

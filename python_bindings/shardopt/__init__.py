@@ -35,3 +35,4 @@ if _C.has_gloo:
 
 __version__ = _C.__version__
 has_mpi, has_gloo, has_nccl, has_cuda = _C.has_mpi, _C.has_gloo, _C.has_nccl, _C.has_cuda
+has_c10d = _C.has_c10d

@@ -3,6 +3,8 @@
 ``init_from_env()`` picks the engine the launcher implies (mpirun/srun -> MPI, torchrun -> its
 own Gloo group, else one process); ``from_process_group()`` reuses a ``torch.distributed`` group
 (Gloo), so a script that already called ``init_process_group`` shares its ranks and rendezvous.
+Builds against pip's torch have the adapter but no Gloo engine of their own (``has_gloo`` False,
+``has_c10d`` True): under torchrun they use ``from_process_group()``.
 """
 import torch
 
@@ -41,8 +43,8 @@ def from_process_group(group=None):
     so call ``torch.distributed.init_process_group("gloo", ...)`` first). Collectives run on
     that group, so every rank of it must take part."""
     import torch.distributed as dist
-    if not _C.has_gloo:
-        raise _unsupported("was built without the c10d adapter (SHARDOPT_WITH_GLOO=OFF); use "
+    if not _C.has_c10d:
+        raise _unsupported("was built without the c10d adapter (SHARDOPT_WITH_C10D=OFF); use "
                            "init_from_env() instead")
     if group is None:
         if not dist.is_initialized():
@@ -58,7 +60,7 @@ def default_communicator():
     global _default
     if _default is None:
         import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized() and _C.has_gloo:
+        if dist.is_available() and dist.is_initialized() and _C.has_c10d:
             _default = from_process_group()
         else:
             _default = init_from_env()

@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 
 import shardopt
 
-pytestmark = pytest.mark.skipif(not shardopt.has_gloo,
-                                reason="built without the c10d adapter (SHARDOPT_WITH_GLOO=OFF)")
+pytestmark = pytest.mark.skipif(not shardopt.has_c10d,
+                                reason="built without the c10d adapter (SHARDOPT_WITH_C10D=OFF)")
 
 WORLD = 2
 DEADLINE_S = 240

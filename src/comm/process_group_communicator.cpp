@@ -10,13 +10,21 @@
 // adapter template serves both: a group handed in by the user (torch.distributed's, from
 // Python) is wrapped as a ProcessGroup on every version, and our own Gloo group is wrapped as what
 // ProcessGroupGloo is on this version (GlooGroup below), with no dispatcher in between.
+//
+// Note [c10d without Gloo]: pip's torch wheels carry ProcessGroupGloo.hpp but not Gloo's own
+// headers, so there this TU is built without SHARDOPT_HAS_GLOO: the adapter over a group made by
+// torch.distributed (from Python) works, our own Gloo groups (make_gloo_communicator, torchrun's
+// variables in init_from_env, split()) do not exist.
 #include "shardopt/process_group.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "shardopt/config.hpp"
+#if SHARDOPT_HAS_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
@@ -35,10 +43,12 @@
 namespace shardopt {
 namespace {
 
+#if SHARDOPT_HAS_GLOO
 #if TORCH_VERSION_MAJOR >= 2
 using GlooGroup = c10d::Backend;
 #else
 using GlooGroup = c10d::ProcessGroup;
+#endif
 #endif
 
 // torch >= 2.4 defaults TCPStore to its libuv server, which Debian's torch 2.6 is built without
@@ -50,6 +60,30 @@ auto use_classic_tcp_store(Options& o, int) -> decltype(o.useLibUV = false, void
 }
 template <class Options>
 void use_classic_tcp_store(Options&, long) {}
+
+// Recent torch names ProcessGroup's flat collectives all_gather_single/reduce_scatter_single and
+// deprecates _allgather_base/_reduce_scatter_base; Backend and older releases have only the latter.
+template <class Group>
+auto all_gather_flat(Group& g, at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o,
+                     int) -> decltype(g.all_gather_single(out, in, o)) {
+  return g.all_gather_single(out, in, o);
+}
+template <class Group>
+auto all_gather_flat(Group& g, at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o,
+                     long) {
+  return g._allgather_base(out, in, o);
+}
+template <class Group>
+auto reduce_scatter_flat(Group& g, at::Tensor& out, at::Tensor& in,
+                         const c10d::ReduceScatterOptions& o, int)
+    -> decltype(g.reduce_scatter_single(out, in, o)) {
+  return g.reduce_scatter_single(out, in, o);
+}
+template <class Group>
+auto reduce_scatter_flat(Group& g, at::Tensor& out, at::Tensor& in,
+                         const c10d::ReduceScatterOptions& o, long) {
+  return g._reduce_scatter_base(out, in, o);
+}
 
 c10d::ReduceOp c10d_op(ReduceOp op) {
   switch (op) {
@@ -100,8 +134,10 @@ at::Tensor transport_bits(const at::Tensor& t, bool gloo) {
   return gloo && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
 }
 
+#if SHARDOPT_HAS_GLOO
 CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                           Duration timeout, const std::string& where);
+#endif
 
 // Group: c10d::ProcessGroup, or c10d::Backend on torch >= 2 (Note [c10d across torch versions]).
 template <class Group>
@@ -151,7 +187,7 @@ class ProcessGroupCommunicator final : public Communicator {
       opts.reduceOp = c10d_op(op);
       opts.timeout = timeout();
       at::Tensor o = out, i = in;
-      return wrap(what, group_->_reduce_scatter_base(o, i, opts));
+      return wrap(what, reduce_scatter_flat(*group_, o, i, opts, 0));
     }
     // Emulation: all_reduce a copy (the input must stay unchanged), keep our slice.
     at::Tensor copy = needs_widening(in) ? in.reshape(-1).to(at::kFloat) : in.reshape(-1).clone();
@@ -169,7 +205,7 @@ class ProcessGroupCommunicator final : public Communicator {
     at::Tensor flat_out = out.view(-1);
     if (name_ == "nccl") {
       at::Tensor i = in;
-      return wrap(what, group_->_allgather_base(flat_out, i, opts));
+      return wrap(what, all_gather_flat(*group_, flat_out, i, opts, 0));
     }
     // Gloo writes each rank's piece into a list of outputs: views into `out`. Our own input may
     // alias its slot, so it travels as a copy.
@@ -199,6 +235,12 @@ class ProcessGroupCommunicator final : public Communicator {
   // A c10d subgroup, as torch.distributed.new_group makes it: a fresh Gloo group of the members
   // over a PrefixStore of this group's store, unique per split call and color.
   CommunicatorPtr do_split(int color, int key) override {
+#if !SHARDOPT_HAS_GLOO
+    SHARDOPT_FAIL(Unsupported,
+                  "comm.split: sub-groups of a {} process group need Gloo, which this build of "
+                  "shardopt lacks (Note [c10d without Gloo])",
+                  name_);
+#else
     SHARDOPT_CHECK(store_, Unsupported,
                    "comm.split: this {} communicator was made from a ProcessGroup without its "
                    "store; pass the store to make_process_group_communicator(group, store)",
@@ -223,6 +265,7 @@ class ProcessGroupCommunicator final : public Communicator {
     return make_gloo(prefixed, static_cast<int>(me - members.begin()),
                      static_cast<int>(members.size()), timeout(),
                      fmt::format("the parent group's store (split {}, color {})", sequence, color));
+#endif
   }
 
  private:
@@ -249,6 +292,7 @@ class ProcessGroupCommunicator final : public Communicator {
   int64_t splits_ = 0;
 };
 
+#if SHARDOPT_HAS_GLOO
 // GLOO_SOCKET_IFNAME=eth0[,eth1] picks the interfaces, as torch.distributed does; otherwise
 // Gloo binds to the address the hostname resolves to.
 std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices() {
@@ -280,6 +324,7 @@ CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int s
   comm->set_timeout(timeout);
   return comm;
 }
+#endif  // SHARDOPT_HAS_GLOO
 
 }  // namespace
 
@@ -294,6 +339,7 @@ CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::Process
   return make_process_group_communicator(std::move(group), {});
 }
 
+#if SHARDOPT_HAS_GLOO
 CommunicatorPtr make_gloo_communicator(const GlooOptions& options) {
   SHARDOPT_CHECK(options.size >= 1 && options.rank >= 0 && options.rank < options.size,
                  InvalidArgument, "comm.gloo: rank must lie in [0, size), got rank {} of size {}",
@@ -377,5 +423,6 @@ CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string
   return make_gloo(store, rank, size, timeout, where);
 }
 }  // namespace detail
+#endif  // SHARDOPT_HAS_GLOO
 
 }  // namespace shardopt

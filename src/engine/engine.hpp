@@ -11,11 +11,13 @@
 // checkpoints read and write (ShardAccess) is CheckpointAccess over the same pieces.
 #pragma once
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/optim/optimizer.h>
 
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "engine/backward_tracker.hpp"
@@ -29,10 +31,6 @@
 #include "shardopt/detail/plan.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
-
-namespace torch::autograd {
-struct Node;
-}
 
 namespace shardopt::detail {
 
@@ -108,7 +106,8 @@ class Engine final : public UnitRuntime {
   std::unique_ptr<BackwardTracker> tracker_;
   std::unique_ptr<CheckpointAccess> checkpoint_;
   struct Hook {
-    std::shared_ptr<torch::autograd::Node> accumulator;
+    // std::shared_ptr<Node> up to torch 2.x, c10::intrusive_ptr<Node> in recent releases.
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>())) accumulator;
     uintptr_t key = 0;
   };
   std::vector<Hook> hooks_;

@@ -91,7 +91,13 @@ std::unique_ptr<torch::optim::Optimizer> build(const std::vector<std::pair<std::
                                                Convert convert) {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   for (auto& [ps, rule] : spec) groups.emplace_back(ps, std::make_unique<Options>(convert(rule)));
-  return std::make_unique<Optim>(std::move(groups), convert(spec.front().second));
+  auto optim = std::make_unique<Optim>(std::move(groups), convert(spec.front().second));
+  // Recent torch merges group options with the defaults where a value equals the constructor
+  // default (momentum 0 for SGD would take the defaults' momentum): each group keeps its own.
+  for (size_t g = 0; g < spec.size(); ++g) {
+    optim->param_groups()[g].set_options(std::make_unique<Options>(convert(spec[g].second)));
+  }
+  return optim;
 }
 
 // torch's optimizer for the same rule and groups; LAMB has no torch counterpart (lamb_step).

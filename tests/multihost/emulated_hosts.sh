@@ -11,6 +11,9 @@
 #   emulated_hosts.sh [options] mpi   -- CMD...  mpirun -np H*L across the hosts
 #   emulated_hosts.sh [options] gloo  -- CMD...  H*L processes with RANK, WORLD_SIZE, MASTER_ADDR..
 #   emulated_hosts.sh [options] torchrun -- CMD...  torchrun_env.sh --nnodes H on every host
+#   emulated_hosts.sh [options] real-torchrun -- ARGS...  PyTorch's own torchrun (SHARDOPT_TORCHRUN,
+#                                                else the first on PATH) --nnodes H on every host;
+#                                                ARGS: `--no-python EXE args` or `SCRIPT.py args`
 # options:
 #   --hosts H (2)  --per-host L (2)  --rate R (tc tbf on every link, e.g. 1gbit; none by default)
 #   --delay D (netem, e.g. 100us; where the kernel lacks netem the run fails, naming it)
@@ -217,6 +220,21 @@ run_torchrun() {
   first_failure_ends_all "${pids[@]}"
 }
 
+# PyTorch's torchrun itself (pip's; Debian's does not start workers, README "torchrun on Debian"):
+# one agent per host, static rendezvous, h0's agent serves the TCPStore on PORT.
+run_real-torchrun() {
+  local h pids=() torchrun="${SHARDOPT_TORCHRUN:-torchrun}"
+  for ((h = 0; h < HOSTS; h++)); do
+    on_host "$h" env GLOO_SOCKET_IFNAME=mh0 TMPDIR="$RUN_TMP" \
+      timeout --kill-after=10 "$TIMEOUT" "$torchrun" --nnodes "$HOSTS" --node-rank "$h" \
+      --master-addr "$SUBNET.1" --master-port "$PORT" --nproc-per-node "$PER_HOST" \
+      --max-restarts 0 "$@" &
+    pids+=("$!")
+    LAUNCHED+=("$!")
+  done
+  first_failure_ends_all "${pids[@]}"
+}
+
 # first_failure_ends_all PID...: waits for all; the first failure stops the others, as torchrun's
 # agent does, and is the result.
 first_failure_ends_all() {
@@ -243,12 +261,12 @@ main() {
       --delay) DELAY="$2"; shift 2 ;;
       --timeout) TIMEOUT="$2"; shift 2 ;;
       --link-bytes) LINK_BYTES="$2"; shift 2 ;;
-      check|mpi|gloo|torchrun) break ;;
+      check|mpi|gloo|torchrun|real-torchrun) break ;;
       *) die "unknown option '$1' (see the header of $0)" ;;
     esac
   done
   local mode="${1:-}"
-  [ -n "$mode" ] || die "no mode given: check, mpi, gloo or torchrun"
+  [ -n "$mode" ] || die "no mode given: check, mpi, gloo, torchrun or real-torchrun"
   shift
   local reason
   if ! reason="$(can_make_namespaces)"; then

@@ -5,6 +5,8 @@
 #   torchrun_agent_test.sh local <bert_pretrain> <mpiexec> <corpus>   2 ranks on this host
 #   torchrun_agent_test.sh hosts <bert_pretrain> <mpiexec> <corpus>   2 emulated hosts x 1 rank
 #                                                                     (exit 77 where none can be made)
+#   torchrun_agent_test.sh real-local|real-hosts <bert_pretrain> <mpiexec> <corpus>
+#     the same two through PyTorch's own torchrun (SHARDOPT_TORCHRUN: pip's; `--no-python`)
 #   torchrun_agent_test.sh rank-error <bert_pretrain> <mpiexec> <corpus>
 #     rank 1 of 2 raises outside any collective (BERT_TEST_FAULT, Note [Test faults] in
 #     examples/bert/train.cpp): the job fails with the message within 10 s, far below --timeout.
@@ -15,7 +17,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/shardopt-torchrun-agent.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 fail() { echo "[torchrun_agent] FAIL: $*" >&2; exit 1; }
 
-if [ "$CASE" = hosts ]; then
+if [ "$CASE" = hosts ] || [ "$CASE" = real-hosts ]; then
   "$HERE/../multihost/emulated_hosts.sh" check || exit $?
 fi
 "$EXE" build-vocab --corpus "$CORPUS" --vocab-size 2000 -o "$WORK/vocab.txt" >/dev/null ||
@@ -50,6 +52,12 @@ case "$CASE" in
   local) launch=("$HERE/torchrun_env.sh" 2) ;;
   hosts) launch=("$HERE/../multihost/emulated_hosts.sh" --hosts 2 --per-host 1 --timeout 300
                  torchrun --) ;;
+  real-local)
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    launch=("$SHARDOPT_TORCHRUN" --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1
+            --master-port "$port" --max-restarts 0 --no-python) ;;
+  real-hosts) launch=("$HERE/../multihost/emulated_hosts.sh" --hosts 2 --per-host 1 --timeout 300
+                      real-torchrun -- --no-python) ;;
   *) fail "unknown case '$CASE'" ;;
 esac
 # No MPI variables, no SHARDOPT_BACKEND: init_from_env() must pick Gloo from torchrun's variables.
@@ -57,7 +65,10 @@ env -u SHARDOPT_BACKEND "${launch[@]}" "${TRAIN[@]}" --out "$WORK/agent" >"$WORK
   { cat "$WORK/agent.log"; fail "the run under the agent-store launcher"; }
 cat "$WORK/agent.log"
 # The launcher held MASTER_PORT all along: a rank 0 that served its own store would have failed.
-grep -q "agent store at" "$WORK/agent.log" || fail "the launcher did not serve the store"
+case "$CASE" in
+  real-*) ;;  # torchrun's agent: the same, but it prints nothing about it
+  *) grep -q "agent store at" "$WORK/agent.log" || fail "the launcher did not serve the store" ;;
+esac
 
 # Every step's loss, compared to 1e-5 relative (MPI and Gloo sum two ranks' values alike).
 python3 - "$WORK/mpi/metrics.jsonl" "$WORK/agent/metrics.jsonl" <<'EOF' || fail "losses differ"

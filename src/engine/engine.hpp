@@ -1,6 +1,7 @@
 // Engine: DistributedOptimizer's machinery. It builds the pieces from one StagePlan, routes the
 // autograd and stage-3 unit events to them and runs step() as five named phases. Each piece owns
-// its state and none calls another:
+// its state; the engine wires them together, except that AutoGather drives the ParameterStore
+// (automatic units) and the reducer reports landed buckets through a callback the engine sets:
 //   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
 //   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per part
 //   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
@@ -26,7 +27,10 @@
 #include "engine/model_check.hpp"
 #include "engine/parameter_store.hpp"
 #include "shardopt/detail/plan.hpp"
-#include "shardopt/optimizer.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/optimizer_types.hpp"
+#include "shardopt/options.hpp"
+#include "shardopt/rules.hpp"
 #include "shardopt/units.hpp"
 
 namespace torch::autograd {

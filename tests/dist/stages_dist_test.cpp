@@ -374,7 +374,7 @@ TEST(StageMemory, MatchesTheModel) {
 // all-reduce counted as both). Stage 3 moves 3 * padded: per micro-step, an all-gather of every
 // unit in forward and again in backward and a reduce-scatter; except that the parameters in no
 // unit stay gathered from zero_grad() through the step, so they are all-gathered once per step.
-// (Units run twice or sharing parameters: tests/dist/split_buckets_test.cpp.)
+// (Units run twice or sharing parameters: tests/dist/split_buckets_dist_test.cpp.)
 TEST(StageCommunication, TwoPsiPerStepThreeForStage3) {
   auto comm = test::world();
   const int64_t n = comm->size();

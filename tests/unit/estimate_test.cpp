@@ -1,7 +1,7 @@
 // The analytic memory/communication model (shardopt/estimate.hpp): Accounting::ZeroPaper against
 // DESIGN.md's table, the ZeRO paper's worked example and the peer baseline's numbers;
 // Accounting::Engine by hand here and against the live optimizer in
-// tests/dist/estimate_memory_test.cpp; BERT parameter counts.
+// tests/dist/estimate_memory_dist_test.cpp; BERT parameter counts.
 #include <gtest/gtest.h>
 
 #include <utility>

@@ -30,6 +30,7 @@
 #include "data.hpp"
 #include "model.hpp"
 #include "shardopt/detail/partition.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/estimate.hpp"
 #include "shardopt/shardopt.hpp"
 
@@ -124,8 +125,8 @@ est::Estimate estimator(const Config& c, const est::BertConfig& bc, const shardo
   return est::model_states(o);
 }
 
-// Documented bounded buffers on top of the formula: stages 2 and 3 keep at most two bucket
-// buffers of the largest bucket (at most bucket_bytes: buckets split parameters); the MPI engine
+// Documented bounded buffers on top of the formula: stages 2 and 3 keep the bucket pool (Note
+// [Bucket pool bound]: two buffers) of the largest bucket (at most bucket_bytes: buckets split parameters); the MPI engine
 // one scratch piece (N > 1). Stage 3 keeps nothing gathered between steps (every unit, the
 // embeddings and heads included, is freed after its use), so no unit is live after a step.
 struct Buffers {
@@ -141,7 +142,7 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
     max_bucket = std::max(max_bucket, bl.padded);
     max_shard = std::max(max_shard, bl.shard);
   }
-  if (c.stage >= 2) b.optimizer = 2 * kG * max_bucket;
+  if (c.stage >= 2) b.optimizer = shardopt::detail::kBucketPoolBuffers * kG * max_bucket;
   if (c.ranks > 1) b.engine = std::min(kEngineScratchBytes, kG * max_shard);
   return b;
 }

@@ -16,6 +16,7 @@
 #include <map>
 
 #include "shardopt/detail/partition.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
@@ -357,13 +358,13 @@ TEST(StageMemory, MatchesTheModel) {
     EXPECT_EQ(m.optimizer_state_bytes, stage == 0 ? 8 * psi : 8 * psi / n) << "stage " << stage;
     if (stage == 2) {
       EXPECT_GT(m.buffer_bytes, 0);
-      // Buckets of 16 * N floats, two in the pool plus one: unused.weight never gets a gradient,
-      // so its bucket holds a buffer through backward (GradientReducer::acquire_buffer).
-      EXPECT_LE(m.buffer_bytes, 3 * 4 * 16 * n);
+      // Buckets of 16 * N floats, the pool's bound plus one: unused.weight never gets a gradient,
+      // so its bucket holds a buffer through backward (Note [Bucket pool bound]).
+      EXPECT_LE(m.buffer_bytes, (detail::kBucketPoolBuffers + 1) * 4 * 16 * n);
     } else if (stage == 3) {
       // Nothing stays gathered between steps (not even the parameters in no unit): the
       // gradient buckets alone, as at stage 2.
-      EXPECT_LE(m.buffer_bytes, 3 * 4 * 16 * n);
+      EXPECT_LE(m.buffer_bytes, (detail::kBucketPoolBuffers + 1) * 4 * 16 * n);
     } else {
       EXPECT_EQ(m.buffer_bytes, 0);
     }

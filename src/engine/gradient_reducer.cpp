@@ -342,15 +342,29 @@ void GradientReducer::complete_all() {
 // the first gradient over as a fresh tensor and accept() copies it into the parameter's view (and
 // sets .grad to it, so later micro-steps accumulate in place); parameters that got none are zeroed
 // when their bucket is launched. Bucketed, a bucket's first fold copies instead of adding. So
-// between steps .grad is undefined (torch's set_to_none), and start_over() only resets flags.
+// between steps .grad is undefined (torch's set_to_none), and start_over() resets flags. Only
+// after a backward that no step() consumed (zero_grad() discards it) are reductions still in
+// flight: they land and are dropped here, or they would be folded into the next step's gradients
+// (a fold that then copies stale sums) and, in place, write the flat buffer under the next
+// backward; their buckets would be launched twice.
 void GradientReducer::start_over() {
   at::NoGradGuard no_grad;
-  std::fill(written_.begin(), written_.end(), 0);
-  for (auto& p : params_) p.mutable_grad().reset();
   for (auto& b : buckets_) {
+    if (b.work) {
+      b.work->wait(timeout_);
+      b.work.reset();
+    }
+    if (b.buffer >= 0) {
+      free_buffers_.push_back(b.buffer);
+      b.buffer = -1;
+    }
     b.launched_micro = -1;
     b.folded = false;
   }
+  in_flight_.clear();
+  landing_.clear();
+  std::fill(written_.begin(), written_.end(), 0);
+  for (auto& p : params_) p.mutable_grad().reset();
 }
 
 int64_t GradientReducer::take_comm_elements() {

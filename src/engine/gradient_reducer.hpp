@@ -61,7 +61,8 @@ class GradientReducer {
   // Waits for every reduction and folds it in; the next step starts with nothing launched.
   void complete_all();
   // The next gradients start from zero (without writing them: Note [Gradients start over
-  // without a zeroing pass]); .grad undefined until backward reaches the parameter.
+  // without a zeroing pass]); .grad undefined until backward reaches the parameter. Reductions
+  // of a backward no step() consumed are waited for and dropped.
   void start_over();
 
   // Called with a bucket whose reduction for this step landed while backward runs (from accept()

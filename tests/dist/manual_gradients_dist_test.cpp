@@ -190,5 +190,36 @@ TEST(HandSetGradients, MixedStepsKeepThePool) {
   }
 }
 
+// zero_grad() discards a backward's gradients (Note [step() consumes the gradients]): a backward
+// whose reductions may still be in flight, then zero_grad(), then the real backward and step(),
+// ends where the real backward and step() alone do, at every stage.
+TEST(ZeroGrad, DiscardsABackwardInFlight) {
+  auto comm = test::world();
+  for (int stage : {0, 1, 2, 3}) {
+    Mlp discarding, plain;
+    DistributedOptimizer a(discarding.groups(), rule(), comm, options(stage));
+    DistributedOptimizer b(plain.groups(), rule(), comm, options(stage));
+    for (int64_t s = 0; s < 3; ++s) {
+      a.zero_grad();
+      a.backward(discarding.loss(100 + s, comm->rank()));
+      a.zero_grad();
+      a.backward(discarding.loss(s, comm->rank()));
+      a.step();
+      b.zero_grad();
+      b.backward(plain.loss(s, comm->rank()));
+      b.step();
+    }
+    a.gather_full_parameters();
+    b.gather_full_parameters();
+    double diff = 0;
+    for (size_t p = 0; p < plain.named.size(); ++p) {
+      diff = std::max(diff, (discarding.named[p].second.detach() - plain.named[p].second.detach())
+                                .abs().max().item<double>());
+    }
+    EXPECT_LE(diff, 1e-6) << "stage " << stage;
+    EXPECT_TRUE(test::all_ranks(diff <= 1e-6)) << "stage " << stage;
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

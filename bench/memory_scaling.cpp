@@ -30,6 +30,7 @@
 #include "data.hpp"
 #include "model.hpp"
 #include "shardopt/detail/partition.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/estimate.hpp"
 #include "shardopt/shardopt.hpp"
 
@@ -113,6 +114,17 @@ est::Breakdown design_formula(int stage, int64_t psi, int64_t n) {
   return b;
 }
 
+// The same table over the flat layout the engine allocates (memory() reports exactly this): Psi
+// padded, every bucket rounded up to whole shards of N x align elements.
+est::Breakdown built_state(int stage, const shardopt::detail::FlatLayout& layout) {
+  est::Breakdown b;
+  const int64_t whole = layout.padded_numel, shard = layout.shard_numel;
+  b.params = kP * (stage == 3 ? shard : whole);
+  b.grads = kG * (stage >= 2 ? shard : whole);
+  b.optimizer_state = kK * (stage >= 1 ? shard : whole);
+  return b;
+}
+
 est::Estimate estimator(const Config& c, const est::BertConfig& bc, const shardopt::ZeroOptions& zo) {
   est::Options o;
   o.params = est::bert_parameter_count(bc);
@@ -124,10 +136,11 @@ est::Estimate estimator(const Config& c, const est::BertConfig& bc, const shardo
   return est::model_states(o);
 }
 
-// Documented bounded buffers on top of the formula: stages 2 and 3 keep at most two bucket
-// buffers of the largest bucket (at most bucket_bytes: buckets split parameters); the MPI engine
-// one scratch piece (N > 1). Stage 3 keeps nothing gathered between steps (every unit, the
-// embeddings and heads included, is freed after its use), so no unit is live after a step.
+// Documented bounded buffers on top of the formula: stages 2 and 3 keep the bucket pool (Note
+// [Bucket pool bound]: two buffers) of the largest bucket (at most bucket_bytes: buckets split
+// parameters); the MPI engine one scratch piece (N > 1). Stage 3 keeps nothing gathered between
+// steps (every unit, the embeddings and heads included, is freed after its use), so no unit is live
+// after a step.
 struct Buffers {
   int64_t optimizer = 0;
   int64_t engine = 0;
@@ -141,7 +154,7 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
     max_bucket = std::max(max_bucket, bl.padded);
     max_shard = std::max(max_shard, bl.shard);
   }
-  if (c.stage >= 2) b.optimizer = 2 * kG * max_bucket;
+  if (c.stage >= 2) b.optimizer = shardopt::detail::kBucketPoolBuffers * kG * max_bucket;
   if (c.ranks > 1) b.engine = std::min(kEngineScratchBytes, kG * max_shard);
   return b;
 }
@@ -149,14 +162,18 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
 // Note [Peak bounds]
 // Construction (the model built, then the optimizer around it): the model once (P * Psi) plus what
 // is in flight while its parameters move into the optimizer's storage, or the model state once
-// built, whichever is larger; plus the engine's scratch. In flight: at stage 3 the rank's initial
+// built, whichever is larger; plus the engine's scratch. The model state once built is counted over
+// the padded layout the engine allocates (built_state), not DESIGN.md's unpadded Psi: at N = 1
+// nothing is in flight beyond it and there is no engine scratch, so the construction peak is
+// exactly that state, and the unpadded formula fell short by the padding (BERT-base: 4 elements, 64
+// bytes, which made every N = 1 row "PEAK OVER BOUND"). In flight: at stage 3 the rank's initial
 // shard and one broadcast bucket (ParameterStore::adopt_shards); at stages 0-2 the contiguous
 // parameter storage, one allocation per chunk of buckets joined by split parameters
 // (detail::bucket_runs). Buckets are filled to the brim, so every boundary splits a parameter and
-// the chunk is the whole flat buffer: the tracker (which counts allocations, as a device
-// allocator reserves) sees two copies there, while the resident set grows by about one copy,
-// because each parameter's original storage is freed as soon as it is copied and the flat
-// buffer's pages are touched only as they are filled (Note [One copy at construction] in
+// the chunk is the whole flat buffer: the tracker (which counts allocations, as a device allocator
+// reserves) sees two copies there, while the resident set grows by about one copy, because each
+// parameter's original storage is freed as soon as it is copied and the flat buffer's pages are
+// touched only as they are filled (Note [One copy at construction] in
 // src/engine/parameter_store.cpp). The bench reports both.
 // Step: the model state and documented buffers plus what backward holds for a moment: at stages
 // 0-2 three gradients of the largest parameter (BERT's tied embedding is used twice: two incoming
@@ -187,17 +204,18 @@ int64_t activation_bytes(const est::BertConfig& bc) {
   return kP * (bc.layers * per_layer + kSeq * (4 * bc.vocab + 8 * bc.hidden));
 }
 
+// `state`: the model state once built (built_state; auto_cap's nominal sizes: the formula).
 Bounds bounds_of(int stage, int64_t psi, int world, const est::BertConfig& bc, const Sizes& z,
-                 const est::Breakdown& formula, const Buffers& buffers) {
+                 const est::Breakdown& state, const Buffers& buffers) {
   Bounds b;
   const int64_t shard = (psi + world - 1) / world;
   b.in_flight = stage == 3 ? kP * (shard + z.max_bucket) : kP * z.max_run;
-  b.construction = std::max(kP * psi + b.in_flight, formula.total()) + buffers.engine;
+  b.construction = std::max(kP * psi + b.in_flight, state.total()) + buffers.engine;
   b.transient = stage == 3 ? (kP + kG) * est::bert_counts(bc).two_largest_units(bc.layers) +
                                  2 * kG * z.max_param
                            : 3 * kG * z.max_param;
   b.activations = activation_bytes(bc);
-  b.step = formula.total() + buffers.total() + b.transient + b.activations;
+  b.step = state.total() + buffers.total() + b.transient + b.activations;
   return b;
 }
 
@@ -213,7 +231,7 @@ int64_t auto_cap(int64_t psi, int world, const est::BertConfig& bc,
   const Sizes z{bucket, bucket, bucket};
   auto buffers_at = [&](int stage) {
     Buffers b;
-    if (stage >= 2) b.optimizer = 2 * kG * bucket;
+    if (stage >= 2) b.optimizer = shardopt::detail::kBucketPoolBuffers * kG * bucket;
     if (world > 1) b.engine = std::min(kEngineScratchBytes, kG * ((bucket + world - 1) / world));
     return b;
   };
@@ -358,7 +376,7 @@ int measure(const Config& c, const std::string& json_path, const std::string& ca
     for (const auto& bl : layout.buckets) z.max_bucket = std::max(z.max_bucket, bl.padded);
     for (const auto& r : shardopt::detail::bucket_runs(layout)) z.max_run = std::max(z.max_run, r.numel);
     for (int64_t n : numels) z.max_param = std::max(z.max_param, n);
-    const auto bounds = bounds_of(c.stage, psi, world, bc, z, formula, buffers);
+    const auto bounds = bounds_of(c.stage, psi, world, bc, z, built_state(c.stage, layout), buffers);
     result.update({{"psi", psi}, {"estimator_psi", est::bert_parameter_count(bc)},
                    {"padded_psi", layout.padded_numel}, {"shard_psi", layout.shard_numel},
                    {"buckets", layout.buckets.size()}, {"formula", breakdown_json(formula)},

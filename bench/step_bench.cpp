@@ -6,9 +6,11 @@
 //   build/bench/step_bench                         # 21M parameters (5 x 2048x2048 + bias), 1 rank
 //   build/bench/step_bench --layers 26 --stages 0,1,2,3     # 110M
 //   mpirun -np 2 build/bench/step_bench --stages 0,1,2,3
+//   build/bench/step_bench --hand-set              # gradients set by hand, reduced in step()
 //
 // Gradients come from a backward pass through the optimizer's hooks (untimed), as in training;
-// only step() is timed. The acceptance figures of issue 26: step() >= 4x faster than torch's, and
+// only step() is timed. With --hand-set they are assigned to .grad instead (untimed), as tests,
+// gradient surgery and RL code do, so step() also reduces them (its "reduce wait" phase). The acceptance figures of issue 26: step() >= 4x faster than torch's, and
 // its time beyond the update kernel (step_s - update_s) <= 25% of the kernel's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -78,9 +80,12 @@ std::vector<at::Tensor> make_params(int64_t layers, int64_t width) {
   return out;
 }
 
-void run_once(Variant& v, const shardopt::CommunicatorPtr& comm, bool record) {
+void run_once(Variant& v, const shardopt::CommunicatorPtr& comm, bool record, bool hand_set) {
   at::Tensor loss;
-  if (v.opt) {
+  if (v.opt && hand_set) {
+    v.opt->zero_grad();
+    for (size_t i = 0; i < v.params.size(); ++i) v.params[i].mutable_grad() = v.grads[i].clone();
+  } else if (v.opt) {
     v.opt->zero_grad();
     loss = at::zeros({}, at::kFloat);
     for (size_t i = 0; i < v.params.size(); ++i) loss = loss + (v.params[i] * v.grads[i]).sum();
@@ -106,12 +111,14 @@ int main(int argc, char** argv) {
   int64_t layers = 5, width = 2048;
   std::string stages_arg = "0,1,2";
   int rounds = 9, warmup = 2, threads = 0;
+  bool hand_set = false;
   app.add_option("--layers", layers, "Linear(width, width) layers (5: 21M parameters)");
   app.add_option("--width", width, "layer width");
   app.add_option("--stages", stages_arg, "ZeRO stages, comma-separated");
   app.add_option("--rounds", rounds, "timed rounds (every variant once per round)");
   app.add_option("--warmup", warmup, "untimed rounds first");
   app.add_option("--threads", threads, "at::set_num_threads (0: torch's default)");
+  app.add_flag("--hand-set", hand_set, "gradients assigned to .grad, no backward (step() reduces)");
   CLI11_PARSE(app, argc, argv);
   if (threads > 0) at::set_num_threads(threads);
   at::NoGradGuard no_grad;  // grad mode only where a loss is built
@@ -176,7 +183,7 @@ int main(int argc, char** argv) {
         run_triad(record);
       } else {
         at::AutoGradMode grad(true);
-        run_once(variants[which], comm, record);
+        run_once(variants[which], comm, record, hand_set);
       }
     }
   }
@@ -186,8 +193,9 @@ int main(int argc, char** argv) {
                           median(triad_s);
   const double torch_s = median(variants.front().step_s);
   fmt::print("\nstep_bench: {} parameters ({} x {}x{} + bias), {} rank(s), {} thread(s), "
-             "{} rounds (median), {} warm-up\n",
-             numel, layers, width, width, world, at::get_num_threads(), rounds, warmup);
+             "{} rounds (median), {} warm-up, gradients {}\n",
+             numel, layers, width, width, world, at::get_num_threads(), rounds, warmup,
+             hand_set ? "set by hand (reduced in step())" : "from backward (hooks)");
   fmt::print("triad: {:.1f} GB/s (12 B/element, median of the same rounds)\n\n",
              triad_bw / 1e9);
   // The last two columns add the check's share that ran during backward (outside step()).

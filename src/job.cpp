@@ -7,7 +7,7 @@
 #include <exception>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/agreement.hpp"
+#include "comm/agreement.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt {

@@ -14,14 +14,14 @@
 //
 // Accounting::Engine (the default): what shardopt's optimizer allocates, from the same StagePlan
 // and Placement the engine builds (shardopt/detail/plan.hpp), so opt.memory() equals it
-// (tests/dist/estimate_memory_test.cpp: params, gradients and optimizer state exactly; buffers
-// are an upper bound). Parameters are assumed given in fp32, as the engine lays them out. Where
-// the plan buckets gradients (stages 2-3, and every stage under fp16/bf16, offload or a
-// reduce_dtype) the kept gradients are the reduced ones, in the master dtype (fp32) over this
-// rank's update range (Ψ/N sharded, Ψ at stage 0), plus two bucket buffers of one bucket each in
-// the reduce dtype (while gradients arrive about in layout order; a bucket waiting for a late
-// gradient holds one more); otherwise (stages 0-1 in fp32) a full flat gradient buffer.
-// Offload puts the master, the state and the reduced gradients on the host.
+// (tests/dist/estimate_memory_dist_test.cpp: params, gradients and optimizer state exactly; buffers
+// are an upper bound). Parameters are assumed given in fp32, as the engine lays them out. Where the
+// plan buckets gradients (stages 2-3, and every stage under fp16/bf16, offload or a reduce_dtype)
+// the kept gradients are the reduced ones, in the master dtype (fp32) over this rank's update range
+// (Ψ/N sharded, Ψ at stage 0), plus the bucket pool, detail::kBucketPoolBuffers buffers of one
+// bucket each in the reduce dtype (Note [Bucket pool bound] in shardopt/detail/plan.hpp); otherwise
+// (stages 0-1 in fp32) a full flat gradient buffer. Offload puts the master, the state and the
+// reduced gradients on the host.
 //
 // Accounting::ZeroPaper: DESIGN.md's table, the ZeRO paper's and DeepSpeed's estimator's model,
 // with gradients in the compute dtype (K includes the master copy under mixed precision):
@@ -29,20 +29,21 @@
 //   stage 0  (P + G + K)·Ψ      stage 1  (P + G)·Ψ + K·Ψ/N
 //   stage 2  P·Ψ + (G + K)·Ψ/N  stage 3  (P + G + K)·Ψ/N
 //
-// plus bounded buffers: stage 2 at most two bucket buffers, stage 3 the two largest gathered units
-// with their full gradients, (P + G)·(U1 + U2); Offload::CPU moves the optimizer state (K part) to
-// the host and, for stage >= 2, the gradient shard as fp32. In fp32 without offload the two agree.
-// Stage 3 with persistent_params = Ψ_p elements held whole for good (UnitPolicy's persistent
-// groups): parameters P·(Ψ_p + (Ψ - Ψ_p)/N) instead of P·Ψ/N, in both accountings.
+// plus bounded buffers: stage 2 the bucket pool (Note [Bucket pool bound]), stage 3 the two largest
+// gathered units with their full gradients, (P + G)·(U1 + U2); Offload::CPU moves the optimizer
+// state (K part) to the host and, for stage >= 2, the gradient shard as fp32. In fp32 without
+// offload the two agree. Stage 3 with persistent_params = Ψ_p elements held whole for good
+// (UnitPolicy's persistent groups): parameters P·(Ψ_p + (Ψ - Ψ_p)/N) instead of P·Ψ/N, in both
+// accountings.
 //
 // Bucket size: bucket_bytes when > 0; 0 (the default, as ZeroOptions') sizes a bucket as the
 // optimizer does, at most 16 MiB and at most a quarter of the gradient elements sharding frees,
 // Ψ·(N-1)/(4N) (Note [Default bucket size] in shardopt/detail/plan.hpp, the one place the rule
-// lives): the two buffers then cost at most half of what stage 2 saves over stage 1, so in fp32
-// with default options stage 3 <= stage 2 < stage 1 < stage 0 at N >= 2, stage 3 counted with two
-// gathered units of one bucket each (tests/unit/estimate_test.cpp,
-// DefaultBucketsKeepHigherStagesSmaller). An explicit bucket_bytes is honoured even where it
-// breaks that order.
+// lives): the pool's two buffers then cost at most half of what stage 2 saves over stage 1, so in
+// fp32 with default options stage 3 <= stage 2 < stage 1 < stage 0 at N >= 2, stage 3 counted with
+// two gathered units of one bucket each (tests/unit/estimate_test.cpp,
+// DefaultBucketsKeepHigherStagesSmaller). An explicit bucket_bytes is honoured even where it breaks
+// that order.
 //
 // Communication per step and rank: 2Ψ elements for stages 0-2 (reduce-scatter + all-gather, or an
 // all-reduce), 3Ψ for stage 3 (an extra all-gather in backward); bytes: gradients travel with G
@@ -50,7 +51,7 @@
 // (`wire_bytes`).
 //
 // Units: every quantity is in bytes; "MB" in the tool and in the tests is 10^6 bytes, the
-// convention of DeepSpeed's estimator and of /work/shared/peers/torch_zero_bert.py (its 134/112/90
+// convention of DeepSpeed's estimator and of ../shared/peers/torch_zero_bert.py (its 134/112/90
 // MB for the 11.2M-parameter peer BERT at N = 2 are 12Ψ, 10Ψ, 8Ψ over 10^6; over 2^20 they would
 // be 128/107/85).
 #pragma once
@@ -195,10 +196,10 @@ inline void zero_paper(const Options& o, Estimate& e, int64_t psi, int64_t shard
   }
   // Bounded buffers.
   if (o.stage == 2) {
-    // Two pooled bucket buffers, never more than the whole gradient (a parameter may span
-    // buckets, so no buffer is sized by the largest parameter).
+    // The bucket pool (Note [Bucket pool bound]), never more than the whole gradient (a parameter
+    // may span buckets, so no buffer is sized by the largest parameter).
     const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, g);
-    dev.buffers = g * std::min(2 * bucket, psi);
+    dev.buffers = g * std::min(detail::kBucketPoolBuffers * bucket, psi);
   } else if (o.stage == 3) {
     dev.buffers = (p + g) * e.gathered_units_params;
   }
@@ -230,7 +231,7 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
   if (plan.bucketed()) {
     on_master.grads = master * update;  // reduced gradients
     const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, given);
-    dev.buffers = reduce * std::min(2 * bucket, psi);  // the bucket pool
+    dev.buffers = reduce * std::min(detail::kBucketPoolBuffers * bucket, psi);  // the bucket pool
     if (place.pinned) host.buffers = reduce * std::min(bucket, psi);  // offload's staging
   } else {
     dev.grads = reduce * psi;  // the flat gradient buffer, reduced in place

@@ -27,8 +27,9 @@ from ._C import (Capabilities, Communicator, Estimate, LossScaleOptions, MemoryB
                  MemoryReport, ReduceOp, StepStats, UnitPolicy, Units, Work, ZeroOptions)
 from .comm import default_communicator, from_process_group, init_from_env, make_single_communicator
 from .estimate import bert_parameter_count, estimate, estimate_model
-from .optimizer import (DistributedOptimizer, consolidate_checkpoint, modules_of_type,
-                        read_checkpoint_info, read_full_state)
+from .arguments import modules_of_type
+from .checkpoint import consolidate_checkpoint, read_checkpoint_info, read_full_state
+from .optimizer import DistributedOptimizer
 
 if _C.has_gloo:
     from .comm import make_gloo_communicator  # noqa: F401

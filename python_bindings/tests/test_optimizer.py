@@ -298,7 +298,7 @@ LOSS_SCALE = dict(dynamic=False, initial_scale=1024.0, growth_factor=3.0, growth
 
 def test_every_zero_options_field_reaches_cpp(comm):
     """Each field set as a keyword, and through options=, is what the C++ optimizer sees."""
-    fields = [f for f in shardopt.optimizer._OPTION_FIELDS if f not in ("units", "loss_scale")]
+    fields = [f for f in shardopt.arguments._OPTION_FIELDS if f not in ("units", "loss_scale")]
     assert sorted(fields) == sorted(NON_DEFAULT)
     default = shardopt.ZeroOptions()
     for f, v in NON_DEFAULT.items():
@@ -313,7 +313,7 @@ def test_every_zero_options_field_reaches_cpp(comm):
         for f, v in LOSS_SCALE.items():
             assert getattr(seen.loss_scale, f) == v, f
     text = repr(via_options)
-    for f in shardopt.optimizer._OPTION_FIELDS:
+    for f in shardopt.arguments._OPTION_FIELDS:
         assert f"{f}=" in text, f
     assert "initial_scale=1024.0" in text and "reduce_in_fp32=False" in text
     # options= is copied: changing it later changes no optimizer.

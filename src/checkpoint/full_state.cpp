@@ -11,12 +11,12 @@
 #include <map>
 #include <set>
 
-#include "checkpoint/agreement.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
 #include "checkpoint/torch_save.hpp"
+#include "comm/agreement.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 

@@ -11,11 +11,11 @@
 #include <functional>
 #include <map>
 
-#include "checkpoint/agreement.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
+#include "comm/agreement.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/error.hpp"

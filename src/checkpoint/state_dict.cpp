@@ -8,9 +8,9 @@
 
 #include <algorithm>
 
-#include "checkpoint/agreement.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/staging.hpp"
+#include "comm/agreement.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"

@@ -19,11 +19,11 @@
 #include <type_traits>
 #include <utility>
 
-#include "checkpoint/agreement.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/staging.hpp"
-#include "shardopt/detail/shard_access.hpp"
+#include "comm/agreement.hpp"
 #include "shardopt/detail/rule_traits.hpp"
+#include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/optimizer.hpp"
 

@@ -1,6 +1,7 @@
 // Engine: DistributedOptimizer's machinery. It builds the pieces from one StagePlan, routes the
 // autograd and stage-3 unit events to them and runs step() as five named phases. Each piece owns
-// its state:
+// its state; the engine wires them together, and the stage-3 scheduler alone decides when a part
+// is gathered or released; the reducer reports landed buckets through a callback the engine sets:
 //   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
 //   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per part
 //   PartScheduler    (part_scheduler.hpp)    stage 3: when each part is gathered and released
@@ -29,7 +30,10 @@
 #include "engine/parameter_store.hpp"
 #include "engine/part_scheduler.hpp"
 #include "shardopt/detail/plan.hpp"
-#include "shardopt/optimizer.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/optimizer_types.hpp"
+#include "shardopt/options.hpp"
+#include "shardopt/rules.hpp"
 #include "shardopt/units.hpp"
 
 namespace shardopt::detail {

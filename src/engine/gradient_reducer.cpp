@@ -103,7 +103,7 @@ void GradientReducer::accept(int index, int micro) {
     }
     --b.pending;
     // Piece by piece: a bucket this piece completes is launched before the next piece needs a
-    // buffer, so the pool stays at two buffers however many buckets the parameter spans.
+    // buffer, so the pool keeps its bound however many buckets the parameter spans.
     launch_ready(micro, /*pass_end=*/false);
   }
   grad.reset();  // the full gradient is freed as soon as it is in the buckets
@@ -114,8 +114,11 @@ bool GradientReducer::reduces(int micro) const {
 }
 
 // Note [Bucket completion]: the one place that decides when buckets go out.
+// Without overlap_comm, in-place gradients wait for the end of the pass (they hold no buffer);
+// bucketed ones go out as they complete and are waited for at once (backward pauses, as with
+// DeepSpeed's overlap_comm=false), so the pool keeps its bound (Note [Bucket pool bound]).
 void GradientReducer::launch_ready(int micro, bool pass_end) {
-  if (!reduces(micro) || (!overlap_ && !pass_end)) return;
+  if (!reduces(micro) || (!overlap_ && !pass_end && !plan_.bucketed())) return;
   for (int b = next_; b < buckets(); ++b) {
     auto& k = buckets_[b];
     if (k.launched_micro != micro && (pass_end || k.pending == 0)) {
@@ -157,11 +160,16 @@ void GradientReducer::end_pass(int micro) {
   }
 }
 
+// Gradients set by hand reach the sinks as they would from backward. InPlace: each defined .grad
+// is copied into its view, then every bucket launched. Bucketed: bucket by bucket in layout
+// order, each launched as soon as its pieces are in (and waited for without overlap_comm), as
+// accept() does, so the pool stays within its bound (Note [Bucket pool bound] in
+// shardopt/detail/plan.hpp); a parameter's .grad is freed once its last piece is in.
 void GradientReducer::reduce_manual(int micro) {
   const auto& layout = flat_.layout();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor& g = params_[i].mutable_grad();
-    if (!plan_.bucketed()) {
+  if (!plan_.bucketed()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& g = params_[i].mutable_grad();
       const at::Tensor& view = grad_views_[i];
       if (g.defined() && g.data_ptr() != view.data_ptr()) {
         view.copy_(g);
@@ -170,25 +178,31 @@ void GradientReducer::reduce_manual(int micro) {
       }
       written_[i] = 1;
       g = view;
-    } else if (g.defined()) {
-      const at::Tensor flat = g.reshape(-1);
-      const int index = static_cast<int>(i);
-      for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
-        pool_[acquire_buffer(p->bucket)].narrow(0, p->offset, p->numel)
-            .copy_(flat.narrow(0, p->param_offset, p->numel));
-      }
-      g.reset();
     }
+    for (int b = 0; b < buckets(); ++b) launch(b, micro);
+    return;
   }
-  for (int b = 0; b < buckets(); ++b) launch(b, micro);
+  for (int b = 0; b < buckets(); ++b) {
+    const at::Tensor buffer = pool_[acquire_buffer(b)];  // zeroed: missing gradients count as 0
+    for (const int k : layout.buckets[b].pieces) {
+      const ParamPiece& p = layout.pieces[k];
+      at::Tensor& g = params_[p.param].mutable_grad();
+      if (!g.defined()) continue;
+      buffer.narrow(0, p.offset, p.numel).copy_(g.reshape(-1).narrow(0, p.param_offset, p.numel));
+      if (&p + 1 == layout.pieces_end(p.param)) g.reset();
+    }
+    launch(b, micro);
+    if (!overlap_) complete(b);  // as launch_ready does without overlap
+  }
 }
 
 // A bucket buffer from the pool; when all are busy, the oldest in-flight bucket is completed and
-// its buffer reused, so the pool stays at kMaxBuffers while buckets complete about in layout order
-// (the layout is in backward order). With nothing in flight, complete buckets waiting behind an
-// incomplete one are launched (pass_over_waiting, from a hook only). A bucket waiting for a parameter that gets no
-// gradient this pass, or for one that arrives out of order, keeps its buffer while it waits; when
-// two do and a third bucket needs one, the pool grows past kMaxBuffers.
+// its buffer reused, so the pool stays at kBucketPoolBuffers while buckets complete about in
+// layout order (the layout is in backward order). With nothing in flight, complete buckets waiting
+// behind an incomplete one are launched (pass_over_waiting, from a hook only). A bucket waiting for
+// a parameter that gets no gradient this pass, or for one that arrives out of order, keeps its
+// buffer while it waits; when two do and a third bucket needs one, the pool grows past
+// kBucketPoolBuffers (Note [Bucket pool bound]).
 int GradientReducer::acquire_buffer(int bucket, int hook_micro) {
   auto& b = buckets_[bucket];
   if (b.buffer >= 0) return b.buffer;
@@ -196,7 +210,7 @@ int GradientReducer::acquire_buffer(int bucket, int hook_micro) {
   if (!free_buffers_.empty()) {
     index = free_buffers_.back();
     free_buffers_.pop_back();
-  } else if (static_cast<int>(pool_.size()) >= kMaxBuffers &&
+  } else if (static_cast<int>(pool_.size()) >= kBucketPoolBuffers &&
              (!in_flight_.empty() || (hook_micro >= 0 && pass_over_waiting(hook_micro)))) {
     complete(in_flight_.front());
     index = free_buffers_.back();
@@ -328,15 +342,29 @@ void GradientReducer::complete_all() {
 // the first gradient over as a fresh tensor and accept() copies it into the parameter's view (and
 // sets .grad to it, so later micro-steps accumulate in place); parameters that got none are zeroed
 // when their bucket is launched. Bucketed, a bucket's first fold copies instead of adding. So
-// between steps .grad is undefined (torch's set_to_none), and start_over() only resets flags.
+// between steps .grad is undefined (torch's set_to_none), and start_over() resets flags. Only
+// after a backward that no step() consumed (zero_grad() discards it) are reductions still in
+// flight: they land and are dropped here, or they would be folded into the next step's gradients
+// (a fold that then copies stale sums) and, in place, write the flat buffer under the next
+// backward; their buckets would be launched twice.
 void GradientReducer::start_over() {
   at::NoGradGuard no_grad;
-  std::fill(written_.begin(), written_.end(), 0);
-  for (auto& p : params_) p.mutable_grad().reset();
   for (auto& b : buckets_) {
+    if (b.work) {
+      b.work->wait(timeout_);
+      b.work.reset();
+    }
+    if (b.buffer >= 0) {
+      free_buffers_.push_back(b.buffer);
+      b.buffer = -1;
+    }
     b.launched_micro = -1;
     b.folded = false;
   }
+  in_flight_.clear();
+  landing_.clear();
+  std::fill(written_.begin(), written_.end(), 0);
+  for (auto& p : params_) p.mutable_grad().reset();
 }
 
 int64_t GradientReducer::take_comm_elements() {

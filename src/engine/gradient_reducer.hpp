@@ -4,7 +4,7 @@
 //             it; each complete bucket is all-reduced (replicated) or reduce-scattered into its
 //             owned slice in place, on the last micro-step.
 //   Bucketed: each fresh .grad is copied, piece by piece (a parameter may span buckets), into
-//             pooled bucket buffers (at most kMaxBuffers while buckets complete as they fill) and
+//             pooled bucket buffers (Note [Bucket pool bound] in shardopt/detail/plan.hpp) and
 //             freed; a complete bucket is reduced every micro-step and folded into the reduced
 //             gradients (update coordinates, master precision and device).
 // Reductions are sums; LocalUpdate::unscale divides by world (and the loss scale) once, on the
@@ -18,10 +18,10 @@
 // hold back the ones after it: it belongs to parameters backward reaches later (stage 3 lays out
 // its units in forward order) or to parameters without a gradient (unused); it is launched once
 // complete, or at the end of the pass. Overlap is decided in one place (launch_ready): with
-// overlap_comm a bucket goes out from the hook that makes it due, otherwise every bucket at the
-// end of the pass, one at a time. When the pool is full with nothing in flight, started buckets
-// that hold back a complete one are passed over (launched once complete) so the pool need not
-// grow.
+// overlap_comm a bucket goes out from the hook that makes it due; without, in-place buckets go out
+// at the end of the pass, one at a time, and bucketed ones from that hook too but waited for at
+// once. When the pool is full with nothing in flight, started buckets that hold back a complete
+// one are passed over (launched once complete) so the pool need not grow.
 
 #pragma once
 
@@ -54,14 +54,15 @@ class GradientReducer {
   void accept(int index, int micro);
   // End of backward pass `micro`: reduces what is still pending when this micro-step reduces.
   void end_pass(int micro);
-  // step() with nothing reduced: gradients set by hand, without backward through the hooks. Takes
-  // every defined .grad and launches every bucket.
+  // Whether nothing was launched in this step: step() then reduces gradients set by hand, without
+  // backward through the hooks, with reduce_manual (each bucket launched as it fills).
   bool nothing_launched() const;
   void reduce_manual(int micro);
   // Waits for every reduction and folds it in; the next step starts with nothing launched.
   void complete_all();
   // The next gradients start from zero (without writing them: Note [Gradients start over
-  // without a zeroing pass]); .grad undefined until backward reaches the parameter.
+  // without a zeroing pass]); .grad undefined until backward reaches the parameter. Reductions
+  // of a backward no step() consumed are waited for and dropped.
   void start_over();
 
   // Called with a bucket whose reduction for this step landed while backward runs (from accept()
@@ -73,7 +74,6 @@ class GradientReducer {
   int64_t buffer_bytes() const;  // the bucket pool (+ offload's pinned staging buffer)
 
  private:
-  static constexpr int kMaxBuffers = 2;
   struct Bucket {
     int pieces = 0;           // parameter pieces in it
     int pending = 0;          // pieces still to arrive in this pass

@@ -15,7 +15,7 @@
 #include "engine/flat_state.hpp"
 #include "engine/fused_kernels.hpp"
 #include "shardopt/comm.hpp"
-#include "shardopt/optimizer.hpp"
+#include "shardopt/optimizer_types.hpp"
 #include "shardopt/rules.hpp"
 
 namespace shardopt::detail {

@@ -7,7 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "shardopt/optimizer.hpp"
+#include "shardopt/comm.hpp"
+#include "shardopt/optimizer_types.hpp"
+#include "shardopt/options.hpp"
+#include "shardopt/rules.hpp"
 #include "shardopt/units.hpp"
 
 namespace shardopt::detail {

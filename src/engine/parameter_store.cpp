@@ -5,7 +5,7 @@
 // unit needs one or more parts, automatic units are parts. Each part is in one PartState, changed
 // only by transition(), which asserts that the change is one of:
 //   Released         -> Gathering          launch_gather: storage allocated, all-gathers started
-//   Gathering        -> Gathered           finish_gather: every all-gather waited for
+//   Gathering        -> Gathered           ensure_gathered: every all-gather waited for
 //   Gathered         -> NeededInBackward   gather_for_backward: backward reached it (not the root)
 //   Gathered         -> Released           release: storage freed, parameters guarded
 //   NeededInBackward -> Released           release: its gradients are in (or the pass ended)

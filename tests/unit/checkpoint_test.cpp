@@ -18,6 +18,7 @@
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/error.hpp"
 #include "support/checkpoint_model.hpp"
+#include "support/expect_error.hpp"
 
 namespace shardopt {
 namespace {
@@ -83,20 +84,7 @@ std::string read_text(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-// Runs `fn`, expecting shardopt::Error of `kind` whose message contains every needle.
-template <typename Fn>
-void expect_error(Fn&& fn, ErrorKind kind, const std::vector<std::string>& needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error of kind " << to_string(kind);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    for (const auto& n : needles) {
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
-          << "missing '" << n << "' in: " << e.what();
-    }
-  }
-}
+using test::expect_error;
 
 // ---- resume ---------------------------------------------------------------------------------
 

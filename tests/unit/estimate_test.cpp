@@ -1,7 +1,7 @@
 // The analytic memory/communication model (shardopt/estimate.hpp): Accounting::ZeroPaper against
 // DESIGN.md's table, the ZeRO paper's worked example and the peer baseline's numbers;
 // Accounting::Engine by hand here and against the live optimizer in
-// tests/dist/estimate_memory_test.cpp; BERT parameter counts.
+// tests/dist/estimate_memory_dist_test.cpp; BERT parameter counts.
 #include <gtest/gtest.h>
 
 #include <utility>
@@ -139,11 +139,13 @@ TEST(Estimate, BuffersAreBounded) {
   o.world = 4;
   o.bucket_bytes = 16 << 20;
   o.stage = 2;
-  EXPECT_EQ(model_states(o).device.buffers, 2 * (16 << 20));  // at most two buckets
+  // The bucket pool (Note [Bucket pool bound]): kBucketPoolBuffers buckets.
+  const int64_t pool = detail::kBucketPoolBuffers * int64_t{16 << 20};
+  EXPECT_EQ(model_states(o).device.buffers, pool);
   o.world = 64;
-  EXPECT_EQ(model_states(o).device.buffers, 2 * (16 << 20));  // does not grow with N
+  EXPECT_EQ(model_states(o).device.buffers, pool);  // does not grow with N
   o.largest_param = 30522 * 768;  // BERT-base's word embeddings span buckets: no bigger buffers
-  EXPECT_EQ(model_states(o).device.buffers, 2 * (16 << 20));
+  EXPECT_EQ(model_states(o).device.buffers, pool);
   o.largest_param = 0;
   o.params = 1000;
   EXPECT_EQ(model_states(o).device.buffers, 4000);  // never more than the whole gradient
@@ -179,7 +181,7 @@ TEST(Estimate, CpuOffloadMovesStateAndGradShardToHost) {
 }
 
 // What the engine allocates (StagePlan): under bf16 even stage 1 keeps its gradients as an fp32
-// shard (Ψ bytes at N = 4, where DESIGN.md's table says 2Ψ), plus two bucket buffers.
+// shard (Ψ bytes at N = 4, where DESIGN.md's table says 2Ψ), plus the bucket pool.
 TEST(Estimate, EngineAccountingFollowsThePlan) {
   Options o;
   o.params = 1 << 20;
@@ -191,10 +193,10 @@ TEST(Estimate, EngineAccountingFollowsThePlan) {
   EXPECT_EQ(e.device.params, 2 * o.params);
   EXPECT_EQ(e.device.grads, o.params);  // 4 bytes x Ψ/4
   EXPECT_EQ(e.device.optimizer_state, 12 * o.params / 4);
-  EXPECT_EQ(e.device.buffers, 2 * 4 * (1 << 16) / 4);  // two fp32 buckets
+  EXPECT_EQ(e.device.buffers, detail::kBucketPoolBuffers * 4 * (1 << 16) / 4);  // fp32 buckets
   EXPECT_EQ(e.comm_bytes, 4 * o.params + 2 * o.params);  // reduced in fp32, gathered in bf16
   o.reduce_in_fp32 = false;
-  EXPECT_EQ(model_states(o).device.buffers, 2 * 2 * (1 << 16) / 4);
+  EXPECT_EQ(model_states(o).device.buffers, detail::kBucketPoolBuffers * 2 * (1 << 16) / 4);
   // fp32 without offload: the two accountings agree.
   o.precision = Precision::FP32;
   for (int stage = 0; stage <= 2; ++stage) {

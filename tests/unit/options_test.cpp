@@ -6,6 +6,7 @@
 #include "shardopt/error.hpp"
 #include "shardopt/options.hpp"
 #include "shardopt/rules.hpp"
+#include "support/expect_error.hpp"
 
 namespace shardopt {
 namespace {
@@ -13,13 +14,7 @@ namespace {
 void expect_invalid(const std::function<void(ZeroOptions&)>& edit, const std::string& needle) {
   ZeroOptions o;
   edit(o);
-  try {
-    o.validate();
-    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument);
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
+  test::expect_error([&] { o.validate(); }, ErrorKind::InvalidArgument, {needle});
 }
 
 TEST(ZeroOptions, DefaultsAreValid) { EXPECT_NO_THROW(ZeroOptions{}.validate()); }

@@ -11,22 +11,16 @@
 #include "shardopt/error.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
+#include "support/expect_error.hpp"
 
 namespace shardopt {
 namespace {
 
 void expect_released_error(const std::function<void()>& read, const std::string& what) {
-  try {
-    read();
-    ADD_FAILURE() << what << ": no error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument) << msg;
-    EXPECT_NE(msg.find("parameter 'layer.weight' (unit 'layer') is released"), std::string::npos)
-        << what << ": " << msg;
-    EXPECT_NE(msg.find("Units::run"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("gather_full_parameters()"), std::string::npos) << msg;
-  }
+  SCOPED_TRACE(what);
+  test::expect_error(read, ErrorKind::InvalidArgument,
+                     {"parameter 'layer.weight' (unit 'layer') is released", "Units::run",
+                      "gather_full_parameters()"});
 }
 
 TEST(ReleaseGuard, ReleasedParameterReadsAreNamedErrors) {

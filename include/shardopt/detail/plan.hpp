@@ -114,19 +114,33 @@ struct Placement {
   }
 };
 
+// Note [Bucket pool bound]
+// Where the plan buckets gradients, they pass through a pool of bucket buffers of one bucket each
+// (the largest bucket's padded elements, in the reduce dtype). The pool holds at most
+// kBucketPoolBuffers of them: a bucket is launched as soon as its last piece is in (from the
+// gradient hooks in backward, and in step() for gradients set by hand), and a bucket that needs a
+// buffer while the pool is full waits for the oldest reduction in flight and takes its buffer.
+// The one way past it: a bucket started but held open by a parameter whose gradient comes late or
+// never in this pass (unused in the forward) keeps its buffer until it completes or the pass
+// ends, so each such bucket can add one buffer (never more than the buckets there are). The bound
+// grows neither with N nor with the model. The reducer (src/engine/gradient_reducer.cpp), the
+// estimator (shardopt/estimate.hpp), bench/memory_scaling and the tests read this constant; the
+// documents quote this Note.
+inline constexpr int kBucketPoolBuffers = 2;
+
 // Note [Default bucket size]
-// Stage 2 frees (N-1)/N of the gradients but holds two pooled bucket buffers that stage 1 does
-// without (in fp32 it reduces in place); with fixed 16 MiB buckets a small model at N = 2 held
-// more at stage 2 than at stage 1 (DeepSpeed's "ZeRO-2 uses more memory than ZeRO-1"). So
-// ZeroOptions::bucket_bytes = 0 (the default) sizes buckets from the model: a bucket holds at most
-// kMaxDefaultBucketBytes and at most a quarter of the gradient elements a rank frees,
-// Ψ·(N-1)/(4N), so the two buffers are at most half of what stage 2 saves. Stage 3 saves as much
-// again on the parameters, which pays for two gathered units of one bucket each (the estimator's
-// default), so a higher stage never holds more model state than a lower one. The size depends on
-// Ψ and N only, not on the stage: every stage cuts the same buckets. One rank frees nothing and
-// keeps the maximum. An explicit bucket_bytes is used as given. The engine
-// (src/engine/engine.cpp), the estimator (shardopt/estimate.hpp) and bench/memory_scaling all
-// call bucket_numel.
+// Stage 2 frees (N-1)/N of the gradients but holds the bucket pool (two buffers of one bucket each:
+// Note [Bucket pool bound]) that stage 1 does without (in fp32 it reduces in place); with fixed 16
+// MiB buckets a small model at N = 2 held more at stage 2 than at stage 1 (DeepSpeed's "ZeRO-2 uses
+// more memory than ZeRO-1"). So ZeroOptions::bucket_bytes = 0 (the default) sizes buckets from the
+// model: a bucket holds at most kMaxDefaultBucketBytes and at most a quarter of the gradient
+// elements a rank frees, Ψ·(N-1)/(4N), so the two buffers are at most half of what stage 2 saves.
+// Stage 3 saves as much again on the parameters, which pays for two gathered units of one bucket
+// each (the estimator's default), so a higher stage never holds more model state than a lower one.
+// The size depends on Ψ and N only, not on the stage: every stage cuts the same buckets. One rank
+// frees nothing and keeps the maximum. An explicit bucket_bytes is used as given. The engine
+// (src/engine/engine.cpp), the estimator (shardopt/estimate.hpp) and bench/memory_scaling all call
+// bucket_numel.
 inline constexpr int64_t kMaxDefaultBucketBytes = int64_t{16} << 20;
 
 // Elements per bucket for `bucket_bytes` (0: the default above) over `params` elements of

@@ -50,9 +50,8 @@ TEST(StageMemory, EstimateMatchesLiveMemory) {
         zo.stage = stage_from_int(stage);
         zo.precision = precision;
         zo.offload = offload;
-        // One bucket per unit (stage 3) or for the whole model: the pool's bound of two buffers
-        // holds whatever order the gradients arrive in (a bucket waiting for a late gradient
-        // holds a buffer meanwhile: Note [Bucket completion]).
+        // One bucket per unit (stage 3) or for the whole model: the pool's bound (Note [Bucket
+        // pool bound]) holds whatever order the gradients arrive in.
         zo.bucket_bytes = 4096;
         zo.units = net.units;
         zo.timeout = std::chrono::seconds(60);
@@ -83,7 +82,7 @@ TEST(StageMemory, EstimateMatchesLiveMemory) {
         EXPECT_EQ(m.grad_bytes, e.device.grads + e.host.grads) << where;
         EXPECT_EQ(m.optimizer_state_bytes, e.device.optimizer_state + e.host.optimizer_state)
             << where;
-        // Documented difference: buffers are a bound (two bucket buffers; at stage 3 also the
+        // Documented difference: buffers are a bound (the bucket pool's; at stage 3 also the
         // units gathered at a time, none after a step).
         EXPECT_LE(m.buffer_bytes, e.device.buffers + e.host.buffers) << where;
       }

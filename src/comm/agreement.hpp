@@ -1,6 +1,6 @@
 // Agreement across ranks (Note [Agreement before state changes] in shardopt/checkpoint.hpp):
 // agree(), which runs a step on every rank and makes all ranks fail together when any rank
-// failed. Internal; the checkpoint code uses it.
+// failed. Internal; checkpoints and the job's set-up (src/job.cpp) use it.
 #pragma once
 
 #include <functional>

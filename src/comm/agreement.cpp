@@ -1,15 +1,17 @@
 // Agreement across ranks: agree(), which turns one rank's failure into the same Error on every
 // rank.
-#include "checkpoint/agreement.hpp"
+#include "comm/agreement.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>  // fmt::join
+#include <nlohmann/json.hpp>
 
-#include "checkpoint/format.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt::detail {
+
+using json = nlohmann::json;
 
 std::vector<json> agree(Communicator& comm, Duration timeout, const std::string& what,
                         const std::string& consequence, const std::function<json()>& body,
@@ -26,7 +28,8 @@ std::vector<json> agree(Communicator& comm, Duration timeout, const std::string&
                                     scope, what, e.what())}};
   }
   std::vector<json> all;
-  for (const auto& s : all_gather_strings(comm, dump(mine), timeout)) all.push_back(json::parse(s));
+  const std::string text = mine.dump(-1, ' ', false, json::error_handler_t::replace);
+  for (const auto& s : all_gather_strings(comm, text, timeout)) all.push_back(json::parse(s));
   std::vector<int> failed;
   for (int r = 0; r < comm.size(); ++r) {
     if (!all[r].at("ok").get<bool>()) failed.push_back(r);

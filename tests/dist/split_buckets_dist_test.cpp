@@ -1,8 +1,8 @@
 // Buckets that split parameters: every stage against single-process torch (<= 1e-6 after 10
 // steps) when parameters are larger than a bucket, when one parameter spans three buckets and
 // two ranks (so LAMB's per-tensor norms add partial sums from several buckets and ranks), and
-// with 64-byte buckets; with accumulation and clipping; and the bucket pool stays at two buffers
-// of at most one bucket each, whatever the largest parameter.
+// with 64-byte buckets; with accumulation and clipping; and the bucket pool stays within its bound
+// (Note [Bucket pool bound]) of buffers of at most one bucket each, whatever the largest parameter.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/types.h>
@@ -13,6 +13,7 @@
 #include <map>
 
 #include "shardopt/detail/partition.hpp"
+#include "shardopt/detail/plan.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/units.hpp"
 #include "support/dist_env.hpp"
@@ -206,14 +207,14 @@ TEST_P(SplitBucketParity, MatchesSingleProcessTorch) {
   SplitNet initial;
   EXPECT_GT((run.params.at("fc1.weight") - initial.by_name["fc1.weight"]).abs().max().item<double>(),
             1e-3);
-  // Bucketed gradients: at most two pooled buffers, each at most one bucket (bucket_bytes
+  // Bucketed gradients: at most kBucketPoolBuffers pooled buffers, each one bucket (bucket_bytes
   // rounded to world * align), although fc1.weight alone is 960 bytes.
   bool bounded = true;
   if (c.stage >= 2) {
     const int64_t quantum = comm->size() * c.align_bytes;
     const int64_t bucket = std::max(quantum, c.bucket_bytes / quantum * quantum);
     // Stage 3 keeps nothing gathered after the step: the buffers are the pool alone.
-    bounded = run.memory.buffer_bytes <= 2 * bucket;
+    bounded = run.memory.buffer_bytes <= detail::kBucketPoolBuffers * bucket;
     EXPECT_TRUE(bounded) << "buffers " << run.memory.buffer_bytes << " bytes, bucket " << bucket;
   }
   EXPECT_TRUE(test::all_ranks(diff <= 1e-6 && bounded));

@@ -17,7 +17,15 @@ if(TORCH_NEEDS_CUDA)
   set(no_cuda)
 endif()
 string(REPLACE "|" ";" extra "${EXTRA_PREFIX_PATH}")
-step(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
-     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${prefix};${extra}" ${no_cuda})
+# Not through step(): its ${ARGV} would split the prefix list at each ';' into separate arguments,
+# leaving pip's torch/ (where TorchConfig must find the wheel's libtorch.so before the system's)
+# off CMAKE_PREFIX_PATH.
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
+                        -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${prefix};${extra}"
+                        ${no_cuda} "-DCMAKE_EXE_LINKER_FLAGS=${CONSUMER_LINKER_FLAGS}"
+                RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "consumer test: configuring the consumer project failed (${rc})")
+endif()
 step(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 step(${WORK_DIR}/build/consumer)

@@ -137,7 +137,7 @@ else
   archs="${CUDA_ARCHS:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')}"
   [ -n "$archs" ] && args+=("-DCMAKE_CUDA_ARCHITECTURES=$archs")
   # pip wheels carry NCCL in nvidia/nccl (libnccl.so.2, no libnccl.so link).
-  nccl_dir="$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)"
+  nccl_dir="$("$PY" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   if [ -n "$nccl_dir" ] && [ ! -e /usr/local/cuda/include/nccl.h ]; then
     nccl_lib="$(ls "$nccl_dir"/lib/libnccl.so* 2>/dev/null | head -1)"
     [ -n "$nccl_lib" ] && args+=("-DNCCL_INCLUDE_DIR=$nccl_dir/include" "-DNCCL_LIBRARY=$nccl_lib")

@@ -28,8 +28,8 @@ if [ "$PLATFORM" = pip ]; then
   PY="$VENV/bin/python"
   TORCH_PREFIX="$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
   # The NCCL that the wheel's libtorch loads (nvidia-nccl-cu13), not /usr/local/cuda's: one
-  # process, one libnccl.so.2.
-  NCCL_DIR="$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)"
+  # process, one libnccl.so.2. nvidia/nccl is a namespace package (no __init__.py, no __file__).
+  NCCL_DIR="$("$PY" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   # torch/ itself in the prefix path too: TorchConfig's find_library() would otherwise take the
   # system's libtorch (Debian's libtorch-dev) before the wheel's torch/lib.
   TORCH_ROOT="$("$PY" -c 'import torch, os; print(os.path.dirname(torch.__file__))')"

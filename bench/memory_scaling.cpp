@@ -167,14 +167,14 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
 // nothing is in flight beyond it and there is no engine scratch, so the construction peak is
 // exactly that state, and the unpadded formula fell short by the padding (BERT-base: 4 elements, 64
 // bytes, which made every N = 1 row "PEAK OVER BOUND"). In flight: at stage 3 the rank's initial
-// shard and one broadcast bucket (ParameterStore::adopt_shards); at stages 0-2 the contiguous
+// shard and one broadcast bucket (PartStore::adopt); at stages 0-2 the contiguous
 // parameter storage, one allocation per chunk of buckets joined by split parameters
 // (detail::bucket_runs). Buckets are filled to the brim, so every boundary splits a parameter and
 // the chunk is the whole flat buffer: the tracker (which counts allocations, as a device allocator
 // reserves) sees two copies there, while the resident set grows by about one copy, because each
 // parameter's original storage is freed as soon as it is copied and the flat buffer's pages are
 // touched only as they are filled (Note [One copy at construction] in
-// src/engine/parameter_store.cpp). The bench reports both.
+// src/engine/whole_parameters.cpp). The bench reports both.
 // Step: the model state and documented buffers plus what backward holds for a moment: at stages
 // 0-2 three gradients of the largest parameter (BERT's tied embedding is used twice: two incoming
 // gradients and their sum); at stage 3 the two largest units gathered with their gradients

@@ -230,7 +230,7 @@ void bind_options(py::module_& m) {
   py::class_<UnitPolicy>(m, "UnitPolicy",
                          "Stage 3 without units=: how units are derived from the parameters' "
                          "names (include/shardopt/unit_policy.hpp). UnitPolicy(patterns=[...], "
-                         "persist_below=100000).")
+                         "persist_below=100000, persist_share=0.1).")
       .def(py::init([](const py::kwargs& kwargs) {
         UnitPolicy p;
         apply_kwargs(p, kwargs, "UnitPolicy");
@@ -240,13 +240,16 @@ void bind_options(py::module_& m) {
                      "regular expressions matched at the start of a name; the match names the "
                      "unit (empty: numbered module-list elements and top-level children)")
       .def_readwrite("persist_below", &UnitPolicy::persist_below,
-                     "groups with fewer elements stay gathered through the step")
+                     "groups with fewer elements stay gathered for good, smallest first, ...")
+      .def_readwrite("persist_share", &UnitPolicy::persist_share,
+                     "... while together within this share (0..1) of the model's elements")
       .def("__eq__", [](const UnitPolicy& a, const UnitPolicy& b) {
-        return a.patterns == b.patterns && a.persist_below == b.persist_below;
+        return a.patterns == b.patterns && a.persist_below == b.persist_below &&
+               a.persist_share == b.persist_share;
       })
       .def("__repr__", [](const UnitPolicy& p) {
-        return fmt::format("UnitPolicy(patterns=[{}], persist_below={})",
-                           fmt::join(p.patterns, ", "), p.persist_below);
+        return fmt::format("UnitPolicy(patterns=[{}], persist_below={}, persist_share={})",
+                           fmt::join(p.patterns, ", "), p.persist_below, p.persist_share);
       });
   py::class_<LossScaleOptions>(m, "LossScaleOptions",
                                "fp16 dynamic loss scaling (include/shardopt/precision.hpp). "
@@ -380,12 +383,14 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("grad_bytes", &MemoryReport::grad_bytes)
       .def_readonly("optimizer_state_bytes", &MemoryReport::optimizer_state_bytes)
       .def_readonly("buffer_bytes", &MemoryReport::buffer_bytes)
+      .def_readonly("persistent_param_bytes", &MemoryReport::persistent_param_bytes,
+                    "stage 3: the part of param_bytes held whole for good (persistent groups)")
       .def_property_readonly("total", &MemoryReport::total)
       .def("__repr__", [](const MemoryReport& r) {
         return fmt::format("MemoryReport(param_bytes={}, grad_bytes={}, optimizer_state_bytes={}, "
-                           "buffer_bytes={}, total={})",
+                           "buffer_bytes={}, persistent_param_bytes={}, total={})",
                            r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.buffer_bytes,
-                           r.total());
+                           r.persistent_param_bytes, r.total());
       });
 
   m.def("_rule_names", &detail::rule_names, "The optimizers shardopt runs natively, by name.");

@@ -144,7 +144,7 @@ struct Options {
   // prefetched one). 0: two units of one bucket each.
   int64_t gathered_units_params = 0;
   // Stage 3: elements kept gathered for good (the persistent groups of UnitPolicy: their shard a
-  // view into the whole copy, Note [Persistent parameters] in src/engine/parameter_store.cpp);
+  // view into the whole copy, Note [Persistent parameters] in src/engine/part_store.cpp);
   // they cost P bytes each, the rest P/N.
   int64_t persistent_params = 0;
   // Elements of the largest parameter. Buckets split parameters, so it no longer sizes the

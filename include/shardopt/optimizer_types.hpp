@@ -70,7 +70,7 @@ struct MemoryReport {
   int64_t optimizer_state_bytes = 0;  // optimizer state (+ fp32 master weights when mixed)
   int64_t buffer_bytes = 0;           // bounded communication buffers (buckets, gathered units)
   // Stage 3: the part of param_bytes held whole for good, the persistent parameters (Note
-  // [Persistent parameters] in src/engine/parameter_store.cpp); param_bytes holds the rest as
+  // [Persistent parameters] in src/engine/part_store.cpp); param_bytes holds the rest as
   // shards.
   int64_t persistent_param_bytes = 0;
   int64_t total() const { return param_bytes + grad_bytes + optimizer_state_bytes + buffer_bytes; }

@@ -12,7 +12,7 @@
 //             expressions (tried in order) is in the unit named by the matched text, e.g.
 //             {R"(encoder\.layers\.\d+)", "embeddings"}; the others persist.
 //
-// Persistence (Note [Persistent parameters] in src/engine/parameter_store.cpp): groups with fewer
+// Persistence (Note [Persistent parameters] in src/engine/part_store.cpp): groups with fewer
 // than `persist_below` elements (DeepSpeed's stage3_param_persistence_threshold) persist,
 // smallest first, while their elements together stay within `persist_share` of the model's
 // (DeepSpeed's model_persistence_threshold, as a share): a persistent group is kept gathered for

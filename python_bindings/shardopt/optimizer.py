@@ -68,9 +68,10 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             gathered between steps: call :meth:`gather_full_parameters` before reading them.
             Without ``units=``, stage 3 derives units from the parameters' names (every element
             of a ``ModuleList``/``Sequential`` and every other top-level child; groups under
-            ``unit_policy.persist_below`` elements stay gathered) and gathers them on first use,
-            with no hooks and no change to the model. ``unit_policy=`` takes a
-            :class:`shardopt.UnitPolicy` or a dict ``{"patterns": [regex], "persist_below": n}``.
+            ``unit_policy.persist_below`` elements stay gathered for good, smallest first, within
+            ``unit_policy.persist_share`` of the model) and gathers them on first use, with no
+            hooks and no change to the model. ``unit_policy=`` takes a :class:`shardopt.UnitPolicy`
+            or a dict ``{"patterns": [regex], "persist_below": n, "persist_share": s}``.
         **hyperparameters: torch's names: ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``amsgrad``, ``momentum``, ``dampening``, ``nesterov``, ... (defaults are torch's).
 

@@ -291,7 +291,8 @@ NON_DEFAULT = dict(stage=1, bucket_bytes=4096, overlap_comm=False, grad_accumula
                    reduce_dtype="bf16", shard_group_size=1, fused_update=False, offload="cpu",
                    broadcast_initial_params=False, align_bytes=128, prefetch=3, reuse_distance=7,
                    timeout=datetime.timedelta(seconds=42), max_nonfinite_steps=0,
-                   unit_policy=shardopt.UnitPolicy(patterns=["layers"], persist_below=5))
+                   unit_policy=shardopt.UnitPolicy(patterns=["layers"], persist_below=5,
+                                                   persist_share=0.25))
 LOSS_SCALE = dict(dynamic=False, initial_scale=1024.0, growth_factor=3.0, growth_interval=7,
                   backoff_factor=0.25, hysteresis=4, min_scale=2.0)
 

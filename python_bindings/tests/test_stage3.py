@@ -59,6 +59,10 @@ UNITS = {
     # No units=: units from the names (embed, blocks.0, blocks.1, decoder), gathered on first use
     # through the dispatcher; this model is tiny, so nothing may persist.
     "automatic": lambda m: dict(params=m, unit_policy={"persist_below": 0}),
+    # The same with the small groups persistent (the blocks' 216 elements are not: 100 is the
+    # per-group bound), within half of the model.
+    "automatic_persistent": lambda m: dict(
+        params=m, unit_policy=shardopt.UnitPolicy(persist_below=100, persist_share=0.5)),
 }
 
 
@@ -141,6 +145,18 @@ def test_policies_are_checked():
         shardopt.DistributedOptimizer(model.named_parameters(), "sgd", lr=0.1, comm=comm,
                                       stage=3, units=[model.blocks[0], "decoder"])
     assert [n for n, _ in shardopt.modules_of_type(model, Block)] == ["blocks.0", "blocks.1"]
+
+
+def test_persistent_groups_are_reported(comm):
+    """persist_share reaches C++, and memory() says what persists: nothing with persist_below=0."""
+    _, none = train_stage3(comm, "sgd", "automatic")
+    _, some = train_stage3(comm, "sgd", "automatic_persistent")
+    policy = some.options.unit_policy
+    persistent = some.memory().persistent_param_bytes
+    ok = (none.memory().persistent_param_bytes == 0 and 0 < persistent <= 4 * some.numel // 2
+          and policy.persist_share == 0.5 and "persist_share=0.5" in repr(policy)
+          and "persistent_param_bytes" in repr(some.memory()))
+    assert all_ranks_ok(comm, ok), f"rank {comm.rank}: persistent bytes {persistent}, {policy}"
 
 
 def test_automatic_units_hold_only_shards_between_steps(comm):

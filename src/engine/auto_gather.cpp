@@ -18,7 +18,7 @@
 //   (Note [Reuse distance]). A part used again later (a tied embedding at the decoder) is
 //   gathered again unless it was kept.
 //   Backward: a part is gathered when backward first reads it (NeededInBackward, Note [Part
-//   lifecycle] in parameter_store.cpp) and released once its gradients are in (the engine reports
+//   lifecycle] in part_store.cpp) and released once its gradients are in (the engine reports
 //   it: PartScheduler::post_backward), as for declared units; end of backward frees the rest but
 //   the root.
 //   Trace: the order of first uses in forward, then in backward (Note [Use trace] in
@@ -68,7 +68,7 @@
 
 namespace shardopt::detail {
 
-AutoUnits::AutoUnits(ParameterStore& store, int root, int prefetch, int reuse_distance,
+AutoUnits::AutoUnits(PartStore& store, int root, int prefetch, int reuse_distance,
                      CommunicatorPtr comm, Duration timeout, int keep)
     : PartScheduler(store, store.part_count(), std::move(comm), timeout, prefetch), root_(root),
       reuse_distance_(static_cast<size_t>(std::max(0, reuse_distance))),

@@ -62,13 +62,13 @@ void CheckpointAccess::after_load() {
         at::Tensor range = full.narrow(0, bl.flat_offset, bl.padded);
         works.push_back(comm->all_gather(range.narrow(0, rank * bl.shard, bl.shard), range, true));
       };
-      gather_bucket(plan.separate_master() ? flat_.master() : store_.whole());
+      if (plan.separate_master()) gather_bucket(flat_.master());  // else the store's, below
       for (auto& s : flat_.state()) gather_bucket(s);
     }
     for (auto& w : works) w->wait(options_.timeout);
   }
   update_.write_back();  // master -> model dtype
-  store_.after_update();  // sharded: parameters; per part: frees stale parts
+  store_.after_load();
   restart_();
 }
 

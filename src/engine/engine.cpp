@@ -51,6 +51,7 @@
 #include "engine/finite_check.hpp"
 #include "engine/group_options.hpp"
 #include "engine/placement.hpp"
+#include "engine/whole_parameters.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/memory_tracker.hpp"
 #include "shardopt/recompute.hpp"
@@ -87,7 +88,7 @@ std::vector<std::string> names_of(const std::vector<ModelParam>& params) {
 // Stage 3 without declared units: units from the parameters' names (shardopt/unit_policy.hpp),
 // as a Units object no model code runs (Note [Automatic units] in auto_gather.cpp). Without the
 // release guard's key (another library holds it) nothing can gather on use: every parameter is
-// then in the root part, which persists (Note [Persistent parameters] in parameter_store.cpp).
+// then in the root part, which persists (Note [Persistent parameters] in part_store.cpp).
 UnitsPtr derived_units(const std::vector<ParamGroup>& groups, const UnitPolicy& policy,
                        bool report) {
   std::vector<std::string> names;
@@ -202,15 +203,22 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
   // the master weights (ParameterStore::adopt). Allocations are attributed by category (Note
   // [Peak attribution] in shardopt/memory_tracker.hpp).
-  store_ = make_store();
-  if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
-    auto automatic = std::make_unique<AutoUnits>(*store_, model_.root_part, options_.prefetch,
-                                                 options_.reuse_distance, comm_, options_.timeout);
-    store_->set_automatic(automatic.get());
-    scheduler_ = std::move(automatic);
-  } else if (plan_.per_part()) {
-    scheduler_ = std::make_unique<DeclaredUnits>(*store_, model_.unit_parts, comm_,
-                                                 options_.timeout, options_.prefetch);
+  if (plan_.per_part()) {
+    auto parts = make_part_store();
+    if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
+      auto automatic =
+          std::make_unique<AutoUnits>(*parts, model_.root_part, options_.prefetch,
+                                      options_.reuse_distance, comm_, options_.timeout);
+      parts->set_automatic(automatic.get());
+      scheduler_ = std::move(automatic);
+    } else {
+      scheduler_ = std::make_unique<DeclaredUnits>(*parts, model_.unit_parts, comm_,
+                                                   options_.timeout, options_.prefetch);
+    }
+    store_ = std::move(parts);
+  } else {
+    store_ = std::make_unique<WholeParameters>(*flat_, tensors_of(params()), comm_,
+                                               options_.timeout);
   }
   // A scope lives to the end of its full expression: (scope(c), allocating call).
   auto scope = [](const char* category) { return MemoryScope(category, "optimizer"); };
@@ -246,19 +254,13 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       });
 }
 
-// Per part: one part per declared unit, shared set and the root (Note [Stage 3 units]); whole:
-// one part, the model.
-std::unique_ptr<ParameterStore> Engine::make_store() {
-  if (plan_.per_part()) {
-    auto labels = part_labels(model_, *unit_plan_);
-    if (automatic_) labels.back() = "the persistent groups, gathered for good";
-    return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
-                                            std::move(labels), comm_, options_.timeout,
-                                            /*root_persists=*/automatic_);
-  }
-  return std::make_unique<ParameterStore>(*flat_, tensors_of(params()), names_of(params()),
-                                          std::vector<std::string>{"the whole model"}, comm_,
-                                          options_.timeout);
+// One part per declared unit, shared set and the root (Note [Stage 3 units]).
+std::unique_ptr<PartStore> Engine::make_part_store() {
+  auto labels = part_labels(model_, *unit_plan_);
+  if (automatic_) labels.back() = "the persistent groups, gathered for good";
+  return std::make_unique<PartStore>(*flat_, tensors_of(params()), names_of(params()),
+                                     std::move(labels), comm_, options_.timeout,
+                                     /*root_persists=*/automatic_);
 }
 
 void Engine::attach_hooks() {

@@ -3,7 +3,7 @@
 // its state; the engine wires them together, and the stage-3 scheduler alone decides when a part
 // is gathered or released; the reducer reports landed buckets through a callback the engine sets:
 //   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
-//   ParameterStore   (parameter_store.hpp)   the model's parameters, whole or gathered per part
+//   ParameterStore   (parameter_store.hpp)   the model's parameters: whole, or parts (stage 3)
 //   PartScheduler    (part_scheduler.hpp)    stage 3: when each part is gathered and released
 //   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
 //   BackwardTracker  (backward_tracker.hpp)  micro-steps, duplicate hooks, which parts are complete
@@ -28,6 +28,7 @@
 #include "engine/local_update.hpp"
 #include "engine/model_check.hpp"
 #include "engine/parameter_store.hpp"
+#include "engine/part_store.hpp"
 #include "engine/part_scheduler.hpp"
 #include "shardopt/detail/plan.hpp"
 #include "shardopt/comm.hpp"
@@ -75,7 +76,7 @@ class Engine final : public UnitRuntime {
   const std::vector<ModelParam>& params() const { return model_.params; }
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
-  std::unique_ptr<ParameterStore> make_store();
+  std::unique_ptr<PartStore> make_part_store();
   void attach_hooks();
   // Autograd events.
   void begin_pass();

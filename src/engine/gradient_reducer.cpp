@@ -228,6 +228,9 @@ int GradientReducer::acquire_buffer(int bucket, int hook_micro) {
 void GradientReducer::launch(int bucket, int micro) {
   auto& b = buckets_[bucket];
   const auto& bl = flat_.layout().buckets[bucket];
+  // A second launch would drop the first's work while landing_ still lists the bucket.
+  SHARDOPT_INTERNAL_ASSERT(!b.work, "bucket {} launched again while its reduction is in flight",
+                           bucket);
   b.launched_micro = micro;
   at::Tensor range;
   if (plan_.bucketed()) {

@@ -12,7 +12,7 @@ namespace shardopt::detail {
 
 // ---- Note [One owner of releases] ---------------------------------------------------------------
 
-PartScheduler::PartScheduler(ParameterStore& store, int ids, CommunicatorPtr comm,
+PartScheduler::PartScheduler(PartStore& store, int ids, CommunicatorPtr comm,
                              Duration timeout, int prefetch)
     : store_(store), trace_(ids), comm_(std::move(comm)), timeout_(timeout),
       prefetch_(std::max(0, prefetch)) {}
@@ -41,7 +41,7 @@ void PartScheduler::end_backward() {
 
 // ---- Declared units (Note [Stage 3 units] in engine.cpp) ----------------------------------------
 
-DeclaredUnits::DeclaredUnits(ParameterStore& store, std::vector<std::vector<int>> unit_parts,
+DeclaredUnits::DeclaredUnits(PartStore& store, std::vector<std::vector<int>> unit_parts,
                              CommunicatorPtr comm, Duration timeout, int prefetch)
     : PartScheduler(store, static_cast<int>(unit_parts.size()), std::move(comm), timeout,
                     prefetch),

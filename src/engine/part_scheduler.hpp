@@ -1,4 +1,4 @@
-// Stage-3 schedulers: the policy over ParameterStore's parts (the mechanism: shards, buffers,
+// Stage-3 schedulers: the policy over PartStore's parts (the mechanism: shards, buffers,
 // PartState). One interface with the four moments of a use (FSDP2's FSDPParamGroup: pre-forward,
 // post-forward, pre-backward, post-backward), one use trace checked across ranks (Note [Use
 // trace] in shardopt/detail/use_trace.hpp), two implementations: DeclaredUnits (Units::run and
@@ -11,7 +11,7 @@
 #include <deque>
 #include <vector>
 
-#include "engine/parameter_store.hpp"
+#include "engine/part_store.hpp"
 #include "engine/release_guard.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/detail/use_trace.hpp"
@@ -25,7 +25,7 @@ namespace shardopt::detail {
 // store's gather, prefetch or release.
 class PartScheduler {
  public:
-  PartScheduler(ParameterStore& store, int ids, CommunicatorPtr comm, Duration timeout,
+  PartScheduler(PartStore& store, int ids, CommunicatorPtr comm, Duration timeout,
                 int prefetch);
   virtual ~PartScheduler() = default;
 
@@ -41,7 +41,7 @@ class PartScheduler {
   void start_forward() { store_.gather_root(); }
   // End of a backward pass: parts left over but the root are freed; the pass becomes the trace.
   virtual void end_backward();
-  // step() wrote new values: ParameterStore::after_update() dropped every stale copy.
+  // step() wrote new values: PartStore::after_update() dropped every stale copy.
   virtual void after_step() {}
   // gather_full_parameters(): every part, outside a pass.
   void gather_all() { store_.gather_full(); }
@@ -49,7 +49,7 @@ class PartScheduler {
  protected:
   virtual const char* trace_names() const = 0;
 
-  ParameterStore& store_;
+  PartStore& store_;
   UseTrace trace_;
   CommunicatorPtr comm_;
   Duration timeout_;
@@ -61,7 +61,7 @@ class PartScheduler {
 class DeclaredUnits final : public PartScheduler {
  public:
   // unit_parts[u]: the parts declared unit u needs.
-  DeclaredUnits(ParameterStore& store, std::vector<std::vector<int>> unit_parts,
+  DeclaredUnits(PartStore& store, std::vector<std::vector<int>> unit_parts,
                 CommunicatorPtr comm, Duration timeout, int prefetch);
   // in_backward: a unit run again inside backward (a recomputation): gathered as usual, but not
   // part of the forward order that guides prefetch.
@@ -84,7 +84,7 @@ class AutoUnits final : public PartScheduler, public GatherOnUse {
  public:
   // root: the persistent part; reuse_distance: ZeroOptions::reuse_distance; keep: without a usable
   // trace, the parts kept gathered in forward.
-  AutoUnits(ParameterStore& store, int root, int prefetch, int reuse_distance,
+  AutoUnits(PartStore& store, int root, int prefetch, int reuse_distance,
             CommunicatorPtr comm, Duration timeout, int keep = 2);
 
   void use(const std::vector<int>& parts) override;

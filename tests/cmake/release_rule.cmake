@@ -1,11 +1,11 @@
 # Note [One owner of releases] (src/engine/part_scheduler.hpp): only the part store
-# (parameter_store.*) and the stage-3 schedulers (part_scheduler.*, auto_gather.cpp) gather,
+# (part_store.*) and the stage-3 schedulers (part_scheduler.*, auto_gather.cpp) gather,
 # prefetch or release parts. Fails naming each other line in src/ that calls the store to.
 #   cmake -DSOURCE_DIR=<checkout> -P tests/cmake/release_rule.cmake
 cmake_policy(SET CMP0057 NEW)
 file(GLOB_RECURSE _sources "${SOURCE_DIR}/src/*.cpp" "${SOURCE_DIR}/src/*.hpp"
      "${SOURCE_DIR}/src/*.cu")
-set(_allowed parameter_store.cpp parameter_store.hpp part_scheduler.cpp part_scheduler.hpp
+set(_allowed part_store.cpp part_store.hpp part_scheduler.cpp part_scheduler.hpp
     auto_gather.cpp)
 set(_calls "store_?(\\.|->)(release\\([^)]|gather_[a-z_]+\\(|prefetch[a-z_]*\\()")
 set(_found "")

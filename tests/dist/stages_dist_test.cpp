@@ -57,6 +57,9 @@ struct Case {
   bool torch_style = false;
   // Stage 3 without declared units: units derived from the names, gathered on first use.
   bool auto_units = false;
+  // With auto_units: the small groups persist (Note [Persistent parameters] in
+  // src/engine/part_store.cpp), within half of the model, instead of none.
+  bool persist = false;
 };
 
 std::string case_name(const Case& c) {
@@ -68,7 +71,8 @@ std::string case_name(const Case& c) {
                      c.precision != Precision::FP32 ? std::string("_") + to_string(c.precision) : "",
                      c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused") +
          (c.shard_group > 0 ? fmt::format("_hybrid{}", c.shard_group) : "") +
-        (c.torch_style ? "_torchstyle" : "") + (c.auto_units ? "_autounits" : "");
+        (c.torch_style ? "_torchstyle" : "") + (c.auto_units ? "_autounits" : "") +
+        (c.persist ? "_persist" : "");
 }
 
 
@@ -194,7 +198,8 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   zo.units = net.units;  // used by stage 3, ignored by the others
   if (c.auto_units) {
     zo.units = nullptr;  // net.loss's units->run calls then just call their functions
-    zo.unit_policy.persist_below = 0;
+    zo.unit_policy.persist_below = c.persist ? int64_t{1} << 40 : 0;
+    zo.unit_policy.persist_share = 0.5;
   }
   zo.offload = c.offload ? Offload::CPU : Offload::None;
   zo.precision = c.precision;
@@ -256,7 +261,9 @@ TEST_P(StageParity, MatchesSingleProcessTorch) {
               return m;
             }(), &moved), 1e-3);
   EXPECT_TRUE(run.params.at("frozen.scale").equal(initial.by_name["frozen.scale"].detach()));
-  EXPECT_TRUE(test::all_ranks(diff <= 1e-6));
+  const bool persisted = !c.persist || run.memory.persistent_param_bytes > 0;
+  EXPECT_TRUE(persisted) << "nothing persisted";
+  EXPECT_TRUE(test::all_ranks(diff <= 1e-6 && persisted));
 }
 
 std::vector<Case> parity_cases() {
@@ -304,6 +311,13 @@ std::vector<Case> parity_cases() {
                  Case{3, "adamw", 2, 0.05, true, true, 64, "mpi", true},
                  Case{3, "sgd", 1, 0.0, false, false}, Case{3, "adamw", 2, 0.0, true, true, 1 << 20}}) {
     c.auto_units = true;
+    cases.push_back(c);
+  }
+  // Persistent groups: their shard a view into the gathered copy, updated in place (offload: the
+  // host master written back into it).
+  for (Case c : {Case{3, "adamw"}, Case{3, "sgd", 4}, Case{3, "adamw", 2, 0.05, true, true, 64,
+                                                         "mpi", true}}) {
+    c.auto_units = c.persist = true;
     cases.push_back(c);
   }
   return cases;
@@ -527,16 +541,18 @@ TEST(StageValidation, DuplicateAndEmptyNamesAreRefused) {
 // Mixed precision: fp16/bf16 parameters with an fp32 master copy track the fp32 run. The
 // tolerances are what 10 AdamW steps of lr 0.01 leave after rounding the parameters (|p| <= ~3)
 // to the compute dtype: bf16 keeps 8 bits of mantissa, fp16 11. Measured at N = 1..4: 4.5e-3
-// (bf16) and 7.2e-4 (fp16); the bounds are about three times that. Stage 3 runs twice: with the
-// model's units and with automatic units (no units declared), held to the same bound.
+// (bf16) and 7.2e-4 (fp16); the bounds are about three times that. Stage 3 runs three times: with
+// the model's units, with automatic units (no units declared) and with automatic units whose small
+// groups persist (the write-back casts into their gathered copy), held to the same bound.
 TEST(Precision, MixedTracksFp32) {
   auto comm = test::world();
   for (Precision precision : {Precision::BF16, Precision::FP16}) {
     const double tol = precision == Precision::BF16 ? 1.5e-2 : 2.5e-3;
-    for (int stage : {0, 1, 2, 3, 4}) {  // 4: stage 3 with automatic units
+    for (int stage : {0, 1, 2, 3, 4, 5}) {  // 4: stage 3, automatic units; 5: and persistent
       for (bool reduce_in_fp32 : {true, false}) {
         Case c{std::min(stage, 3), "adamw", 2, 0.05};
-        c.auto_units = stage == 4;
+        c.auto_units = stage >= 4;
+        c.persist = stage == 5;
         c.precision = precision;
         c.reduce_in_fp32 = reduce_in_fp32;
         const auto reference = train_reference(c);
@@ -550,7 +566,9 @@ TEST(Precision, MixedTracksFp32) {
         EXPECT_EQ(run.dtype, precision == Precision::BF16 ? at::kBFloat16 : at::kHalf);
         EXPECT_LE(diff, tol) << case_name(c) << ", worst " << worst;
         EXPECT_GT(diff, 0.0) << "the parameters must really be " << to_string(precision);
-        EXPECT_TRUE(test::all_ranks(diff <= tol));
+        const bool persisted = !c.persist || run.memory.persistent_param_bytes > 0;
+        EXPECT_TRUE(persisted) << case_name(c) << ": nothing persisted";
+        EXPECT_TRUE(test::all_ranks(diff <= tol && persisted));
       }
     }
   }

@@ -33,7 +33,7 @@ struct StagePlan {
   // bucket buffer and freed; buckets are reduced every micro-step into the reduced-gradient shard.
   enum class Gradients { InPlace, Bucketed };
   // The model's parameters: whole on every rank, or sharded and gathered per part (Note [Part
-  // lifecycle] in src/engine/parameter_store.cpp) while used.
+  // lifecycle] in src/engine/part_store.cpp) while used.
   enum class Parameters { Whole, PerPart };
   // The update's target: the model's own storage, or a separate master copy (fp32 and/or host).
   enum class Master { Model, Separate };

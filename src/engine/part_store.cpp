@@ -1,4 +1,4 @@
-// ParameterStore: the model's parameter storage, whole or gathered per part.
+// PartStore: stage 3's parameter storage, gathered per part on request.
 //
 // Note [Part lifecycle]
 // Below the Units API the engine gathers parts (Note [Stage 3 units] in engine.cpp): a declared
@@ -13,20 +13,20 @@
 // first. NeededInBackward is what lets a forward run inside backward (a recomputation) end
 // without freeing the part backward still reads. The store changes states only when asked (no
 // policy): the schedulers (part_scheduler.hpp, Note [One owner of releases]) decide, for declared
-// and automatic units alike. Whole plans have one part, Gathered for good.
+// and automatic units alike.
 //
 // Note [Persistent parameters]
 // A persistent part (automatic units' root part: UnitPolicy's small groups, within its
 // persist_share of the model) is Gathered for good, and this rank's shard of its buckets is a
 // view into its full buffer, not a second copy: the update writes the owned slice there (or the
 // write-back casts into it under mixed precision, whose master is separate anyway) and
-// after_update() all-gathers each bucket in place, as Whole plans do. So a persistent parameter
-// costs what it costs at stage 2 (P bytes), never the P + P/N of a gathered copy beside a shard,
-// and stage 3 never holds more than stage 2 for it; its parameters carry no guard key (nothing to
+// after_update() all-gathers each bucket in place, as WholeParameters does. So a persistent
+// parameter costs what it costs at stage 2 (P bytes), never the P + P/N of a gathered copy beside a
+// shard, and stage 3 never holds more than stage 2 for it; its parameters carry no guard key (nothing to
 // gather on use), so operations on them cost nothing extra. The other parts' shards are packed in
 // shard_. Declared units' root part (parameters no unit declares) is not persistent: it is
 // gathered from zero_grad() to step() and released after it.
-#include "engine/parameter_store.hpp"
+#include "engine/part_store.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
@@ -40,16 +40,14 @@
 
 namespace shardopt::detail {
 
-ParameterStore::ParameterStore(const FlatState& flat, std::vector<at::Tensor> params,
-                               std::vector<std::string> names, std::vector<std::string> part_labels,
-                               CommunicatorPtr comm, Duration timeout, bool root_persists)
-    : flat_(flat), plan_(flat.plan()), params_(std::move(params)), names_(std::move(names)),
-      part_labels_(std::move(part_labels)), comm_(std::move(comm)), timeout_(timeout),
-      rank_(flat.rank()) {
+PartStore::PartStore(const FlatState& flat, std::vector<at::Tensor> params,
+                     std::vector<std::string> names, std::vector<std::string> part_labels,
+                     CommunicatorPtr comm, Duration timeout, bool root_persists)
+    : ParameterStore(flat, std::move(params), std::move(comm), timeout), names_(std::move(names)),
+      part_labels_(std::move(part_labels)) {
   parts_.resize(part_labels_.size());
   root_part_ = static_cast<int>(parts_.size()) - 1;
-  if (!plan_.per_part()) parts_[root_part_].state = PartState::Gathered;  // for good
-  parts_[root_part_].persistent = plan_.per_part() && root_persists;
+  parts_[root_part_].persistent = root_persists;
   for (size_t p = 0; p < parts_.size(); ++p) {
     parts_[p].memory_tag = MemoryScope::tag(
         parts_[p].persistent ? "persistent parameters" : "gathered parts", part_labels_[p]);
@@ -66,7 +64,7 @@ const char* part_state_name(PartState state) {
   return "?";
 }
 
-ParameterStore::~ParameterStore() {
+PartStore::~PartStore() {
   registrations_.clear();
   for (const auto& part : parts_) {
     for (int i : part.params) forget_parameter(params_[i]);
@@ -82,55 +80,10 @@ ParameterStore::~ParameterStore() {
   }
 }
 
-at::Tensor ParameterStore::adopt(const at::TensorOptions& master_options, bool broadcast) {
+// The parameters move into this rank's shard bucket by bucket, each parameter's own storage given
+// back after its last bucket, so construction holds the model once plus the shard and one bucket.
+at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadcast) {
   at::NoGradGuard no_grad;
-  return plan_.per_part() ? adopt_shards(master_options, broadcast)
-                          : adopt_whole(master_options, broadcast);
-}
-
-// Note [One copy at construction] (Whole): the flat buffer is one allocation (buckets split
-// parameters, so no boundary between parameters is also one between buckets), but its pages are
-// touched only as it fills: each parameter is copied in (ranks that receive rank 0's values skip
-// the copy) and, when the model keeps the master's dtype and device, becomes its view at once, so
-// its original storage is freed before the next one is copied. The resident peak is about one
-// model plus one parameter; an allocator that reserves (a device, the bench's tracker) still
-// counts the model plus the flat buffer.
-at::Tensor ParameterStore::adopt_whole(const at::TensorOptions& master_options, bool broadcast) {
-  const auto& layout = flat_.layout();
-  at::Tensor initial = at::empty({layout.padded_numel}, master_options);
-  const auto& model_options = flat_.model_options();
-  const bool same_storage = initial.dtype() == model_options.dtype() &&
-                            initial.device() == model_options.device();
-  const bool from_rank0 = broadcast && comm_->size() > 1;
-  for (const auto& bl : layout.buckets) {  // padding: alignment gaps and each bucket's tail
-    int64_t end = 0;
-    for (int k : bl.pieces) {
-      const auto& piece = layout.pieces[k];
-      if (piece.offset > end) initial.narrow(0, bl.flat_offset + end, piece.offset - end).zero_();
-      end = std::max(end, piece.offset + piece.numel);
-    }
-    if (bl.padded > end) initial.narrow(0, bl.flat_offset + end, bl.padded - end).zero_();
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto& param = params_[i];
-    at::Tensor slot = initial.narrow(0, layout.flat_offset(static_cast<int>(i)), layout.slots[i].numel);
-    if (!from_rank0 || rank_ == 0) slot.copy_(param.reshape(-1));
-    if (same_storage) param.set_data(slot.view(param.sizes()));
-  }
-  if (from_rank0) comm_->broadcast(initial, 0, true)->wait(timeout_);
-  flat_params_ = initial.to(model_options);  // no copy when nothing changes
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto& p = params_[i];
-    p.set_data(flat_params_.narrow(0, layout.flat_offset(static_cast<int>(i)), p.numel())
-                   .view(p.sizes()));  // same TensorImpl (autograd identity), our storage
-  }
-  return initial;
-}
-
-// PerPart: the parameters move into this rank's shard bucket by bucket, each parameter's own
-// storage given back after its last bucket, so construction holds the model once plus the shard
-// and one bucket.
-at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options, bool broadcast) {
   const auto& layout = flat_.layout();
   const auto& options = flat_.model_options();
   const int world = comm_->size();
@@ -257,70 +210,47 @@ at::Tensor ParameterStore::adopt_shards(const at::TensorOptions& master_options,
   return initial;
 }
 
-at::Tensor ParameterStore::model_slice(int bucket, const UpdatedRange& range) const {
-  const auto& bl = flat_.layout().buckets[bucket];
-  if (plan_.per_part()) return owned_[bucket].narrow(0, 0, range.length);
-  return flat_params_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
+at::Tensor PartStore::model_slice(int bucket, const UpdatedRange& range) const {
+  return owned_[bucket].narrow(0, 0, range.length);
 }
 
-at::Tensor ParameterStore::owned_slice(int bucket) const {
-  if (plan_.per_part()) return owned_[bucket];
-  const auto& bl = flat_.layout().buckets[bucket];
-  return flat_params_.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard);
-}
-
-void ParameterStore::after_update() {
-  if (plan_.per_part()) {
-    // Parts gather on demand (the root part before the next forward); any still gathered holds
-    // stale values now. Persistent parts are all-gathered in place.
-    for (int part = 0; part <= root_part_; ++part) {
-      if (parts_[part].persistent) {
-        gather_in_place(part);
-      } else {
-        release(part);
-      }
+// Parts gather on demand (the root part before the next forward); any still gathered holds stale
+// values now. Persistent parts are all-gathered in place.
+void PartStore::after_update() {
+  for (int part = 0; part <= root_part_; ++part) {
+    if (parts_[part].persistent) {
+      gather_in_place(part);
+    } else {
+      release(part);
     }
-    return;
   }
-  if (!plan_.gathers_after_update()) return;
-  std::vector<WorkPtr> works;
-  for (const auto& bl : flat_.layout().buckets) {
-    at::Tensor range = flat_params_.narrow(0, bl.flat_offset, bl.padded);
-    works.push_back(comm_->all_gather(range.narrow(0, rank_ * bl.shard, bl.shard), range, true));
-    comm_elements_ += bl.padded;
-  }
-  for (auto& w : works) w->wait(timeout_);
 }
 
-// ---- PerPart: on request (Note [Part lifecycle]) ----------------------------------------------
+// ---- On request (Note [Part lifecycle]) ----------------------------------------------------
 
-void ParameterStore::gather_root() {
-  if (!plan_.per_part() || parts_[root_part_].state != PartState::Released ||
-      parts_[root_part_].buckets.empty()) {
-    return;
-  }
+void PartStore::gather_root() {
+  if (parts_[root_part_].state != PartState::Released || parts_[root_part_].buckets.empty()) return;
   launch_gather(root_part_);
   ensure_gathered(root_part_);
 }
 
-void ParameterStore::gather_full() {
-  if (!plan_.per_part()) return;
+void PartStore::gather_full() {
   for (int part = 0; part <= root_part_; ++part) prefetch_part(part);
   for (int part = 0; part <= root_part_; ++part) ensure_gathered(part);
 }
 
-void ParameterStore::prefetch_part(int part) {
+void PartStore::prefetch_part(int part) {
   if (parts_[part].state == PartState::Released) launch_gather(part);
 }
 
-void ParameterStore::gather_part(int part) { ensure_gathered(part); }
+void PartStore::gather_part(int part) { ensure_gathered(part); }
 
-void ParameterStore::gather_for_backward(int part) {
+void PartStore::gather_for_backward(int part) {
   ensure_gathered(part);
   if (parts_[part].state == PartState::Gathered) transition(part, PartState::NeededInBackward);
 }
 
-void ParameterStore::transition(int part, PartState to) {
+void PartStore::transition(int part, PartState to) {
   const PartState from = parts_[part].state;
   const bool legal =
       (from == PartState::Released && to == PartState::Gathering) ||
@@ -333,7 +263,7 @@ void ParameterStore::transition(int part, PartState to) {
   parts_[part].state = to;
 }
 
-void ParameterStore::allocate_full(Part& p) {
+void PartStore::allocate_full(Part& p) {
   MemoryScope scope(p.memory_tag);
   auto* storage = p.full.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == 0 && p.full.numel() > 0) {
@@ -347,7 +277,7 @@ void ParameterStore::allocate_full(Part& p) {
 
 // Released -> Gathering: allocates the part's full buffer and starts all-gathering its shards
 // into it.
-void ParameterStore::launch_gather(int part) {
+void PartStore::launch_gather(int part) {
   transition(part, PartState::Gathering);
   auto& p = parts_[part];
   allocate_full(p);
@@ -362,7 +292,7 @@ void ParameterStore::launch_gather(int part) {
 
 // A persistent part: Gathered for good; the owned slices are views of full_, so the all-gather
 // runs in place. The first call (adopt) moves it out of Released.
-void ParameterStore::gather_in_place(int part) {
+void PartStore::gather_in_place(int part) {
   auto& p = parts_[part];
   if (p.state == PartState::Released) transition(part, PartState::Gathering);
   if (p.state == PartState::Gathering) transition(part, PartState::Gathered);
@@ -376,7 +306,7 @@ void ParameterStore::gather_in_place(int part) {
 
 // Any state -> Gathered or NeededInBackward: launches the gather if released, waits for it if in
 // flight.
-void ParameterStore::ensure_gathered(int part) {
+void PartStore::ensure_gathered(int part) {
   auto& p = parts_[part];
   if (p.state == PartState::Released) launch_gather(part);
   if (p.state != PartState::Gathering) return;
@@ -386,7 +316,7 @@ void ParameterStore::ensure_gathered(int part) {
 }
 
 // Frees the part's full storage (the parameters keep their shape, not their bytes).
-void ParameterStore::release(int part) {
+void PartStore::release(int part) {
   auto& p = parts_[part];
   if (p.state == PartState::Released || p.persistent) return;  // persistent: for good
   ensure_gathered(part);  // never free under a collective
@@ -397,18 +327,11 @@ void ParameterStore::release(int part) {
   transition(part, PartState::Released);
 }
 
-int64_t ParameterStore::take_comm_elements() {
-  const int64_t n = comm_elements_;
-  comm_elements_ = 0;
-  return n;
-}
-
-int64_t ParameterStore::param_bytes() const {
-  if (!plan_.per_part()) return static_cast<int64_t>(flat_params_.nbytes());
+int64_t PartStore::param_bytes() const {
   return static_cast<int64_t>(shard_.nbytes()) + persistent_bytes();
 }
 
-int64_t ParameterStore::persistent_bytes() const {
+int64_t PartStore::persistent_bytes() const {
   int64_t bytes = 0;
   for (const auto& part : parts_) {
     if (part.persistent && part.full.defined()) {
@@ -418,7 +341,7 @@ int64_t ParameterStore::persistent_bytes() const {
   return bytes;
 }
 
-int64_t ParameterStore::gathered_bytes() const {
+int64_t PartStore::gathered_bytes() const {
   int64_t bytes = 0;
   for (const auto& part : parts_) {
     if (!part.persistent && part.full.defined()) {

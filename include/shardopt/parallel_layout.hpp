@@ -1,0 +1,34 @@
+// ParallelLayout: the rank grid of model parallelism (tensor x data x pipeline), as Megatron lays
+// it out: tensor-parallel ranks innermost (consecutive ranks, one host when ranks are placed host
+// by host: the tensor group talks the most), then data parallel, then pipeline stages:
+//   world rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+// make_parallel_groups cuts a world communicator into the three groups with Communicator::split;
+// DistributedOptimizer is then given `dp` and shards the tensor-split parameters over it.
+#pragma once
+
+#include <string>
+
+#include "shardopt/comm.hpp"
+
+namespace shardopt {
+
+struct ParallelLayout {
+  int tp = 1;  // tensor-parallel ranks per group (shardopt/tensor_parallel.hpp)
+  int pp = 1;  // pipeline stages
+  int dp = 0;  // data-parallel replicas; 0: world size / (tp * pp)
+
+  // "tp=2 x dp=2 x pp=1"
+  std::string to_string() const;
+};
+
+struct ParallelGroups {
+  ParallelLayout layout;  // with dp resolved
+  CommunicatorPtr world, tp, dp, pp;
+  int tp_rank = 0, dp_rank = 0, pp_rank = 0;
+};
+
+// Collective over `world`. Throws Error{InvalidArgument} naming the sizes when tp, pp or dp is
+// below 1 or tp * dp * pp differs from the world's size.
+ParallelGroups make_parallel_groups(const CommunicatorPtr& world, ParallelLayout layout);
+
+}  // namespace shardopt

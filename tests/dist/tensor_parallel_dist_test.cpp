@@ -352,9 +352,11 @@ TEST(TensorParallelRng, SplitRegionsDrawPerRankStreamsTheRestTheSame) {
 
 // ZeRO over the data-parallel group (Note [Split regions]): each tensor rank's optimizer shards
 // its slices over the d ranks that hold the same slices; the replicated LayerNorm gets the same
-// gradient on every tensor rank, so its copies stay equal. A (t, d) grid trains as torch's AdamW
-// on the unsplit model over the global batch (float64: <= 1e-10 after 5 steps), stages 0-3 (3:
-// automatic units, gathered on use through the split layers).
+// gradient on every tensor rank, so its copies stay equal (under sequence parallelism its shard
+// gradients are summed over the group before the optimizer's hooks see them). A (t, d) grid
+// trains as torch's AdamW on the unsplit model over the global batch (float64: <= 1e-10 after 5
+// steps), stages 0-3 (3: automatic units, gathered on use through the split layers), with and
+// without sequence parallelism.
 TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
   auto world = test::world();
   const auto sizes = tensor_sizes(world->size());
@@ -395,15 +397,21 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
   for (int t : sizes) {
     const ParallelGroups g = make_parallel_groups(world, ParallelLayout{t});
     const int d = g.dp->size();
-    for (int stage : {0, 1, 2, 3}) {
-      SCOPED_TRACE(fmt::format("t={} d={} stage {}", t, d, stage));
-      tp::ColumnParallelLinear up(kHidden, kFfn, options(g, false));
-      tp::RowParallelLinear down(kFfn, kHidden, options(g, false));
+    for (int run = 0; run < 8; ++run) {
+      const int stage = run % 4;
+      const bool sp = run >= 4;
+      SCOPED_TRACE(fmt::format("t={} d={} stage {}{}", t, d, stage, sp ? " sequence parallel" : ""));
+      tp::ColumnParallelLinear up(kHidden, kFfn, options(g, sp));
+      tp::RowParallelLinear down(kFfn, kHidden, options(g, sp));
       up->to(at::kDouble);
       down->to(at::kDouble);
       up->load_full(up_w0, up_b0);
       down->load_full(down_w0, down_b0);
       at::Tensor ln_w = ln_w0.clone().requires_grad_(true), ln_b = ln_b0.clone().requires_grad_(true);
+      if (sp) {
+        tp::mark_sequence_parallel(ln_w, g.tp);
+        tp::mark_sequence_parallel(ln_b, g.tp);
+      }
       ParamGroup group;
       group.params = {{"up.weight", up->weight}, {"up.bias", up->bias},
                       {"down.weight", down->weight}, {"down.bias", down->bias},
@@ -417,11 +425,18 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
       const int64_t rows = kRows / d;  // this data-parallel rank's rows; every tensor rank the same
       for (int64_t s = 0; s < kSteps; ++s) {
         auto [x, y] = batch(s);
+        x = x.narrow(0, g.dp_rank * rows, rows);
+        y = y.narrow(0, g.dp_rank * rows, rows);
+        if (sp) {  // this tensor rank's part of the sequence
+          x = chunk_of(x, 1, *g.tp);
+          y = chunk_of(y, 1, *g.tp);
+        }
         opt.zero_grad();
-        at::Tensor out = mlp(x.narrow(0, g.dp_rank * rows, rows),
-                             [&](const at::Tensor& v) { return up->forward(v); },
+        at::Tensor out = mlp(x, [&](const at::Tensor& v) { return up->forward(v); },
                              [&](const at::Tensor& v) { return down->forward(v); }, ln_w, ln_b);
-        opt.backward((out - y.narrow(0, g.dp_rank * rows, rows)).pow(2).mean());
+        // The mean over this data-parallel rank's rows and the whole sequence (a shard's sum
+        // divided by the full count: the tensor ranks' shards add up to it).
+        opt.backward((out - y).pow(2).sum() / static_cast<double>(rows * kSeq * kHidden));
         opt.step();
       }
       opt.gather_full_parameters();

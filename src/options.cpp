@@ -34,6 +34,9 @@ void ZeroOptions::validate() const {
                  "options: align_bytes must be a positive power of two, got {}", align_bytes);
   SHARDOPT_CHECK(prefetch >= 0, InvalidArgument, "options: prefetch must be >= 0, got {}",
                  prefetch);
+  SHARDOPT_CHECK(tensor_replicated.empty() || tensor_group, InvalidArgument,
+                 "options: tensor_replicated names {} parameter(s) but tensor_group is null",
+                 tensor_replicated.size());
   SHARDOPT_CHECK(reuse_distance >= 0, InvalidArgument,
                  "options: reuse_distance must be >= 0 (unit uses ahead), got {}", reuse_distance);
   SHARDOPT_CHECK(shard_group_size >= 0, InvalidArgument,

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "shardopt/comm.hpp"
 #include "shardopt/precision.hpp"
@@ -94,6 +95,13 @@ struct ZeroOptions {
   // make step() throw Error{NonFinite}; 0 never throws. Under fp16 loss scaling a skip is the
   // scaler's normal back-off and is not counted.
   int max_nonfinite_steps = 5;
+  // Tensor parallelism (shardopt/tensor_parallel.hpp): the optimizer is given the data-parallel
+  // group and holds slices of split layers; `tensor_group` is their tensor-parallel group
+  // (ParallelGroups::tp). The clipping norm and the non-finite check then span the whole grid,
+  // the parameters every tensor rank holds whole, named in `tensor_replicated`
+  // (tp::replicated_parameter_names), counted once. Null: no tensor parallelism.
+  CommunicatorPtr tensor_group;
+  std::vector<std::string> tensor_replicated;
 
   // Throws Error{InvalidArgument} naming the first invalid field and its valid range.
   void validate() const;

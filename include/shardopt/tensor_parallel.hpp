@@ -30,6 +30,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "shardopt/comm.hpp"
 
@@ -114,6 +116,11 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   int64_t begin_ = 0;
 };
 TORCH_MODULE(VocabParallelEmbedding);
+
+// The names (as module.named_parameters() gives them) of the parameters every tensor rank holds
+// whole: all but the split layers' weights and ColumnParallelLinear's bias. What
+// ZeroOptions::tensor_replicated wants, so that the clipping norm counts them once.
+std::vector<std::string> replicated_parameter_names(const torch::nn::Module& module);
 
 // Cross entropy per position from logits split over the vocabulary (logits [..., vocab/t], this
 // rank's columns vocab_begin = rank * vocab/t onward; target [...]): three small all-reduces (max,

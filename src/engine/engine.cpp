@@ -240,6 +240,7 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
       options_.fused_update);
+  if (options_.tensor_group) update_->set_tensor_group(options_.tensor_group, replicated_slots());
   // Note [The non-finite check during backward] in local_update.cpp.
   reducer_->set_on_reduced([this](int bucket) {
     update_->check_early(bucket, grad_divisor(), options_.max_grad_norm > 0);
@@ -261,6 +262,21 @@ std::unique_ptr<PartStore> Engine::make_part_store() {
   return std::make_unique<PartStore>(*flat_, tensors_of(params()), names_of(params()),
                                      std::move(labels), comm_, options_.timeout,
                                      /*root_persists=*/automatic_);
+}
+
+// ZeroOptions::tensor_replicated as a flag per layout slot; a name that is no trainable parameter
+// here is an error (a misspelt name would silently count a replicated gradient t times).
+std::vector<char> Engine::replicated_slots() const {
+  std::vector<char> replicated(params().size(), 0);
+  for (const auto& name : options_.tensor_replicated) {
+    auto it = std::find_if(params().begin(), params().end(),
+                           [&](const ModelParam& p) { return p.name == name; });
+    SHARDOPT_CHECK(it != params().end(), InvalidArgument,
+                   "optimizer: tensor_replicated names '{}', which is no trainable parameter of "
+                   "this optimizer", name);
+    replicated[it - params().begin()] = 1;
+  }
+  return replicated;
 }
 
 void Engine::attach_hooks() {

@@ -77,6 +77,7 @@ class Engine final : public UnitRuntime {
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
   std::unique_ptr<PartStore> make_part_store();
+  std::vector<char> replicated_slots() const;
   void attach_hooks();
   // Autograd events.
   void begin_pass();

@@ -95,14 +95,37 @@ LocalUpdate::GradCheck LocalUpdate::unscale_and_check(double divisor, bool norm)
     add_scan(total, early_[k] ? *early_[k]
                               : scan_segment(segments[k], divisor, norm, &check.unscale_s));
   }
+  // Tensor parallelism: each tensor rank holds the replicated parameters' gradients whole, so
+  // they count 1/t on each (clamped: the two sums round differently).
+  if (tensor_group_ && norm) {
+    const double t = tensor_group_->size();
+    total.sum_sq = std::max(0.0, total.sum_sq - (1.0 - 1.0 / t) * replicated_sum_sq());
+  }
   // Replicated plans hold the same reduced gradients on every rank: the answers agree already.
-  const auto scan = agree_on(total, norm, flat_.plan().sharded() ? comm_.get() : nullptr, timeout_);
+  auto scan = agree_on(total, norm, flat_.plan().sharded() ? comm_.get() : nullptr, timeout_);
+  if (tensor_group_) scan = agree_on(scan, norm, tensor_group_.get(), timeout_);
   check.non_finite = scan.non_finite;
   if (norm) check.norm = std::sqrt(scan.sum_sq);
   check.check_s = std::chrono::duration<double>(Clock::now() - t0).count() - check.unscale_s;
   check.check_backward_s = early_s_;
   forget_early();
   return check;
+}
+
+void LocalUpdate::set_tensor_group(CommunicatorPtr group, std::vector<char> replicated) {
+  tensor_group_ = std::move(group);
+  replicated_ = std::move(replicated);
+}
+
+double LocalUpdate::replicated_sum_sq() const {
+  double sum = 0.0;
+  for (const auto& s : flat_.segments()) {
+    for_each_param_piece(s, [&](int param, int64_t begin, int64_t length) {
+      if (!replicated_[param]) return;
+      sum += s.grad.narrow(0, begin, length).to(at::kDouble).pow(2).sum().item<double>();
+    });
+  }
+  return sum;
 }
 
 bool LocalUpdate::clip(double max_norm, double norm) {

@@ -47,6 +47,9 @@ class LocalUpdate {
   // whether any rank holds a non-finite one and, with `norm`, their global L2 norm: one pass over
   // this rank's segments and one all-reduce when sharded (src/engine/finite_check.hpp).
   GradCheck unscale_and_check(double divisor, bool norm);
+  // Tensor parallelism: unscale_and_check's norm and flag also span `group`, the parameters
+  // replicated[slot] (held whole by every tensor rank) counted once.
+  void set_tensor_group(CommunicatorPtr group, std::vector<char> replicated);
   // Scales the gradients down to `max_norm` given their global `norm`; returns whether it did.
   bool clip(double max_norm, double norm);
   // One optimizer step, number `step` (1-based); leaves the result in the segments' params (and,
@@ -72,6 +75,8 @@ class LocalUpdate {
   void all_reduce_small(at::Tensor& t, ReduceOp op = ReduceOp::Sum);
   // One segment's unscale (by 1/divisor) and check; a 16-bit unscale's time goes to *unscale_s.
   FiniteScan scan_segment(Segment& s, double divisor, bool norm, double* unscale_s) const;
+  // Sum of squares of this rank's (unscaled) gradients of the replicated parameters.
+  double replicated_sum_sq() const;
 
   FlatState& flat_;
   CommunicatorPtr comm_;
@@ -87,6 +92,8 @@ class LocalUpdate {
   double early_divisor_ = 0.0;
   bool early_norm_ = false;
   double early_s_ = 0.0;
+  CommunicatorPtr tensor_group_;  // tensor parallelism: the norm and flag span it too
+  std::vector<char> replicated_;  // per slot: held whole by every tensor rank
 };
 
 }  // namespace shardopt::detail

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <mutex>
+#include <unordered_set>
 #include <utility>
 
 #include "shardopt/error.hpp"
@@ -258,6 +259,30 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
 
 void VocabParallelEmbeddingImpl::load_full(const at::Tensor& w) {
   copy_slice(weight, w, 0, *tp_.group, "weight");
+}
+
+std::vector<std::string> replicated_parameter_names(const torch::nn::Module& module) {
+  std::unordered_set<const c10::TensorImpl*> split;
+  // The module itself, then its descendants (include_self would need it in a shared_ptr).
+  std::vector<const torch::nn::Module*> modules{&module};
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    modules.push_back(item.value().get());
+  }
+  for (const torch::nn::Module* m : modules) {
+    if (const auto* c = dynamic_cast<const ColumnParallelLinearImpl*>(m)) {
+      split.insert(c->weight.unsafeGetTensorImpl());
+      if (c->bias.defined()) split.insert(c->bias.unsafeGetTensorImpl());
+    } else if (const auto* r = dynamic_cast<const RowParallelLinearImpl*>(m)) {
+      split.insert(r->weight.unsafeGetTensorImpl());
+    } else if (const auto* e = dynamic_cast<const VocabParallelEmbeddingImpl*>(m)) {
+      split.insert(e->weight.unsafeGetTensorImpl());
+    }
+  }
+  std::vector<std::string> names;
+  for (const auto& item : module.named_parameters()) {
+    if (!split.count(item.value().unsafeGetTensorImpl())) names.push_back(item.key());
+  }
+  return names;
 }
 
 // ---- cross entropy over a split vocabulary ------------------------------------------------------

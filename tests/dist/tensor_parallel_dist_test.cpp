@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 
 #include <cmath>
@@ -356,12 +358,14 @@ TEST(TensorParallelRng, SplitRegionsDrawPerRankStreamsTheRestTheSame) {
 // gradients are summed over the group before the optimizer's hooks see them). A (t, d) grid
 // trains as torch's AdamW on the unsplit model over the global batch (float64: <= 1e-10 after 5
 // steps), stages 0-3 (3: automatic units, gathered on use through the split layers), with and
-// without sequence parallelism.
+// without sequence parallelism. Clipping spans the grid (ZeroOptions::tensor_group): the norm each
+// step reports is torch's clip_grad_norm_ on the unsplit model's.
 TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
   auto world = test::world();
   const auto sizes = tensor_sizes(world->size());
   if (sizes.empty()) GTEST_SKIP() << "tensor parallelism needs a world of 2 or 4 ranks (t = 2, 4)";
   constexpr int64_t kRows = 8, kSteps = 5;
+  constexpr double kMaxNorm = 0.05;  // below every step's norm here: every step clips
   const AdamW rule = AdamW(0.01).weight_decay(0.05);
   at::manual_seed(31);
   torch::nn::Linear ref_up(kHidden, kFfn), ref_down(kFfn, kHidden);
@@ -385,6 +389,7 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
       {ref_up->weight, ref_up->bias, ref_down->weight, ref_down->bias, ref_ln_w, ref_ln_b},
       torch::optim::AdamWOptions(rule.lr()).betas({rule.beta1(), rule.beta2()}).eps(rule.eps())
           .weight_decay(rule.weight_decay()));
+  std::vector<double> ref_norms;
   for (int64_t s = 0; s < kSteps; ++s) {
     auto [x, y] = batch(s);
     ref_opt.zero_grad();
@@ -392,6 +397,8 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
     at::Tensor out = mlp(x, [&](const at::Tensor& t) { return fwd(t, ref_up); },
                          [&](const at::Tensor& t) { return fwd(t, ref_down); }, ref_ln_w, ref_ln_b);
     (out - y).pow(2).mean().backward();
+    ref_norms.push_back(torch::nn::utils::clip_grad_norm_(ref_opt.param_groups()[0].params(),
+                                                          kMaxNorm));
     ref_opt.step();
   }
   for (int t : sizes) {
@@ -421,7 +428,11 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
       zo.bucket_bytes = 512;
       zo.unit_policy.persist_below = 0;  // stage 3: every module a unit, gathered on use
       zo.timeout = std::chrono::seconds(60);
+      zo.max_grad_norm = kMaxNorm;
+      zo.tensor_group = g.tp;
+      zo.tensor_replicated = {"down.bias", "ln.weight", "ln.bias"};
       DistributedOptimizer opt({group}, rule, g.dp, zo);
+      double norm_error = 0.0;
       const int64_t rows = kRows / d;  // this data-parallel rank's rows; every tensor rank the same
       for (int64_t s = 0; s < kSteps; ++s) {
         auto [x, y] = batch(s);
@@ -438,7 +449,10 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
         // divided by the full count: the tensor ranks' shards add up to it).
         opt.backward((out - y).pow(2).sum() / static_cast<double>(rows * kSeq * kHidden));
         opt.step();
+        EXPECT_TRUE(opt.last_step().clipped);
+        norm_error = std::max(norm_error, std::abs(opt.last_step().grad_norm / ref_norms[s] - 1));
       }
+      EXPECT_LE(norm_error, 1e-9) << "the grid's gradient norm is not the unsplit model's";
       opt.gather_full_parameters();
       const auto& G = *g.tp;
       const double diff = std::max(
@@ -448,9 +462,38 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
            max_diff(down->bias, ref_down->bias), max_diff(ln_w, ref_ln_w), max_diff(ln_b, ref_ln_b)});
       EXPECT_LE(diff, 1e-10);
       EXPECT_GT(max_diff(down->bias, down_b0), 1e-3);  // it trained
-      EXPECT_TRUE(test::all_ranks(diff <= 1e-10));
+      EXPECT_TRUE(test::all_ranks(diff <= 1e-10 && norm_error <= 1e-9));
     }
   }
+}
+
+TEST(TensorParallelZero, ReplicatedNamesAndClearErrors) {
+  auto world = test::world();
+  const ParallelGroups g = make_parallel_groups(world, ParallelLayout{world->size()});
+  struct Block : torch::nn::Module {
+    explicit Block(const tp::TensorParallel& tp)
+        : up(register_module("up", tp::ColumnParallelLinear(4, 4 * tp.group->size(), tp))),
+          down(register_module("down", tp::RowParallelLinear(4 * tp.group->size(), 4, tp))),
+          norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})))),
+          emb(register_module("emb", tp::VocabParallelEmbedding(8 * tp.group->size(), 4, tp))) {}
+    tp::ColumnParallelLinear up;
+    tp::RowParallelLinear down;
+    torch::nn::LayerNorm norm;
+    tp::VocabParallelEmbedding emb;
+  };
+  Block block(options(g, false));
+  EXPECT_EQ(tp::replicated_parameter_names(block),
+            (std::vector<std::string>{"down.bias", "norm.weight", "norm.bias"}));
+  ZeroOptions zo;
+  zo.tensor_replicated = {"down.bias"};
+  test::expect_error([&] { zo.validate(); }, ErrorKind::InvalidArgument,
+                     {"tensor_replicated names 1 parameter(s) but tensor_group is null"});
+  zo.tensor_group = g.tp;
+  zo.tensor_replicated = {"down.bais"};
+  ParamGroup group;
+  for (const auto& item : block.named_parameters()) group.params.push_back({item.key(), item.value()});
+  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
+                     ErrorKind::InvalidArgument, {"tensor_replicated names 'down.bais'"});
 }
 }  // namespace
 }  // namespace shardopt

@@ -300,15 +300,15 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     // Softmax over the whole vocabulary, stabilised by the global maximum.
     at::Tensor max = std::get<0>(logits.max(-1)).contiguous();
     if (g.size() > 1) g.all_reduce(max, ReduceOp::Max);
-    at::Tensor exp = (logits - max.unsqueeze(-1)).exp();
+    const at::Tensor shifted = logits - max.unsqueeze(-1);
+    at::Tensor exp = shifted.exp();
     at::Tensor sum = exp.sum(-1).contiguous();
     if (g.size() > 1) g.all_reduce(sum);
     // The target's logit lives on one rank; the others contribute 0.
     const at::Tensor ignored = target.eq(ignore_index);
     const at::Tensor outside = (target < begin).logical_or(target >= begin + rows);
     const at::Tensor local = (target - begin).masked_fill(outside, 0);
-    at::Tensor picked = (logits - max.unsqueeze(-1))
-                            .gather(-1, local.unsqueeze(-1))
+    at::Tensor picked = shifted.gather(-1, local.unsqueeze(-1))
                             .squeeze(-1)
                             .masked_fill(outside, 0)
                             .contiguous();

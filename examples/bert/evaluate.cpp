@@ -52,7 +52,7 @@ EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
       const auto masked = out.mlm_labels.ne(-100);
       const double count = masked.sum().item<double>();
       t[c][kMlmLoss] = out.mlm_loss.item<double>() * count;
-      t[c][kMlmCorrect] = out.mlm_logits.argmax(-1).eq(out.mlm_labels).logical_and(masked)
+      t[c][kMlmCorrect] = out.mlm_predictions.eq(out.mlm_labels).logical_and(masked)
                               .sum().item<double>();
       t[c][kMasked] = count;
       t[c][kRows] = static_cast<double>(rows.size());

@@ -1,15 +1,23 @@
 // BERT encoder, pooler, MLM and NSP heads (see model.hpp for names and the tied decoder).
 #include "model.hpp"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <mutex>
 #include <stdexcept>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace bert {
 
 namespace F = torch::nn::functional;
+namespace tp = shardopt::tp;
 using torch::nn::Module;
 
 BertInputs to_inputs(const Batch& b, const at::Device& device) {
@@ -39,6 +47,27 @@ static at::Tensor linear(const torch::nn::Linear& m, const at::Tensor& x) {
   return torch::linear(x, m->weight, m->bias);
 }
 
+at::Tensor Dense::operator()(const at::Tensor& x) const {
+  if (column) return column.ptr()->forward(x);
+  if (row) return row.ptr()->forward(x);
+  return linear(plain, x);
+}
+
+// Dropout; inside a split region (Note [Tensor-parallel BERT]) from this tensor rank's stream.
+static at::Tensor dropout(torch::nn::Dropout& d, const at::Tensor& x, const ModelParallel& mp,
+                          bool split_region) {
+  if (!split_region || !mp.rng) return d(x);
+  const auto fork = mp.rng->fork();
+  return d(x);
+}
+
+// A LayerNorm applied to sequence shards: its gradient summed over the tensor group.
+static void mark_sequence_parallel(const torch::nn::LayerNorm& norm, const ModelParallel& mp) {
+  if (!mp.tp.sequence_parallel) return;
+  tp::mark_sequence_parallel(norm->weight, mp.tp.group);
+  tp::mark_sequence_parallel(norm->bias, mp.tp.group);
+}
+
 // hidden_act: BERT's gelu is the exact (erf) one; gelu_new / gelu_pytorch_tanh the tanh
 // approximation (Hugging Face's names).
 static at::Tensor activation(const at::Tensor& x, const std::string& name) {
@@ -56,37 +85,59 @@ const std::map<std::string, std::string>& tied_aliases() {
 
 // ---- encoder layer ----------------------------------------------------------------------------
 
-BertLayerImpl::BertLayerImpl(const BertConfig& c)
-    : heads_(c.num_heads), head_dim_(c.hidden_size / c.num_heads), act_(c.hidden_act) {
+BertLayerImpl::BertLayerImpl(const BertConfig& c, const ModelParallel& mp)
+    : mp_(mp),
+      heads_(c.num_heads / mp.size()),
+      head_dim_(c.hidden_size / c.num_heads),
+      act_(c.hidden_act) {
   const int64_t h = c.hidden_size;
   auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(c.layer_norm_eps)); };
+  // The split kind of each projection (Note [Tensor-parallel BERT]); plain Linear at T = 1.
+  enum Kind { kColumn, kRow };
+  auto dense = [&](Module& parent, const char* name, int64_t in, int64_t out, Kind kind) {
+    Dense d;
+    if (!mp.tp.group) {
+      d.plain = parent.register_module(name, torch::nn::Linear(in, out));
+    } else if (kind == kColumn) {
+      d.column = parent.register_module(name, tp::ColumnParallelLinear(in, out, mp.tp));
+    } else {
+      d.row = parent.register_module(name, tp::RowParallelLinear(in, out, mp.tp));
+    }
+    return d;
+  };
   // Plain modules only to reproduce the reference parameter names.
   auto attention = register_module("attention", std::make_shared<Module>());
   auto self = attention->register_module("self", std::make_shared<Module>());
-  query_ = self->register_module("query", torch::nn::Linear(h, h));
-  key_ = self->register_module("key", torch::nn::Linear(h, h));
-  value_ = self->register_module("value", torch::nn::Linear(h, h));
+  query_ = dense(*self, "query", h, h, kColumn);
+  key_ = dense(*self, "key", h, h, kColumn);
+  value_ = dense(*self, "value", h, h, kColumn);
   auto attention_output = attention->register_module("output", std::make_shared<Module>());
-  attn_dense_ = attention_output->register_module("dense", torch::nn::Linear(h, h));
+  attn_dense_ = dense(*attention_output, "dense", h, h, kRow);
   attn_norm_ = attention_output->register_module("LayerNorm", ln());
   auto intermediate = register_module("intermediate", std::make_shared<Module>());
-  intermediate_ = intermediate->register_module("dense", torch::nn::Linear(h, c.intermediate_size));
+  intermediate_ = dense(*intermediate, "dense", h, c.intermediate_size, kColumn);
   auto output = register_module("output", std::make_shared<Module>());
-  output_ = output->register_module("dense", torch::nn::Linear(c.intermediate_size, h));
+  output_ = dense(*output, "dense", c.intermediate_size, h, kRow);
   output_norm_ = output->register_module("LayerNorm", ln());
+  mark_sequence_parallel(attn_norm_, mp);
+  mark_sequence_parallel(output_norm_, mp);
   attn_dropout_ = register_module("attention_dropout", torch::nn::Dropout(c.attention_dropout));
   hidden_dropout_ = register_module("hidden_dropout", torch::nn::Dropout(c.hidden_dropout));
 }
 
+// Under tensor parallelism x is [B, T/t, H] with sequence parallelism, and q, k, v and the
+// context hold this rank's heads: [B, T, H/t].
 at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bias) {
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
-  auto split = [&](const at::Tensor& t) {  // [B, T, H] -> [B, heads, T, head_dim]
-    return t.view({B, T, heads_, head_dim_}).transpose(1, 2);
+  const int64_t B = x.size(0);
+  const int64_t local_h = heads_ * head_dim_;
+  const bool sp = mp_.tp.sequence_parallel;
+  auto split = [&](const at::Tensor& t) {  // [B, T, h] -> [B, heads, T, head_dim]
+    return t.view({B, -1, heads_, head_dim_}).transpose(1, 2);
   };
   at::Tensor q, k, v, scores, probs, context, attended, out;
   {
     BERT_PHASE("qkv");
-    q = split(linear(query_, x)), k = split(linear(key_, x)), v = split(linear(value_, x));
+    q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
   }
   {
     BERT_PHASE("scores");
@@ -95,15 +146,15 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   }
   {
     BERT_PHASE("softmax");
-    probs = attn_dropout_(torch::softmax(scores, -1));
+    probs = dropout(attn_dropout_, torch::softmax(scores, -1), mp_, /*split_region=*/true);
   }
   {
     BERT_PHASE("context");
-    context = torch::matmul(probs, v).transpose(1, 2).reshape({B, T, H});
+    context = torch::matmul(probs, v).transpose(1, 2).reshape({B, -1, local_h});
   }
   {
     BERT_PHASE("attn_out");
-    attended = hidden_dropout_(linear(attn_dense_, context)) + x;
+    attended = dropout(hidden_dropout_, attn_dense_(context), mp_, sp) + x;
   }
   {
     BERT_PHASE("layernorm");
@@ -111,8 +162,8 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   }
   {
     BERT_PHASE("ffn");
-    const auto inner = activation(linear(intermediate_, attended), act_);
-    out = hidden_dropout_(linear(output_, inner)) + attended;
+    const auto inner = activation(intermediate_(attended), act_);
+    out = dropout(hidden_dropout_, output_(inner), mp_, sp) + attended;
   }
   BERT_PHASE("layernorm");
   return output_norm_(out);
@@ -120,25 +171,64 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
 
 // ---- the whole model --------------------------------------------------------------------------
 
-BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare_units)
-    : config_(c), units_(declare_units ? std::make_shared<shardopt::Units>() : nullptr) {
+namespace {
+
+// The generator's state, so that a split model draws what the unsplit one does.
+at::Tensor cpu_generator_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+void set_cpu_generator_state(const at::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+void check_divisible(const char* what, int64_t n, int t) {
+  if (n % t != 0) {
+    throw std::invalid_argument(fmt::format(
+        "BERT: {} {} is not divisible by the tensor-parallel size {} (--tp)", what, n, t));
+  }
+}
+
+}  // namespace
+
+BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare_units,
+                                               ModelParallel mp)
+    : config_(c), mp_(std::move(mp)),
+      units_(declare_units ? std::make_shared<shardopt::Units>() : nullptr) {
   c.validate();
+  const int t = mp_.size();
+  check_divisible("num_attention_heads", c.num_heads, t);
+  check_divisible("intermediate_size", c.intermediate_size, t);
+  // Note [Tensor-parallel BERT]: the vocabulary padded so that it splits evenly.
+  const int64_t vocab = t > 1 ? tp::padded_vocab(c.vocab_size, t) : c.vocab_size;
+  const at::Tensor generator_at_start = t > 1 ? cpu_generator_state() : at::Tensor();
   const int64_t h = c.hidden_size;
   auto ln = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({h}).eps(c.layer_norm_eps)); };
   auto bert = register_module("bert", std::make_shared<Module>());
   auto embeddings = bert->register_module("embeddings", std::make_shared<Module>());
-  word_embeddings_ = embeddings->register_module("word_embeddings", torch::nn::Embedding(c.vocab_size, h));
+  if (t > 1) {
+    split_word_embeddings_ = embeddings->register_module(
+        "word_embeddings", tp::VocabParallelEmbedding(vocab, h, mp_.tp));
+    word_embedding_ = split_word_embeddings_->weight;
+  } else {
+    word_embeddings_ = embeddings->register_module("word_embeddings", torch::nn::Embedding(vocab, h));
+    word_embedding_ = word_embeddings_->weight;
+  }
   position_embeddings_ = embeddings->register_module(
       "position_embeddings", torch::nn::Embedding(c.max_position_embeddings, h));
   token_type_embeddings_ = embeddings->register_module(
       "token_type_embeddings", torch::nn::Embedding(c.type_vocab_size, h));
   embeddings_norm_ = embeddings->register_module("LayerNorm", ln());
+  mark_sequence_parallel(embeddings_norm_, mp_);
   embeddings_dropout_ = embeddings->register_module("dropout", torch::nn::Dropout(c.hidden_dropout));
 
   auto encoder = bert->register_module("encoder", std::make_shared<Module>());
   auto list = encoder->register_module("layer", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    layers_.emplace_back(c);
+    layers_.emplace_back(c, mp_);
     list->push_back(layers_.back());
     if (units_) units_->add_module("layer" + std::to_string(i), layers_.back());
   }
@@ -149,8 +239,8 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare
 
   auto cls = register_module("cls", std::make_shared<Module>());
   auto predictions = cls->register_module("predictions", std::make_shared<Module>());
-  // Note [Tied MLM decoder]: no decoder weight here; forward() uses word_embeddings_->weight.
-  decoder_bias_ = predictions->register_parameter("bias", torch::zeros({c.vocab_size}));
+  // Note [Tied MLM decoder]: no decoder weight here; forward() uses word_embedding_.
+  decoder_bias_ = predictions->register_parameter("bias", torch::zeros({vocab / t}));
   auto transform = predictions->register_module("transform", std::make_shared<Module>());
   transform_ = transform->register_module("dense", torch::nn::Linear(h, h));
   transform_norm_ = transform->register_module("LayerNorm", ln());
@@ -159,10 +249,95 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare
     embeddings_unit_ = units_->add_module("embeddings", embeddings);
     if (pooler_) pooler_unit_ = units_->add_module("pooler", pooler_);
     auto heads = cls->parameters(/*recurse=*/true);
-    heads.push_back(word_embeddings_->weight);  // the tied decoder
+    heads.push_back(word_embedding_);  // the tied decoder
     heads_unit_ = units_->add("heads", heads);
   }
-  init_weights();
+  if (t == 1) {
+    init_weights();
+    return;
+  }
+  // Which parameters are split, and how: the split layers' and the decoder bias.
+  for (const auto& m : named_modules("", /*include_self=*/false)) {
+    const std::string prefix = m.key() + ".";
+    if (dynamic_cast<const tp::ColumnParallelLinearImpl*>(m.value().get())) {
+      for (const char* n : {"weight", "bias"}) {
+        const int64_t rows = m.value()->named_parameters(false)[n].size(0);
+        splits_[prefix + n] = {0, rows * t, rows * t};
+      }
+    } else if (const auto* row = dynamic_cast<const tp::RowParallelLinearImpl*>(m.value().get())) {
+      splits_[prefix + "weight"] = {1, row->weight.size(1) * t, row->weight.size(1) * t};
+    }
+  }
+  splits_["bert.embeddings.word_embeddings.weight"] = {0, c.vocab_size, vocab};
+  splits_["cls.predictions.bias"] = {0, c.vocab_size, vocab};
+  // Start from the unsplit model's values: the one a T = 1 run builds from the same generator
+  // state, leaving the generator where that run leaves it.
+  set_cpu_generator_state(generator_at_start);
+  BertForPreTraining unsplit(c, /*declare_units=*/false);
+  load_unsplit(unsplit->named_parameters());
+}
+
+std::vector<std::string> BertForPreTrainingImpl::replicated_parameter_names() const {
+  std::vector<std::string> names;
+  for (const auto& p : named_parameters()) {
+    if (!splits_.count(p.key())) names.push_back(p.key());
+  }
+  return names;
+}
+
+void BertForPreTrainingImpl::load_unsplit(const torch::OrderedDict<std::string, at::Tensor>& unsplit) {
+  torch::NoGradGuard no_grad;
+  const int t = mp_.size();
+  const int rank = t > 1 ? mp_.tp.group->rank() : 0;
+  for (auto& p : named_parameters()) {
+    const at::Tensor* source = unsplit.find(p.key());
+    if (source == nullptr) {
+      throw std::invalid_argument(fmt::format("BERT: the unsplit parameters lack '{}'", p.key()));
+    }
+    const auto it = splits_.find(p.key());
+    std::vector<int64_t> expected = p.value().sizes().vec();
+    if (it != splits_.end()) expected[it->second.dim] = it->second.full;
+    if (source->sizes().vec() != expected) {
+      throw std::invalid_argument(fmt::format("BERT: unsplit '{}' must be [{}], got [{}]", p.key(),
+                                              fmt::join(expected, ", "),
+                                              fmt::join(source->sizes(), ", ")));
+    }
+    if (it == splits_.end()) {
+      p.value().copy_(*source);
+      continue;
+    }
+    const Split& s = it->second;
+    at::Tensor padded = *source;
+    if (s.padded > s.full) {  // the padding rows start at zero
+      auto sizes = source->sizes().vec();
+      sizes[s.dim] = s.padded;
+      padded = torch::zeros(sizes, source->options());
+      padded.narrow(s.dim, 0, s.full).copy_(*source);
+    }
+    p.value().copy_(padded.chunk(t, s.dim)[rank]);
+  }
+}
+
+torch::OrderedDict<std::string, at::Tensor> BertForPreTrainingImpl::unsplit_parameters() {
+  torch::NoGradGuard no_grad;
+  torch::OrderedDict<std::string, at::Tensor> out;
+  const int t = mp_.size();
+  for (const auto& p : named_parameters()) {
+    const auto it = splits_.find(p.key());
+    if (it == splits_.end()) {
+      out.insert(p.key(), p.value());
+      continue;
+    }
+    const Split& s = it->second;
+    // Rank-major all-gather of the chunks laid along dimension 0, then put back.
+    const at::Tensor local = p.value().movedim(s.dim, 0).contiguous();
+    at::Tensor all = torch::empty({t * local.numel()}, local.options());
+    mp_.tp.group->all_gather(local.reshape({-1}), all);
+    auto sizes = local.sizes().vec();
+    sizes[0] *= t;
+    out.insert(p.key(), all.view(sizes).narrow(0, 0, s.full).movedim(0, s.dim).contiguous());
+  }
+  return out;
 }
 
 // BERT's initialisation: N(0, initializer_range) weights, zero biases, LayerNorm (1, 0).
@@ -200,16 +375,29 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
                                 " exceeds max_position_embeddings " +
                                 std::to_string(config_.max_position_embeddings));
   }
+  const bool sp = mp_.tp.sequence_parallel;
+  if (sp && T % mp_.size() != 0) {
+    throw std::invalid_argument(fmt::format(
+        "BERT: sequence parallelism splits the sequence over the {} tensor ranks: the sequence "
+        "length {} must be divisible by it (--max-seq-length)", mp_.size(), T));
+  }
   const auto positions = torch::arange(T, input_ids.options()).unsqueeze(0);
   auto x = in_unit(embeddings_unit_, [&] {
     BERT_PHASE("embeddings");
-    auto e = word_embeddings_(input_ids) + position_embeddings_(positions) +
-             token_type_embeddings_(token_type_ids);
+    at::Tensor e;
+    if (split_word_embeddings_) {  // Note [Tensor-parallel BERT]: this rank's part of the sum
+      auto replicated = position_embeddings_(positions) + token_type_embeddings_(token_type_ids);
+      if (sp) replicated = tp::scatter_to_region(replicated, 1, mp_.tp.group);
+      e = split_word_embeddings_(input_ids) + replicated;
+    } else {
+      e = word_embeddings_(input_ids) + position_embeddings_(positions) +
+          token_type_embeddings_(token_type_ids);
+    }
     {
       BERT_PHASE("layernorm");
       e = embeddings_norm_(e);
     }
-    return embeddings_dropout_(e);
+    return dropout(embeddings_dropout_, e, mp_, sp);
   });
   // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation). None when
   // every token is real: it would add -0.0 to every score (no change) in a pass per layer. Asked
@@ -230,6 +418,7 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
       x = recompute_ ? shardopt::recompute(run_layer, {x}) : run_layer({x});
     }
   }
+  if (sp) x = tp::gather_from_region(x, 1, mp_.tp.group);  // whole again for the heads
   at::Tensor pooled;
   if (pooler_) {
     pooled = in_unit(pooler_unit_, [&] { return torch::tanh(linear(pooler_, x.select(1, 0))); });
@@ -269,7 +458,7 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
       t = transform_norm_(t);
     }
     BERT_PHASE("decoder");
-    return std::make_tuple(torch::linear(t, word_embeddings_->weight, decoder_bias_),
+    return std::make_tuple(decoder_logits(t),
                            seq_relationship_ ? linear(seq_relationship_, pooled) : at::Tensor());
   });
   {
@@ -285,8 +474,9 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
       logits = logits.index_select(0, labelled);
       labels_in = out.mlm_labels.index_select(0, labelled);
     }
-    out.mlm_loss = F::cross_entropy(logits, labels_in);
+    out.mlm_loss = mlm_cross_entropy(logits, labels_in);
   }
+  out.mlm_predictions = mlm_predictions(out.mlm_logits);
   if (seq_relationship_) {
     out.nsp_loss = F::cross_entropy(out.nsp_logits.to(torch::kFloat), in.nsp_labels);
     out.loss = out.mlm_loss + out.nsp_loss;
@@ -295,6 +485,43 @@ BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
     out.loss = out.mlm_loss;
   }
   return out;
+}
+
+// The tied decoder: at T > 1 a column-parallel product with this rank's embedding rows, whose
+// padding columns are masked out (Note [Tensor-parallel BERT]).
+at::Tensor BertForPreTrainingImpl::decoder_logits(const at::Tensor& t) {
+  if (mp_.size() == 1) return torch::linear(t, word_embedding_, decoder_bias_);
+  at::Tensor logits = torch::linear(tp::copy_to_region(t, mp_.tp.group), word_embedding_, decoder_bias_);
+  const int64_t columns = logits.size(-1);
+  const int64_t real = std::clamp<int64_t>(
+      config_.vocab_size - split_word_embeddings_->vocab_begin(), 0, columns);
+  if (real == columns) return logits;
+  const auto padding = torch::arange(columns, logits.options().dtype(torch::kLong)) >= real;
+  return logits.masked_fill(padding, -std::numeric_limits<double>::infinity());
+}
+
+// Mean cross entropy of the labelled rows (no -100 among `labels`).
+at::Tensor BertForPreTrainingImpl::mlm_cross_entropy(const at::Tensor& logits,
+                                                     const at::Tensor& labels) {
+  if (mp_.size() == 1) return F::cross_entropy(logits, labels);
+  return tp::vocab_parallel_cross_entropy(logits, labels, mp_.tp.group).mean();
+}
+
+// The argmax over the whole vocabulary; at T > 1 the largest of the ranks' maxima, the lowest
+// index among equals (as argmax picks the first).
+at::Tensor BertForPreTrainingImpl::mlm_predictions(const at::Tensor& logits) {
+  torch::NoGradGuard no_grad;
+  if (mp_.size() == 1) return logits.argmax(-1);
+  auto [value, index] = logits.to(torch::kFloat).max(-1);
+  at::Tensor best = value.contiguous();
+  mp_.tp.group->all_reduce(best, shardopt::ReduceOp::Max);
+  const double begin = static_cast<double>(split_word_embeddings_->vocab_begin());
+  at::Tensor candidate = torch::where(value.eq(best), index.to(torch::kDouble) + begin,
+                                      torch::full_like(best, std::numeric_limits<double>::max(),
+                                                       torch::kDouble))
+                             .contiguous();
+  mp_.tp.group->all_reduce(candidate, shardopt::ReduceOp::Min);
+  return candidate.to(torch::kLong);
 }
 
 }  // namespace bert

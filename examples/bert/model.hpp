@@ -26,6 +26,7 @@
 
 #include "bert_config.hpp"
 #include "data.hpp"
+#include "shardopt/tensor_parallel.hpp"
 #include "shardopt/units.hpp"
 
 namespace bert {
@@ -44,24 +45,59 @@ struct BertOutputs {
   at::Tensor mlm_loss;    // mean cross-entropy over the masked positions
   at::Tensor nsp_loss;    // mean cross-entropy over the rows (0 without the NSP head)
   at::Tensor mlm_logits;  // [M, vocab] for the M real (non-padding) masked positions, or
-                          // [B*T, vocab] with mlm_all_positions
+                          // [B*T, vocab] with mlm_all_positions; under tensor parallelism this
+                          // rank's columns of the padded vocabulary ([.., vocab_padded / t])
   at::Tensor mlm_labels;  // [M], or [B*T] with -100 where nothing is predicted
+  at::Tensor mlm_predictions;  // argmax of the whole vocabulary's logits, [M] or [B*T] (int64)
   at::Tensor nsp_logits;  // [B, 2]; undefined without the NSP head
+};
+
+// Note [Tensor-parallel BERT] (bert_pretrain --tp T, --sequence-parallel): Megatron's split of
+// each encoder layer (query, key, value and the first MLP matrix column-parallel: a/T heads and
+// intermediate/T features per rank; the attention output and the second MLP matrix row-parallel),
+// the word embeddings vocab-parallel over the vocabulary padded to a multiple of 128*T (the
+// padding rows start at zero and never win: their logits are masked out of the softmax, so the
+// model computes what the unsplit one does), the tied decoder a column-parallel product with that
+// shard and its bias split alike, the loss vocab_parallel_cross_entropy. Everything else is
+// replicated on the tensor ranks. Under sequence parallelism the replicated activations between
+// the split regions (embeddings' sum, LayerNorms, dropouts, residuals) hold T/t of the sequence;
+// the encoder's output is gathered whole before the heads. Dropout inside split regions (the
+// attention probabilities; under sequence parallelism every dropout) draws this rank's stream.
+// Parameter names stay those of the unsplit model; splits() says which are split and how.
+struct ModelParallel {
+  shardopt::tp::TensorParallel tp;  // tp.group null: the unsplit model
+  std::shared_ptr<shardopt::tp::RngTracker> rng;
+  int size() const { return tp.group ? tp.group->size() : 1; }
+};
+
+// How a split parameter relates to the unsplit one: this rank holds chunk tp_rank of `dim` of the
+// unsplit tensor padded to `padded` rows along `dim` (`full` of them real).
+struct Split {
+  int64_t dim = 0, full = 0, padded = 0;
+};
+
+// One projection of a layer: torch::nn::Linear, or at T > 1 a split layer (the same names).
+struct Dense {
+  torch::nn::Linear plain{nullptr};
+  shardopt::tp::ColumnParallelLinear column{nullptr};
+  shardopt::tp::RowParallelLinear row{nullptr};
+  at::Tensor operator()(const at::Tensor& x) const;
 };
 
 class BertLayerImpl : public torch::nn::Module {
  public:
-  explicit BertLayerImpl(const BertConfig& config);
+  explicit BertLayerImpl(const BertConfig& config, const ModelParallel& mp = {});
   // x: [B, T, H]; mask_bias: [B, 1, 1, T], 0 for tokens and a large negative for padding, or
   // undefined (no padding).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& mask_bias);
 
  private:
-  int64_t heads_, head_dim_;
+  ModelParallel mp_;
+  int64_t heads_, head_dim_;  // heads_: this rank's
   std::string act_;
-  torch::nn::Linear query_{nullptr}, key_{nullptr}, value_{nullptr}, attn_dense_{nullptr};
+  Dense query_, key_, value_, attn_dense_;
   torch::nn::LayerNorm attn_norm_{nullptr};
-  torch::nn::Linear intermediate_{nullptr}, output_{nullptr};
+  Dense intermediate_, output_;
   torch::nn::LayerNorm output_norm_{nullptr};
   torch::nn::Dropout attn_dropout_{nullptr}, hidden_dropout_{nullptr};
 };
@@ -72,8 +108,22 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   // declare_units = false builds the model with no Units at all: forward() calls its layers
   // directly, as a model written without shardopt in mind does, and stage 3 derives its units from
   // the parameter names (automatic units, shardopt/unit_policy.hpp; bert_pretrain --units auto).
-  explicit BertForPreTrainingImpl(const BertConfig& config, bool declare_units = true);
+  // mp: tensor parallelism (Note [Tensor-parallel BERT]); the default, none.
+  explicit BertForPreTrainingImpl(const BertConfig& config, bool declare_units = true,
+                                  ModelParallel mp = {});
   const BertConfig& config() const { return config_; }
+  const ModelParallel& model_parallel() const { return mp_; }
+  // The split parameters by name (empty without tensor parallelism).
+  const std::map<std::string, Split>& splits() const { return splits_; }
+  // The names of the parameters every tensor rank holds whole (ZeroOptions::tensor_replicated).
+  std::vector<std::string> replicated_parameter_names() const;
+  // Copies this rank's part of each unsplit parameter (an unsplit model's named_parameters(),
+  // every name of this model present, unsplit shapes): how a split model starts from the unsplit
+  // model's initial values or from pretrained weights.
+  void load_unsplit(const torch::OrderedDict<std::string, at::Tensor>& unsplit);
+  // The unsplit parameters (padding dropped), on every tensor rank: all-gathers the split ones
+  // over the tensor group. Collective over the group; the parameters themselves at T = 1.
+  torch::OrderedDict<std::string, at::Tensor> unsplit_parameters();
 
   // Encoder output [B, T, H] and pooled [CLS] state [B, H] (undefined without the NSP head).
   std::pair<at::Tensor, at::Tensor> encode(const at::Tensor& input_ids,
@@ -82,7 +132,7 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   // Logits and losses (losses computed in fp32 whatever the parameters' dtype).
   BertOutputs forward(const BertInputs& inputs);
 
-  const at::Tensor& word_embeddings() const { return word_embeddings_->weight; }
+  const at::Tensor& word_embeddings() const { return word_embedding_; }
   // The encoder layers, in order (the natural stage-3 units).
   std::vector<BertLayer> layers() const { return layers_; }
   // The ZeRO stage-3 units: one per encoder layer, then the embeddings, the pooler and the heads.
@@ -98,14 +148,21 @@ class BertForPreTrainingImpl : public torch::nn::Module {
 
  private:
   void init_weights();
+  at::Tensor decoder_logits(const at::Tensor& t);
+  at::Tensor mlm_cross_entropy(const at::Tensor& logits, const at::Tensor& labels);
+  at::Tensor mlm_predictions(const at::Tensor& logits);
   // units_->run(unit, fn) with units, else just fn(): the model's code without shardopt's units.
   template <typename Fn>
   auto in_unit(int unit, Fn&& fn) -> decltype(fn()) {
     return units_ ? units_->run(unit, std::forward<Fn>(fn)) : fn();
   }
   BertConfig config_;
+  ModelParallel mp_;
+  std::map<std::string, Split> splits_;
   torch::nn::Embedding word_embeddings_{nullptr}, position_embeddings_{nullptr},
       token_type_embeddings_{nullptr};
+  shardopt::tp::VocabParallelEmbedding split_word_embeddings_{nullptr};  // at T > 1
+  at::Tensor word_embedding_;  // the tied matrix: word_embeddings_'s or split_word_embeddings_'s
   torch::nn::LayerNorm embeddings_norm_{nullptr};
   torch::nn::Dropout embeddings_dropout_{nullptr};
   std::vector<BertLayer> layers_;

@@ -231,6 +231,13 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--shard-group-size", a.shard_group_size, "hybrid sharding: shard within groups "
                  "of this many consecutive ranks (the ranks of a host), replicate across groups; "
                  "0: over all ranks")->check(CLI::NonNegativeNumber);
+  app.add_option("--tp", a.tp, "tensor parallelism: split each encoder layer, the embeddings and "
+                 "the MLM decoder over this many consecutive ranks (Megatron's layers); the "
+                 "optimizer shards over the world / T data-parallel ranks")
+      ->check(integer_at_least(1));
+  app.add_flag("--sequence-parallel", a.sequence_parallel, "with --tp: keep LayerNorm, dropout and "
+               "the residuals split along the sequence between the split layers (less activation "
+               "memory, the same bytes communicated)");
   app.add_option("--reduce-dtype", a.reduce_dtype, "dtype gradients are reduced in: fp32 | bf16 | "
                  "fp16 (half the bytes on the wire)")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
@@ -304,6 +311,13 @@ std::string check_args(const Args& a, const Commands& c) {
     }
   }
   if (!a.dump_logits.empty() && !a.eval_only) return "--dump-logits: needs --eval-only";
+  if (a.sequence_parallel && a.tp < 2) return "--sequence-parallel: needs --tp 2 or more";
+  if (a.tp > 1) {
+    // Not built yet for split models: refused rather than done wrongly.
+    if (a.shard_group_size > 0) return "--tp: hybrid sharding (--shard-group-size) is not supported with tensor parallelism yet";
+    if (!a.dump_logits.empty()) return "--tp: --dump-logits is not supported with tensor parallelism yet (the logits are split over the vocabulary)";
+    if (a.save_model) return "--tp: --save-model (a consolidated model.pt) is not supported with tensor parallelism yet; --export-hf writes the unsplit model";
+  }
   // Refused rather than ignored: stages 0-2 keep every parameter whole, so a run asking for
   // automatic units there would measure or test something other than what it names.
   if (a.units == "auto" && a.stage != 3) {

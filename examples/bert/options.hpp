@@ -80,6 +80,8 @@ struct Args {
   bool no_overlap = false;
   bool recompute = false;  // every encoder layer recomputed in backward
   int shard_group_size = 0;            // hybrid sharding; 0: over all ranks
+  int tp = 1;                          // tensor-parallel ranks (world = tp x data-parallel)
+  bool sequence_parallel = false;      // with --tp: LayerNorm/dropout split along the sequence
   std::string reduce_dtype = "fp32";  // dtype gradients are reduced in
 
   bool corpus_given = false;  // --corpus was passed (else the default is announced)

@@ -49,8 +49,11 @@ void export_model(Run& r, const std::string& checkpoint) {
   StateDict params;
   if (checkpoint.empty()) {
     r.opt->gather_full_parameters();
+    // Under tensor parallelism every rank gathers its tensor group's slices (Note
+    // [Tensor-parallel BERT]); rank 0 writes.
+    const auto unsplit = r.tp() > 1 ? r.model->unsplit_parameters() : r.model->named_parameters();
     if (r.lead) {
-      params = r.model->named_parameters();
+      params = unsplit;
       for (const auto& b : r.model->named_buffers()) params.insert(b.key(), b.value());
     }
   } else if (r.lead) {
@@ -79,7 +82,8 @@ void finish(Run& r) {
     });
   }
   if (r.a.save_model || !r.a.export_hf.empty()) {
-    export_model(r, r.last_saved == step ? r.checkpoint_dir.string() : "");
+    // A checkpoint at --tp > 1 holds one tensor rank's slices: the export comes from the model.
+    export_model(r, r.last_saved == step && r.tp() == 1 ? r.checkpoint_dir.string() : "");
   }
 }
 

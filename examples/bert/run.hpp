@@ -32,6 +32,12 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Where a tensor rank's checkpoint lives: `base` itself at --tp 1, else base/tp<rank>-of-<tp> (each
+// tensor rank's optimizer checkpoints its own slices; resumable at the same --tp).
+inline fs::path checkpoint_path(const fs::path& base, int tp_rank, int tp) {
+  return tp == 1 ? base : base / ("tp" + std::to_string(tp_rank) + "-of-" + std::to_string(tp));
+}
+
 inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -87,9 +93,15 @@ struct Run {
   TestFault fault = TestFault::from_env();
   std::string hf_export;  // the directory written, if any
 
+  // The rank grid (--tp): the data-parallel group `dp` (the optimizer's, the data's, the
+  // metrics' sums) and the tensor-parallel group; at --tp 1 dp is the world.
+  shardopt::ParallelGroups groups;
+  shardopt::CommunicatorPtr dp;
+
   Run(const Args& args, shardopt::CommunicatorPtr c, shardopt::InitOptions options)
       : a(args), comm(std::move(c)), init(std::move(options)), rank(comm->rank()),
         world(comm->size()), lead(rank == 0), device(args.device) {}
+  int tp() const { return groups.layout.tp; }
   std::string clear() const { return progress ? progress->prefix() : ""; }
 };
 

@@ -69,7 +69,14 @@ void set_up(Run& r) {
         int64_t{32} << 20, static_cast<int64_t>(r.a.block_cache_mb * (1 << 20)));
   }
   r.tracking.emplace();
-  r.checkpoint_dir = fs::path(r.a.out) / "checkpoint";
+  try {
+    r.groups = shardopt::make_parallel_groups(r.comm, shardopt::ParallelLayout{r.a.tp, 1, 0});
+  } catch (const shardopt::Error& e) {
+    throw UsageError(fmt::format("--tp {}: {}", r.a.tp, e.what()));
+  }
+  r.dp = r.groups.dp;
+  r.loader.rank = r.groups.dp_rank;
+  r.checkpoint_dir = bert::checkpoint_path(fs::path(r.a.out) / "checkpoint", r.groups.tp_rank, r.tp());
   r.metrics_path = fs::path(r.a.out) / "metrics.jsonl";
 }
 
@@ -85,7 +92,6 @@ void load_data(Run& r) {
   }
   auto& config = r.config;
   r.loader.args = &a;
-  r.loader.rank = r.rank;
   r.max_seq_length = a.max_seq_length;
   if (a.synthetic) {
     r.loader.vocab_size = config.vocab_size;  // the config's (BERT's 30522)
@@ -105,7 +111,7 @@ void load_data(Run& r) {
       r.eval_data = std::make_unique<bert::PretrainingData>(r.prepared.eval_path);
     }
     r.loader.loader =
-        std::make_unique<bert::BatchLoader>(*r.loader.data, a.batch_size, r.rank, r.world, a.seed);
+        std::make_unique<bert::BatchLoader>(*r.loader.data, a.batch_size, r.dp->rank(), r.dp->size(), a.seed);
     if (a.bert_config.empty()) {
       config.vocab_size = vocab.size();
     } else if (config.vocab_size < vocab.size()) {
@@ -153,11 +159,15 @@ void print_plan(const Run& r) {
       a.shard_group_size > 0
           ? fmt::format("{}, hybrid: shard groups of {}", r.comm->backend(), a.shard_group_size)
           : r.comm->backend();
-  fmt::print("[bert] training: {} ranks ({}) on {}, ZeRO stage {}{}, {}, global batch {} = {} rows/rank "
-             "x {} ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, weight decay {}), "
+  const std::string layout =
+      r.tp() > 1 ? fmt::format(" = {}{}", r.groups.layout.to_string(),
+                               a.sequence_parallel ? " with sequence parallelism" : "")
+                 : "";
+  fmt::print("[bert] training: {} ranks{} ({}) on {}, ZeRO stage {}{}, {}, global batch {} = {} rows/rank "
+             "x {} data-parallel ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, weight decay {}), "
              "lr {} (warm-up {}, then {}), {} thread(s)/rank\n",
-             r.world, backend, a.device, a.stage, a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
-             a.precision, r.global_batch, a.batch_size, r.world,
+             r.world, layout, backend, a.device, a.stage, a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
+             a.precision, r.global_batch, a.batch_size, r.dp->size(),
              a.grad_accum, a.steps, epochs, a.optimizer, a.adam_betas.at(0), a.adam_betas.at(1),
              bert::adam_eps(a), a.weight_decay, a.lr, a.warmup_steps, a.lr_schedule, a.threads);
   std::fflush(stdout);
@@ -195,7 +205,16 @@ void build_model(Run& r) {
   torch::manual_seed(a.seed);  // identical initial weights everywhere (rank 0's are broadcast too)
   // --units auto: no Units in the model; the optimizer derives them (shardopt/unit_policy.hpp).
   const bool automatic = a.units == "auto";
-  r.model = bert::BertForPreTraining(r.config, /*declare_units=*/!automatic);
+  bert::ModelParallel mp;
+  if (r.tp() > 1) {
+    mp.tp = {r.groups.tp, a.sequence_parallel};
+    mp.rng = std::make_shared<shardopt::tp::RngTracker>(a.seed, r.groups.tp_rank);
+  }
+  try {
+    r.model = bert::BertForPreTraining(r.config, /*declare_units=*/!automatic, mp);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(fmt::format("--tp {}: {}", a.tp, e.what()));
+  }
   r.model->set_recompute(a.recompute);
   if (r.lead) std::ofstream(fs::path(a.out) / "config.json") << r.config.to_hf_json().dump(2) << '\n';
   if (!a.init_checkpoint.empty()) {
@@ -222,12 +241,16 @@ void build_model(Run& r) {
   zo.overlap_comm = !a.no_overlap;
   zo.shard_group_size = a.shard_group_size;  // hybrid sharding: shard within, replicate across
   zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
+  if (r.tp() > 1) {  // the clipping norm and the non-finite check over the whole grid
+    zo.tensor_group = r.groups.tp;
+    zo.tensor_replicated = r.model->replicated_parameter_names();
+  }
   // BERT: no weight decay on biases and LayerNorm.
   auto groups = shardopt::weight_decay_groups(r.model->named_parameters(), [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
   });
-  r.opt = std::make_unique<shardopt::DistributedOptimizer>(groups, optimizer_rule(a), r.comm, zo);
-  r.global_batch = a.batch_size * r.world * a.grad_accum;
+  r.opt = std::make_unique<shardopt::DistributedOptimizer>(groups, optimizer_rule(a), r.dp, zo);
+  r.global_batch = a.batch_size * r.dp->size() * a.grad_accum;
   if (r.lead) print_plan(r);
   if (r.lead && automatic) print_automatic_units(r.model->named_parameters(), zo.unit_policy);
 }
@@ -244,7 +267,9 @@ void restore(Run& r) {
     if (!r.metrics) throw std::runtime_error("cannot write " + r.metrics_path.string());
   });
   if (a.resume_requested) {
-    const std::string from = a.resume.empty() ? r.checkpoint_dir.string() : a.resume;
+    const std::string from =
+        a.resume.empty() ? r.checkpoint_dir.string()
+                         : bert::checkpoint_path(a.resume, r.groups.tp_rank, r.tp()).string();
     const auto t0 = Clock::now();
     const auto notes = bert::restore_run_state(shardopt::load_checkpoint(*r.opt, from), r.schedule,
                                                &r.state);
@@ -271,7 +296,7 @@ void restore(Run& r) {
 
 // ---- evaluation ---------------------------------------------------------------------------------
 nlohmann::json evaluate(Run& r, int64_t done) {
-  const auto e = bert::evaluate(r.model, *r.eval_data, *r.comm, r.a.eval_batch_size);
+  const auto e = bert::evaluate(r.model, *r.eval_data, *r.dp, r.a.eval_batch_size);
   if (r.lead) fmt::print("{}{}\n", r.clear(), e.line(done, r.config.nsp));
   nlohmann::json j = e.to_json();
   j["step"] = done;
@@ -337,7 +362,7 @@ bert::StepRecord train_step(Run& r, int64_t step) {
     sums[bert::kLossSum] += out.loss.item<double>();
     sums[bert::kMlmLossSum] += out.mlm_loss.item<double>();
     sums[bert::kNspLossSum] += out.nsp_loss.item<double>();
-    sums[bert::kMlmCorrect] += out.mlm_logits.argmax(-1).eq(out.mlm_labels).sum().item<double>();
+    sums[bert::kMlmCorrect] += out.mlm_predictions.eq(out.mlm_labels).sum().item<double>();
     sums[bert::kMlmCount] += out.mlm_labels.ne(-100).sum().item<double>();
     if (out.nsp_logits.defined()) {
       sums[bert::kNspCorrect] += out.nsp_logits.argmax(-1).eq(inputs.nsp_labels).sum().item<double>();
@@ -363,13 +388,13 @@ bert::StepRecord train_step(Run& r, int64_t step) {
   local[bert::kStepPeak] = static_cast<double>(r.tracking->tracker().peak_bytes());
 
   auto reduced = torch::tensor(std::vector<double>(sums.begin(), sums.end()), torch::kDouble);
-  r.comm->all_reduce(reduced, shardopt::ReduceOp::Sum);
+  r.dp->all_reduce(reduced, shardopt::ReduceOp::Sum);  // a tensor group's ranks share the rows
   auto all = torch::zeros({bert::kTimings * r.world}, torch::kDouble);
   r.comm->all_gather(torch::tensor(local, torch::kDouble), all);
   bert::StepRecord rec;
   rec.step = step + 1;
   std::copy_n(reduced.data_ptr<double>(), bert::kStepSums, rec.sums.begin());
-  rec.micro_batches = static_cast<double>(r.world * a.grad_accum);
+  rec.micro_batches = static_cast<double>(r.dp->size() * a.grad_accum);
   rec.lr = lr;
   rec.grad_norm = stats.grad_norm;
   rec.world = r.world;
@@ -418,7 +443,8 @@ void train_loop(Run& r) {
 // data or model is built; every rank reads it and stops alike, with no collective.
 bool already_finished(const Args& a, int rank) {
   if (!a.resume_requested || a.eval_only) return false;
-  const std::string from = a.resume.empty() ? (fs::path(a.out) / "checkpoint").string() : a.resume;
+  const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
+  const std::string from = bert::checkpoint_path(base, 0, a.tp).string();
   const auto info = shardopt::read_checkpoint_info(from);
   const auto trainer = nlohmann::json::parse(info.trainer_json, nullptr, false);
   const int64_t saved = trainer.is_object() ? trainer.value("step", int64_t{-1}) : -1;

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# bert_pretrain with tensor parallelism (issue 40; Note [Tensor-parallel BERT] in
+# examples/bert/model.hpp). A small BERT of 4 heads, vocabulary 1000 (padded to 1024 at --tp 2
+# and 4, so the last ranks hold padding rows), dropout 0, lr 2e-3, 20 steps.
+#   golden: the per-step losses of (t, d) = (2, 1), (2, 2) and (4, 1) at stages 0, 1, 2 and 3
+#           equal those of the (1, d) run on the same (synthetic) data within 1e-4; sequence
+#           parallelism at stages 1 and 3, automatic stage-3 units at (2, 2). Bad layouts are
+#           refused with one line naming the flag (exit 2).
+#   clip:   real data (tests/assets/corpus). The global gradient norm (clipping, --max-grad-norm
+#           1) at (2, 2) equals that of (1, 1) with --grad-accum 2 (the same 8 rows a step): within
+#           1e-6 relative at step 1, where both start from the same weights, and within 1e-5 over
+#           10 steps (the trajectories then differ by fp32 rounding: ~1e-6 by step 5). A run at
+#           (2, 2) stopped at step 5 and resumed from its checkpoints (one per tensor rank)
+#           continues with the uninterrupted run's losses; its Hugging Face export is the unsplit
+#           model (the vocabulary's padding rows dropped).
+# Usage: bert_tp_test.sh golden|clip BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS] [PYTHON]
+set -euo pipefail
+MODE="$1" EXE="$2" MPIEXEC="$3" WORK="$4" CORPUS="${5:-}" PY="${6:-/usr/bin/python3}"
+rm -rf "$WORK" && mkdir -p "$WORK"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+fail() { echo "FAIL: $*" >&2; exit 1; }
+cat >"$WORK/config.json" <<'EOF'
+{"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+ "intermediate_size": 256, "hidden_act": "gelu", "max_position_embeddings": 64,
+ "type_vocab_size": 2, "initializer_range": 0.02, "hidden_dropout_prob": 0.1,
+ "attention_probs_dropout_prob": 0.1}
+EOF
+CONFIG="$WORK/config.json"
+COMMON=(--dropout 0 --lr 2e-3 --warmup-steps 2 --batch-size 4
+        --max-seq-length 32 --threads 1 --no-plot --progress lines --log-every 5)
+train() {  # RANKS NAME FLAGS...
+  local n="$1" name="$2"; shift 2
+  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" --bert-config "$CONFIG" "${COMMON[@]}" "$@" --out "$WORK/$name" \
+    >"$WORK/$name.log" 2>&1 || { cat "$WORK/$name.log"; fail "$name: exit $?"; }
+  grep -E "training:|golden" "$WORK/$name.log" || true
+}
+refused() {  # RANKS NAME EXPECTED-TEXT FLAGS...
+  local n="$1" name="$2" text="$3"; shift 3
+  set +e
+  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" --bert-config "$CONFIG" "${COMMON[@]}" "$@" --out "$WORK/$name" \
+    >"$WORK/$name.log" 2>&1
+  local rc=$?
+  set -e
+  grep "error:" "$WORK/$name.log" || true
+  [ "$rc" -eq 2 ] || { cat "$WORK/$name.log"; fail "$name: exit $rc, expected 2"; }
+  grep -q -- "$text" "$WORK/$name.log" || fail "$name: the error does not say '$text'"
+}
+
+if [ "$MODE" = golden ]; then
+  S=(--synthetic --steps 20)
+  train 1 d1 "${S[@]}" --stage 0 --write-golden "$WORK/d1.txt"
+  train 2 d2 "${S[@]}" --stage 0 --write-golden "$WORK/d2.txt"
+  for stage in 0 1 2 3; do
+    extra=()
+    [ $((stage % 2)) -eq 1 ] && extra=(--sequence-parallel)
+    train 2 "t2d1_s$stage" "${S[@]}" --stage $stage --tp 2 "${extra[@]}" --golden "$WORK/d1.txt" --golden-tol 1e-4
+    units=()
+    [ "$stage" -eq 3 ] && units=(--units auto)
+    train 4 "t2d2_s$stage" "${S[@]}" --stage $stage --tp 2 "${extra[@]}" "${units[@]}" --golden "$WORK/d2.txt" --golden-tol 1e-4
+    train 4 "t4d1_s$stage" "${S[@]}" --stage $stage --tp 4 "${extra[@]}" --golden "$WORK/d1.txt" --golden-tol 1e-4
+  done
+  grep -q "tp=2 x dp=2 x pp=1 with sequence parallelism" "$WORK/t2d2_s1.log" || fail "the plan does not state the layout"
+  refused 2 bad_world "does not divide\|differs\|tp=3" "${S[@]}" --steps 1 --tp 3
+  sed 's/"num_attention_heads": 4/"num_attention_heads": 2/' "$WORK/config.json" >"$WORK/heads2.json"
+  CONFIG="$WORK/heads2.json" refused 4 bad_heads "num_attention_heads 2 is not divisible by the tensor-parallel size 4" "${S[@]}" --steps 1 --tp 4
+  refused 1 bad_sp "--sequence-parallel: needs --tp 2" "${S[@]}" --steps 1 --sequence-parallel
+  echo "golden: 12 tensor-parallel runs within 1e-4 of their (1, d) runs"
+  exit 0
+fi
+
+[ "$MODE" = clip ] || fail "mode must be golden or clip, got $MODE"
+sed -i 's/"vocab_size": 1000/"vocab_size": 2000/' "$WORK/config.json"
+D=(--corpus "$CORPUS" --vocab-size 2000 --dupe-factor 2 --eval-fraction 0 --max-seq-length 64
+   --steps 10 --stage 2 --max-grad-norm 1)
+train 1 d1_accum2 "${D[@]}" --grad-accum 2
+train 4 t2d2 "${D[@]}" --tp 2 --export-hf "$WORK/t2d2_hf"
+train 4 t2d2_part "${D[@]}" --tp 2 --stop-after 5
+train 4 t2d2_part "${D[@]}" --tp 2 --resume
+ls "$WORK/t2d2_part/checkpoint/tp0-of-2" "$WORK/t2d2_part/checkpoint/tp1-of-2" >/dev/null ||
+  fail "no checkpoint per tensor rank"
+"$PY" - "$WORK" <<'PY' || fail "tensor parallelism changed the gradient norm, the resume or the export"
+import json, struct, sys
+work = sys.argv[1]
+def metrics(name):
+    return [json.loads(l) for l in open(f"{work}/{name}/metrics.jsonl")]
+ref, tp, resumed = metrics("d1_accum2"), metrics("t2d2"), metrics("t2d2_part")
+assert len(ref) == len(tp) == len(resumed) == 10, (len(ref), len(tp), len(resumed))
+rel = [abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(ref, tp)]
+print("grad norm (1,1) accum 2:", [round(a["grad_norm"], 9) for a in ref])
+print("grad norm (2,2):        ", [round(b["grad_norm"], 9) for b in tp])
+print(f"relative difference: step 1 {rel[0]:.2e} (tolerance 1e-6), largest {max(rel):.2e} (1e-5)")
+assert rel[0] <= 1e-6 and max(rel) <= 1e-5
+loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(ref, tp))
+print(f"largest |loss (2,2) - loss (1,1) accum 2| = {loss:.2e} (tolerance 1e-4)")
+assert loss <= 1e-4
+gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(tp, resumed))
+print(f"resumed at step 5: largest |loss - uninterrupted| = {gap:.2e} (tolerance 1e-6)")
+assert gap <= 1e-6
+# The export: safetensors header of the unsplit model, vocabulary 2000 (padding dropped).
+with open(f"{work}/t2d2_hf/model.safetensors", "rb") as f:
+    header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+shape = header["bert.embeddings.word_embeddings.weight"]["shape"]
+print("exported word embeddings:", shape, "decoder bias:", header["cls.predictions.bias"]["shape"])
+assert shape == [2000, 64] and header["cls.predictions.bias"]["shape"] == [2000]
+assert header["bert.encoder.layer.0.attention.self.query.weight"]["shape"] == [64, 64]
+assert header["bert.encoder.layer.0.output.dense.weight"]["shape"] == [64, 256]
+PY
+echo "clip: gradient norm, resume and export at (2, 2) as at (1, 1)"

@@ -21,6 +21,7 @@ namespace bert {
 struct RunState {
   int64_t step = 0;           // optimizer steps completed
   int64_t data_position = 0;  // next global batch index of the BatchLoader
+  int64_t rows_per_position = 0;  // rows one data position covers: --batch-size x data-parallel ranks
   std::vector<double> losses;
   double train_s = 0;
   int64_t tokens = 0;
@@ -39,11 +40,15 @@ inline void set_cpu_rng_state(const at::Tensor& state) {
 }
 
 // `schedule`: the options the LR schedule and the data order depend on, compared on resume.
+// `layout`: the tensor-parallel layout and each split parameter's split (tp_resume.hpp), or null.
 inline shardopt::TrainerState make_trainer_state(const RunState& s,
-                                                 const nlohmann::json& schedule) {
+                                                 const nlohmann::json& schedule,
+                                                 const nlohmann::json& layout = nullptr) {
   nlohmann::json j = {{"step", s.step},     {"data_position", s.data_position},
                       {"losses", s.losses}, {"train_s", s.train_s},
-                      {"tokens", s.tokens}, {"schedule", schedule}};
+                      {"tokens", s.tokens}, {"schedule", schedule},
+                      {"rows_per_position", s.rows_per_position}};
+  if (!layout.is_null()) j["layout"] = layout;
   return {j.dump(), {{"torch_cpu_rng", cpu_rng_state()}}};
 }
 
@@ -52,12 +57,24 @@ inline shardopt::TrainerState make_trainer_state(const RunState& s,
 inline std::vector<std::string> restore_run_state(const shardopt::TrainerState& t,
                                                   const nlohmann::json& schedule, RunState* s) {
   const auto j = nlohmann::json::parse(t.json);
+  std::vector<std::string> notes;
   s->step = j.at("step").get<int64_t>();
   s->data_position = j.at("data_position").get<int64_t>();
+  // Another data-parallel size (or --tp) covers another number of rows per position: continue
+  // at the same row of the data where the count divides.
+  const int64_t saved_rows = j.value("rows_per_position", s->rows_per_position);
+  if (saved_rows != s->rows_per_position && s->rows_per_position > 0) {
+    const int64_t rows = s->data_position * saved_rows;
+    s->data_position = rows / s->rows_per_position;
+    if (rows % s->rows_per_position != 0) {
+      notes.push_back("the checkpointed run read " + std::to_string(rows) + " rows, not a whole "
+                      "number of this run's global micro-batches: the data continues from row " +
+                      std::to_string(s->data_position * s->rows_per_position));
+    }
+  }
   s->losses = j.at("losses").get<std::vector<double>>();
   s->train_s = j.at("train_s").get<double>();
   s->tokens = j.at("tokens").get<int64_t>();
-  std::vector<std::string> notes;
   for (const auto& [key, value] : schedule.items()) {
     const auto saved = j.at("schedule").value(key, nlohmann::json());
     if (saved != value) {

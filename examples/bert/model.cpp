@@ -287,35 +287,36 @@ std::vector<std::string> BertForPreTrainingImpl::replicated_parameter_names() co
 
 void BertForPreTrainingImpl::load_unsplit(const torch::OrderedDict<std::string, at::Tensor>& unsplit) {
   torch::NoGradGuard no_grad;
-  const int t = mp_.size();
-  const int rank = t > 1 ? mp_.tp.group->rank() : 0;
   for (auto& p : named_parameters()) {
     const at::Tensor* source = unsplit.find(p.key());
     if (source == nullptr) {
       throw std::invalid_argument(fmt::format("BERT: the unsplit parameters lack '{}'", p.key()));
     }
-    const auto it = splits_.find(p.key());
-    std::vector<int64_t> expected = p.value().sizes().vec();
-    if (it != splits_.end()) expected[it->second.dim] = it->second.full;
-    if (source->sizes().vec() != expected) {
-      throw std::invalid_argument(fmt::format("BERT: unsplit '{}' must be [{}], got [{}]", p.key(),
-                                              fmt::join(expected, ", "),
-                                              fmt::join(source->sizes(), ", ")));
-    }
-    if (it == splits_.end()) {
-      p.value().copy_(*source);
-      continue;
-    }
-    const Split& s = it->second;
-    at::Tensor padded = *source;
-    if (s.padded > s.full) {  // the padding rows start at zero
-      auto sizes = source->sizes().vec();
-      sizes[s.dim] = s.padded;
-      padded = torch::zeros(sizes, source->options());
-      padded.narrow(s.dim, 0, s.full).copy_(*source);
-    }
-    p.value().copy_(padded.chunk(t, s.dim)[rank]);
+    p.value().copy_(slice_of(p.key(), *source));
   }
+}
+
+at::Tensor BertForPreTrainingImpl::slice_of(const std::string& name, const at::Tensor& unsplit) const {
+  const at::Tensor* param = named_parameters().find(name);
+  if (param == nullptr) throw std::invalid_argument(fmt::format("BERT: no parameter '{}'", name));
+  const auto it = splits_.find(name);
+  std::vector<int64_t> expected = param->sizes().vec();
+  if (it != splits_.end()) expected[it->second.dim] = it->second.full;
+  if (unsplit.sizes().vec() != expected) {
+    throw std::invalid_argument(fmt::format("BERT: unsplit '{}' must be [{}], got [{}]", name,
+                                            fmt::join(expected, ", "),
+                                            fmt::join(unsplit.sizes(), ", ")));
+  }
+  if (it == splits_.end()) return unsplit;
+  const Split& s = it->second;
+  at::Tensor padded = unsplit;
+  if (s.padded > s.full) {  // the padding rows start at zero
+    auto sizes = unsplit.sizes().vec();
+    sizes[s.dim] = s.padded;
+    padded = torch::zeros(sizes, unsplit.options());
+    padded.narrow(s.dim, 0, s.full).copy_(unsplit);
+  }
+  return padded.chunk(mp_.size(), s.dim)[mp_.tp.group->rank()];
 }
 
 torch::OrderedDict<std::string, at::Tensor> BertForPreTrainingImpl::unsplit_parameters() {

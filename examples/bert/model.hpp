@@ -121,6 +121,10 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   // every name of this model present, unsplit shapes): how a split model starts from the unsplit
   // model's initial values or from pretrained weights.
   void load_unsplit(const torch::OrderedDict<std::string, at::Tensor>& unsplit);
+  // This rank's part of the unsplit tensor of parameter `name` (or of a state of its shape, such
+  // as Adam's moments); the tensor itself for a replicated parameter. Throws
+  // std::invalid_argument naming the parameter when the shape is not the unsplit one.
+  at::Tensor slice_of(const std::string& name, const at::Tensor& unsplit) const;
   // The unsplit parameters (padding dropped), on every tensor rank: all-gathers the split ones
   // over the tensor group. Collective over the group; the parameters themselves at T = 1.
   torch::OrderedDict<std::string, at::Tensor> unsplit_parameters();

@@ -18,6 +18,7 @@
 #include "pretrained.hpp"
 #include "progress.hpp"
 #include "report.hpp"
+#include "tp_resume.hpp"
 
 namespace bert {
 
@@ -33,8 +34,8 @@ void save(Run& r, int64_t done) {
   save_options.after_shard_written = [&](int rank) {
     if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
   };
-  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(), make_trainer_state(s, r.schedule),
-                            save_options);
+  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(),
+                            make_trainer_state(s, r.schedule, layout_json(r)), save_options);
   r.last_saved = done;
   if (r.lead) {
     fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,

@@ -39,6 +39,7 @@
 #include "shardopt/shardopt.hpp"
 #include "test_fault.hpp"
 #include "tokenizer.hpp"
+#include "tp_resume.hpp"
 
 namespace fs = std::filesystem;
 using bert::Args;
@@ -220,7 +221,11 @@ void build_model(Run& r) {
   if (!a.init_checkpoint.empty()) {
     try {
       std::string kind;
-      const auto report = bert::load_pretrained(r.model, bert::read_init_checkpoint(a.init_checkpoint, &kind));
+      // Under --tp the weights load into the unsplit model, and this rank keeps its slices.
+      bert::BertForPreTraining target =
+          r.tp() > 1 ? bert::BertForPreTraining(r.config, /*declare_units=*/false) : r.model;
+      const auto report = bert::load_pretrained(target, bert::read_init_checkpoint(a.init_checkpoint, &kind));
+      if (r.tp() > 1) r.model->load_unsplit(target->named_parameters());
       if (r.lead) bert::print_init_report(a.init_checkpoint, kind, report);
     } catch (const std::invalid_argument& e) {
       throw UsageError(e.what());
@@ -251,6 +256,7 @@ void build_model(Run& r) {
   });
   r.opt = std::make_unique<shardopt::DistributedOptimizer>(groups, optimizer_rule(a), r.dp, zo);
   r.global_batch = a.batch_size * r.dp->size() * a.grad_accum;
+  r.state.rows_per_position = a.batch_size * r.dp->size();
   if (r.lead) print_plan(r);
   if (r.lead && automatic) print_automatic_units(r.model->named_parameters(), zo.unit_policy);
 }
@@ -267,12 +273,22 @@ void restore(Run& r) {
     if (!r.metrics) throw std::runtime_error("cannot write " + r.metrics_path.string());
   });
   if (a.resume_requested) {
-    const std::string from =
-        a.resume.empty() ? r.checkpoint_dir.string()
-                         : bert::checkpoint_path(a.resume, r.groups.tp_rank, r.tp()).string();
+    const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
+    const int saved_tp = bert::saved_tensor_parallel(base);
+    std::error_code ec;
+    if (saved_tp != r.tp() && fs::equivalent(base, fs::path(a.out) / "checkpoint", ec)) {
+      throw UsageError(fmt::format(
+          "--resume: the checkpoint in {} was written at --tp {}; this run's (--tp {}) is laid out "
+          "differently: resume into a new folder (--out NEW --resume {})", a.out, saved_tp,
+          r.tp(), base.string()));
+    }
+    const std::string from = saved_tp == r.tp() ? bert::checkpoint_path(base, r.groups.tp_rank, r.tp()).string()
+                                                : fmt::format("{} (written at --tp {})", base.string(), saved_tp);
     const auto t0 = Clock::now();
-    const auto notes = bert::restore_run_state(shardopt::load_checkpoint(*r.opt, from), r.schedule,
-                                               &r.state);
+    const auto saved = saved_tp == r.tp()
+                           ? shardopt::load_checkpoint(*r.opt, bert::checkpoint_path(base, r.groups.tp_rank, r.tp()).string())
+                           : bert::load_checkpoint_any_layout(r, base, saved_tp);
+    const auto notes = bert::restore_run_state(saved, r.schedule, &r.state);
     shardopt::agree_on_errors(*r.comm, "resuming the metrics log", [&] {
       if (!r.lead) return;
       fmt::print("[bert] resumed from {} at step {} ({:.1f} s)\n", from, r.state.step,
@@ -444,7 +460,7 @@ void train_loop(Run& r) {
 bool already_finished(const Args& a, int rank) {
   if (!a.resume_requested || a.eval_only) return false;
   const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
-  const std::string from = bert::checkpoint_path(base, 0, a.tp).string();
+  const std::string from = bert::checkpoint_path(base, 0, bert::saved_tensor_parallel(base)).string();
   const auto info = shardopt::read_checkpoint_info(from);
   const auto trainer = nlohmann::json::parse(info.trainer_json, nullptr, false);
   const int64_t saved = trainer.is_object() ? trainer.value("step", int64_t{-1}) : -1;

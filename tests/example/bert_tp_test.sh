@@ -11,8 +11,10 @@
 #           1e-6 relative at step 1, where both start from the same weights, and within 1e-5 over
 #           10 steps (the trajectories then differ by fp32 rounding: ~1e-6 by step 5). A run at
 #           (2, 2) stopped at step 5 and resumed from its checkpoints (one per tensor rank)
-#           continues with the uninterrupted run's losses; its Hugging Face export is the unsplit
-#           model (the vocabulary's padding rows dropped).
+#           continues with the uninterrupted run's losses, and so do runs resumed from it at
+#           (4, 1) stage 3 and (1, 2) stage 1 (within 1e-4; checkpoints across layouts,
+#           examples/bert/tp_resume.hpp); resuming at another --tp into the same folder is refused.
+#           Its Hugging Face export is the unsplit model (the vocabulary's padding rows dropped).
 # Usage: bert_tp_test.sh golden|clip BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS] [PYTHON]
 set -euo pipefail
 MODE="$1" EXE="$2" MPIEXEC="$3" WORK="$4" CORPUS="${5:-}" PY="${6:-/usr/bin/python3}"
@@ -31,13 +33,13 @@ COMMON=(--dropout 0 --lr 2e-3 --warmup-steps 2 --batch-size 4
 train() {  # RANKS NAME FLAGS...
   local n="$1" name="$2"; shift 2
   "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" --bert-config "$CONFIG" "${COMMON[@]}" "$@" --out "$WORK/$name" \
-    >"$WORK/$name.log" 2>&1 || { cat "$WORK/$name.log"; fail "$name: exit $?"; }
+    >"$WORK/$name.log" 2>&1 || { local rc=$?; cat "$WORK/$name.log"; fail "$name: exit $rc"; }
   grep -E "training:|golden" "$WORK/$name.log" || true
 }
 refused() {  # RANKS NAME EXPECTED-TEXT FLAGS...
   local n="$1" name="$2" text="$3"; shift 3
   set +e
-  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" --bert-config "$CONFIG" "${COMMON[@]}" "$@" --out "$WORK/$name" \
+  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" --bert-config "$CONFIG" "${COMMON[@]}" "$@" --out "${OUT:-$WORK/$name}" \
     >"$WORK/$name.log" 2>&1
   local rc=$?
   set -e
@@ -70,11 +72,24 @@ fi
 
 [ "$MODE" = clip ] || fail "mode must be golden or clip, got $MODE"
 sed -i 's/"vocab_size": 1000/"vocab_size": 2000/' "$WORK/config.json"
-D=(--corpus "$CORPUS" --vocab-size 2000 --dupe-factor 2 --eval-fraction 0 --max-seq-length 64
+D=(--corpus "$CORPUS" --vocab-size 2000 --dupe-factor 2 --eval-fraction 0.1 --max-seq-length 64
    --steps 10 --stage 2 --max-grad-norm 1)
 train 1 d1_accum2 "${D[@]}" --grad-accum 2
 train 4 t2d2 "${D[@]}" --tp 2 --export-hf "$WORK/t2d2_hf"
+# The export, unsplit, loads at --tp 1 and 4 (--init-checkpoint splits it) and evaluates as the
+# (2, 2) run did at its last step.
+cache=("$WORK"/t2d2/cache/pretrain-*.eval.bin)
+for t in 1 4; do
+  train $t "eval_tp$t" --eval-only --data "${cache[0]%.eval.bin}.bin" --eval-data "${cache[0]}" \
+    --vocab "$WORK/t2d2_hf/vocab.txt" --bert-config "$WORK/t2d2_hf/config.json" \
+    --init-checkpoint "$WORK/t2d2_hf" --tp $t
+done
 train 4 t2d2_part "${D[@]}" --tp 2 --stop-after 5
+# Across layouts from its step-5 checkpoint: (4, 1) at stage 3 with 2 micro-batches (the same 8
+# rows a step) and (1, 2) at stage 1; each into its own folder.
+train 4 t4d1_from_t2d2 "${D[@]}" --tp 4 --stage 3 --grad-accum 2 --resume "$WORK/t2d2_part/checkpoint"
+train 2 t1d2_from_t2d2 "${D[@]}" --stage 1 --resume "$WORK/t2d2_part/checkpoint"
+OUT="$WORK/t2d2_part" refused 4 same_folder "was written at --tp 2" "${D[@]}" --tp 4 --resume
 train 4 t2d2_part "${D[@]}" --tp 2 --resume
 ls "$WORK/t2d2_part/checkpoint/tp0-of-2" "$WORK/t2d2_part/checkpoint/tp1-of-2" >/dev/null ||
   fail "no checkpoint per tensor rank"
@@ -96,6 +111,19 @@ assert loss <= 1e-4
 gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(tp, resumed))
 print(f"resumed at step 5: largest |loss - uninterrupted| = {gap:.2e} (tolerance 1e-6)")
 assert gap <= 1e-6
+for name in ("t4d1_from_t2d2", "t1d2_from_t2d2"):
+    other = {m["step"]: m["loss"] for m in metrics(name)}
+    assert sorted(other) == list(range(6, 11)), (name, sorted(other))
+    gap = max(abs(m["loss"] - other[m["step"]]) for m in tp if m["step"] > 5)
+    print(f"{name}: steps 6-10, largest |loss - uninterrupted (2,2)| = {gap:.2e} (tolerance 1e-4)")
+    assert gap <= 1e-4
+last = tp[-1]["eval"]
+for t in (1, 4):
+    e = json.load(open(f"{work}/eval_tp{t}/eval.json"))
+    print(f"eval of the export at --tp {t}: MLM loss {e['mlm_loss']:.9f} acc {e['mlm_acc']:.4f}; "
+          f"the (2,2) run at step 10: {last['mlm_loss']:.9f} acc {last['mlm_acc']:.4f}")
+    assert abs(e["mlm_loss"] - last["mlm_loss"]) <= 1e-5 and e["mlm_acc"] == last["mlm_acc"]
+    assert abs(e["nsp_loss"] - last["nsp_loss"]) <= 1e-5
 # The export: safetensors header of the unsplit model, vocabulary 2000 (padding dropped).
 with open(f"{work}/t2d2_hf/model.safetensors", "rb") as f:
     header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))

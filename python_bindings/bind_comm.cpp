@@ -110,6 +110,10 @@ void bind_comm(py::module_& m) {
           },
           "tensor"_a, "root"_a = 0, "async_op"_a = false)
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("split", &Communicator::split, "color"_a, "key"_a,
+           py::call_guard<py::gil_scoped_release>(),
+           "A sub-communicator of the ranks passing the same color, ordered by key (as "
+           "MPI_Comm_split); a negative color gives None. Collective.")
       .def("__repr__", [](const Communicator& c) {
         return fmt::format("<shardopt.Communicator backend={} rank={} size={}>", c.backend(),
                            c.rank(), c.size());
@@ -130,6 +134,29 @@ void bind_comm(py::module_& m) {
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
   m.def("make_single_communicator", [] { return make_single_communicator(); });
+
+  // The rank grid of model parallelism (shardopt/parallel_layout.hpp).
+  py::class_<ParallelGroups>(m, "ParallelGroups",
+                             "The groups of make_parallel_groups: world, tp, dp, pp and this "
+                             "rank's place in each")
+      .def_readonly("world", &ParallelGroups::world)
+      .def_readonly("tp", &ParallelGroups::tp)
+      .def_readonly("dp", &ParallelGroups::dp)
+      .def_readonly("pp", &ParallelGroups::pp)
+      .def_readonly("tp_rank", &ParallelGroups::tp_rank)
+      .def_readonly("dp_rank", &ParallelGroups::dp_rank)
+      .def_readonly("pp_rank", &ParallelGroups::pp_rank)
+      .def_property_readonly("layout",
+                             [](const ParallelGroups& g) { return g.layout.to_string(); });
+  m.def(
+      "make_parallel_groups",
+      [](const CommunicatorPtr& world, int tp, int pp, int dp) {
+        py::gil_scoped_release nogil;
+        return make_parallel_groups(world, ParallelLayout{tp, pp, dp});
+      },
+      "world"_a, "tp"_a = 1, "pp"_a = 1, "dp"_a = 0,
+      "Cuts `world` into tensor-parallel (innermost), data-parallel and pipeline groups: world "
+      "rank = tp_rank + tp * (dp_rank + dp * pp_rank); dp = 0: world.size / (tp * pp). Collective.");
 #if SHARDOPT_HAS_C10D
   m.def(
       "_make_process_group_communicator",

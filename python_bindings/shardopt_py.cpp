@@ -326,6 +326,13 @@ void bind_options(py::module_& m) {
       .def_readwrite("unit_policy", &ZeroOptions::unit_policy,
                      "Stage 3 without units: how units are derived from parameter names")
       .def_readwrite("max_nonfinite_steps", &ZeroOptions::max_nonfinite_steps)
+      .def_readwrite("tensor_group", &ZeroOptions::tensor_group,
+                     "tensor parallelism: the tensor-parallel group (make_parallel_groups(...).tp) "
+                     "of the split parameters this optimizer (given the data-parallel group) "
+                     "holds; clipping and the non-finite check then span the grid")
+      .def_readwrite("tensor_replicated", &ZeroOptions::tensor_replicated,
+                     "with tensor_group: the names of the parameters every tensor rank holds "
+                     "whole (counted once in the clipping norm)")
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })

@@ -24,7 +24,8 @@ from ._C import (CheckpointError, CommTimeoutError, CommunicationError, Error, I
                  InvalidArgumentError, MismatchError, NonFiniteError, OutOfMemoryError,
                  UnsupportedError)
 from ._C import (Capabilities, Communicator, Estimate, LossScaleOptions, MemoryBreakdown,
-                 MemoryReport, ReduceOp, StepStats, UnitPolicy, Units, Work, ZeroOptions)
+                 MemoryReport, ParallelGroups, ReduceOp, StepStats, UnitPolicy, Units, Work,
+                 ZeroOptions, make_parallel_groups)
 from .comm import default_communicator, from_process_group, init_from_env, make_single_communicator
 from .estimate import bert_parameter_count, estimate, estimate_model
 from .arguments import modules_of_type

@@ -57,7 +57,10 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             ``precision``, ``reduce_in_fp32``, ``loss_scale`` (a ``LossScaleOptions`` or a dict),
             ``fused_update``, ``offload``, ``broadcast_initial_params``, ``align_bytes``,
             ``shard_group_size``, ``reduce_dtype``, ``prefetch``, ``reuse_distance``, ``timeout`` (a
-            ``datetime.timedelta`` or seconds) and ``max_nonfinite_steps``.
+            ``datetime.timedelta`` or seconds), ``max_nonfinite_steps``, and for tensor
+            parallelism ``tensor_group`` (``make_parallel_groups(world, tp=t).tp``; pass
+            ``comm=`` the ``.dp`` group) with ``tensor_replicated`` (the names of the parameters
+            every tensor rank holds whole).
         units: stage 3: the modules whose parameters are gathered together, usually one per
             layer: a list of modules (or ``(name, module)`` pairs, or a dict), or a policy applied
             to the model given as ``params``: a module class, a tuple of classes, or a callable

@@ -270,3 +270,41 @@ def test_checkpoint_resume_with_client_state_and_scheduler(comm, stage):
     if comm.rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
     assert all_ranks_ok(comm, ok and diff <= TOL), f"stage {stage}: ok={ok} diff={diff}"
+
+
+def test_tensor_parallel_grid_clipping(comm):
+    """make_parallel_groups(tp=2) and ZeroOptions.tensor_group / tensor_replicated: rank r holds
+    rows [3r, 3r+3) of W (split) and all of v (replicated); the loss is the unsplit model's (the
+    other rank's rows enter as constants), so each rank's gradients are its slice of the unsplit
+    ones. The clipping norm must span both ranks and count v once: SGD with max_grad_norm then
+    follows torch's clip_grad_norm_ on the unsplit model."""
+    g = shardopt.make_parallel_groups(comm, tp=2)
+    assert (g.tp.size, g.dp.size, g.tp_rank, g.layout) == (2, 1, comm.rank, "tp=2 x dp=1 x pp=1")
+    torch.manual_seed(0)
+    w_full, v_full = torch.randn(6, 4), torch.randn(4)
+    r = g.tp_rank
+    w = torch.nn.Parameter(w_full[3 * r:3 * r + 3].clone())
+    v = torch.nn.Parameter(v_full.clone())
+    ref_w, ref_v = torch.nn.Parameter(w_full.clone()), torch.nn.Parameter(v_full.clone())
+    opt = shardopt.DistributedOptimizer([("w", w), ("v", v)], "sgd", comm=g.dp, lr=0.1,
+                                        max_grad_norm=0.5, tensor_group=g.tp,
+                                        tensor_replicated=["v"])
+    ref_opt = torch.optim.SGD([ref_w, ref_v], lr=0.1)
+    ok = True
+    for step in range(4):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        rows = torch.zeros(6 * 4)
+        g.tp.all_gather(w.detach().reshape(-1).contiguous(), rows)
+        parts = list(rows.view(6, 4).split(3))
+        parts[r] = w                                  # this rank's rows carry the gradient
+        opt.zero_grad()
+        opt.backward(((x * v) @ torch.cat(parts).t()).pow(2).sum())
+        opt.step()
+        ref_opt.zero_grad()
+        ((x * ref_v) @ ref_w.t()).pow(2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_([ref_w, ref_v], 0.5)
+        ref_opt.step()
+        ok &= abs(opt.last_step().grad_norm - norm.item()) <= 1e-5 * norm.item()
+    ok &= torch.allclose(w.detach(), ref_w.detach()[3 * r:3 * r + 3], atol=1e-6)
+    ok &= torch.allclose(v.detach(), ref_v.detach(), atol=1e-6)
+    assert all_ranks_ok(comm, bool(ok))

@@ -107,6 +107,21 @@ class NcclCommunicator final : public Communicator {
                         "make_nccl_communicator");
     SHARDOPT_NCCL_CHECK(ncclCommInitRank(&state_->comm, size, id, rank), "make_nccl_communicator");
   }
+  // Adopts `comm`, a communicator ncclCommSplit made from a parent's.
+  NcclCommunicator(ncclComm_t comm, int device, CommunicatorPtr bootstrap)
+      : Communicator(bootstrap->rank(), bootstrap->size()), device_(device),
+        bootstrap_(std::move(bootstrap)) {
+    state_->comm = comm;
+    SHARDOPT_CUDA_CHECK(cudaSetDevice(device_), "comm.split on nccl");
+    SHARDOPT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                        "comm.split on nccl");
+    int nccl_rank = -1, nccl_size = -1;
+    SHARDOPT_NCCL_CHECK(ncclCommUserRank(comm, &nccl_rank), "comm.split on nccl");
+    SHARDOPT_NCCL_CHECK(ncclCommCount(comm, &nccl_size), "comm.split on nccl");
+    SHARDOPT_INTERNAL_ASSERT(nccl_rank == rank() && nccl_size == size(),
+                             "comm.split on nccl: NCCL made rank {} of {}, the bootstrap {} of {}",
+                             nccl_rank, nccl_size, rank(), size());
+  }
   ~NcclCommunicator() override {
     if (!state_->aborted) ncclCommDestroy(state_->comm);
     cudaStreamDestroy(stream_);
@@ -155,6 +170,26 @@ class NcclCommunicator final : public Communicator {
                         "broadcast");
     return record(fmt::format("broadcast({}, root {}) on nccl", describe(t), root));
   }
+  // The bootstrap engine splits alike (CPU tensors and the unique id travel through it). NCCL
+  // 2.18+ splits the communicator itself (ncclCommSplit: no new bootstrap, resources shared with
+  // the parent where NCCL can); older NCCL builds a new one over the split bootstrap. Both order
+  // ranks by key, then by rank here, as MPI_Comm_split.
+  CommunicatorPtr do_split(int color, int key) override {
+    CommunicatorPtr sub_bootstrap = bootstrap_->split(color, key);
+#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    ncclComm_t sub = nullptr;
+    SHARDOPT_CUDA_CHECK(cudaSetDevice(device_), "comm.split on nccl");
+    SHARDOPT_NCCL_CHECK(ncclCommSplit(state_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key,
+                                      &sub, nullptr),
+                        "comm.split on nccl");
+    if (color < 0) return nullptr;
+    return std::make_shared<NcclCommunicator>(sub, device_, std::move(sub_bootstrap));
+#else
+    if (color < 0) return nullptr;
+    return make_nccl_communicator(sub_bootstrap, device_);
+#endif
+  }
+
   void do_barrier() override {
     // NCCL has no barrier: a one-element all_reduce orders every rank the same way.
     void* scratch = nullptr;

@@ -2,64 +2,50 @@
 //
 // Note [Automatic units]
 // Without a Units object, stage 3 derives units from the parameters' names (shardopt/
-// unit_policy.hpp) and builds the same parts as declared units would (Note [Stage 3 units] in
-// engine.cpp: a tied parameter whose names fall in two units gets a part of its own; small groups
-// form the root part, which persists through the step). Nothing in the model calls Units::run,
-// so the parts are driven from the dispatcher instead: the parameters carry the release guard's
-// dispatch key for good (release_guard.cpp), and views made from them (weight.t() saved by addmm,
-// p.data) inherit it, because view kernels copy their base's key set. Every operation on such a
-// tensor, in forward, in backward (reading what autograd saved) or anywhere else, first reaches
-// the guard's fallback, which finds this scheduler and the parts through their storage (the part
-// store's registration, Note [Part registration] in release_guard.cpp), has them gathered (use())
-// and then runs the operation below the key. Autograd therefore records the real parameters; a part released between forward and
-// backward is gathered again when backward first reads it, and the gather writes the part's
-// buffer, never the parameters' version counters, so unpacking saved leaves stays valid.
+// unit_policy.hpp) and builds the same parts as declared units would (Note [Stage 3 units]; small
+// groups form the root part, which persists). Nothing in the model calls Units::run, so the parts
+// are driven from the dispatcher: the parameters carry the release guard's dispatch key for good,
+// and views made from them (weight.t() saved by addmm, p.data) inherit it. Every operation on such
+// a tensor, in forward, in backward or anywhere else, first reaches the guard's fallback, which
+// finds this scheduler and the parts through their storage (Note [Part registration] in
+// release_guard.cpp), has them gathered (use()) and runs the operation below the key. So autograd
+// records the real parameters, and a part released between forward and backward is gathered again
+// when backward first reads it; the gather writes the part's buffer, never the parameters' version
+// counters, so unpacking saved leaves stays valid.
 //   Forward: a part is gathered on first use and released when the trace says its use is over
-//   (Note [Reuse distance]). A part used again later (a tied embedding at the decoder) is
-//   gathered again unless it was kept.
-//   Backward: a part is gathered when backward first reads it (NeededInBackward, Note [Part
-//   lifecycle] in part_store.cpp) and released once its gradients are in (the engine reports
-//   it: PartScheduler::post_backward), as for declared units; end of backward frees the rest but
-//   the root.
-//   Trace: the order of first uses in forward, then in backward (Note [Use trace] in
-//   part_scheduler.hpp, shared with declared units and checked across ranks); if the ranks
-//   differ, prefetch and the trace-driven release stay off with one warning (collectives must be
-//   issued in the same order everywhere). Otherwise the forward gathers the next `prefetch` parts
-//   of the last pass's order when it reaches a part at the same position, and backward those that
-//   came before it in this pass's forward.
-// Communication per micro-step: a part is all-gathered at each forward use that finds it
-// released and once in backward unless forward kept it, and reduce-scattered once; the root part
-// is all-gathered once per step. Declared units release every unit when its run ends and gather
-// it again in backward; here the parts whose backward use is near stay gathered through the loss
-// into backward, which saves their backward gathers (BERT: the last encoder layer and the
-// embeddings that the tied decoder used last) at the cost of holding them meanwhile
-// (bench/RESULTS.md: BERT peer, 2.92 Psi per step vs 3.70 Psi with its explicit units, peak +0.1%).
+//   (Note [Reuse distance]).
+//   Backward: a part is gathered when backward first reads it (NeededInBackward) and released
+//   once its gradients are in, as for declared units; the end of backward frees the rest but the
+//   root.
+//   Trace: the order of first uses in forward, then in backward (Note [Use trace], checked across
+//   ranks); if the ranks differ, prefetch and the trace-driven release stay off with one warning.
+//   Otherwise forward prefetches the next `prefetch` parts of the last pass's order, and backward
+//   those that came before the part in this pass's forward.
+// Declared units release each unit when its run ends and gather it again in backward; here the
+// parts whose backward use is near stay gathered through the loss into backward, which saves their
+// backward gathers at the cost of holding them (bench/RESULTS.md: BERT peer, 2.92 Psi per step vs
+// 3.70 Psi with its explicit units, peak +0.1%).
 //
 // Note [Reuse distance]
 // When forward starts a new part-use at position k of the trace (the last pass's forward order,
 // then its backward order), and only then, every gathered part the operation does not read is
-// looked up (operations on the root part or on the current part decide nothing): if its
-// next use in the trace is at most ZeroOptions::reuse_distance positions ahead it stays gathered,
-// otherwise (or if it is not used again) it is released. The backward half is what keeps the
-// forward's last parts for backward: near the end of forward their backward uses are close. So
-// 0 frees every part as soon as another starts; 1 keeps a part read again right after the next
-// (a layer around a shared bias); the default 2 also keeps, at the end of forward, the part
-// before the last for backward; a distance longer than the trace keeps every part until
-// backward's gradients free it (stage-2 memory, 2 Psi per step). Releases are no collectives, but
-// they decide which later uses gather, so every rank must decide alike: the trace is the one
-// checked across ranks, and the decision uses only it and positions. Fallback, while there is no
-// usable trace (the first pass, ranks that disagreed, a forward that left the trace, forwards
-// without backward that overran it): the `keep` most recently used parts stay gathered, older
-// ones are released.
-// Cost: one boxed fallback per operation on a parameter (gathered or not), measured in
-// bench/RESULTS.md. What bypasses the dispatcher bypasses this too: code that reads data_ptr()
-// of a parameter directly, or a TorchScript fuser kernel that takes a parameter as input (CPU
-// fusion is off by default in torch): such code sees no bytes while the part is released; call
-// DistributedOptimizer::gather_full_parameters() first (outside a pass), or disable the fuser
-// (CUDA: nvFuser on torch 1.12-1.13, NNC on 2.x; README "Stage 3"). Collectives are issued from
-// whichever rank's operation needs them: every rank must run the same operations on the
-// parameters (as DDP assumes of its buckets); a read on one rank alone times out and raises the
-// released parameter's named error (release_guard.cpp), tested by AutoUnitsReleasedRead.
+// looked up (operations on the root part or the current part decide nothing): if its next use is
+// at most ZeroOptions::reuse_distance positions ahead it stays gathered, otherwise it is released.
+// The backward half keeps the forward's last parts for backward. So 0 frees every part as soon as
+// another starts; 1 keeps a part read again right after the next (a layer around a shared bias);
+// the default 2 also keeps the part before the last for backward; a distance longer than the trace
+// keeps every part until its gradients free it (stage-2 memory, 2 Psi per step). Releases are no
+// collectives but decide which later uses gather, so every rank must decide alike: the decision
+// uses only the cross-rank-checked trace and positions. Without a usable trace (the first pass,
+// ranks that disagreed, a forward that left the trace or overran it) the `keep` most recently used
+// parts stay gathered, older ones are released.
+// Cost: one boxed fallback per operation on a parameter (bench/RESULTS.md). What bypasses the
+// dispatcher bypasses this too: code that reads a parameter's data_ptr() directly, or a TorchScript
+// fuser kernel taking a parameter (CPU fusion is off by default) sees no bytes while its part is
+// released; call DistributedOptimizer::gather_full_parameters() first (outside a pass), or disable
+// the fuser (README "Stage 3"). Gathers are collectives issued by whichever operation needs them:
+// every rank must run the same operations on the parameters; a read on one rank alone times out
+// and raises the released parameter's named error (tested by AutoUnitsReleasedRead).
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
@@ -118,37 +104,22 @@ void AutoUnits::forward_use(const std::vector<int>& parts) {
   // Operations that read only the root part (a head between the last layer and the tied decoder)
   // or the current part start no new use: deciding there would release the current part at its
   // own position, one further from its backward use than the next part-use will be.
-  if (started) {
-    if (trace_.following()) {
-      release_by_trace(parts);
-    } else {
-      release_by_window(parts);
-    }
-  }
+  if (started) release_after_use(parts);
 }
 
-// Forward, after a use at trace position k: releases the gathered parts the operation does not
-// read whose use is over (Note [Reuse distance]).
-void AutoUnits::release_by_trace(const std::vector<int>& parts) {
+// Forward, after a new part-use at trace position k: releases the gathered parts the operation
+// does not read whose use is over (Note [Reuse distance]); without a usable trace, the least
+// recently used beyond the `keep` window.
+void AutoUnits::release_after_use(const std::vector<int>& parts) {
+  const bool by_trace = trace_.following();
   const size_t k = trace_.position();  // recent_ is empty while the forward is
-  for (auto it = recent_.begin(); it != recent_.end();) {
-    const int part = *it;
-    const size_t next = trace_.next_use(part);  // > k: this forward followed the trace
-    const bool in_use = std::find(parts.begin(), parts.end(), part) != parts.end();
-    if (in_use || (next != UseTrace::kNever && next - k <= reuse_distance_)) {
-      ++it;
-      continue;
+  for (auto it = recent_.begin(); it != recent_.end() && (by_trace || recent_.size() > keep_);) {
+    bool keep = std::find(parts.begin(), parts.end(), *it) != parts.end();
+    if (by_trace && !keep) {
+      const size_t next = trace_.next_use(*it);  // > k: this forward followed the trace
+      keep = next != UseTrace::kNever && next - k <= reuse_distance_;
     }
-    store_.release(part);
-    it = recent_.erase(it);
-  }
-}
-
-// The fallback without a usable trace: the least recently used parts beyond the window go, never
-// one this operation reads.
-void AutoUnits::release_by_window(const std::vector<int>& parts) {
-  for (auto it = recent_.begin(); recent_.size() > keep_ && it != recent_.end();) {
-    if (std::find(parts.begin(), parts.end(), *it) != parts.end()) {
+    if (keep) {
       ++it;
       continue;
     }

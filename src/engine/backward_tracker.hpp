@@ -20,12 +20,8 @@ class BackwardTracker {
     }
   }
 
-  // The first event of a pass starts it; returns true then (the engine arranges for end_pass()).
-  bool begin_pass() {
-    if (in_pass_) return false;
-    in_pass_ = true;
-    return true;
-  }
+  // The first event of a pass starts it (the engine arranges for end_pass()).
+  void begin_pass() { in_pass_ = true; }
   bool in_pass() const { return in_pass_; }
 
   struct Arrival {

@@ -46,7 +46,7 @@ class CheckpointAccess final : public ShardAccess {
     return model_.params[index].tensor.sizes().vec();
   }
   at::ScalarType master_dtype() const override;
-  bool has_factory_optimizer() const override { return update_.has_factory_optimizer(); }
+  bool has_factory_optimizer() const override { return update_.factory_optimizer(); }
   int state_buffer_count() const override { return static_cast<int>(flat_.state().size()); }
   at::Tensor owned_param_slice(int bucket) override;
   at::Tensor owned_state_slice(int state, int bucket) override;

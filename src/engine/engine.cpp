@@ -1,35 +1,22 @@
 // Engine: builds the pieces from the StagePlan, routes hook events to them, and runs step().
 //
 // Note [Stage 3 units]
-// Parameters are gathered in parts (src/engine/model_check.cpp): each declared unit's own
-// parameters; one part per set of units sharing parameters (BERT's word embeddings, declared by
-// the embeddings unit and by the heads that reuse them as the MLM decoder); and the root part, the
-// parameters no unit declares. Buckets never span parts. A part is gathered by allocating storage
-// for its full buffer and all-gathering each bucket's shards into it; it is released by freeing
-// that storage (StorageImpl::reset), so the model's parameters keep their shape and autograd
-// identity but hold no bytes. Autograd saved the parameters themselves (or views of them), which
-// share the StorageImpl, so gathering again before a unit's backward makes them valid again.
-// Forward: Units::run enters (gather the unit's parts; prefetch the next units of the last pass's
-// order) and exits (release the parts no running unit needs); a unit may run several times, and is
-// gathered for each run. Backward: a hook on each run's outputs gathers the unit's parts
-// (prefetching the unit backward reaches next); once every parameter of a part has its gradient
-// (the bucketed path reduce-scatters them), the part is released; a shared part or one run twice
-// stays gathered between its backward uses (its gradients arrive after the last one). The root
-// part is gathered before the forward (zero_grad() or the first unit entered) and released by
-// step(); nothing stays gathered between steps. Collectives are issued in the same order on every
-// rank: the gathers because forward and backward visit units in the same order everywhere (as DDP
-// assumes), the reductions because the reducer launches buckets in layout order (Note [Bucket
-// completion] in gradient_reducer.hpp).
-//
-// Who decides: a scheduler (part_scheduler.hpp: DeclaredUnits for these units, AutoUnits for
-// automatic ones) owns every gather, prefetch and release (Note [One owner of releases]); the
-// engine reports the moments, the store executes.
-//
-// Communication per micro-step at stage 3 (elements, padded): each part is all-gathered once per
-// forward run of a unit that needs it and once in backward, and reduce-scattered once; the root
-// part is all-gathered once per step instead. With every unit run once and no sharing that is
-// 3 * Psi per micro-step, as DESIGN.md states; BERT's shared word embeddings, run at the lookup and
-// at the decoder, add one all-gather of that part.
+// Parameters are gathered in parts (model_check.cpp): each declared unit's own parameters, one part
+// per set of units sharing parameters (BERT's word embeddings, also the MLM decoder), and the root
+// part, the parameters no unit declares. Buckets never span parts. Releasing a part frees its
+// storage (StorageImpl::reset): the parameters keep their shape and autograd identity, and what
+// autograd saved (the parameters or views of them) shares that storage, so gathering again before
+// backward makes it valid again. A unit is gathered for each forward run and again at its outputs'
+// backward hook; a part is released once all its gradients are in (a shared or re-run part stays
+// gathered until its last backward use). The root part lives from zero_grad() (or the first unit)
+// to step(); nothing stays gathered between steps. Every rank issues the gathers in the same order
+// because passes visit units alike (as DDP assumes), and the reductions because buckets launch in
+// layout order (Note [Bucket completion]). A scheduler decides every gather, prefetch and release
+// (Note [One owner of releases]); the engine reports the moments, the store executes.
+// Communication per micro-step (padded elements): each part is all-gathered once per forward run
+// that needs it and once in backward, and reduce-scattered once; the root part once per step. With
+// each unit run once and no sharing that is 3 * Psi, as DESIGN.md states; BERT's tied word
+// embeddings add one all-gather of their part.
 #include "engine/engine.hpp"
 
 #include <ATen/ATen.h>
@@ -76,12 +63,6 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
 std::vector<at::Tensor> tensors_of(const std::vector<ModelParam>& params) {
   std::vector<at::Tensor> out;
   for (const auto& p : params) out.push_back(p.tensor);
-  return out;
-}
-
-std::vector<std::string> names_of(const std::vector<ModelParam>& params) {
-  std::vector<std::string> out;
-  for (const auto& p : params) out.push_back(p.name);
   return out;
 }
 
@@ -204,7 +185,14 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   // the master weights (ParameterStore::adopt). Allocations are attributed by category (Note
   // [Peak attribution] in shardopt/memory_tracker.hpp).
   if (plan_.per_part()) {
-    auto parts = make_part_store();
+    // One part per declared unit, shared set and the root (Note [Stage 3 units]).
+    auto labels = part_labels(model_, *unit_plan_);
+    if (automatic_) labels.back() = "the persistent groups, gathered for good";
+    std::vector<std::string> names;
+    for (const auto& p : params()) names.push_back(p.name);
+    auto parts = std::make_unique<PartStore>(*flat_, tensors_of(params()), std::move(names),
+                                             std::move(labels), comm_, options_.timeout,
+                                             /*root_persists=*/automatic_);
     if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
       auto automatic =
           std::make_unique<AutoUnits>(*parts, model_.root_part, options_.prefetch,
@@ -253,15 +241,6 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
         store_->take_comm_elements();
         zero_grad();
       });
-}
-
-// One part per declared unit, shared set and the root (Note [Stage 3 units]).
-std::unique_ptr<PartStore> Engine::make_part_store() {
-  auto labels = part_labels(model_, *unit_plan_);
-  if (automatic_) labels.back() = "the persistent groups, gathered for good";
-  return std::make_unique<PartStore>(*flat_, tensors_of(params()), names_of(params()),
-                                     std::move(labels), comm_, options_.timeout,
-                                     /*root_persists=*/automatic_);
 }
 
 // ZeroOptions::tensor_replicated as a flag per layout slot; a name that is no trainable parameter
@@ -385,14 +364,12 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
   stats_ = StepStats{};
   stats_.step = steps_;
   finish_reduction();
-  if (skip_non_finite()) {
-    end_step(t0);
-    return loss;
+  if (!skip_non_finite()) {
+    clip();
+    update();
+    after_update();
+    ++steps_;
   }
-  clip();
-  update();
-  after_update();
-  ++steps_;
   end_step(t0);
   return loss;
 }

@@ -76,7 +76,6 @@ class Engine final : public UnitRuntime {
   const std::vector<ModelParam>& params() const { return model_.params; }
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
-  std::unique_ptr<PartStore> make_part_store();
   std::vector<char> replicated_slots() const;
   void attach_hooks();
   // Autograd events.

@@ -14,20 +14,24 @@ namespace {
 
 std::optional<kernels::ValueKind> value_kind(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kFloat:
-      return kernels::ValueKind::Float32;
-    case at::kBFloat16:
-      return kernels::ValueKind::BFloat16;
-    case at::kHalf:
-      return kernels::ValueKind::Float16;
-    default:
-      return std::nullopt;
+    case at::kFloat: return kernels::ValueKind::Float32;
+    case at::kBFloat16: return kernels::ValueKind::BFloat16;
+    case at::kHalf: return kernels::ValueKind::Float16;
+    default: return std::nullopt;
   }
 }
 
-// One tensor: its kernels' single pass, or torch's operations (also for 16-bit scaling, whose
-// rounding torch's mul_ defines).
-kernels::CheckResult scan_one(at::Tensor t, double scale, bool sum_squares) {
+}  // namespace
+
+bool folds_scale(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() &&
+         fused_kernels_for(t.device().type()) != nullptr;
+}
+
+// The kernels' single pass, or torch's operations (also for 16-bit scaling, whose rounding torch's
+// mul_ defines).
+FiniteScan scan_local(const at::Tensor& t, double scale, bool sum_squares) {
+  if (!t.defined() || t.numel() == 0) return {};
   const auto kind = value_kind(t.scalar_type());
   const FusedKernels* kernels = fused_kernels_for(t.device().type());
   const bool fold_scale = kind == kernels::ValueKind::Float32;
@@ -39,29 +43,13 @@ kernels::CheckResult scan_one(at::Tensor t, double scale, bool sum_squares) {
     return kernels->check_finite({*kind, t.data_ptr(), t.numel()}, o);
   }
   if (scale != 1.0 && fold_scale) t.mul_(scale);
-  kernels::CheckResult r;
+  FiniteScan r;
   r.non_finite = !at::isfinite(t).all().item<bool>();
   if (sum_squares) {
     const double n = t.norm().to(at::kDouble).item<double>();
     r.sum_sq = n * n;
   }
   return r;
-}
-
-}  // namespace
-
-bool folds_scale(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat && t.is_contiguous() &&
-         fused_kernels_for(t.device().type()) != nullptr;
-}
-
-FiniteScan scan_local(const at::Tensor& t, double scale, bool sum_squares) {
-  FiniteScan scan;
-  if (!t.defined() || t.numel() == 0) return scan;
-  const auto r = scan_one(t, scale, sum_squares);
-  scan.non_finite = r.non_finite;
-  scan.sum_sq = r.sum_sq;
-  return scan;
 }
 
 void add_scan(FiniteScan& total, const FiniteScan& part) {

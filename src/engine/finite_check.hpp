@@ -9,32 +9,26 @@
 
 #include <vector>
 
+#include "kernels/finite.hpp"
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
 
-struct FiniteScan {
-  bool non_finite = false;  // some value on some rank is NaN or +-Inf
-  double sum_sq = 0.0;      // sum of squares over every rank's tensors, when asked
-};
+// Whether some value on some rank is NaN or +-Inf, and the sum of squares when asked.
+using FiniteScan = kernels::CheckResult;
 
 // Multiplies each tensor by float(scale) in place (the float product torch's mul_(scale) gives;
 // scale 1 writes nothing), finds whether any value is non-finite and, with `sum_squares`, sums the
-// squares in double. With `agree` (a communicator of more than one rank) the results of every rank
-// are combined by one one-element all-reduce (the sum of squares, or the flag's maximum); pass
-// null where every rank holds the same values.
-// Contiguous fp32/bf16/fp16 tensors on a device with kernels (the CPU; CUDA with libshardopt_cuda)
-// take one pass; others fall back on torch's operations.
+// squares in double. With `agree` (a communicator of more than one rank) every rank's results are
+// combined by one one-element all-reduce; pass null where every rank holds the same values.
+FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, bool sum_squares,
+                       Communicator* agree, Duration timeout);
 // Whether scan_finite scales `t` inside its own pass (contiguous fp32 on a device with kernels).
 bool folds_scale(const at::Tensor& t);
 
-FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, bool sum_squares,
-                       Communicator* agree, Duration timeout);
-
 // scan_finite's two halves, for callers that scan tensors at different times: one tensor on this
-// rank (scaled as above; an undefined or empty one is finite), and the combination of every
-// rank's totals (added up by add_scan in a fixed order, so the result does not depend on when
-// each tensor was scanned).
+// rank (an undefined or empty one is finite), and the combination of every rank's totals (added up
+// by add_scan in a fixed order, so the result does not depend on when each tensor was scanned).
 FiniteScan scan_local(const at::Tensor& t, double scale, bool sum_squares);
 void add_scan(FiniteScan& total, const FiniteScan& part);
 FiniteScan agree_on(FiniteScan local, bool sum_squares, Communicator* agree, Duration timeout);

@@ -27,24 +27,18 @@ int64_t FlatState::update_index(int bucket, int64_t element) const {
   return range.state_offset + element - range.bucket_begin;
 }
 
-at::Tensor FlatState::updated_copy(const at::Tensor& flat, const at::TensorOptions& options) const {
-  if (!plan_.sharded()) return flat.to(options, false, true);
-  return owned_copy(flat, options);
-}
-
-at::Tensor FlatState::owned_copy(const at::Tensor& flat, const at::TensorOptions& options) const {
-  at::Tensor out = at::empty({layout_.shard_numel}, options);
-  for (const auto& bl : layout_.buckets) {
-    out.narrow(0, bl.shard_offset, bl.shard)
-        .copy_(flat.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard));
-  }
-  return out;
-}
-
 void FlatState::init_master(const at::Tensor& initial) {
   if (!plan_.separate_master()) return;
-  master_ = plan_.per_part() ? initial.to(master_options_, false, true)
-                             : updated_copy(initial, master_options_);
+  // `initial` is this rank's shard (per part) or full length; the master is in update coordinates.
+  if (plan_.per_part() || !plan_.sharded()) {
+    master_ = initial.to(master_options_, false, true);
+    return;
+  }
+  master_ = at::empty({layout_.shard_numel}, master_options_);
+  for (const auto& bl : layout_.buckets) {
+    master_.narrow(0, bl.shard_offset, bl.shard)
+        .copy_(initial.narrow(0, bl.flat_offset + rank_ * bl.shard, bl.shard));
+  }
 }
 
 void FlatState::init_state(int count, double first_value) {

@@ -2,24 +2,18 @@
 // tensor options of each kind of buffer, and what the local update owns: the master weights
 // (when separate), the optimizer state buffers and the segments the update walks.
 //
-// Coordinates (Note [Flat layout] below): bucket b covers
-// [flat_offset, flat_offset + padded) of the full flat buffer; rank r owns its elements
-// [r*S, (r+1)*S). The part of b this rank updates ("updated range") is the owned slice when the
-// plan is sharded, the whole bucket when replicated; it sits at state_offset in every
-// update-coordinate buffer (master, optimizer state, reduced gradients).
-//
 // Note [Flat layout]
-// Trainable parameters (deduplicated: tied weights appear once; frozen ones are left out) are
-// sorted by parameter group and, within a group, placed in reverse registration order, which is
-// roughly the order backward produces their gradients. They are packed into buckets of about
-// bucket_bytes (when 0: Note [Default bucket size] in shardopt/detail/plan.hpp); a parameter
-// larger than the space left in a bucket fills it and continues in the next (the split falls at a
-// multiple of world * align, so the parameter stays contiguous in the full flat buffer and its
-// view stays one view). Each bucket is padded to a multiple of
-// world * align so it splits evenly, and rank r owns [r*S, (r+1)*S) of every bucket. Model
-// parameters become views into flat storage, so the optimizer updates them with no copy. A bucket
-// is the unit of one collective and is complete once every piece in it has its gradient
-// (Note [Bucket completion] in gradient_reducer.hpp).
+// Trainable parameters (tied weights once, frozen ones left out) are sorted by parameter group
+// and, within a group, placed in reverse registration order, roughly the order backward produces
+// their gradients. They are packed into buckets of about bucket_bytes (when 0: Note [Default bucket
+// size] in shardopt/detail/plan.hpp); a parameter larger than the space left fills the bucket and
+// continues in the next, split at a multiple of world * align so that it stays one contiguous view
+// of the full flat buffer. Bucket b covers [flat_offset, flat_offset + padded), padded to a
+// multiple of world * align, and rank r owns its elements [r*S, (r+1)*S). Model parameters are
+// views into flat storage, so the update needs no copy. A bucket is the unit of one collective
+// (Note [Bucket completion] in gradient_reducer.hpp). The part of a bucket this rank updates (its
+// "updated range") is the owned slice when the plan is sharded, the whole bucket when replicated;
+// it sits at state_offset in every update-coordinate buffer (master, state, reduced gradients).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -67,10 +61,6 @@ class FlatState {
   int64_t update_numel() const;
   // Position of element `element` (bucket coordinates) of bucket `bucket` in update coordinates.
   int64_t update_index(int bucket, int64_t element) const;
-  // The updated ranges of a full-length flat tensor, packed in update coordinates.
-  at::Tensor updated_copy(const at::Tensor& flat, const at::TensorOptions& options) const;
-  // This rank's owned slice of every bucket of a full-length flat tensor, packed as a shard.
-  at::Tensor owned_copy(const at::Tensor& flat, const at::TensorOptions& options) const;
 
   // Master weights (separate master only) from ParameterStore::adopt's initial values: the full
   // flat buffer, or this rank's shard when parameters are gathered per unit.

@@ -160,11 +160,8 @@ void GradientReducer::end_pass(int micro) {
   }
 }
 
-// Gradients set by hand reach the sinks as they would from backward. InPlace: each defined .grad
-// is copied into its view, then every bucket launched. Bucketed: bucket by bucket in layout
-// order, each launched as soon as its pieces are in (and waited for without overlap_comm), as
-// accept() does, so the pool stays within its bound (Note [Bucket pool bound] in
-// shardopt/detail/plan.hpp); a parameter's .grad is freed once its last piece is in.
+// Gradients set by hand reach the sinks as from backward. Bucketed: each bucket is launched as
+// soon as it is filled, as accept() does, so the pool keeps its bound (Note [Bucket pool bound]).
 void GradientReducer::reduce_manual(int micro) {
   const auto& layout = flat_.layout();
   if (!plan_.bucketed()) {
@@ -197,12 +194,9 @@ void GradientReducer::reduce_manual(int micro) {
 }
 
 // A bucket buffer from the pool; when all are busy, the oldest in-flight bucket is completed and
-// its buffer reused, so the pool stays at kBucketPoolBuffers while buckets complete about in
-// layout order (the layout is in backward order). With nothing in flight, complete buckets waiting
-// behind an incomplete one are launched (pass_over_waiting, from a hook only). A bucket waiting for
-// a parameter that gets no gradient this pass, or for one that arrives out of order, keeps its
-// buffer while it waits; when two do and a third bucket needs one, the pool grows past
-// kBucketPoolBuffers (Note [Bucket pool bound]).
+// its buffer reused, or (from a hook, nothing in flight) complete buckets waiting behind an
+// incomplete one are launched. Buckets waiting for late or missing gradients keep their buffers;
+// when two do and a third needs one, the pool grows (Note [Bucket pool bound]).
 int GradientReducer::acquire_buffer(int bucket, int hook_micro) {
   auto& b = buckets_[bucket];
   if (b.buffer >= 0) return b.buffer;
@@ -281,30 +275,22 @@ void GradientReducer::complete(int bucket) {
   const auto range = flat_.updated(bucket);
   at::Tensor reduced = pool_[b.buffer].narrow(0, range.bucket_begin, range.length);
   at::Tensor into = grad_reduced_.narrow(0, range.state_offset, range.length);
-  // The first fold of the step copies (Note [Gradients start over without a zeroing pass]).
-  const bool first = !b.folded;
-  b.folded = true;
-  if (reduced.device() == into.device()) {
-    if (first) {
-      into.copy_(reduced);
-    } else {
-      into.add_(reduced);
-    }
-  } else {
+  if (reduced.device() != into.device()) {
     // Offload: device -> host through one pinned staging buffer (DMA at full speed, no fresh
     // pageable pages per bucket), then added in master precision.
     if (host_staging_.numel() < max_bucket_numel_) {
       host_staging_ = at::empty({max_bucket_numel_},
                                 reduced.options().device(at::kCPU).pinned_memory(true));
     }
-    at::Tensor host = host_staging_.narrow(0, 0, range.length);
-    host.copy_(reduced);
-    if (first) {
-      into.copy_(host);
-    } else {
-      into.add_(host);
-    }
+    reduced = host_staging_.narrow(0, 0, range.length).copy_(reduced);
   }
+  // The first fold of the step copies (Note [Gradients start over without a zeroing pass]).
+  if (b.folded) {
+    into.add_(reduced);
+  } else {
+    into.copy_(reduced);
+  }
+  b.folded = true;
   free_buffers_.push_back(b.buffer);
   b.buffer = -1;
   in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), bucket));
@@ -339,17 +325,15 @@ void GradientReducer::complete_all() {
 }
 
 // Note [Gradients start over without a zeroing pass]
-// Zeroing the gradient sinks after each step would write every gradient element once more (for
-// stage 0, 84 MB for 21M fp32 parameters: a third of step()). Instead the first write of a step
-// replaces what is there, as c10d's reducer does: in place, .grad is left undefined, autograd hands
-// the first gradient over as a fresh tensor and accept() copies it into the parameter's view (and
-// sets .grad to it, so later micro-steps accumulate in place); parameters that got none are zeroed
-// when their bucket is launched. Bucketed, a bucket's first fold copies instead of adding. So
-// between steps .grad is undefined (torch's set_to_none), and start_over() resets flags. Only
-// after a backward that no step() consumed (zero_grad() discards it) are reductions still in
-// flight: they land and are dropped here, or they would be folded into the next step's gradients
-// (a fold that then copies stale sums) and, in place, write the flat buffer under the next
-// backward; their buckets would be launched twice.
+// Zeroing the gradient sinks after each step would write every gradient element once more (stage
+// 0, 21M fp32 parameters: a third of step()). Instead the first write of a step replaces what is
+// there, as c10d's reducer does: in place, .grad is left undefined, autograd hands the first
+// gradient over as a fresh tensor and accept() copies it into the parameter's view (and sets .grad
+// to it, so later micro-steps accumulate in place); parameters that got none are zeroed when their
+// bucket is launched. Bucketed, a bucket's first fold copies instead of adding. Between steps .grad
+// is undefined (torch's set_to_none). Reductions still in flight after a backward no step()
+// consumed (zero_grad() discards it) land and are dropped here: folded into the next step they
+// would corrupt it, and their buckets would be launched twice.
 void GradientReducer::start_over() {
   at::NoGradGuard no_grad;
   for (auto& b : buckets_) {
@@ -368,12 +352,6 @@ void GradientReducer::start_over() {
   landing_.clear();
   std::fill(written_.begin(), written_.end(), 0);
   for (auto& p : params_) p.mutable_grad().reset();
-}
-
-int64_t GradientReducer::take_comm_elements() {
-  const int64_t n = comm_elements_;
-  comm_elements_ = 0;
-  return n;
 }
 
 int64_t GradientReducer::grad_bytes() const {

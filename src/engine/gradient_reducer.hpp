@@ -1,27 +1,22 @@
 // GradientReducer: owns the gradients from the moment autograd produces them until the update
 // reads them, and the collectives that reduce them. Two sinks (StagePlan::Gradients):
 //   InPlace:  a flat gradient buffer the parameters' .grad are views of; autograd accumulates into
-//             it; each complete bucket is all-reduced (replicated) or reduce-scattered into its
-//             owned slice in place, on the last micro-step.
-//   Bucketed: each fresh .grad is copied, piece by piece (a parameter may span buckets), into
-//             pooled bucket buffers (Note [Bucket pool bound] in shardopt/detail/plan.hpp) and
-//             freed; a complete bucket is reduced every micro-step and folded into the reduced
-//             gradients (update coordinates, master precision and device).
-// Reductions are sums; LocalUpdate::unscale divides by world (and the loss scale) once, on the
-// reduced values (micro-steps are summed: Note [Gradient accumulation convention]).
+//             it; each complete bucket is all-reduced or reduce-scattered in place, on the last
+//             micro-step.
+//   Bucketed: each fresh .grad is copied, piece by piece, into pooled bucket buffers (Note [Bucket
+//             pool bound] in shardopt/detail/plan.hpp) and freed; a complete bucket is reduced
+//             every micro-step and folded into the reduced gradients (update coordinates).
+// Reductions are sums; LocalUpdate divides by world (and the loss scale) once, on the reduced values.
 //
 // Note [Bucket completion]
 // The reducer owns when a bucket is reduced. Each bucket counts down its pieces in every backward
 // pass, and complete buckets are launched in layout order: a complete bucket waits for a started
-// one before it (some of its pieces in, not all), so the sequence of collectives does not follow
-// the order the hooks happen to fire in. A bucket no piece has reached yet in this pass does not
-// hold back the ones after it: it belongs to parameters backward reaches later (stage 3 lays out
-// its units in forward order) or to parameters without a gradient (unused); it is launched once
-// complete, or at the end of the pass. Overlap is decided in one place (launch_ready): with
-// overlap_comm a bucket goes out from the hook that makes it due; without, in-place buckets go out
-// at the end of the pass, one at a time, and bucketed ones from that hook too but waited for at
-// once. When the pool is full with nothing in flight, started buckets that hold back a complete
-// one are passed over (launched once complete) so the pool need not grow.
+// one before it, so the sequence of collectives does not follow the order the hooks fire in. A
+// bucket no piece has reached yet does not hold back the ones after it: it belongs to parameters
+// backward reaches later (stage 3 lays out units in forward order) or that get no gradient; it is
+// launched once complete, or at the end of the pass. Overlap is decided in one place
+// (launch_ready). When the pool is full with nothing in flight, started buckets that hold back a
+// complete one are passed over (launched once complete) so the pool need not grow.
 
 #pragma once
 
@@ -29,6 +24,7 @@
 
 #include <deque>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "engine/flat_state.hpp"
@@ -54,22 +50,19 @@ class GradientReducer {
   void accept(int index, int micro);
   // End of backward pass `micro`: reduces what is still pending when this micro-step reduces.
   void end_pass(int micro);
-  // Whether nothing was launched in this step: step() then reduces gradients set by hand, without
-  // backward through the hooks, with reduce_manual (each bucket launched as it fills).
+  // Nothing launched in this step: step() then reduces gradients set by hand with reduce_manual.
   bool nothing_launched() const;
   void reduce_manual(int micro);
   // Waits for every reduction and folds it in; the next step starts with nothing launched.
   void complete_all();
-  // The next gradients start from zero (without writing them: Note [Gradients start over
-  // without a zeroing pass]); .grad undefined until backward reaches the parameter. Reductions
-  // of a backward no step() consumed are waited for and dropped.
+  // The next gradients start from zero (Note [Gradients start over without a zeroing pass]).
   void start_over();
 
   // Called with a bucket whose reduction for this step landed while backward runs (from accept()
   // or end_pass(), never from step()'s complete_all): its reduced gradients are final.
   void set_on_reduced(std::function<void(int bucket)> fn) { on_reduced_ = std::move(fn); }
 
-  int64_t take_comm_elements();
+  int64_t take_comm_elements() { return std::exchange(comm_elements_, 0); }
   int64_t grad_bytes() const;    // gradients kept between backward and step
   int64_t buffer_bytes() const;  // the bucket pool (+ offload's pinned staging buffer)
 

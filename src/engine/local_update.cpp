@@ -38,10 +38,6 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
   flat_.init_state(state_count(rule), ada ? ada->initial_accumulator_value() : 0.0);
 }
 
-void LocalUpdate::all_reduce_small(at::Tensor& t, ReduceOp op) {
-  comm_->all_reduce(t, op, true)->wait(timeout_);
-}
-
 FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
                                      double* unscale_s) const {
   double scale = 1.0 / divisor;
@@ -241,7 +237,7 @@ bool LocalUpdate::fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
       acc[2 * index + 1] += norms.update_sq;
     });
   }
-  if (flat_.plan().sharded()) all_reduce_small(sums);
+  if (flat_.plan().sharded()) comm_->all_reduce(sums, ReduceOp::Sum, true)->wait(timeout_);
   for (size_t k = 0; k < segments.size(); ++k) {
     auto& s = segments[k];
     const auto h = hyper(s);
@@ -284,7 +280,7 @@ void LocalUpdate::lamb_update(int64_t step) {
     });
     updates.push_back(u);
   }
-  if (flat_.plan().sharded()) all_reduce_small(sums);
+  if (flat_.plan().sharded()) comm_->all_reduce(sums, ReduceOp::Sum, true)->wait(timeout_);
   for (size_t k = 0; k < segments.size(); ++k) {
     auto& s = segments[k];
     const auto& r = std::get<Lamb>(rule_of_(s.group));

@@ -59,7 +59,6 @@ class LocalUpdate {
   // after a checkpoint load overwrote the master weights).
   void write_back();
 
-  bool has_factory_optimizer() const { return inner_ != nullptr; }
   // The factory-built torch optimizer (null for native rules): LR changes are handed to it.
   torch::optim::Optimizer* factory_optimizer() const { return inner_.get(); }
 
@@ -72,7 +71,6 @@ class LocalUpdate {
   // in several segments and on several ranks, and their partial sums add up).
   template <typename Fn>
   void for_each_param_piece(const Segment& s, Fn&& fn) const;
-  void all_reduce_small(at::Tensor& t, ReduceOp op = ReduceOp::Sum);
   // One segment's unscale (by 1/divisor) and check; a 16-bit unscale's time goes to *unscale_s.
   FiniteScan scan_segment(Segment& s, double divisor, bool norm, double* unscale_s) const;
   // Sum of squares of this rank's (unscaled) gradients of the replicated parameters.

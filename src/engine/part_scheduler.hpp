@@ -95,8 +95,7 @@ class AutoUnits final : public PartScheduler, public GatherOnUse {
   const char* trace_names() const override { return "automatic units"; }
   void forward_use(const std::vector<int>& parts);
   void backward_use(int part);
-  void release_by_trace(const std::vector<int>& parts);
-  void release_by_window(const std::vector<int>& parts);
+  void release_after_use(const std::vector<int>& parts);
 
   int root_;
   size_t reuse_distance_;

@@ -5,27 +5,24 @@
 // unit needs one or more parts, automatic units are parts. Each part is in one PartState, changed
 // only by transition(), which asserts that the change is one of:
 //   Released         -> Gathering          launch_gather: storage allocated, all-gathers started
-//   Gathering        -> Gathered           ensure_gathered: every all-gather waited for
+//   Gathering        -> Gathered           gather_part: every all-gather waited for
 //   Gathered         -> NeededInBackward   gather_for_backward: backward reached it (not the root)
 //   Gathered         -> Released           release: storage freed, parameters guarded
 //   NeededInBackward -> Released           release: its gradients are in (or the pass ended)
 // Storage is never freed under a collective: release() of a Gathering part finishes the gather
-// first. NeededInBackward is what lets a forward run inside backward (a recomputation) end
-// without freeing the part backward still reads. The store changes states only when asked (no
-// policy): the schedulers (part_scheduler.hpp, Note [One owner of releases]) decide, for declared
-// and automatic units alike.
+// first. NeededInBackward lets a forward run inside backward (a recomputation) end without freeing
+// the part backward still reads. The store has no policy: the schedulers decide (Note [One owner
+// of releases]).
 //
 // Note [Persistent parameters]
 // A persistent part (automatic units' root part: UnitPolicy's small groups, within its
-// persist_share of the model) is Gathered for good, and this rank's shard of its buckets is a
-// view into its full buffer, not a second copy: the update writes the owned slice there (or the
-// write-back casts into it under mixed precision, whose master is separate anyway) and
-// after_update() all-gathers each bucket in place, as WholeParameters does. So a persistent
-// parameter costs what it costs at stage 2 (P bytes), never the P + P/N of a gathered copy beside a
-// shard, and stage 3 never holds more than stage 2 for it; its parameters carry no guard key (nothing to
-// gather on use), so operations on them cost nothing extra. The other parts' shards are packed in
-// shard_. Declared units' root part (parameters no unit declares) is not persistent: it is
-// gathered from zero_grad() to step() and released after it.
+// persist_share of the model) is Gathered for good, and this rank's shard of its buckets is a view
+// into its full buffer, not a second copy: the update writes the owned slice there (or the
+// write-back casts into it) and after_update() all-gathers each bucket in place, as
+// WholeParameters does. So a persistent parameter costs P bytes as at stage 2, never the P + P/N of
+// a gathered copy beside a shard; its parameters carry no guard key, so operations on them cost
+// nothing extra. The other parts' shards are packed in shard_. Declared units' root part is not
+// persistent: it is gathered from zero_grad() to step().
 #include "engine/part_store.hpp"
 
 #include <ATen/ATen.h>
@@ -141,10 +138,8 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
     owned_[b] = packed_at[b] >= 0 ? shard_.narrow(0, packed_at[b], bl.shard)
                                   : full_[b].narrow(0, rank_ * bl.shard, bl.shard);
   }
-  // Bucket by bucket: this rank's owned slice of the initial values (rank 0's, broadcast one
-  // bucket at a time), in master precision; a parameter gives its own storage back after its
-  // last bucket, so the model moves over with one bucket in flight. When the model computes in
-  // master precision the values go straight to the model's storage and `initial` stays empty.
+  // This rank's owned slice of the initial values (rank 0's, broadcast one bucket at a time), in
+  // master precision; straight into the model's storage when that is the master (`initial` empty).
   std::vector<std::vector<int>> done_after(layout.buckets.size());
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     done_after[(layout.pieces_end(i) - 1)->bucket].push_back(i);
@@ -214,8 +209,7 @@ at::Tensor PartStore::model_slice(int bucket, const UpdatedRange& range) const {
   return owned_[bucket].narrow(0, 0, range.length);
 }
 
-// Parts gather on demand (the root part before the next forward); any still gathered holds stale
-// values now. Persistent parts are all-gathered in place.
+// Any part still gathered holds stale values now; persistent parts are all-gathered in place.
 void PartStore::after_update() {
   for (int part = 0; part <= root_part_; ++part) {
     if (parts_[part].persistent) {
@@ -230,23 +224,20 @@ void PartStore::after_update() {
 
 void PartStore::gather_root() {
   if (parts_[root_part_].state != PartState::Released || parts_[root_part_].buckets.empty()) return;
-  launch_gather(root_part_);
-  ensure_gathered(root_part_);
+  gather_part(root_part_);
 }
 
 void PartStore::gather_full() {
   for (int part = 0; part <= root_part_; ++part) prefetch_part(part);
-  for (int part = 0; part <= root_part_; ++part) ensure_gathered(part);
+  for (int part = 0; part <= root_part_; ++part) gather_part(part);
 }
 
 void PartStore::prefetch_part(int part) {
   if (parts_[part].state == PartState::Released) launch_gather(part);
 }
 
-void PartStore::gather_part(int part) { ensure_gathered(part); }
-
 void PartStore::gather_for_backward(int part) {
-  ensure_gathered(part);
+  gather_part(part);
   if (parts_[part].state == PartState::Gathered) transition(part, PartState::NeededInBackward);
 }
 
@@ -275,8 +266,7 @@ void PartStore::allocate_full(Part& p) {
   }
 }
 
-// Released -> Gathering: allocates the part's full buffer and starts all-gathering its shards
-// into it.
+// Released -> Gathering: allocates the part's full buffer and starts all-gathering into it.
 void PartStore::launch_gather(int part) {
   transition(part, PartState::Gathering);
   auto& p = parts_[part];
@@ -284,10 +274,16 @@ void PartStore::launch_gather(int part) {
   if (automatic_ == nullptr) {
     for (int i : p.params) unguard(params_[i]);
   }
+  p.works = all_gather_buckets(p);
+}
+
+std::vector<WorkPtr> PartStore::all_gather_buckets(const Part& p) {
+  std::vector<WorkPtr> works;
   for (int b : p.buckets) {
-    p.works.push_back(comm_->all_gather(owned_[b], full_[b], true));
+    works.push_back(comm_->all_gather(owned_[b], full_[b], true));
     comm_elements_ += flat_.layout().buckets[b].padded;
   }
+  return works;
 }
 
 // A persistent part: Gathered for good; the owned slices are views of full_, so the all-gather
@@ -296,17 +292,11 @@ void PartStore::gather_in_place(int part) {
   auto& p = parts_[part];
   if (p.state == PartState::Released) transition(part, PartState::Gathering);
   if (p.state == PartState::Gathering) transition(part, PartState::Gathered);
-  std::vector<WorkPtr> works;
-  for (int b : p.buckets) {
-    works.push_back(comm_->all_gather(owned_[b], full_[b], true));
-    comm_elements_ += flat_.layout().buckets[b].padded;
-  }
-  for (auto& w : works) w->wait(timeout_);
+  for (auto& w : all_gather_buckets(p)) w->wait(timeout_);
 }
 
-// Any state -> Gathered or NeededInBackward: launches the gather if released, waits for it if in
-// flight.
-void PartStore::ensure_gathered(int part) {
+// Any state -> Gathered or NeededInBackward: launches the gather if released, waits if in flight.
+void PartStore::gather_part(int part) {
   auto& p = parts_[part];
   if (p.state == PartState::Released) launch_gather(part);
   if (p.state != PartState::Gathering) return;
@@ -319,7 +309,7 @@ void PartStore::ensure_gathered(int part) {
 void PartStore::release(int part) {
   auto& p = parts_[part];
   if (p.state == PartState::Released || p.persistent) return;  // persistent: for good
-  ensure_gathered(part);  // never free under a collective
+  gather_part(part);  // never free under a collective
   if (p.full.defined()) p.full.storage().unsafeGetStorageImpl()->reset();
   if (automatic_ == nullptr) {
     for (int i : p.params) guard_released(params_[i]);
@@ -331,20 +321,10 @@ int64_t PartStore::param_bytes() const {
   return static_cast<int64_t>(shard_.nbytes()) + persistent_bytes();
 }
 
-int64_t PartStore::persistent_bytes() const {
+int64_t PartStore::full_bytes(bool persistent) const {
   int64_t bytes = 0;
   for (const auto& part : parts_) {
-    if (part.persistent && part.full.defined()) {
-      bytes += static_cast<int64_t>(part.full.storage().nbytes());
-    }
-  }
-  return bytes;
-}
-
-int64_t PartStore::gathered_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& part : parts_) {
-    if (!part.persistent && part.full.defined()) {
+    if (part.persistent == persistent && part.full.defined()) {
       bytes += static_cast<int64_t>(part.full.storage().nbytes());
     }
   }

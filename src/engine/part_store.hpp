@@ -28,29 +28,26 @@ const char* part_state_name(PartState state);
 
 class PartStore final : public ParameterStore {
  public:
-  // params[i] is layout slot i, named names[i]. Parameters are gathered in parts (the buckets'
-  // part field), the last the root part (parameters in no unit: gathered from construction or
-  // gather_root() until the end of the step); part_labels[p]: how errors name part p's units (Note
-  // [Released parameters] in release_guard.cpp). root_persists: the root part is persistent (Note
-  // [Persistent parameters] in part_store.cpp): gathered for good, its shard a view into it.
+  // params[i] is layout slot i, named names[i]; parts are the buckets' part field, the last the
+  // root part (parameters in no unit). part_labels[p]: how errors name part p's units.
+  // root_persists: the root part is persistent (Note [Persistent parameters] in part_store.cpp).
   PartStore(const FlatState& flat, std::vector<at::Tensor> params, std::vector<std::string> names,
             std::vector<std::string> part_labels, CommunicatorPtr comm, Duration timeout,
             bool root_persists);
   // Lets in-flight all-gathers land before the buffers they write go away.
   ~PartStore() override;
 
-  // This rank's shard of each bucket becomes the storage, bucket by bucket; the parameters start
-  // released but the root part, which is gathered. Returns this rank's shard of the initial
+  // The parameters start released but the root part; returns this rank's shard of the initial
   // values in master precision (empty when the shard itself is the master).
   at::Tensor adopt(const at::TensorOptions& master_options, bool broadcast) override;
   at::Tensor model_slice(int bucket, const UpdatedRange& range) const override;
   at::Tensor owned_slice(int bucket) const override { return owned_[bucket]; }
-  // Every part is released, the root part included, but a persistent part is all-gathered in
-  // place.
+  // Every part is released but a persistent one, which is all-gathered in place.
   void after_update() override;
   int64_t param_bytes() const override;       // shards + persistent parts
-  int64_t persistent_bytes() const override;  // the persistent parts' whole buffers
-  int64_t gathered_bytes() const override;    // other parts' full buffers holding storage now
+  // The persistent parts' whole buffers; the other parts' full buffers holding storage now.
+  int64_t persistent_bytes() const override { return full_bytes(true); }
+  int64_t gathered_bytes() const override { return full_bytes(false); }
 
   // ---- On request of a scheduler (part_scheduler.hpp) ---------------------------------------
   int root_part() const { return root_part_; }
@@ -58,7 +55,7 @@ class PartStore final : public ParameterStore {
   PartState part_state(int part) const { return parts_[part].state; }
   bool part_gathered(int part) const { return parts_[part].state != PartState::Released; }
   void prefetch_part(int part);          // starts gathering it (no wait)
-  void gather_part(int part);            // gathered when it returns
+  void gather_part(int part);            // gathered when it returns (waits for a prefetch)
   void gather_for_backward(int part);    // gathered, and NeededInBackward until released
   // Frees part `part` if it holds storage (a persistent part: never).
   void release(int part);
@@ -83,10 +80,11 @@ class PartStore final : public ParameterStore {
   // The one place a part's state changes; asserts the change is legal (Note [Part lifecycle]).
   void transition(int part, PartState to);
   void launch_gather(int part);
+  std::vector<WorkPtr> all_gather_buckets(const Part& p);  // each bucket: owned slice -> full
   void allocate_full(Part& p);
   // Persistent parts: all-gather each bucket's owned slice in place (after an update or load).
   void gather_in_place(int part);
-  void ensure_gathered(int part);
+  int64_t full_bytes(bool persistent) const;
 
   GatherOnUse* automatic_ = nullptr;
   std::vector<std::unique_ptr<PartRegistration>> registrations_;  // automatic: per part

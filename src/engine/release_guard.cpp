@@ -2,19 +2,16 @@
 //
 // Note [Released parameters]
 // A released unit's parameters keep their shape and autograd identity but no bytes (Note [Stage 3
-// units]). Reading one used to dereference null storage (SIGSEGV) or, for view ops, fail with
-// torch's "storage of size 0". The guard adds one dispatch key, TESTING_ONLY_GenericWrapper, to
-// a parameter's key set while it is released; shardopt registers the only kernel for that key, a
-// boxed fallback that throws Error{InvalidArgument} naming the parameter. The key ranks above
-// autograd and every backend, so the fallback sees every operation on the tensor (C++ or
-// Python, CPU or CUDA, views included) before any kernel touches storage. Cost: flipping one bit
-// per parameter at each gather and release; no memory, no check in any kernel, nothing on the
-// path of gathered parameters. Alternatives rejected: a zero-element tensor swapped in (reads
-// silently give empty results and shapes change under the checkpoint code), a PROT_NONE mapping
-// plus a SIGSEGV handler (can only abort, never raise), a check in our own code only (misses the
-// user's reads, which is the bug). The key is documented by torch as reserved for tests: if
-// another library in the process registered a fallback for it first, the guard stays off and
-// released reads are unguarded, as before.
+// units]); reading one would dereference null storage (SIGSEGV) or fail with torch's "storage of
+// size 0". The guard adds one dispatch key, TESTING_ONLY_GenericWrapper, to a released
+// parameter's key set; our boxed fallback for that key throws Error{InvalidArgument} naming the
+// parameter. The key ranks above autograd and every backend, so the fallback sees every operation
+// on the tensor (C++ or Python, CPU or CUDA, views included) before any kernel touches storage.
+// Cost: one bit flipped per parameter at each gather and release, nothing on gathered parameters.
+// Rejected: a zero-element tensor swapped in (silent empty results, shapes change under the
+// checkpoint code), a PROT_NONE mapping and a SIGSEGV handler (can only abort), a check in our
+// own code only (misses the user's reads). The key is reserved for tests by torch: if another
+// library registered a fallback for it first, the guard stays off and released reads go unguarded.
 #include "engine/release_guard.hpp"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -169,8 +166,10 @@ void released_read(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   op.callBoxed(stack);
 }
 
+}  // namespace
+
 // Registered on first use; false when another fallback already holds the key.
-bool guard_available() {
+bool release_guard_available() {
   static const bool available = [] {
     try {
       static auto handle = std::make_unique<c10::RegistrationHandleRAII>(
@@ -185,10 +184,6 @@ bool guard_available() {
   return available;
 }
 
-}  // namespace
-
-bool release_guard_available() { return guard_available(); }
-
 void remember_parameter(const at::Tensor& param, std::string name, std::string part_label) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_known[param.unsafeGetTensorImpl()] = Known{std::move(name), std::move(part_label)};
@@ -200,7 +195,7 @@ void forget_parameter(const at::Tensor& param) {
 }
 
 void guard_released(const at::Tensor& param) {
-  if (!guard_available()) return;
+  if (!release_guard_available()) return;
   auto& keys = KeySetAccess::of(param.unsafeGetTensorImpl());
   keys = keys.add(kReleasedKey);
 }

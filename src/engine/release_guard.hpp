@@ -11,9 +11,8 @@
 
 namespace shardopt::detail {
 
-// `param` (a model parameter, by TensorImpl) is known as `name`, in the part `part_label` names
-// (by the units gathering it), in messages until forget_parameter(); a parameter still guarded
-// then keeps raising, without its name.
+// Messages name `param` (by TensorImpl) `name`, in the part `part_label` names, until
+// forget_parameter(); a parameter still guarded then keeps raising, without its name.
 void remember_parameter(const at::Tensor& param, std::string name, std::string part_label);
 void forget_parameter(const at::Tensor& param);
 // Released: every ATen operation on `param` throws Error{InvalidArgument} naming it. Cheap: one
@@ -37,9 +36,7 @@ class GatherOnUse {
 bool release_guard_available();
 
 // The part store's registration of one part (Note [Part registration] in release_guard.cpp):
-// while it lives, the storage of `storage_holder` allocates through a handle that names (owner,
-// part), which is how the fallback finds them; its destruction gives the storage its allocator
-// back.
+// while it lives, the storage of `storage_holder` allocates through a handle naming (owner, part).
 class PartRegistration {
  public:
   PartRegistration(const at::Tensor& storage_holder, GatherOnUse* owner, int part);

@@ -6,46 +6,36 @@
 // groups form the root part, which persists). Nothing in the model calls Units::run, so the parts
 // are driven from the dispatcher: the parameters carry the release guard's dispatch key for good,
 // and views made from them (weight.t() saved by addmm, p.data) inherit it. Every operation on such
-// a tensor, in forward, in backward or anywhere else, first reaches the guard's fallback, which
-// finds this scheduler and the parts through their storage (Note [Part registration] in
-// release_guard.cpp), has them gathered (use()) and runs the operation below the key. So autograd
-// records the real parameters, and a part released between forward and backward is gathered again
-// when backward first reads it; the gather writes the part's buffer, never the parameters' version
-// counters, so unpacking saved leaves stays valid.
-//   Forward: a part is gathered on first use and released when the trace says its use is over
-//   (Note [Reuse distance]).
-//   Backward: a part is gathered when backward first reads it (NeededInBackward) and released
-//   once its gradients are in, as for declared units; the end of backward frees the rest but the
-//   root.
-//   Trace: the order of first uses in forward, then in backward (Note [Use trace], checked across
-//   ranks); if the ranks differ, prefetch and the trace-driven release stay off with one warning.
-//   Otherwise forward prefetches the next `prefetch` parts of the last pass's order, and backward
-//   those that came before the part in this pass's forward.
-// Declared units release each unit when its run ends and gather it again in backward; here the
-// parts whose backward use is near stay gathered through the loss into backward, which saves their
-// backward gathers at the cost of holding them (bench/RESULTS.md: BERT peer, 2.92 Psi per step vs
-// 3.70 Psi with its explicit units, peak +0.1%).
+// a tensor, in forward, backward or elsewhere, first reaches the guard's fallback, which finds this
+// scheduler and the parts through their storage (Note [Part registration] in release_guard.cpp),
+// has them gathered (use()) and runs the operation below the key. So autograd records the real
+// parameters, and a part released after forward is gathered again when backward first reads it
+// (NeededInBackward until its gradients are in); the gather writes the part's buffer, never the
+// parameters' version counters, so unpacking saved leaves stays valid. Forward releases by the
+// trace (Note [Reuse distance]); the trace (Note [Use trace]) also drives prefetch, of the parts
+// the last pass used next in forward, and in backward of those before the part in this forward.
+// Unlike declared units, which release each unit when its run ends, parts whose backward use is
+// near stay gathered into backward, saving their backward gathers (bench/RESULTS.md: BERT peer,
+// 2.92 Psi per step vs 3.70 with its explicit units, peak +0.1%).
 //
 // Note [Reuse distance]
 // When forward starts a new part-use at position k of the trace (the last pass's forward order,
-// then its backward order), and only then, every gathered part the operation does not read is
-// looked up (operations on the root part or the current part decide nothing): if its next use is
-// at most ZeroOptions::reuse_distance positions ahead it stays gathered, otherwise it is released.
-// The backward half keeps the forward's last parts for backward. So 0 frees every part as soon as
-// another starts; 1 keeps a part read again right after the next (a layer around a shared bias);
-// the default 2 also keeps the part before the last for backward; a distance longer than the trace
-// keeps every part until its gradients free it (stage-2 memory, 2 Psi per step). Releases are no
-// collectives but decide which later uses gather, so every rank must decide alike: the decision
-// uses only the cross-rank-checked trace and positions. Without a usable trace (the first pass,
-// ranks that disagreed, a forward that left the trace or overran it) the `keep` most recently used
-// parts stay gathered, older ones are released.
+// then its backward order), and only then, every gathered part the operation does not read stays
+// gathered if its next use is at most ZeroOptions::reuse_distance positions ahead, and is released
+// otherwise (operations on the root part or the current part decide nothing). The backward half
+// keeps the forward's last parts for backward: 0 frees every part as soon as another starts; 1
+// keeps a part read again right after the next (a layer around a shared bias); the default 2 also
+// keeps the part before the last for backward; a distance beyond the trace keeps every part until
+// its gradients free it (stage-2 memory). Releases are no collectives but decide which later uses
+// gather, so the decision uses only the cross-rank-checked trace and positions. Without a usable
+// trace (the first pass, ranks that disagreed, a forward that left the trace) the kKeep most
+// recently used parts stay gathered.
 // Cost: one boxed fallback per operation on a parameter (bench/RESULTS.md). What bypasses the
-// dispatcher bypasses this too: code that reads a parameter's data_ptr() directly, or a TorchScript
-// fuser kernel taking a parameter (CPU fusion is off by default) sees no bytes while its part is
-// released; call DistributedOptimizer::gather_full_parameters() first (outside a pass), or disable
-// the fuser (README "Stage 3"). Gathers are collectives issued by whichever operation needs them:
-// every rank must run the same operations on the parameters; a read on one rank alone times out
-// and raises the released parameter's named error (tested by AutoUnitsReleasedRead).
+// dispatcher bypasses this too: code reading a parameter's data_ptr(), or a TorchScript fuser
+// kernel taking one, sees no bytes while its part is released: gather_full_parameters() first, or
+// disable the fuser (README "Stage 3"). Gathers are collectives issued by whichever operation needs
+// them, so every rank must run the same operations on the parameters; a read on one rank alone
+// times out and raises the released parameter's named error (AutoUnitsReleasedRead).
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
@@ -54,11 +44,10 @@
 
 namespace shardopt::detail {
 
-AutoUnits::AutoUnits(PartStore& store, int root, int prefetch, int reuse_distance,
-                     CommunicatorPtr comm, Duration timeout, int keep)
-    : PartScheduler(store, store.part_count(), std::move(comm), timeout, prefetch), root_(root),
-      reuse_distance_(static_cast<size_t>(std::max(0, reuse_distance))),
-      keep_(static_cast<size_t>(std::max(1, keep))) {}
+AutoUnits::AutoUnits(PartStore& store, int prefetch, int reuse_distance, CommunicatorPtr comm,
+                     Duration timeout)
+    : PartScheduler(store, store.part_count(), std::move(comm), timeout, prefetch),
+      root_(store.root_part()), reuse_distance_(static_cast<size_t>(std::max(0, reuse_distance))) {}
 
 void AutoUnits::use(const std::vector<int>& parts) {
   // Inside a backward pass the autograd engine has a current graph task.
@@ -109,11 +98,11 @@ void AutoUnits::forward_use(const std::vector<int>& parts) {
 
 // Forward, after a new part-use at trace position k: releases the gathered parts the operation
 // does not read whose use is over (Note [Reuse distance]); without a usable trace, the least
-// recently used beyond the `keep` window.
+// recently used beyond the kKeep window.
 void AutoUnits::release_after_use(const std::vector<int>& parts) {
   const bool by_trace = trace_.following();
   const size_t k = trace_.position();  // recent_ is empty while the forward is
-  for (auto it = recent_.begin(); it != recent_.end() && (by_trace || recent_.size() > keep_);) {
+  for (auto it = recent_.begin(); it != recent_.end() && (by_trace || recent_.size() > kKeep);) {
     bool keep = std::find(parts.begin(), parts.end(), *it) != parts.end();
     if (by_trace && !keep) {
       const size_t next = trace_.next_use(*it);  // > k: this forward followed the trace
@@ -132,7 +121,7 @@ void AutoUnits::release_after_use(const std::vector<int>& parts) {
 // this one are prefetched.
 void AutoUnits::backward_use(int part) {
   trace_.backward(part);
-  if (!store_.part_gathered(part) && trace_.usable() && prefetch_ > 0) {
+  if (store_.part_state(part) == PartState::Released && trace_.usable() && prefetch_ > 0) {
     store_.prefetch_part(part);
     for (int p : trace_.before_in_forward(part, prefetch_)) {
       if (p != root_) store_.prefetch_part(p);

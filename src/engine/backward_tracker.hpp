@@ -1,8 +1,6 @@
-// BackwardTracker: where the backward pass stands. Counts micro-steps (backward passes since the
-// last step()) and, within a pass, which parameters' gradients arrived, so the engine learns when
-// a stage-3 part has all of its gradients (buckets count their own pieces: GradientReducer).
-// Autograd may fire a parameter's hook twice in one pass (reentrant backward): the second arrival
-// is reported as a duplicate. Torch-free.
+// BackwardTracker: counts micro-steps (backward passes since the last step()) and, within a pass,
+// which parameters' gradients arrived, so the engine learns when a stage-3 part has all of its
+// gradients. A second hook of one parameter in a pass (reentrant backward) is a duplicate.
 #pragma once
 
 #include <cstdint>
@@ -29,15 +27,10 @@ class BackwardTracker {
     bool part_complete = false;  // the last gradient of its part in this pass
   };
   Arrival arrive(int param) {
-    Arrival a;
-    if (param_pass_[param] == pass_) {
-      a.duplicate = true;
-      return a;
-    }
+    if (param_pass_[param] == pass_) return {/*duplicate=*/true, false};
     param_pass_[param] = pass_;
     const int part = part_of_[param];
-    a.part_complete = part >= 0 && count_down(parts_[part]);
-    return a;
+    return {false, /*part_complete=*/part >= 0 && count_down(parts_[part])};
   }
 
   void end_pass() {

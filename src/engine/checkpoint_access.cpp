@@ -4,49 +4,12 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 
-#include "engine/group_options.hpp"
-
 namespace shardopt::detail {
-
-CheckpointAccess::CheckpointAccess(const ZeroOptions& options, const Ranks& ranks,
-                                   const CollectedModel& model, FlatState& flat,
-                                   ParameterStore& store, LocalUpdate& update,
-                                   torch::optim::Optimizer& owner,
-                                   std::optional<LossScaler>& scaler, int64_t& steps,
-                                   std::function<void()> restart)
-    : options_(options), ranks_(ranks), model_(model), flat_(flat), store_(store),
-      update_(update), owner_(owner), scaler_(scaler), steps_(steps),
-      restart_(std::move(restart)) {}
-
-at::ScalarType CheckpointAccess::master_dtype() const {
-  return flat_.master_options().dtype().toScalarType();
-}
 
 // The master weights: the separate (fp32 / host) copy, or the model's own storage.
 at::Tensor CheckpointAccess::owned_param_slice(int bucket) {
-  if (flat_.plan().separate_master()) return flat_.owned_master_slice(bucket);
-  return store_.owned_slice(bucket);
-}
-
-at::Tensor CheckpointAccess::owned_state_slice(int state, int bucket) {
-  return flat_.owned_state_slice(state, bucket);
-}
-
-int CheckpointAccess::group_count() const { return static_cast<int>(owner_.param_groups().size()); }
-
-Rule CheckpointAccess::group_rule(int group) const { return group_rule_of(owner_, group); }
-
-void CheckpointAccess::set_group_rule(int group, const Rule& rule) {
-  group_rule_of(owner_, group) = rule;
-}
-
-std::optional<LossScaler::State> CheckpointAccess::loss_scaler_state() const {
-  if (!scaler_) return std::nullopt;
-  return scaler_->state();
-}
-
-void CheckpointAccess::set_loss_scaler_state(const LossScaler::State& state) {
-  if (scaler_) scaler_->set_state(state);
+  return flat_.plan().separate_master() ? flat_.owned_master_slice(bucket)
+                                        : store_.owned_slice(bucket);
 }
 
 void CheckpointAccess::after_load() {

@@ -6,8 +6,10 @@
 
 #include <functional>
 #include <optional>
+#include <utility>
 
 #include "engine/flat_state.hpp"
+#include "engine/group_options.hpp"
 #include "engine/local_update.hpp"
 #include "engine/model_check.hpp"
 #include "engine/parameter_store.hpp"
@@ -32,7 +34,10 @@ class CheckpointAccess final : public ShardAccess {
   CheckpointAccess(const ZeroOptions& options, const Ranks& ranks, const CollectedModel& model,
                    FlatState& flat, ParameterStore& store, LocalUpdate& update,
                    torch::optim::Optimizer& owner, std::optional<LossScaler>& scaler,
-                   int64_t& steps, std::function<void()> restart);
+                   int64_t& steps, std::function<void()> restart)
+      : options_(options), ranks_(ranks), model_(model), flat_(flat), store_(store),
+        update_(update), owner_(owner), scaler_(scaler), steps_(steps),
+        restart_(std::move(restart)) {}
 
   const FlatLayout& layout() const override { return flat_.layout(); }
   const ZeroOptions& zero_options() const override { return options_; }
@@ -45,18 +50,26 @@ class CheckpointAccess final : public ShardAccess {
   std::vector<int64_t> param_shape(int index) const override {
     return model_.params[index].tensor.sizes().vec();
   }
-  at::ScalarType master_dtype() const override;
+  at::ScalarType master_dtype() const override {
+    return flat_.master_options().dtype().toScalarType();
+  }
   bool has_factory_optimizer() const override { return update_.factory_optimizer(); }
   int state_buffer_count() const override { return static_cast<int>(flat_.state().size()); }
   at::Tensor owned_param_slice(int bucket) override;
-  at::Tensor owned_state_slice(int state, int bucket) override;
+  at::Tensor owned_state_slice(int state, int bucket) override {
+    return flat_.owned_state_slice(state, bucket);
+  }
   int64_t step_count() const override { return steps_; }
   void set_step_count(int64_t steps) override { steps_ = steps; }
-  int group_count() const override;
-  Rule group_rule(int group) const override;
-  void set_group_rule(int group, const Rule& rule) override;
-  std::optional<LossScaler::State> loss_scaler_state() const override;
-  void set_loss_scaler_state(const LossScaler::State& state) override;
+  int group_count() const override { return static_cast<int>(owner_.param_groups().size()); }
+  Rule group_rule(int group) const override { return group_rule_of(owner_, group); }
+  void set_group_rule(int group, const Rule& rule) override { group_rule_of(owner_, group) = rule; }
+  std::optional<LossScaler::State> loss_scaler_state() const override {
+    return scaler_ ? std::optional<LossScaler::State>(scaler_->state()) : std::nullopt;
+  }
+  void set_loss_scaler_state(const LossScaler::State& state) override {
+    if (scaler_) scaler_->set_state(state);
+  }
   void after_load() override;
 
  private:

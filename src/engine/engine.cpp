@@ -66,9 +66,8 @@ std::vector<at::Tensor> tensors_of(const std::vector<ModelParam>& params) {
   return out;
 }
 
-// Stage 3 without declared units: units from the parameters' names (shardopt/unit_policy.hpp),
-// as a Units object no model code runs (Note [Automatic units] in auto_gather.cpp). Without the
-// release guard's key (another library holds it) nothing can gather on use: every parameter is
+// Stage 3 without declared units: units from the parameters' names (Note [Automatic units] in
+// auto_gather.cpp). Without the release guard's key nothing can gather on use: every parameter is
 // then in the root part, which persists (Note [Persistent parameters] in part_store.cpp).
 UnitsPtr derived_units(const std::vector<ParamGroup>& groups, const UnitPolicy& policy,
                        bool report) {
@@ -151,23 +150,24 @@ Engine::~Engine() {
   for (auto& h : hooks_) {
     if (h.accumulator && h.key) h.accumulator->del_post_hook(h.key);
   }
-  // The pieces' destructors let outstanding collectives land before their buffers go.
 }
 
-// The layout, the pieces and the initial values; where each buffer lives is the plan's
-// Placement (Note [Placement] in shardopt/detail/plan.hpp).
+// The layout, the pieces and the initial values (where each buffer lives: Note [Placement] in
+// shardopt/detail/plan.hpp).
 void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
+  const int root = plan_.per_part() ? model_.root_part : 0;
   std::vector<int64_t> numels;
-  std::vector<int> groups, parts, part_of;
+  std::vector<int> groups, parts, part_of;  // part_of: the tracker's, -1 for the root part
+  int64_t total = 0;
   for (const auto& p : params()) {
     numels.push_back(p.tensor.numel());
+    total += numels.back();
     groups.push_back(p.group);
     if (plan_.per_part()) parts.push_back(p.part);
+    part_of.push_back(plan_.per_part() && p.part != root ? p.part : -1);
   }
   const auto& proto = params().front().tensor;
   const int64_t elem = static_cast<int64_t>(proto.element_size());
-  int64_t total = 0;
-  for (int64_t n : numels) total += n;
   FlatLayout layout =
       make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
                   bucket_numel(options_.bucket_bytes, total, world_, elem), parts);
@@ -175,15 +175,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       Placement::make(plan_, options_.precision, options_.reduce_dtype, options_.reduce_in_fp32,
                       proto.is_cpu()),
       proto.options());
-  const int root = plan_.per_part() ? model_.root_part : 0;
-  for (const auto& p : params()) part_of.push_back(plan_.per_part() && p.part != root ? p.part : -1);
   flat_ = std::make_unique<FlatState>(plan_, std::move(layout), comm_->rank(), where.model,
                                       where.master, where.reduce);
   tracker_ = std::make_unique<BackwardTracker>(std::move(part_of), root + 1);
 
-  // Initial values: rank 0's reach every rank (as DDP does), then become the model's storage and
-  // the master weights (ParameterStore::adopt). Allocations are attributed by category (Note
-  // [Peak attribution] in shardopt/memory_tracker.hpp).
+  // Allocations by category: Note [Peak attribution] in shardopt/memory_tracker.hpp.
   if (plan_.per_part()) {
     // One part per declared unit, shared set and the root (Note [Stage 3 units]).
     auto labels = part_labels(model_, *unit_plan_);
@@ -194,9 +190,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
                                              std::move(labels), comm_, options_.timeout,
                                              /*root_persists=*/automatic_);
     if (automatic_) {  // Note [Automatic units] in auto_gather.cpp
-      auto automatic =
-          std::make_unique<AutoUnits>(*parts, model_.root_part, options_.prefetch,
-                                      options_.reuse_distance, comm_, options_.timeout);
+      auto automatic = std::make_unique<AutoUnits>(
+          *parts, options_.prefetch, options_.reuse_distance, comm_, options_.timeout);
       parts->set_automatic(automatic.get());
       scheduler_ = std::move(automatic);
     } else {
@@ -278,8 +273,6 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
   });
 }
 
-// ---- autograd events ----------------------------------------------------------------------------
-
 // First event of a backward pass: arrange for on_backward_end when autograd finishes.
 void Engine::begin_pass() {
   if (tracker_->in_pass()) return;
@@ -291,9 +284,8 @@ void Engine::begin_pass() {
   });
 }
 
-// The path of a gradient: hook -> tracker (once per pass) -> reducer (into its bucket, launched
-// when due: Note [Bucket completion]) -> at stage 3, the scheduler learns when all of a part is
-// in (its post-backward moment).
+// The path of a gradient: hook -> tracker (once per pass) -> reducer (Note [Bucket completion]) ->
+// at stage 3, the scheduler's post-backward moment once all of a part is in.
 void Engine::on_grad_ready(int index) {
   MemoryScope scope(bucket_tag_);
   begin_pass();
@@ -303,7 +295,6 @@ void Engine::on_grad_ready(int index) {
   if (arrival.part_complete) scheduler_->post_backward(params()[index].part);
 }
 
-// End of one backward pass: the reducer reduces what is still pending.
 void Engine::on_backward_end() {
   if (scheduler_) scheduler_->end_backward();
   reducer_->end_pass(tracker_->micro_steps());
@@ -330,27 +321,20 @@ void Engine::backward(const at::Tensor& loss) {
   if (!tracker_->in_pass()) check_micro_step_open();
   const double factor =
       (scaler_ ? scaler_->scale() : 1.0) / static_cast<double>(options_.grad_accumulation_steps);
-  if (factor != 1.0) {
-    (loss * factor).backward();
-  } else {
-    loss.backward();
-  }
+  (factor != 1.0 ? loss * factor : loss).backward();
   if (tracker_->in_pass()) on_backward_end();  // no final callback ran (no hook fired)
 }
 
 // Note [step() consumes the gradients]: a trainer may hold only a torch::optim::Optimizer&, whose
-// zero_grad() on torch 1.13 is the base's (not virtual): it zeroes .grad in place and resets
-// nothing of ours. So step() itself starts the gradients over and sets the micro-step count to
-// zero (end_step); zero_grad() repeats that (discarding a backward's gradients). Neither writes
-// the gradients (Note [Gradients start over without a zeroing pass]).
+// zero_grad() on torch 1.13 is the base's (not virtual) and resets nothing of ours. So step()
+// itself starts the gradients and the micro-step count over (end_step); zero_grad() repeats that,
+// discarding a backward's gradients (Note [Gradients start over without a zeroing pass]).
 void Engine::zero_grad() {
   reducer_->start_over();
   update_->forget_early();
   tracker_->reset_micro_steps();
   if (scheduler_) scheduler_->start_forward();  // stage 3: a forward follows
 }
-
-// ---- step() ---------------------------------------------------------------------------------------
 
 at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
   at::Tensor loss;
@@ -374,8 +358,7 @@ at::Tensor Engine::step(const torch::optim::Optimizer::LossClosure& closure) {
   return loss;
 }
 
-// Phase 1: every bucket reduced and folded in; gradients averaged over ranks, summed over
-// micro-steps (Note [Gradient accumulation convention]); phase 2 unscales them.
+// Phase 1: every bucket reduced and folded in (summed over ranks and micro-steps).
 void Engine::finish_reduction() {
   RECORD_FUNCTION("shardopt::reduce", std::vector<c10::IValue>());
   const auto t = Clock::now();
@@ -390,20 +373,13 @@ void Engine::finish_reduction() {
   stats_.reduce_wait_s = seconds_since(t);
 }
 
-// Phase 2: gradients unscaled (averaged over ranks, divided by the loss scale) and checked in one
-// pass (src/engine/finite_check.hpp), with the global norm when clipping: non-finite gradients on
-// any rank, at every precision, mean no update anywhere, parameters and optimizer state untouched.
-// fp16's scaler backs off; without one, options_.max_nonfinite_steps skipped steps in a row throw
-// on every rank (they agree on the flag).
+// Phase 2: gradients unscaled and checked in one pass, with the global norm when clipping:
+// non-finite gradients on any rank mean no update anywhere. fp16's scaler backs off; without one,
+// max_nonfinite_steps skipped steps in a row throw on every rank (they agree on the flag).
 bool Engine::skip_non_finite() {
   RECORD_FUNCTION("shardopt::skip_non_finite", std::vector<c10::IValue>());
-  const bool clipping = options_.max_grad_norm > 0;
-  const auto check = update_->unscale_and_check(grad_divisor(), clipping);
-  if (clipping) stats_.grad_norm = check.norm;
-  stats_.unscale_s = check.unscale_s;
-  stats_.check_s = check.check_s;
-  stats_.check_backward_s = check.check_backward_s;
-  const bool non_finite = check.non_finite;
+  const bool non_finite =
+      update_->unscale_and_check(grad_divisor(), options_.max_grad_norm > 0, stats_);
   if (scaler_) {
     stats_.loss_scale = scaler_->scale();
     stats_.skipped = scaler_->update(non_finite);
@@ -467,15 +443,14 @@ void Engine::end_step(Clock::time_point t0) {
   stats_.step_s = seconds_since(t0);
 }
 
-// The master weights (each rank's owned slices) through the gradients' check: one read, one
-// all-reduce, the same answer everywhere.
+// The master weights (each rank's owned slices) through the gradients' check.
 bool Engine::parameters_finite() {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> slices;
+  FiniteScan scan;
   for (int b = 0; b < static_cast<int>(flat_->layout().buckets.size()); ++b) {
-    slices.push_back(checkpoint_->owned_param_slice(b));
+    add_scan(scan, scan_local(checkpoint_->owned_param_slice(b), 1.0, false));
   }
-  return !scan_finite(slices, 1.0, false, comm_.get(), options_.timeout).non_finite;
+  return !agree_on(scan, false, comm_.get(), options_.timeout).non_finite;
 }
 
 MemoryReport Engine::memory() const {

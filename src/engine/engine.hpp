@@ -1,15 +1,13 @@
 // Engine: DistributedOptimizer's machinery. It builds the pieces from one StagePlan, routes the
 // autograd and stage-3 unit events to them and runs step() as five named phases. Each piece owns
-// its state; the engine wires them together, and the stage-3 scheduler alone decides when a part
-// is gathered or released; the reducer reports landed buckets through a callback the engine sets:
+// its state:
 //   FlatState        (flat_state.hpp)        layout, coordinates, master weights, optimizer state
 //   ParameterStore   (parameter_store.hpp)   the model's parameters: whole, or parts (stage 3)
 //   PartScheduler    (part_scheduler.hpp)    stage 3: when each part is gathered and released
 //   GradientReducer  (gradient_reducer.hpp)  gradient sinks, bucket pool, reduction collectives
 //   BackwardTracker  (backward_tracker.hpp)  micro-steps, duplicate hooks, which parts are complete
 //   LocalUpdate      (local_update.hpp)      unscale, non-finite check, clip, the rules and kernels
-// Two roles: the optimizer (step, zero_grad, backward) and the stage-3 unit runtime. What
-// checkpoints read and write (ShardAccess) is CheckpointAccess over the same pieces.
+// What checkpoints read and write (ShardAccess) is CheckpointAccess over the same pieces.
 #pragma once
 
 #include <torch/csrc/autograd/variable.h>
@@ -63,7 +61,7 @@ class Engine final : public UnitRuntime {
   const CollectedModel& model() const { return model_; }
   torch::optim::Optimizer* factory_optimizer() const { return update_->factory_optimizer(); }
 
-  // ---- UnitRuntime (stage 3): called by Units::run and the output hooks ---------------------
+  // UnitRuntime (stage 3): called by Units::run and the output hooks.
   void enter(int unit) override { scheduler_->pre_forward(unit, tracker_->in_pass()); }
   void exit(int unit) override { scheduler_->post_forward(unit); }
   void mark_for_backward(int unit, const at::Tensor& output) override;

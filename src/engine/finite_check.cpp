@@ -73,11 +73,4 @@ FiniteScan agree_on(FiniteScan scan, bool sum_squares, Communicator* agree, Dura
   return scan;
 }
 
-FiniteScan scan_finite(const std::vector<at::Tensor>& tensors, double scale, bool sum_squares,
-                       Communicator* agree, Duration timeout) {
-  FiniteScan scan;
-  for (const auto& t : tensors) add_scan(scan, scan_local(t, scale, sum_squares));
-  return agree_on(scan, sum_squares, agree, timeout);
-}
-
 }  // namespace shardopt::detail

@@ -19,9 +19,6 @@ class CpuKernels final : public FusedKernels {
                            s.grad.is_cpu() && s.grad.scalar_type() == at::kFloat;
     return fp32_host;  // a compute-dtype copy elsewhere (offload: on the GPU) is cast afterwards
   }
-  kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
-    return low_precision_out(s, begin, at::kCPU);
-  }
   void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const override {
     kernels::fused_adam(h, s);
   }

@@ -1,8 +1,7 @@
-// FusedKernels: the seam where one device's fused one-pass update kernels (src/kernels, on raw
-// pointers) plug into the local update. The CPU kernels (AVX-512/AVX2/scalar, threaded) are built
-// in; the CUDA implementation (fused_kernels_cuda.cpp, libshardopt_cuda, built where nvcc is)
-// registers itself for CUDA shards when loaded, and fused_kernels_for(CUDA) loads it on first
-// need. Where no kernels accept a segment, torch's ops step it (RuleStep).
+// FusedKernels: the seam where one device's fused one-pass kernels (src/kernels, raw pointers) plug
+// into the local update. The CPU kernels are built in; the CUDA ones (fused_kernels_cuda.cpp,
+// libshardopt_cuda) register themselves when fused_kernels_for(CUDA) loads the library. Where no
+// kernels accept a segment, torch's ops step it (RuleStep).
 #pragma once
 
 #include <c10/core/DeviceType.h>
@@ -19,9 +18,6 @@ class FusedKernels {
   // Whether these kernels can step the segment: device and dtypes of the master weights and
   // gradients.
   virtual bool accepts(const Segment& s) const = 0;
-  // The compute-dtype copy of a segment from element `begin`, when these kernels can write it in
-  // the same pass (kind None without a separate master, or for a copy they cannot reach).
-  virtual kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const = 0;
   virtual void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const = 0;
   virtual void sgd(const kernels::SgdHyper& h, const kernels::SgdSegment& s) const = 0;
   virtual kernels::LambNorms lamb_phase1(const kernels::LambHyper& h,
@@ -33,12 +29,12 @@ class FusedKernels {
                                             const kernels::CheckOptions& o) const = 0;
 };
 
-// The compute-dtype copy of segment `s` from element `begin`, when it is bf16/fp16 on `device`
-// (where the kernels can write it in the same pass); otherwise none, and it is cast afterwards.
-inline kernels::LowPrecisionOut low_precision_out(const Segment& s, int64_t begin,
-                                                  c10::Device device) {
+// The compute-dtype copy of an accepted segment from element `begin`, when it is bf16/fp16 on the
+// segment's device, where the kernels write it in the same pass; otherwise none (kind None without
+// a separate master, or for a copy on another device), and it is cast afterwards.
+inline kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) {
   kernels::LowPrecisionOut out;
-  if (!s.low.defined() || s.low.device() != device) return out;
+  if (!s.low.defined() || s.low.device() != s.param.device()) return out;
   const auto dtype = s.low.scalar_type();
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return out;
   out.kind = dtype == at::kBFloat16 ? kernels::LowPrecision::BFloat16

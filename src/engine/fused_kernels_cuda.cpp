@@ -80,9 +80,6 @@ class CudaKernels final : public FusedKernels {
                              s.grad.device() == s.param.device();
     return fp32_device;  // a copy the kernels cannot write is cast afterwards
   }
-  kernels::LowPrecisionOut low_out(const Segment& s, int64_t begin) const override {
-    return low_precision_out(s, begin, s.param.device());
-  }
   void adam(const kernels::AdamHyper& h, const kernels::AdamSegment& s) const override {
     if (s.numel == 0) return;
     Launch launch(s.param);

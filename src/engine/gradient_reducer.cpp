@@ -17,9 +17,10 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
       overlap_(overlap), accumulation_(accumulation), timeout_(timeout), rank_(flat.rank()) {
   const auto& layout = flat_.layout();
   buckets_.resize(layout.buckets.size());
-  for (const auto& bl : layout.buckets) max_bucket_numel_ = std::max(max_bucket_numel_, bl.padded);
-  for (const auto& piece : layout.pieces) ++buckets_[piece.bucket].pieces;
-  for (auto& b : buckets_) b.pending = b.pieces;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].pieces = buckets_[b].pending = static_cast<int>(layout.buckets[b].pieces.size());
+    max_bucket_numel_ = std::max(max_bucket_numel_, layout.buckets[b].padded);
+  }
   at::NoGradGuard no_grad;
   if (plan_.bucketed()) {
     grad_reduced_ = at::zeros({flat_.update_numel()}, flat_.master_options());
@@ -113,10 +114,10 @@ bool GradientReducer::reduces(int micro) const {
   return plan_.reduces_every_micro_step() || micro + 1 >= accumulation_;
 }
 
-// Note [Bucket completion]: the one place that decides when buckets go out.
-// Without overlap_comm, in-place gradients wait for the end of the pass (they hold no buffer);
-// bucketed ones go out as they complete and are waited for at once (backward pauses, as with
-// DeepSpeed's overlap_comm=false), so the pool keeps its bound (Note [Bucket pool bound]).
+// Note [Bucket completion]: the one place that decides when buckets go out. Without overlap_comm,
+// in-place gradients wait for the end of the pass (they hold no buffer); bucketed ones go out as
+// they complete and are waited for at once (as DeepSpeed's overlap_comm=false), so the pool keeps
+// its bound (Note [Bucket pool bound]).
 void GradientReducer::launch_ready(int micro, bool pass_end) {
   if (!reduces(micro) || (!overlap_ && !pass_end && !plan_.bucketed())) return;
   for (int b = next_; b < buckets(); ++b) {
@@ -133,9 +134,8 @@ void GradientReducer::launch_ready(int micro, bool pass_end) {
   }
 }
 
-// The pool is full and nothing is in flight: if a complete bucket waits behind started ones, pass
-// over those (launched once complete, or at the end of the pass) and launch it. Returns whether
-// one went out.
+// The pool is full and nothing is in flight: a complete bucket waiting behind started ones is
+// launched, passing over those (launched once complete). Returns whether one went out.
 bool GradientReducer::pass_over_waiting(int micro) {
   if (!overlap_ || !reduces(micro)) return false;
   int first_complete = next_;
@@ -257,8 +257,7 @@ bool GradientReducer::nothing_launched() const {
                      [](const Bucket& b) { return b.launched_micro < 0; });
 }
 
-// Waits for a bucket's reduction; the bucket path folds the result into the reduced gradients
-// (master precision, where the master weights are) and returns the buffer to the pool.
+// Waits for a bucket's reduction; Bucketed, folds it into the reduced gradients, frees the buffer.
 void GradientReducer::complete(int bucket) {
   auto& b = buckets_[bucket];
   if (!b.work) return;

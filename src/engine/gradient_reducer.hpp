@@ -6,7 +6,7 @@
 //   Bucketed: each fresh .grad is copied, piece by piece, into pooled bucket buffers (Note [Bucket
 //             pool bound] in shardopt/detail/plan.hpp) and freed; a complete bucket is reduced
 //             every micro-step and folded into the reduced gradients (update coordinates).
-// Reductions are sums; LocalUpdate divides by world (and the loss scale) once, on the reduced values.
+// Reductions are sums; LocalUpdate divides by world (and the loss scale) once, on reduced values.
 //
 // Note [Bucket completion]
 // The reducer owns when a bucket is reduced. Each bucket counts down its pieces in every backward

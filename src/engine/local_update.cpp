@@ -25,12 +25,12 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
   }
   if (fused) kernels_ = fused_kernels_for(flat_.master_options().device().type());
   if (factory) {
+    std::vector<at::Tensor> shard;
     for (auto& s : flat_.segments()) {
-      at::Tensor t = s.param;
-      t.mutable_grad() = s.grad;
-      inner_params_.push_back(t);
+      shard.push_back(s.param);
+      shard.back().mutable_grad() = s.grad;
     }
-    inner_ = factory(inner_params_);
+    inner_ = factory(std::move(shard));
     SHARDOPT_CHECK(inner_ != nullptr, InvalidArgument, "optimizer: the factory returned null");
     return;
   }
@@ -51,13 +51,12 @@ FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
 }
 
 // Note [The non-finite check during backward]
-// The check reads every reduced gradient once. A bucket whose reduction lands while backward is
-// still running (always at one rank; at more, as the collectives finish) is unscaled and checked
-// then, from the reducer's hook path, while its values are still in cache and off step()'s
+// A bucket whose reduction lands while backward still runs (always at one rank) is unscaled and
+// checked then, from the reducer's hook path, while its values are in cache and off step()'s
 // critical path; step() checks the rest and combines the per-segment results in segment order, so
-// the sum of squares (and so clipping) is bitwise the same whichever segments went early. Between
-// backward and step() a trainer may thus find some .grad already divided by world x loss scale;
-// they are the reducer's buffers, never the local gradients, at more than one rank anyway.
+// the sum of squares (and clipping) is bitwise the same whichever segments went early. Between
+// backward and step() some .grad may thus be divided by world x loss scale already (at more than
+// one rank they are the reducer's buffers, never the local gradients).
 void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
   const auto t = std::chrono::steady_clock::now();
   double unscale_s = 0.0;
@@ -76,9 +75,8 @@ void LocalUpdate::forget_early() {
   early_s_ = 0.0;
 }
 
-LocalUpdate::GradCheck LocalUpdate::unscale_and_check(double divisor, bool norm) {
+bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats) {
   using Clock = std::chrono::steady_clock;
-  GradCheck check;
   const bool any_early = std::any_of(early_.begin(), early_.end(),
                                      [](const auto& e) { return e.has_value(); });
   SHARDOPT_CHECK(!any_early || (early_divisor_ == divisor && early_norm_ == norm), Internal,
@@ -89,7 +87,7 @@ LocalUpdate::GradCheck LocalUpdate::unscale_and_check(double divisor, bool norm)
   auto& segments = flat_.segments();
   for (size_t k = 0; k < segments.size(); ++k) {
     add_scan(total, early_[k] ? *early_[k]
-                              : scan_segment(segments[k], divisor, norm, &check.unscale_s));
+                              : scan_segment(segments[k], divisor, norm, &stats.unscale_s));
   }
   // Tensor parallelism: each tensor rank holds the replicated parameters' gradients whole, so
   // they count 1/t on each (clamped: the two sums round differently).
@@ -100,12 +98,11 @@ LocalUpdate::GradCheck LocalUpdate::unscale_and_check(double divisor, bool norm)
   // Replicated plans hold the same reduced gradients on every rank: the answers agree already.
   auto scan = agree_on(total, norm, flat_.plan().sharded() ? comm_.get() : nullptr, timeout_);
   if (tensor_group_) scan = agree_on(scan, norm, tensor_group_.get(), timeout_);
-  check.non_finite = scan.non_finite;
-  if (norm) check.norm = std::sqrt(scan.sum_sq);
-  check.check_s = std::chrono::duration<double>(Clock::now() - t0).count() - check.unscale_s;
-  check.check_backward_s = early_s_;
+  if (norm) stats.grad_norm = std::sqrt(scan.sum_sq);
+  stats.check_s = std::chrono::duration<double>(Clock::now() - t0).count() - stats.unscale_s;
+  stats.check_backward_s = early_s_;
   forget_early();
-  return check;
+  return scan.non_finite;
 }
 
 void LocalUpdate::set_tensor_group(CommunicatorPtr group, std::vector<char> replicated) {
@@ -148,7 +145,7 @@ void LocalUpdate::update(int64_t step) {
     for (auto& full : state) st.push_back(full.narrow(0, s.state_offset, s.param.numel()));
     const bool fused = fused_step(rule, step, s, st);
     if (!fused) std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
-    low_done_[k] = fused && kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
+    low_done_[k] = fused && low_out(s, 0).kind != kernels::LowPrecision::None;
   }
 }
 
@@ -169,7 +166,7 @@ void LocalUpdate::write_back() {
 bool LocalUpdate::fused_step(const Rule& rule, int64_t step, Segment& s,
                              std::vector<at::Tensor>& st) {
   if (!kernels_ || !kernels_->accepts(s)) return false;
-  const auto low = kernels_->low_out(s, 0);
+  const auto low = low_out(s, 0);
   float* param = s.param.data_ptr<float>();
   const float* grad = s.grad.data_ptr<float>();
   const int64_t n = s.param.numel();
@@ -226,7 +223,7 @@ bool LocalUpdate::fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
                                 s.grad.data_ptr<float>() + begin,
                                 state[0].data_ptr<float>() + at0,
                                 state[1].data_ptr<float>() + at0,
-                                with_low ? kernels_->low_out(s, begin) : kernels::LowPrecisionOut{},
+                                with_low ? low_out(s, begin) : kernels::LowPrecisionOut{},
                                 len};
   };
   for (auto& s : segments) {
@@ -246,14 +243,13 @@ bool LocalUpdate::fused_lamb(int64_t step, double* acc, at::Tensor& sums) {
       kernels_->lamb_phase2(h, (w > 0 && u > 0) ? w / u : 1.0, piece(s, begin, len, true));
     });
     // Padding between parameters keeps a zero compute-dtype copy; nothing else to write.
-    low_done_[k] = kernels_->low_out(s, 0).kind != kernels::LowPrecision::None;
+    low_done_[k] = low_out(s, 0).kind != kernels::LowPrecision::None;
   }
   return true;
 }
 
-// LAMB in two phases: (1) moments and the raw update per segment, partial squared norms of
-// weights and updates per parameter; one all-reduce of the partial sums; (2) each parameter
-// scaled by its trust ratio ||w|| / ||u||.
+// LAMB in two phases: (1) moments, raw update and partial squared norms of weights and updates per
+// parameter, all-reduced; (2) each parameter scaled by its trust ratio ||w|| / ||u||.
 void LocalUpdate::lamb_update(int64_t step) {
   const int64_t np = static_cast<int64_t>(flat_.layout().slots.size());
   at::Tensor sums = at::zeros({2 * np}, at::kDouble);

@@ -30,30 +30,22 @@ class LocalUpdate {
   LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout, const Rule& rule,
               const ShardOptimizerFactory& factory, RuleOf rule_of, bool fused);
 
-  struct GradCheck {
-    bool non_finite = false;  // on any rank
-    double norm = -1.0;       // global L2 norm when asked (the same value on every rank)
-    double unscale_s = 0.0;   // a separate unscale pass (16-bit gradients)
-    double check_s = 0.0;     // the check's pass (with the fp32 unscale) and its all-reduce
-    double check_backward_s = 0.0;  // the part done by check_early (before step())
-  };
-  // Unscales and checks the segments of `bucket` now, whose reduced gradients are final before
-  // step() (Note [The non-finite check during backward]); unscale_and_check, which must get the
-  // same divisor and norm, then only combines the result. Gradients not on the CPU wait for it.
+  // Unscales and checks the segments of `bucket`, final before step() (Note [The non-finite check
+  // during backward]); unscale_and_check, given the same divisor and norm, combines the result.
   void check_early(int bucket, double divisor, bool norm);
   // The gradients start over (step() taken or skipped, zero_grad()): nothing checked early.
   void forget_early();
-  // Divides the reduced gradients by `divisor` (world * loss scale; 1: nothing to write), finds
-  // whether any rank holds a non-finite one and, with `norm`, their global L2 norm: one pass over
-  // this rank's segments and one all-reduce when sharded (src/engine/finite_check.hpp).
-  GradCheck unscale_and_check(double divisor, bool norm);
+  // Divides the reduced gradients by `divisor` (world * loss scale) and returns whether any rank
+  // holds a non-finite one; with `norm`, their global L2 norm goes to stats.grad_norm (the same on
+  // every rank), and the times to stats' unscale_s, check_s and check_backward_s.
+  bool unscale_and_check(double divisor, bool norm, StepStats& stats);
   // Tensor parallelism: unscale_and_check's norm and flag also span `group`, the parameters
   // replicated[slot] (held whole by every tensor rank) counted once.
   void set_tensor_group(CommunicatorPtr group, std::vector<char> replicated);
   // Scales the gradients down to `max_norm` given their global `norm`; returns whether it did.
   bool clip(double max_norm, double norm);
-  // One optimizer step, number `step` (1-based); leaves the result in the segments' params (and,
-  // where the kernels wrote it, their compute-dtype copies).
+  // Optimizer step number `step` (1-based) into the segments' params (and, where the kernels wrote
+  // it, their compute-dtype copies).
   void update(int64_t step);
   // Separate master: casts the result into the model's storage where the kernels did not (also
   // after a checkpoint load overwrote the master weights).
@@ -67,8 +59,7 @@ class LocalUpdate {
   bool fused_lamb(int64_t step, double* acc, at::Tensor& sums);
   void lamb_update(int64_t step);
   // Calls fn(param index, begin, length) for each parameter piece's intersection with a segment,
-  // begin relative to the segment (LAMB's norms are per parameter: a parameter's pieces may sit
-  // in several segments and on several ranks, and their partial sums add up).
+  // begin relative to the segment (LAMB's per-parameter partial sums add up across pieces).
   template <typename Fn>
   void for_each_param_piece(const Segment& s, Fn&& fn) const;
   // One segment's unscale (by 1/divisor) and check; a 16-bit unscale's time goes to *unscale_s.
@@ -83,7 +74,6 @@ class LocalUpdate {
   bool lamb_ = false;
   const FusedKernels* kernels_ = nullptr;
   std::unique_ptr<torch::optim::Optimizer> inner_;
-  std::vector<at::Tensor> inner_params_;
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
   std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
   std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <map>
+#include <sstream>
 #include <unordered_map>
 
 #include "comm/gather_strings.hpp"
@@ -16,9 +17,7 @@
 namespace shardopt::detail {
 namespace {
 
-// Each parameter's part: its declaring unit's own part when one unit declares it, a part of
-// its own per set of units sharing it (BERT's word embeddings, declared by the embeddings and by
-// the heads that reuse them as the MLM decoder), the root part when no unit declares it.
+// Each parameter's part (CollectedModel::root_part, Note [Stage 3 units]).
 void assign_parts(CollectedModel& m, const Units& units) {
   const int declared = units.size();
   std::unordered_map<const c10::TensorImpl*, std::vector<int>> declared_by;
@@ -162,9 +161,8 @@ void verify_same_model(const std::vector<ModelParam>& params, bool per_part, Com
   std::vector<std::vector<std::string>> lines(world);
   size_t longest = 0;
   for (int r = 0; r < world; ++r) {
-    for (size_t at = 0, next; (next = all[r].find('\n', at)) != std::string::npos; at = next + 1) {
-      lines[r].push_back(all[r].substr(at, next - at));
-    }
+    std::istringstream in(all[r]);
+    for (std::string l; std::getline(in, l);) lines[r].push_back(l);
     longest = std::max(longest, lines[r].size());
   }
   auto line = [&](int r, size_t i) {
@@ -189,7 +187,6 @@ void verify_same_model(const std::vector<ModelParam>& params, bool per_part, Com
                 first_bad, report);
 }
 
-// How a released parameter's error names the units that gather its part (release_guard.hpp):
 // "unit 'layer'", "units 'embeddings', 'heads'" for a shared part, "no unit" for the root part.
 std::vector<std::string> part_labels(const CollectedModel& model, const Units& units) {
   std::vector<std::vector<std::string>> users(model.root_part + 1);

@@ -25,9 +25,8 @@ class ParameterStore {
   virtual ~ParameterStore() = default;
 
   // Takes over the parameters' storage with their initial values (rank 0's on every rank when
-  // `broadcast`, as DDP does) and returns those values in `master_options`, the master weights'
-  // start (FlatState::init_master). The parameters become views into the store's storage (same
-  // TensorImpl, so autograd identity is kept); construction holds about one copy of the model.
+  // `broadcast`, as DDP does) and returns them in `master_options` for FlatState::init_master. The
+  // parameters become views into the store's storage (same TensorImpl: autograd identity kept).
   virtual at::Tensor adopt(const at::TensorOptions& master_options, bool broadcast) = 0;
   // The model's storage of a bucket's updated range (the update's target or its low copy).
   virtual at::Tensor model_slice(int bucket, const UpdatedRange& range) const = 0;

@@ -10,8 +10,6 @@
 
 namespace shardopt::detail {
 
-// ---- Note [One owner of releases] ---------------------------------------------------------------
-
 PartScheduler::PartScheduler(PartStore& store, int ids, CommunicatorPtr comm,
                              Duration timeout, int prefetch)
     : store_(store), trace_(ids), comm_(std::move(comm)), timeout_(timeout),
@@ -39,17 +37,14 @@ void PartScheduler::end_backward() {
   trace_.end_backward(agreed);
 }
 
-// ---- Declared units (Note [Stage 3 units] in engine.cpp) ----------------------------------------
-
 DeclaredUnits::DeclaredUnits(PartStore& store, std::vector<std::vector<int>> unit_parts,
                              CommunicatorPtr comm, Duration timeout, int prefetch)
     : PartScheduler(store, static_cast<int>(unit_parts.size()), std::move(comm), timeout,
                     prefetch),
       unit_parts_(std::move(unit_parts)), runs_(store.part_count(), 0) {}
 
-// A unit's forward starts: its parts are gathered for it (a unit may run several times in one
-// forward; a part shared by two units is gathered while either runs), and the units that came next
-// in the last pass are prefetched (declaration order on the first pass).
+// A unit's forward starts (a unit may run several times in one forward): its parts are gathered,
+// and the units that came next in the last pass are prefetched (declaration order at first).
 void DeclaredUnits::pre_forward(int unit, bool in_backward) {
   if (!in_backward) {
     store_.gather_root();  // a forward is running: parameters in no unit are needed too

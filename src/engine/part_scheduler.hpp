@@ -1,10 +1,8 @@
-// Stage-3 schedulers: the policy over PartStore's parts (the mechanism: shards, buffers,
-// PartState). One interface with the four moments of a use (FSDP2's FSDPParamGroup: pre-forward,
-// post-forward, pre-backward, post-backward), one use trace checked across ranks (Note [Use
-// trace] in shardopt/detail/use_trace.hpp), two implementations: DeclaredUnits (Units::run and
-// its output hooks) and AutoUnits (operations that reach the release guard's dispatch key, Note
-// [Automatic units] in auto_gather.cpp). Only the store and these classes gather or release parts
-// (Note [One owner of releases]).
+// Stage-3 schedulers: the policy over PartStore's parts (the mechanism). One interface with the
+// four moments of a use (FSDP2's FSDPParamGroup: pre-forward, post-forward, pre-backward,
+// post-backward), one use trace checked across ranks (Note [Use trace] in
+// shardopt/detail/use_trace.hpp), two implementations: DeclaredUnits (Units::run and its output
+// hooks) and AutoUnits (Note [Automatic units] in auto_gather.cpp).
 #pragma once
 
 #include <cstddef>
@@ -57,7 +55,7 @@ class PartScheduler {
 };
 
 // Declared units (Units::run): a unit's parts are gathered for each run, released when no running
-// unit needs them; in backward gathered at the outputs' hook and released with their gradients.
+// unit needs them; gathered again at the outputs' backward hook, released with their gradients.
 class DeclaredUnits final : public PartScheduler {
  public:
   // unit_parts[u]: the parts declared unit u needs.
@@ -77,15 +75,12 @@ class DeclaredUnits final : public PartScheduler {
   std::vector<int> runs_;  // per part: declared units running it in forward right now
 };
 
-// Automatic units (Note [Automatic units] in auto_gather.cpp): the parts one operation on the
-// parameters reads, gathered on first use and released in forward by the trace (Note [Reuse
-// distance]).
+// Automatic units (Note [Automatic units] in auto_gather.cpp): parts gathered on first use and
+// released in forward by the trace (Note [Reuse distance]).
 class AutoUnits final : public PartScheduler, public GatherOnUse {
  public:
-  // root: the persistent part; reuse_distance: ZeroOptions::reuse_distance; keep: without a usable
-  // trace, the parts kept gathered in forward.
-  AutoUnits(PartStore& store, int root, int prefetch, int reuse_distance,
-            CommunicatorPtr comm, Duration timeout, int keep = 2);
+  AutoUnits(PartStore& store, int prefetch, int reuse_distance, CommunicatorPtr comm,
+            Duration timeout);
 
   void use(const std::vector<int>& parts) override;
   void end_backward() override;
@@ -97,9 +92,9 @@ class AutoUnits final : public PartScheduler, public GatherOnUse {
   void backward_use(int part);
   void release_after_use(const std::vector<int>& parts);
 
-  int root_;
+  static constexpr size_t kKeep = 2;  // without a usable trace, the parts forward keeps gathered
+  int root_;  // the persistent part
   size_t reuse_distance_;
-  size_t keep_;
   std::deque<int> recent_;  // forward: gathered parts, least recently used first
 };
 

@@ -83,9 +83,8 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
   at::NoGradGuard no_grad;
   const auto& layout = flat_.layout();
   const auto& options = flat_.model_options();
-  const int world = comm_->size();
-  // Each part's full buffer (its buckets back to back), created released: storage only while
-  // gathered. A split parameter's buckets are consecutive in the layout and in its part's buffer.
+  // Each part's full buffer: its buckets back to back (a split parameter's buckets are consecutive
+  // in the layout and in its part's buffer).
   std::vector<int64_t> at_in_part(layout.buckets.size(), 0);
   std::vector<int64_t> part_numel(parts_.size(), 0);
   int64_t max_padded = 0;
@@ -96,14 +95,14 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
     part_numel[bl.part] += bl.padded;
     max_padded = std::max(max_padded, bl.padded);
   }
-  // Views are checked against the storage's size, not its bytes: each part's buffer is a storage
-  // that has its size and no bytes (as released), so taking the views allocates nothing.
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     parts_[layout.buckets[layout.slots[i].bucket].part].params.push_back(i);
   }
   full_.resize(layout.buckets.size());
   std::vector<at::Tensor> views(params_.size());
-  for (size_t p = 0; p < parts_.size(); ++p) {  // every part starts Released
+  // Views are checked against the storage's size, not its bytes: a storage with its size and no
+  // bytes (released) gives the views without allocating. A persistent part gets bytes for good.
+  for (size_t p = 0; p < parts_.size(); ++p) {
     auto& part = parts_[p];
     part.full = at::empty({0}, options);
     part.full.storage().unsafeGetStorageImpl()->set_nbytes(
@@ -118,9 +117,9 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
                      .view(params_[i].sizes());
     }
     part.full.storage().unsafeGetStorageImpl()->reset();
+    if (part.persistent) allocate_full(part);
   }
-  // Where this rank's slice of each bucket lives: packed in shard_, or inside a persistent part's
-  // full buffer (Note [Persistent parameters]), whose storage exists from here on.
+  // This rank's slice of each bucket: packed in shard_, or in a persistent part's full buffer.
   int64_t packed_numel = 0;
   std::vector<int64_t> packed_at(layout.buckets.size(), -1);
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
@@ -129,9 +128,6 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
     packed_numel += layout.buckets[b].shard;
   }
   shard_ = at::empty({packed_numel}, options);
-  for (auto& part : parts_) {
-    if (part.persistent) allocate_full(part);
-  }
   owned_.resize(layout.buckets.size());
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const auto& bl = layout.buckets[b];
@@ -144,7 +140,7 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     done_after[(layout.pieces_end(i) - 1)->bucket].push_back(i);
   }
-  const bool from_rank0 = broadcast && world > 1;
+  const bool from_rank0 = broadcast && comm_->size() > 1;
   const bool same_storage = !plan_.separate_master() &&
                             master_options.dtype() == options.dtype() &&
                             master_options.device() == options.device();
@@ -185,8 +181,7 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
       params_[i].set_data(views[i]);
       const int part = layout.buckets[layout.slots[i].bucket].part;
       remember_parameter(params_[i], names_[i], part_labels_[part]);
-      if (parts_[part].persistent) continue;
-      guard_released(params_[i]);  // automatic: for good (gathered on use)
+      if (!parts_[part].persistent) guard_released(params_[i]);  // automatic: for good
     }
   }
   // Automatic units: operations on the parameters find the scheduler through their storage
@@ -205,10 +200,6 @@ at::Tensor PartStore::adopt(const at::TensorOptions& master_options, bool broadc
   return initial;
 }
 
-at::Tensor PartStore::model_slice(int bucket, const UpdatedRange& range) const {
-  return owned_[bucket].narrow(0, 0, range.length);
-}
-
 // Any part still gathered holds stale values now; persistent parts are all-gathered in place.
 void PartStore::after_update() {
   for (int part = 0; part <= root_part_; ++part) {
@@ -219,8 +210,6 @@ void PartStore::after_update() {
     }
   }
 }
-
-// ---- On request (Note [Part lifecycle]) ----------------------------------------------------
 
 void PartStore::gather_root() {
   if (parts_[root_part_].state != PartState::Released || parts_[root_part_].buckets.empty()) return;
@@ -315,10 +304,6 @@ void PartStore::release(int part) {
     for (int i : p.params) guard_released(params_[i]);
   }
   transition(part, PartState::Released);
-}
-
-int64_t PartStore::param_bytes() const {
-  return static_cast<int64_t>(shard_.nbytes()) + persistent_bytes();
 }
 
 int64_t PartStore::full_bytes(bool persistent) const {

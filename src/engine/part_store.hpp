@@ -1,9 +1,7 @@
-// PartStore: stage 3's parameter storage (Note [Stage 3 units] in engine.cpp). This rank's shard
-// of every bucket is the storage; each part also has one full buffer (its buckets back to back, so
-// a parameter split across two of them is still one contiguous view) whose storage exists only
-// while the part is gathered, and the parameters are views into it. Each part moves through one
-// lifecycle (Note [Part lifecycle] in part_store.cpp), on request: the store has no policy; a
-// scheduler (part_scheduler.hpp) decides.
+// PartStore: stage 3's parameter storage (Note [Stage 3 units] in engine.cpp): this rank's shard of
+// every bucket, and per part one full buffer (its buckets back to back), the parameters' storage,
+// holding bytes only while the part is gathered. Parts move through one lifecycle (Note [Part
+// lifecycle] in part_store.cpp) on request; a scheduler (part_scheduler.hpp) decides.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -40,20 +38,23 @@ class PartStore final : public ParameterStore {
   // The parameters start released but the root part; returns this rank's shard of the initial
   // values in master precision (empty when the shard itself is the master).
   at::Tensor adopt(const at::TensorOptions& master_options, bool broadcast) override;
-  at::Tensor model_slice(int bucket, const UpdatedRange& range) const override;
+  at::Tensor model_slice(int bucket, const UpdatedRange& range) const override {
+    return owned_[bucket].narrow(0, 0, range.length);
+  }
   at::Tensor owned_slice(int bucket) const override { return owned_[bucket]; }
   // Every part is released but a persistent one, which is all-gathered in place.
   void after_update() override;
-  int64_t param_bytes() const override;       // shards + persistent parts
+  int64_t param_bytes() const override {  // shards + persistent parts
+    return static_cast<int64_t>(shard_.nbytes()) + persistent_bytes();
+  }
   // The persistent parts' whole buffers; the other parts' full buffers holding storage now.
   int64_t persistent_bytes() const override { return full_bytes(true); }
   int64_t gathered_bytes() const override { return full_bytes(false); }
 
-  // ---- On request of a scheduler (part_scheduler.hpp) ---------------------------------------
+  // On request of a scheduler (part_scheduler.hpp).
   int root_part() const { return root_part_; }
   int part_count() const { return static_cast<int>(parts_.size()); }
   PartState part_state(int part) const { return parts_[part].state; }
-  bool part_gathered(int part) const { return parts_[part].state != PartState::Released; }
   void prefetch_part(int part);          // starts gathering it (no wait)
   void gather_part(int part);            // gathered when it returns (waits for a prefetch)
   void gather_for_backward(int part);    // gathered, and NeededInBackward until released

@@ -33,13 +33,12 @@ namespace shardopt::detail {
 
 // Note [Part registration]
 // The fallback must find, from any tensor carrying the key (a parameter, or a view autograd saved,
-// weight.t()), which scheduler and part own its bytes. The link they all share is the storage, and
-// a storage keeps its allocator whether it holds bytes or not: the part store registers a part by
-// making its storage allocate through a Handle, an allocator that forwards to the storage's own
-// and carries (owner, part). So the one path is: operation -> released_read -> the storage's
-// Handle -> owner.use(parts) (the scheduler) -> the store gathers. No global map, no lock per
-// operation; the registration's end restores the storage's allocator (parameters outlive the
-// optimizer).
+// weight.t()), which scheduler and part own its bytes. They all share the storage, which keeps its
+// allocator with or without bytes: the part store registers a part by making its storage allocate
+// through a Handle that forwards to the storage's own allocator and carries (owner, part). The one
+// path: operation -> released_read -> the storage's Handle -> owner.use(parts) (the scheduler) ->
+// the store gathers. No global map, no lock per operation; the registration's end restores the
+// allocator (parameters outlive the optimizer).
 struct PartRegistration::Handle final : c10::Allocator {
   Handle(c10::Storage s, GatherOnUse* o, int p) : storage(std::move(s)), owner(o), part(p) {
     inner = storage.unsafeGetStorageImpl()->allocator();

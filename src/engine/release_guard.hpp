@@ -21,10 +21,9 @@ void guard_released(const at::Tensor& param);
 // Gathered: operations reach the real kernels again.
 void unguard(const at::Tensor& param);
 
-// Automatic stage-3 units (Note [Automatic units] in src/engine/auto_gather.cpp): the parameters
-// keep the key for good (views made from them inherit it), and an operation on any tensor whose
-// storage the part store registered first calls owner.use(parts), which gathers them. A tensor
-// still without bytes afterwards raises the named error above.
+// Automatic stage-3 units (Note [Automatic units] in src/engine/auto_gather.cpp): an operation on
+// a tensor whose storage the part store registered first calls owner.use(parts), which gathers
+// them; a tensor still without bytes afterwards raises the named error above.
 class GatherOnUse {
  public:
   virtual ~GatherOnUse() = default;

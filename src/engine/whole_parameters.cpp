@@ -8,13 +8,12 @@
 
 namespace shardopt::detail {
 
-// Note [One copy at construction]: the flat buffer is one allocation (buckets split parameters,
-// so no boundary between parameters is also one between buckets), but its pages are touched only
-// as it fills: each parameter is copied in (ranks that receive rank 0's values skip the copy) and,
-// when the model keeps the master's dtype and device, becomes its view at once, so its original
-// storage is freed before the next one is copied. The resident peak is about one model plus one
-// parameter; an allocator that reserves (a device, the bench's tracker) still counts the model
-// plus the flat buffer. (Stage 3: PartStore::adopt, bucket by bucket.)
+// Note [One copy at construction]: the flat buffer is one allocation, but its pages are touched
+// only as it fills: each parameter is copied in (not on ranks that receive rank 0's values) and,
+// when the model keeps the master's dtype and device, becomes its view at once, so its own storage
+// is freed before the next is copied. The resident peak is about one model plus one parameter; an
+// allocator that reserves (a device, the bench's tracker) still counts model plus flat buffer.
+// (Stage 3: PartStore::adopt, bucket by bucket.)
 at::Tensor WholeParameters::adopt(const at::TensorOptions& master_options, bool broadcast) {
   at::NoGradGuard no_grad;
   const auto& layout = flat_.layout();

@@ -72,7 +72,7 @@ const std::set<std::string> kModelKeys = {
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
     "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
     "type_vocab_size", "initializer_range", "layer_norm_eps", "position_embedding_type",
-    "model_type", "architectures", "is_decoder", "add_cross_attention"};
+    "model_type", "architectures", "is_decoder", "add_cross_attention", "tie_word_embeddings"};
 
 std::string shown(const nlohmann::json& v) { return v.dump(); }
 
@@ -140,6 +140,12 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
   for (const char* key : {"is_decoder", "add_cross_attention"}) {
     if (j.value(key, false) == true) throw fail(key, "true is not supported (an encoder only)");
   }
+  // transformers' save_pretrained writes it; false would give the MLM decoder its own matrix.
+  if (j.contains("tie_word_embeddings") && j.at("tie_word_embeddings") != true) {
+    throw fail("tie_word_embeddings", shown(j.at("tie_word_embeddings")) +
+                                          " is not supported (this BERT's MLM decoder is always "
+                                          "the word embedding matrix)");
+  }
   // A config exported without the NSP head (BertForMaskedLM) has no pooler either.
   if (j.contains("architectures") && j.at("architectures") == nlohmann::json::array({"BertForMaskedLM"})) {
     c.nsp = false;
@@ -184,6 +190,7 @@ nlohmann::json BertConfig::to_hf_json() const {
           {"layer_norm_eps", layer_norm_eps},
           {"position_embedding_type", "absolute"},
           {"pad_token_id", 0},
+          {"tie_word_embeddings", true},
           {"torch_dtype", "float32"}};
 }
 

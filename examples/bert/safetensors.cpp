@@ -87,10 +87,17 @@ File read(const std::string& path) {
   auto bad = [&](const std::string& what) {
     return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", path, what));
   };
+  // A directory opens as a stream whose size is meaningless (tellg -1): only regular files.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    throw std::runtime_error(fmt::format("{}: cannot read the file (not a regular file)", path));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(fmt::format("{}: cannot read the file", path));
   in.seekg(0, std::ios::end);
-  const auto file_size = static_cast<uint64_t>(in.tellg());
+  const std::streamoff end_pos = in.tellg();
+  if (end_pos < 0) throw std::runtime_error(fmt::format("{}: cannot read the file's size", path));
+  const auto file_size = static_cast<uint64_t>(end_pos);
   in.seekg(0);
   uint64_t n = 0;
   if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), sizeof n)) throw bad("shorter than 8 bytes");
@@ -121,7 +128,7 @@ File read(const std::string& path) {
       e.shape = v.at("shape").get<std::vector<int64_t>>();
       const auto offsets = v.at("data_offsets").get<std::vector<uint64_t>>();
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > f.data.size()) {
-        throw bad(fmt::format("'{}': data_offsets {} outside the {} data bytes", name,
+        throw bad(fmt::format("'{}': field data_offsets {} outside the {} data bytes", name,
                               v.at("data_offsets").dump(), f.data.size()));
       }
       e.offset = offsets[0];
@@ -135,9 +142,22 @@ File read(const std::string& path) {
     } catch (const std::invalid_argument&) {
       throw bad(fmt::format("'{}': unknown dtype '{}'", name, e.dtype));
     }
+    // Checked: a product that wraps around could match the offsets and make a tensor of 10^15
+    // elements over a few bytes (Note [Sizes from files] in src/checkpoint/format.hpp).
     for (int64_t d : e.shape) {
-      if (d < 0) throw bad(fmt::format("'{}': negative dimension", name));
-      want *= static_cast<size_t>(d);
+      if (d < 0) throw bad(fmt::format("'{}': field shape [{}] has a negative dimension", name,
+                                       fmt::join(e.shape, ", ")));
+    }
+    const bool empty = std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end();
+    for (int64_t d : e.shape) {
+      if (empty) {
+        want = 0;
+        break;
+      }
+      if (__builtin_mul_overflow(want, static_cast<size_t>(d), &want)) {
+        throw bad(fmt::format("'{}': field shape [{}] of {} needs more than 2^64 bytes", name,
+                              fmt::join(e.shape, ", "), e.dtype));
+      }
     }
     if (want != e.nbytes) {
       throw bad(fmt::format("'{}': {} bytes for shape [{}] of {}, the offsets span {}", name, want,

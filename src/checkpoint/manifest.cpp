@@ -46,14 +46,17 @@ FlatLayout recorded_layout(const Manifest& m) {
     bl.padded = b.at("padded").get<int64_t>();
     bl.shard = b.at("shard").get<int64_t>();
     bl.shard_offset = b.at("shard_offset").get<int64_t>();
-    SHARDOPT_CHECK(bl.shard >= 0 && bl.shard * m.world == bl.padded && bl.numel <= bl.padded &&
+    const std::string where = fmt::format("{}: bucket #{} of the layout", m.path.string(),
+                                          layout.buckets.size());
+    SHARDOPT_CHECK(bl.shard >= 0 && bl.numel >= 0 &&
+                       checked_mul(bl.shard, m.world, where) == bl.padded && bl.numel <= bl.padded &&
                        bl.shard_offset == shard_offset,
                    Checkpoint,
                    "checkpoint: {}: bucket #{} of the recorded layout is inconsistent (numel {}, "
                    "padded {}, shard {} at {} for {} ranks); the manifest was edited or is corrupt",
                    m.path.string(), layout.buckets.size(), bl.numel, bl.padded, bl.shard,
                    bl.shard_offset, m.world);
-    shard_offset += bl.shard;
+    shard_offset = checked_add(shard_offset, bl.shard, where);
     layout.buckets.push_back(bl);
   }
   // A parameter starts at its recorded slot and continues into the next buckets when it is split
@@ -198,11 +201,19 @@ Manifest read_manifest(const std::string& dir_text) {
         sec.offset = s.at("offset").get<int64_t>();
         sec.dtype = dtype_from_name(s.at("dtype").get<std::string>(), m.path.string());
         sec.shape = s.at("shape").get<std::vector<int64_t>>();
-        const int64_t end =
-            sec.offset + numel_of(sec.shape) * static_cast<int64_t>(c10::elementSize(sec.dtype));
-        SHARDOPT_CHECK(sec.offset >= kAlign && sec.offset % kAlign == 0 && end <= sf.bytes,
-                       Checkpoint, "checkpoint: {}: section '{}' of {} lies outside the file",
-                       m.path.string(), s.at("name").get<std::string>(), sf.path);
+        const std::string where = fmt::format("{}: section '{}' of {}", m.path.string(),
+                                              s.at("name").get<std::string>(), sf.path);
+        SHARDOPT_CHECK(sec.offset >= kAlign && sec.offset % kAlign == 0, Checkpoint,
+                       "checkpoint: {}: offset {} is not a multiple of {} past the header", where,
+                       sec.offset, kAlign);
+        const int64_t end = checked_add(
+            sec.offset,
+            checked_mul(checked_numel(sec.shape, where),
+                        static_cast<int64_t>(c10::elementSize(sec.dtype)), where),
+            where);
+        SHARDOPT_CHECK(end <= sf.bytes, Checkpoint,
+                       "checkpoint: {} lies outside the file: it ends at byte {}, the file has {}",
+                       where, end, sf.bytes);
         sf.sections[s.at("name").get<std::string>()] = sec;
       }
       m.files.push_back(std::move(sf));
@@ -211,7 +222,8 @@ Manifest read_manifest(const std::string& dir_text) {
       ManifestParam mp;
       mp.name = p.at("name").get<std::string>();
       mp.shape = p.at("shape").get<std::vector<int64_t>>();
-      mp.numel = numel_of(mp.shape);
+      mp.numel = checked_numel(
+          mp.shape, fmt::format("{}: parameter '{}'", m.path.string(), mp.name));
       mp.group = p.at("group").get<int>();
       for (const auto& piece : p.at("pieces")) {
         SavedPiece sp{piece.at(0).get<int>(), piece.at(1).get<int64_t>(),
@@ -221,8 +233,11 @@ Manifest read_manifest(const std::string& dir_text) {
                        mp.name, sp.rank, m.world);
         const auto& sections = m.files[sp.rank].sections;
         auto it = sections.find("param");
-        SHARDOPT_CHECK(it != sections.end() && sp.shard_begin >= 0 &&
-                           sp.shard_begin + sp.numel <= numel_of(it->second.shape),
+        SHARDOPT_CHECK(it != sections.end() && sp.shard_begin >= 0 && sp.numel >= 0 &&
+                           sp.param_begin >= 0 &&
+                           checked_add(sp.shard_begin, sp.numel,
+                                       fmt::format("{}: a piece of '{}'", m.path.string(),
+                                                   mp.name)) <= numel_of(it->second.shape),
                        Checkpoint, "checkpoint: {}: a piece of '{}' lies outside rank {}'s shard",
                        m.path.string(), mp.name, sp.rank);
         mp.pieces.push_back(sp);
@@ -256,13 +271,25 @@ at::Tensor LoadedShard::section(const std::string& name) const {
       .view(s.shape);
 }
 
-LoadedShard load_shard(const Manifest& m, int rank) {
+void check_shard_size(const Manifest& m, int rank) {
   const ShardFile& f = m.files[rank];
   const fs::path path = m.dir / f.path;
   std::error_code ec;
   SHARDOPT_CHECK(fs::exists(path, ec), Checkpoint,
                  "checkpoint: shard file {} of rank {} is missing (the manifest {} lists it)",
                  path.string(), rank, m.path.string());
+  const auto size = fs::file_size(path, ec);
+  SHARDOPT_CHECK(!ec && static_cast<int64_t>(size) == f.bytes, Checkpoint,
+                 "checkpoint: shard file {} is {} bytes, but the manifest says {} (truncated or "
+                 "replaced)",
+                 path.string(), ec ? std::string("unreadable: ") + ec.message() : std::to_string(size),
+                 f.bytes);
+}
+
+LoadedShard load_shard(const Manifest& m, int rank) {
+  const ShardFile& f = m.files[rank];
+  const fs::path path = m.dir / f.path;
+  check_shard_size(m, rank);  // before reading: never more bytes than the manifest promised
   LoadedShard s;
   s.file = &f;
   s.bytes = read_bytes(path, fmt::format("shard file of rank {}", rank));

@@ -3,8 +3,6 @@
 
 #include "corpus.hpp"
 
-#include <fmt/format.h>
-
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -432,51 +430,12 @@ PretrainingData::PretrainingData(const std::string& path) : path_(path) {
     fail("has version " + std::to_string(header_->version) + ", expected " +
          std::to_string(kDataVersion));
   }
-  const uint64_t n = header_->num_instances, L = header_->max_seq_length,
-                 P = header_->max_predictions;
-  if (header_->file_bytes != map_bytes_) {
-    fail(fmt::format("is truncated or corrupt: the header's file_bytes is {}, the file has {}",
-                     header_->file_bytes, map_bytes_));
-  }
-  // Each section [offset, offset + n * per_instance * element) in order, aligned, inside the file:
-  // checked without wrapping around, so that no count in the header reaches past the file.
-  const struct {
-    const char* field;
-    uint64_t offset, per_instance, element, next;
-  } sections[] = {
-      {"input_ids_offset", header_->input_ids_offset, L, 4, header_->masked_positions_offset},
-      {"masked_positions_offset", header_->masked_positions_offset, P, 2,
-       header_->masked_labels_offset},
-      {"masked_labels_offset", header_->masked_labels_offset, P, 4, header_->meta_offset},
-      {"meta_offset", header_->meta_offset, 4, 2, map_bytes_}};
-  uint64_t previous_end = sizeof(DataHeader);
-  for (const auto& sec : sections) {
-    uint64_t bytes = 0, end = 0;
-    if (sec.offset < previous_end || sec.offset % sec.element != 0 ||
-        __builtin_mul_overflow(n, sec.per_instance, &bytes) ||
-        __builtin_mul_overflow(bytes, sec.element, &bytes) ||
-        __builtin_add_overflow(sec.offset, bytes, &end) || end > sec.next) {
-      fail(fmt::format("is truncated or corrupt: header field {} ({}) with num_instances {} does "
-                       "not fit the file's {} bytes",
-                       sec.field, sec.offset, n, map_bytes_));
-    }
-    previous_end = end;
-  }
-  if (n == 0) fail("holds no instances");
+  const std::string problem = check_data_layout(*header_, base, map_bytes_);
+  if (!problem.empty()) fail(problem);
   input_ids_ = reinterpret_cast<const int32_t*>(base + header_->input_ids_offset);
   masked_positions_ = reinterpret_cast<const int16_t*>(base + header_->masked_positions_offset);
   masked_labels_ = reinterpret_cast<const int32_t*>(base + header_->masked_labels_offset);
   meta_ = reinterpret_cast<const int16_t*>(base + header_->meta_offset);
-  // Every instance's lengths stay inside its row: instance() and batch() index by them.
-  for (uint64_t i = 0; i < n; ++i) {
-    const int16_t* m = meta_ + i * 4;
-    if (m[0] < 0 || static_cast<uint64_t>(m[0]) > L || m[1] < 0 || m[1] > m[0] || m[2] < 0 ||
-        static_cast<uint64_t>(m[2]) > P || (m[3] != 0 && m[3] != 1)) {
-      fail(fmt::format("is corrupt: instance {} has lengths ({}, {}, {}, {}) outside "
-                       "max_seq_length {} and max_predictions {}",
-                       i, m[0], m[1], m[2], m[3], L, P));
-    }
-  }
   ::madvise(map_, map_bytes_, MADV_RANDOM);
 }
 

@@ -82,36 +82,17 @@ const Entry* File::find(const std::string& name) const {
   return nullptr;
 }
 
-File read(const std::string& path) {
-  need_little_endian();
+namespace {
+
+// The header's JSON and the data section, checked (read() and parse() share it).
+File parse_header(const std::string& text, std::vector<char> data, const std::string& path) {
   auto bad = [&](const std::string& what) {
     return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", path, what));
   };
-  // A directory opens as a stream whose size is meaningless (tellg -1): only regular files.
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) {
-    throw std::runtime_error(fmt::format("{}: cannot read the file (not a regular file)", path));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("{}: cannot read the file", path));
-  in.seekg(0, std::ios::end);
-  const std::streamoff end_pos = in.tellg();
-  if (end_pos < 0) throw std::runtime_error(fmt::format("{}: cannot read the file's size", path));
-  const auto file_size = static_cast<uint64_t>(end_pos);
-  in.seekg(0);
-  uint64_t n = 0;
-  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), sizeof n)) throw bad("shorter than 8 bytes");
-  if (n > kMaxHeader || n > file_size - 8) {
-    throw bad(fmt::format("header length {} beyond the file's {} bytes (or 100 MiB)", n, file_size));
-  }
-  std::string text(n, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(n));
   const auto header = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) throw bad("the header is not a JSON object");
   File f;
-  f.data.resize(file_size - 8 - n);
-  in.read(f.data.data(), static_cast<std::streamsize>(f.data.size()));
-  if (!in) throw bad("the data section could not be read");
+  f.data = std::move(data);
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
       if (!v.is_object()) throw bad("__metadata__ is not an object");
@@ -174,6 +155,53 @@ File read(const std::string& path) {
   }
   if (end != f.data.size()) throw bad(fmt::format("{} bytes after the last tensor", f.data.size() - end));
   return f;
+}
+
+}  // namespace
+
+File read(const std::string& path) {
+  need_little_endian();
+  auto bad = [&](const std::string& what) {
+    return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", path, what));
+  };
+  // A directory opens as a stream whose size is meaningless (tellg -1): only regular files.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    throw std::runtime_error(fmt::format("{}: cannot read the file (not a regular file)", path));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("{}: cannot read the file", path));
+  in.seekg(0, std::ios::end);
+  const std::streamoff end_pos = in.tellg();
+  if (end_pos < 0) throw std::runtime_error(fmt::format("{}: cannot read the file's size", path));
+  const auto file_size = static_cast<uint64_t>(end_pos);
+  in.seekg(0);
+  uint64_t n = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), sizeof n)) throw bad("shorter than 8 bytes");
+  if (n > kMaxHeader || n > file_size - 8) {
+    throw bad(fmt::format("header length {} beyond the file's {} bytes (or 100 MiB)", n, file_size));
+  }
+  std::string text(n, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  std::vector<char> data(file_size - 8 - n);
+  in.read(data.data(), static_cast<std::streamsize>(data.size()));
+  if (!in) throw bad("the data section could not be read");
+  return parse_header(text, std::move(data), path);
+}
+
+File parse(const char* bytes, size_t size, const std::string& name) {
+  need_little_endian();
+  auto bad = [&](const std::string& what) {
+    return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", name, what));
+  };
+  uint64_t n = 0;
+  if (size < 8) throw bad("shorter than 8 bytes");
+  std::memcpy(&n, bytes, sizeof n);
+  if (n > kMaxHeader || n > size - 8) {
+    throw bad(fmt::format("header length {} beyond the file's {} bytes (or 100 MiB)", n, size));
+  }
+  return parse_header(std::string(bytes + 8, n), std::vector<char>(bytes + 8 + n, bytes + size),
+                      name);
 }
 
 bool looks_like(const std::string& path) {

@@ -140,8 +140,15 @@ Manifest read_manifest(const std::string& dir_text) {
                   m.path.string(), hint);
   }
   const at::Tensor bytes = read_bytes(m.path, "manifest");
-  const std::string text(static_cast<const char*>(bytes.data_ptr()),
-                         static_cast<size_t>(bytes.numel()));
+  return parse_manifest(std::string(static_cast<const char*>(bytes.data_ptr()),
+                                    static_cast<size_t>(bytes.numel())),
+                        dir_text);
+}
+
+Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
+  Manifest m;
+  m.dir = fs::path(dir_text);
+  m.path = m.dir / kManifest;
   try {
     m.j = json::parse(text);
   } catch (const json::exception& e) {

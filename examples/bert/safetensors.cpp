@@ -106,6 +106,15 @@ File parse_header(const std::string& text, std::vector<char> data, const std::st
     e.name = name;
     try {
       e.dtype = v.at("dtype").get<std::string>();
+      // Only JSON integers: nlohmann casts a float to an integer, undefined past the integer's
+      // range (found by the fuzzer, issue 42).
+      for (const char* field : {"shape", "data_offsets"}) {
+        for (const auto& x : v.at(field)) {
+          if (!x.is_number_integer()) {
+            throw bad(fmt::format("'{}': field {} holds {}, not an integer", name, field, x.dump()));
+          }
+        }
+      }
       e.shape = v.at("shape").get<std::vector<int64_t>>();
       const auto offsets = v.at("data_offsets").get<std::vector<uint64_t>>();
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > f.data.size()) {

@@ -16,7 +16,7 @@ echo "[fuzz] built $OUT/safetensors_fuzz"
 # the ordinary build's libshardopt.so (scripts/build.sh first), libtorch from the system.
 BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
 [ -f "$BUILD/libshardopt.so" ] || { echo "[fuzz] $BUILD/libshardopt.so missing: run scripts/build.sh" >&2; exit 1; }
-"$CXX" "${flags[@]}" -D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$BUILD/include" \
+"$CXX" "${flags[@]}" -D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$BUILD/include" -I/usr/include/torch/csrc/api/include \
   "$ROOT/tests/fuzz/manifest_fuzz.cpp" "$ROOT/src/checkpoint/manifest.cpp" \
   "$ROOT/src/checkpoint/format.cpp" -L"$BUILD" -lshardopt -ltorch_cpu -lc10 -lfmt -lz \
   -Wl,-rpath,"$BUILD" -o "$OUT/manifest_fuzz"

@@ -43,11 +43,25 @@ std::vector<std::string> BertConfig::preset_names() {  // the library's table (e
   return names;
 }
 
+namespace {
+constexpr double kMaxSize = 2147483647.0;   // every integer size of a config
+constexpr double kMaxParameters = 1099511627776.0;  // 2^40
+}  // namespace
+
 void BertConfig::validate() const {
   auto need = [](bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument("BertConfig: " + what);
   };
   need(vocab_size > 0, "vocab_size must be > 0");
+  // The parameters the config describes, in double (no overflow): below 2^40 (4 TiB of fp32),
+  // so that a config cannot make the model's constructor allocate petabytes.
+  const double h = static_cast<double>(hidden_size);
+  const double params =
+      h * static_cast<double>(vocab_size + max_position_embeddings + type_vocab_size) +
+      static_cast<double>(num_layers) * (4 * h * h + 2 * h * static_cast<double>(intermediate_size));
+  need(params < kMaxParameters,
+       fmt::format("the sizes describe {:.3g} parameters, more than the limit of {:.3g}", params,
+                   kMaxParameters));
   need(hidden_size > 0 && num_heads > 0 && hidden_size % num_heads == 0,
        fmt::format("hidden_size ({}) must be a multiple of num_attention_heads ({})", hidden_size,
                    num_heads));
@@ -95,7 +109,11 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
     const auto& v = j.at(key);
     const bool whole = v.is_number_integer() || (v.is_number_float() && std::isfinite(v.get<double>()) &&
                                                  std::floor(v.get<double>()) == v.get<double>());
-    if (!whole || v.get<double>() < 1) throw fail(key, "expected an integer >= 1, got " + shown(v));
+    // Bounded before the cast (a double past int64 is undefined behaviour) and so that no config
+    // can ask for a model larger than any machine: each size below 2^31, as in HF's configs.
+    if (!whole || v.get<double>() < 1 || v.get<double>() > kMaxSize) {
+      throw fail(key, fmt::format("expected an integer in [1, {}], got {}", kMaxSize, shown(v)));
+    }
     return static_cast<int64_t>(v.get<double>());
   };
   auto real = [&](const char* key, double fallback, double lo, double hi, bool open_lo) -> double {

@@ -72,7 +72,9 @@ StateDict read_safetensors(const std::string& path) {
   for (const auto& e : file.entries) {
     const auto type = dtypes().at(e.dtype);
     auto t = torch::empty(e.shape, torch::TensorOptions().dtype(type));
-    std::memcpy(t.data_ptr(), file.bytes(e), e.nbytes);
+    // An empty tensor has no storage (data_ptr() is null): memcpy(nullptr, .., 0) is undefined
+    // (UBSan, issue 42).
+    if (e.nbytes > 0) std::memcpy(t.data_ptr(), file.bytes(e), e.nbytes);
     out.insert(e.name, t);
   }
   return out;

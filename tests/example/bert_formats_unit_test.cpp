@@ -62,7 +62,8 @@ TEST(BertConfigFile, ErrorsNameTheFileAndTheKey) {
   EXPECT_EQ(with("hidden_act", "swish"),
             "cfg.json: 'hidden_act' \"swish\" is not supported (supported: gelu, gelu_new, "
             "gelu_pytorch_tanh, relu)");
-  EXPECT_EQ(with("num_hidden_layers", 2.5), "cfg.json: 'num_hidden_layers' expected an integer >= 1, got 2.5");
+  EXPECT_EQ(with("num_hidden_layers", 2.5),
+            "cfg.json: 'num_hidden_layers' expected an integer in [1, 2147483647], got 2.5");
   EXPECT_EQ(with("hidden_dropout_prob", 1.5),
             "cfg.json: 'hidden_dropout_prob' expected a number in [0, 1), got 1.5");
   EXPECT_EQ(with("position_embedding_type", "relative_key"),

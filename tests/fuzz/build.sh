@@ -25,7 +25,11 @@ if [ "${1:-}" = "--run" ]; then
   seconds="${2:-60}"
   for name in safetensors manifest; do
     mkdir -p "$OUT/corpus-$name"
-    cp -n "$ROOT/tests/fuzz/corpus/$name"/* "$OUT/corpus-$name/" 2>/dev/null || true
+    for seed in "$ROOT/tests/fuzz/corpus/$name"/*; do  # *.hex seeds are binary inputs as text
+      base="$(basename "$seed" .hex)"
+      [ -e "$OUT/corpus-$name/$base" ] && continue
+      if [ "$seed" != "${seed%.hex}" ]; then /usr/bin/python3 -c "import sys; sys.stdout.buffer.write(bytes.fromhex(open(sys.argv[1]).read()))" "$seed" >"$OUT/corpus-$name/$base"; else cp "$seed" "$OUT/corpus-$name/"; fi
+    done
     # -rss_limit_mb: an allocation beyond the input's size shows as an out-of-memory report.
     "$OUT/${name}_fuzz" -max_total_time="$seconds" -rss_limit_mb=512 -malloc_limit_mb=64 \
       -max_len=4096 -artifact_prefix="$OUT/crash-$name-" -print_final_stats=1 "$OUT/corpus-$name"

@@ -82,3 +82,22 @@ function(shardopt_python_available out)
   message(STATUS "shardopt: Python bindings for ${python} (torch ${py_torch_version}, "
                  "pybind11 ${pybind11_VERSION})")
 endfunction()
+
+# shardopt_hf_reason(out): "" when SHARDOPT_PYTHON imports Hugging Face's transformers, tokenizers
+# and safetensors (the pip platform's venv, scripts/pip-requirements.txt), else why the Hugging
+# Face client tests are named skips (tests/example/bert_hf_client_test.sh, test_hf_bert.py).
+function(shardopt_hf_reason out)
+  if(NOT SHARDOPT_PYTHON)
+    set(${out} "no Python with torch for this build (the Hugging Face tests run on the pip platform: scripts/test.sh --platform pip)" PARENT_SCOPE)
+    return()
+  endif()
+  execute_process(COMMAND "${SHARDOPT_PYTHON}" -c "import transformers, tokenizers, safetensors; print(transformers.__version__)"
+                  OUTPUT_VARIABLE version OUTPUT_STRIP_TRAILING_WHITESPACE
+                  RESULT_VARIABLE rc ERROR_QUIET)
+  if(rc EQUAL 0)
+    message(STATUS "shardopt: Hugging Face client tests with transformers ${version} (${SHARDOPT_PYTHON})")
+    set(${out} "" PARENT_SCOPE)
+  else()
+    set(${out} "${SHARDOPT_PYTHON} has no transformers, tokenizers or safetensors (the pip platform's venv has them: scripts/test.sh --platform pip)" PARENT_SCOPE)
+  endif()
+endfunction()

@@ -7,8 +7,18 @@
 #                                                     (scripts/platform.sh; needs root)
 #   scripts/test.sh --platform pip [ctest args]       against PyPI's torch in a cached venv of
 #                                                     this host's Python (scripts/pip-venv.sh)
+#   scripts/test.sh --sanitize address,undefined [ctest args]
+#                     builds the library, unit, BERT and multi-rank tests with those sanitizers in
+#                     build-sanitize/ (SHARDOPT_SANITIZE_BUILD_DIR) and runs the unit tests and a
+#                     subset of the multi-rank ones (tests/sanitizers/README.md: which, and why)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = "--sanitize" ]; then
+  [ $# -ge 2 ] || { echo "usage: scripts/test.sh --sanitize address,undefined [ctest args]" >&2; exit 2; }
+  sanitizers="$2"
+  shift 2
+  exec "$ROOT/tests/sanitizers/run.sh" "$sanitizers" "$@"
+fi
 if [ "${1:-}" = "--platform" ]; then
   [ $# -ge 2 ] || { echo "usage: scripts/test.sh --platform debian13|pip [ctest args]" >&2; exit 2; }
   platform="$2"

@@ -43,11 +43,25 @@ std::vector<std::string> BertConfig::preset_names() {  // the library's table (e
   return names;
 }
 
+namespace {
+constexpr double kMaxSize = 2147483647.0;   // every integer size of a config
+constexpr double kMaxParameters = 1099511627776.0;  // 2^40
+}  // namespace
+
 void BertConfig::validate() const {
   auto need = [](bool ok, const std::string& what) {
     if (!ok) throw std::invalid_argument("BertConfig: " + what);
   };
   need(vocab_size > 0, "vocab_size must be > 0");
+  // The parameters the config describes, in double (no overflow): below 2^40 (4 TiB of fp32),
+  // so that a config cannot make the model's constructor allocate petabytes.
+  const double h = static_cast<double>(hidden_size);
+  const double params =
+      h * static_cast<double>(vocab_size + max_position_embeddings + type_vocab_size) +
+      static_cast<double>(num_layers) * (4 * h * h + 2 * h * static_cast<double>(intermediate_size));
+  need(params < kMaxParameters,
+       fmt::format("the sizes describe {:.3g} parameters, more than the limit of {:.3g}", params,
+                   kMaxParameters));
   need(hidden_size > 0 && num_heads > 0 && hidden_size % num_heads == 0,
        fmt::format("hidden_size ({}) must be a multiple of num_attention_heads ({})", hidden_size,
                    num_heads));
@@ -72,7 +86,7 @@ const std::set<std::string> kModelKeys = {
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
     "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
     "type_vocab_size", "initializer_range", "layer_norm_eps", "position_embedding_type",
-    "model_type", "architectures", "is_decoder", "add_cross_attention"};
+    "model_type", "architectures", "is_decoder", "add_cross_attention", "tie_word_embeddings"};
 
 std::string shown(const nlohmann::json& v) { return v.dump(); }
 
@@ -95,7 +109,11 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
     const auto& v = j.at(key);
     const bool whole = v.is_number_integer() || (v.is_number_float() && std::isfinite(v.get<double>()) &&
                                                  std::floor(v.get<double>()) == v.get<double>());
-    if (!whole || v.get<double>() < 1) throw fail(key, "expected an integer >= 1, got " + shown(v));
+    // Bounded before the cast (a double past int64 is undefined behaviour) and so that no config
+    // can ask for a model larger than any machine: each size below 2^31, as in HF's configs.
+    if (!whole || v.get<double>() < 1 || v.get<double>() > kMaxSize) {
+      throw fail(key, fmt::format("expected an integer in [1, {}], got {}", kMaxSize, shown(v)));
+    }
     return static_cast<int64_t>(v.get<double>());
   };
   auto real = [&](const char* key, double fallback, double lo, double hi, bool open_lo) -> double {
@@ -139,6 +157,12 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
   }
   for (const char* key : {"is_decoder", "add_cross_attention"}) {
     if (j.value(key, false) == true) throw fail(key, "true is not supported (an encoder only)");
+  }
+  // transformers' save_pretrained writes it; false would give the MLM decoder its own matrix.
+  if (j.contains("tie_word_embeddings") && j.at("tie_word_embeddings") != true) {
+    throw fail("tie_word_embeddings", shown(j.at("tie_word_embeddings")) +
+                                          " is not supported (this BERT's MLM decoder is always "
+                                          "the word embedding matrix)");
   }
   // A config exported without the NSP head (BertForMaskedLM) has no pooler either.
   if (j.contains("architectures") && j.at("architectures") == nlohmann::json::array({"BertForMaskedLM"})) {
@@ -184,6 +208,7 @@ nlohmann::json BertConfig::to_hf_json() const {
           {"layer_norm_eps", layer_norm_eps},
           {"position_embedding_type", "absolute"},
           {"pad_token_id", 0},
+          {"tie_word_embeddings", true},
           {"torch_dtype", "float32"}};
 }
 

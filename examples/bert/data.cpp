@@ -430,15 +430,8 @@ PretrainingData::PretrainingData(const std::string& path) : path_(path) {
     fail("has version " + std::to_string(header_->version) + ", expected " +
          std::to_string(kDataVersion));
   }
-  const uint64_t n = header_->num_instances, L = header_->max_seq_length,
-                 P = header_->max_predictions;
-  if (header_->file_bytes != map_bytes_ || header_->meta_offset + n * 8 > map_bytes_ ||
-      header_->input_ids_offset + n * L * 4 > header_->masked_positions_offset ||
-      header_->masked_positions_offset + n * P * 2 > header_->masked_labels_offset ||
-      header_->masked_labels_offset + n * P * 4 > header_->meta_offset) {
-    fail("is truncated or corrupt (sizes do not match the header)");
-  }
-  if (n == 0) fail("holds no instances");
+  const std::string problem = check_data_layout(*header_, base, map_bytes_);
+  if (!problem.empty()) fail(problem);
   input_ids_ = reinterpret_cast<const int32_t*>(base + header_->input_ids_offset);
   masked_positions_ = reinterpret_cast<const int16_t*>(base + header_->masked_positions_offset);
   masked_labels_ = reinterpret_cast<const int32_t*>(base + header_->masked_labels_offset);

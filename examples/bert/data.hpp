@@ -104,6 +104,11 @@ struct DataHeader {
 static_assert(sizeof(DataHeader) == 128, "DataHeader is 128 bytes");
 inline constexpr uint32_t kDataVersion = 1;
 
+// What is wrong with a data file's header and instance lengths ("" if nothing): sections that
+// overlap, are misaligned or reach past `file_bytes` (no count wraps around), lengths outside a
+// row. `base` is the whole file (data_check.cpp).
+std::string check_data_layout(const DataHeader& h, const char* base, uint64_t file_bytes);
+
 // Writes `instances` via tmp + rename. Throws std::runtime_error on I/O errors.
 void write_pretraining_file(const std::string& path, const std::vector<Instance>& instances,
                             const PretrainOptions& options, const Vocab& vocab, bool lower_case,

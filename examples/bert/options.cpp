@@ -263,6 +263,11 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   c.create_data->add_option("--output,-o", c.output, "data file to write")->required();
   c.create_data->add_option("--eval-output", c.eval_output, "also hold out --eval-fraction of the "
                             "documents (by document) into this eval data file");
+  c.tokenize = app.add_subcommand(
+      "tokenize", "print the WordPiece ids of each line of a UTF-8 text file with --vocab (and "
+                  "--cased / --lower-case), one line of space-separated ids per line, no [CLS] "
+                  "or [SEP]; then exit");
+  c.tokenize->add_option("--input,-i", c.input, "text file to encode")->required();
 }
 
 void resolve_args(Args& a) {
@@ -328,9 +333,15 @@ std::string check_args(const Args& a, const Commands& c) {
     return fmt::format("--max-predictions: expected at most --max-seq-length ({}), got {}",
                        a.max_seq_length, a.max_predictions);
   }
-  const bool subcommand = c.build_vocab->parsed() || c.create_data->parsed();
+  const bool subcommand = c.build_vocab->parsed() || c.create_data->parsed() || c.tokenize->parsed();
   if (c.create_data->parsed() && a.vocab.empty()) {
     return "create-data: --vocab is required (bert_pretrain build-vocab -o vocab.txt makes one)";
+  }
+  if (c.tokenize->parsed() && a.vocab.empty()) {
+    return "tokenize: --vocab is required (the vocab.txt whose ids to print)";
+  }
+  if (c.tokenize->parsed() && !fs::is_regular_file(c.input, ec)) {
+    return fmt::format("tokenize: --input: no such file '{}'", c.input);
   }
   if (!c.eval_output.empty() && a.eval_fraction <= 0) {
     return "--eval-output: needs --eval-fraction > 0 (the share of documents held out)";

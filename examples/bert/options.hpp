@@ -91,7 +91,9 @@ struct Args {
 struct Commands {
   CLI::App* build_vocab = nullptr;
   CLI::App* create_data = nullptr;
+  CLI::App* tokenize = nullptr;
   std::string output;       // -o of build-vocab / create-data
+  std::string input;        // -i of tokenize
   std::string eval_output;  // create-data --eval-output
 };
 

@@ -3,7 +3,10 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <stdexcept>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "corpus.hpp"
 
@@ -264,6 +267,21 @@ int create_data_command(const Args& a, const std::string& output, const std::str
                m.eval_instances);
   }
   fmt::print("[bert] done in {:.1f} s\n", seconds_since(t0));
+  return 0;
+}
+
+int tokenize_command(const Args& a, const std::string& input) {
+  std::vector<std::string> warnings;
+  const Vocab vocab = Vocab::load(a.vocab);
+  const Tokenizer tok(vocab, resolve_lower_case(a, &vocab, &warnings));
+  for (const auto& w : warnings) fmt::print(stderr, "[bert] warning: {}\n", w);
+  std::ifstream in(input, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("tokenize: cannot read '{}'", input));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    fmt::print("{}\n", fmt::join(tok.encode(line), " "));
+  }
   return 0;
 }
 

@@ -32,5 +32,8 @@ Prepared prepare(const Args& a);
 
 int build_vocab_command(const Args& a, const std::string& output);
 int create_data_command(const Args& a, const std::string& output, const std::string& eval_output);
+// `bert_pretrain tokenize -i FILE --vocab V`: each line's ids, space-separated, one line each (what
+// the data files hold for that text; the Hugging Face client test compares BertTokenizer's).
+int tokenize_command(const Args& a, const std::string& input);
 
 }  // namespace bert

@@ -72,7 +72,9 @@ StateDict read_safetensors(const std::string& path) {
   for (const auto& e : file.entries) {
     const auto type = dtypes().at(e.dtype);
     auto t = torch::empty(e.shape, torch::TensorOptions().dtype(type));
-    std::memcpy(t.data_ptr(), file.bytes(e), e.nbytes);
+    // An empty tensor has no storage (data_ptr() is null): memcpy(nullptr, .., 0) is undefined
+    // (UBSan, issue 42).
+    if (e.nbytes > 0) std::memcpy(t.data_ptr(), file.bytes(e), e.nbytes);
     out.insert(e.name, t);
   }
   return out;
@@ -112,6 +114,7 @@ StateDict read_init_checkpoint(const std::string& path, std::string* kind) {
 
 InitReport load_pretrained(BertForPreTraining& model, const StateDict& state) {
   std::map<std::string, at::Tensor> by_name;
+  std::map<std::string, at::Tensor> tied_copies;  // normalised alias -> tensor
   InitReport r;
   for (const auto& item : state) {
     const std::string name = normalise(item.key());
@@ -119,10 +122,22 @@ InitReport load_pretrained(BertForPreTraining& model, const StateDict& state) {
     // buffers are not parameters of this model.
     if (tied_aliases().count(name) > 0 || ends_with(name, "embeddings.position_ids") ||
         ends_with(name, "embeddings.token_type_ids")) {
+      if (tied_aliases().count(name) > 0) tied_copies[name] = item.value();
       r.ignored.push_back(item.key());
       continue;
     }
     by_name[name] = item.value();
+  }
+  // A tied copy that differs from what it is tied to comes from an untied model (transformers'
+  // tie_word_embeddings=false): this model cannot hold both, so it refuses rather than drop one.
+  for (const auto& [alias, t] : tied_copies) {
+    const std::string& source = tied_aliases().at(alias);
+    const auto it = by_name.find(source);
+    if (it != by_name.end() && (it->second.sizes() != t.sizes() || !torch::equal(it->second, t.to(it->second.dtype())))) {
+      throw std::invalid_argument(fmt::format(
+          "--init-checkpoint: '{}' differs from '{}', to which this model ties it (a checkpoint "
+          "of an untied model: tie_word_embeddings=false)", alias, source));
+    }
   }
   torch::NoGradGuard no_grad;
   for (auto& p : model->named_parameters()) {

@@ -82,29 +82,17 @@ const Entry* File::find(const std::string& name) const {
   return nullptr;
 }
 
-File read(const std::string& path) {
-  need_little_endian();
+namespace {
+
+// The header's JSON and the data section, checked (read() and parse() share it).
+File parse_header(const std::string& text, std::vector<char> data, const std::string& path) {
   auto bad = [&](const std::string& what) {
     return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", path, what));
   };
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("{}: cannot read the file", path));
-  in.seekg(0, std::ios::end);
-  const auto file_size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
-  uint64_t n = 0;
-  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), sizeof n)) throw bad("shorter than 8 bytes");
-  if (n > kMaxHeader || n > file_size - 8) {
-    throw bad(fmt::format("header length {} beyond the file's {} bytes (or 100 MiB)", n, file_size));
-  }
-  std::string text(n, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(n));
   const auto header = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) throw bad("the header is not a JSON object");
   File f;
-  f.data.resize(file_size - 8 - n);
-  in.read(f.data.data(), static_cast<std::streamsize>(f.data.size()));
-  if (!in) throw bad("the data section could not be read");
+  f.data = std::move(data);
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
       if (!v.is_object()) throw bad("__metadata__ is not an object");
@@ -118,10 +106,19 @@ File read(const std::string& path) {
     e.name = name;
     try {
       e.dtype = v.at("dtype").get<std::string>();
+      // Only JSON integers: nlohmann casts a float to an integer, undefined past the integer's
+      // range (found by the fuzzer, issue 42).
+      for (const char* field : {"shape", "data_offsets"}) {
+        for (const auto& x : v.at(field)) {
+          if (!x.is_number_integer()) {
+            throw bad(fmt::format("'{}': field {} holds {}, not an integer", name, field, x.dump()));
+          }
+        }
+      }
       e.shape = v.at("shape").get<std::vector<int64_t>>();
       const auto offsets = v.at("data_offsets").get<std::vector<uint64_t>>();
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > f.data.size()) {
-        throw bad(fmt::format("'{}': data_offsets {} outside the {} data bytes", name,
+        throw bad(fmt::format("'{}': field data_offsets {} outside the {} data bytes", name,
                               v.at("data_offsets").dump(), f.data.size()));
       }
       e.offset = offsets[0];
@@ -135,9 +132,22 @@ File read(const std::string& path) {
     } catch (const std::invalid_argument&) {
       throw bad(fmt::format("'{}': unknown dtype '{}'", name, e.dtype));
     }
+    // Checked: a product that wraps around could match the offsets and make a tensor of 10^15
+    // elements over a few bytes (Note [Sizes from files] in src/checkpoint/format.hpp).
     for (int64_t d : e.shape) {
-      if (d < 0) throw bad(fmt::format("'{}': negative dimension", name));
-      want *= static_cast<size_t>(d);
+      if (d < 0) throw bad(fmt::format("'{}': field shape [{}] has a negative dimension", name,
+                                       fmt::join(e.shape, ", ")));
+    }
+    const bool empty = std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end();
+    for (int64_t d : e.shape) {
+      if (empty) {
+        want = 0;
+        break;
+      }
+      if (__builtin_mul_overflow(want, static_cast<size_t>(d), &want)) {
+        throw bad(fmt::format("'{}': field shape [{}] of {} needs more than 2^64 bytes", name,
+                              fmt::join(e.shape, ", "), e.dtype));
+      }
     }
     if (want != e.nbytes) {
       throw bad(fmt::format("'{}': {} bytes for shape [{}] of {}, the offsets span {}", name, want,
@@ -154,6 +164,53 @@ File read(const std::string& path) {
   }
   if (end != f.data.size()) throw bad(fmt::format("{} bytes after the last tensor", f.data.size() - end));
   return f;
+}
+
+}  // namespace
+
+File read(const std::string& path) {
+  need_little_endian();
+  auto bad = [&](const std::string& what) {
+    return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", path, what));
+  };
+  // A directory opens as a stream whose size is meaningless (tellg -1): only regular files.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    throw std::runtime_error(fmt::format("{}: cannot read the file (not a regular file)", path));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("{}: cannot read the file", path));
+  in.seekg(0, std::ios::end);
+  const std::streamoff end_pos = in.tellg();
+  if (end_pos < 0) throw std::runtime_error(fmt::format("{}: cannot read the file's size", path));
+  const auto file_size = static_cast<uint64_t>(end_pos);
+  in.seekg(0);
+  uint64_t n = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), sizeof n)) throw bad("shorter than 8 bytes");
+  if (n > kMaxHeader || n > file_size - 8) {
+    throw bad(fmt::format("header length {} beyond the file's {} bytes (or 100 MiB)", n, file_size));
+  }
+  std::string text(n, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  std::vector<char> data(file_size - 8 - n);
+  in.read(data.data(), static_cast<std::streamsize>(data.size()));
+  if (!in) throw bad("the data section could not be read");
+  return parse_header(text, std::move(data), path);
+}
+
+File parse(const char* bytes, size_t size, const std::string& name) {
+  need_little_endian();
+  auto bad = [&](const std::string& what) {
+    return std::runtime_error(fmt::format("{}: not a valid safetensors file: {}", name, what));
+  };
+  uint64_t n = 0;
+  if (size < 8) throw bad("shorter than 8 bytes");
+  std::memcpy(&n, bytes, sizeof n);
+  if (n > kMaxHeader || n > size - 8) {
+    throw bad(fmt::format("header length {} beyond the file's {} bytes (or 100 MiB)", n, size));
+  }
+  return parse_header(std::string(bytes + 8, n), std::vector<char>(bytes + 8 + n, bytes + size),
+                      name);
 }
 
 bool looks_like(const std::string& path) {

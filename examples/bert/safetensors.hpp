@@ -48,6 +48,9 @@ struct File {
 // offsets inside the data section and tiling it. Throws std::runtime_error naming the file and
 // what is wrong.
 File read(const std::string& path);
+// The same checks on a file's bytes in memory; `name` stands for the file in messages (the fuzz
+// harness tests/fuzz/safetensors_fuzz.cpp).
+File parse(const char* bytes, size_t size, const std::string& name);
 
 // Whether `path` starts like a safetensors file (a plausible header length, then '{').
 bool looks_like(const std::string& path);

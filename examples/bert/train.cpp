@@ -555,6 +555,7 @@ int main(int argc, char** argv) {
     if (commands.create_data->parsed()) {
       return bert::create_data_command(a, commands.output, commands.eval_output);
     }
+    if (commands.tokenize->parsed()) return bert::tokenize_command(a, commands.input);
     return run(a);
   } catch (const UsageError& e) {
     std::fflush(stdout);

@@ -63,6 +63,14 @@ struct LoadOptions {
   // Restore each param group's hyper-parameters (lr, betas, ...) as saved, as torch's
   // load_state_dict does; false keeps the current ones.
   bool restore_hyperparameters = true;
+  // The model's tensors to restore from what the save stored in SaveOptions::module_state (world
+  // rank 0's buffers and frozen parameters), by the same names, e.g.
+  // module_save_options(model->named_parameters(), model->named_buffers()).module_state. Each is
+  // overwritten in place, on every rank, with the stored value (rank 0's, as DDP's
+  // broadcast_buffers makes every rank hold), once all ranks succeeded. A name the checkpoint
+  // does not store, or another shape or dtype, is Error{Mismatch} on every rank; stored tensors
+  // not named here are left alone. Empty (the default): the model's tensors are not touched.
+  std::map<std::string, at::Tensor> module_state;
 };
 
 // SaveOptions::module_state and aliases of a model: its buffers, its frozen parameters, and each
@@ -79,12 +87,13 @@ void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
                      const TrainerState& trainer = {}, const SaveOptions& options = {});
 
 // Restores parameters, optimizer state, step count and (optionally) hyper-parameters from `dir`,
-// whatever world size and stage wrote it; returns the trainer state (`json` on every rank,
-// `tensors` saved by this rank number, empty for ranks the saving run did not have). Gradients
-// are cleared. Collective. On any rank's failure every rank throws (see Note [Agreement before
-// state changes]): Error{Checkpoint} for a missing manifest or shard file, a checksum mismatch or
-// an unknown format version; Error{Mismatch} when the checkpoint is of another model (parameter
-// names or shapes) or optimizer (rule, state buffers, parameter groups).
+// whatever world size and stage wrote it, and the model's buffers named in
+// LoadOptions::module_state; returns the trainer state (`json` on every rank, `tensors` saved by
+// this rank number, empty for ranks the saving run did not have). Gradients are cleared.
+// Collective. On any rank's failure every rank throws (see Note [Agreement before state
+// changes]): Error{Checkpoint} for a missing manifest or shard file, a checksum mismatch or an
+// unknown format version; Error{Mismatch} when the checkpoint is of another model (parameter
+// names or shapes, stored buffers) or optimizer (rule, state buffers, parameter groups).
 TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
                              const LoadOptions& options = {});
 

@@ -299,17 +299,21 @@ LOSS_SCALE = dict(dynamic=False, initial_scale=1024.0, growth_factor=3.0, growth
 
 def test_every_zero_options_field_reaches_cpp(comm):
     """Each field set as a keyword, and through options=, is what the C++ optimizer sees."""
+    # The tensor-parallel fields: this process's communicator as a tensor group of one, and the
+    # model's parameters as the ones every tensor rank holds whole.
+    non_default = dict(NON_DEFAULT, tensor_group=comm,
+                       tensor_replicated=[n for n, _ in make_model().named_parameters()])
     fields = [f for f in shardopt.arguments._OPTION_FIELDS if f not in ("units", "loss_scale")]
-    assert sorted(fields) == sorted(NON_DEFAULT)
+    assert sorted(fields) == sorted(non_default)
     default = shardopt.ZeroOptions()
-    for f, v in NON_DEFAULT.items():
+    for f, v in non_default.items():
         assert getattr(default, f) != v, f
-    via_options = shardopt.ZeroOptions(**NON_DEFAULT, loss_scale=LOSS_SCALE)
-    for how in ({**NON_DEFAULT, "loss_scale": LOSS_SCALE}, {"options": via_options}):
+    via_options = shardopt.ZeroOptions(**non_default, loss_scale=LOSS_SCALE)
+    for how in ({**non_default, "loss_scale": LOSS_SCALE}, {"options": via_options}):
         opt = shardopt.DistributedOptimizer(make_model().named_parameters(), "adamw", comm=comm,
                                             **how)
         seen = opt.options  # the C++ optimizer's own copy
-        for f, v in NON_DEFAULT.items():
+        for f, v in non_default.items():
             assert getattr(seen, f) == v, f
         for f, v in LOSS_SCALE.items():
             assert getattr(seen.loss_scale, f) == v, f

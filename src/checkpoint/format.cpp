@@ -76,4 +76,28 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
+int64_t checked_add(int64_t a, int64_t b, const std::string& where) {
+  int64_t out = 0;
+  SHARDOPT_CHECK(a >= 0 && b >= 0 && !__builtin_add_overflow(a, b, &out), Checkpoint,
+                 "checkpoint: {}: {} + {} is negative or past 2^63", where, a, b);
+  return out;
+}
+
+int64_t checked_mul(int64_t a, int64_t b, const std::string& where) {
+  int64_t out = 0;
+  SHARDOPT_CHECK(a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &out), Checkpoint,
+                 "checkpoint: {}: {} * {} is negative or past 2^63", where, a, b);
+  return out;
+}
+
+int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& where) {
+  int64_t n = 1;
+  for (int64_t s : shape) {
+    SHARDOPT_CHECK(s >= 0 && !__builtin_mul_overflow(n, s, &n), Checkpoint,
+                   "checkpoint: {}: shape {} has a negative dimension or more than 2^63 elements",
+                   where, shape_text(shape));
+  }
+  return n;
+}
+
 }  // namespace shardopt::detail

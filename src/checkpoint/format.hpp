@@ -49,5 +49,13 @@ Rule rule_from_json(const json& j);
 
 std::string shape_text(const std::vector<int64_t>& shape);
 int64_t numel_of(const std::vector<int64_t>& shape);
+// Note [Sizes from files]: every count a file states is checked before it is used: no negative
+// dimension, no product or sum past int64, nothing beyond the bytes the file really has, so that
+// no input makes a reader allocate more than it reads. Error{Checkpoint} names `where` (file and
+// field) and what is wrong.
+int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& where);
+// a + b and a * b of non-negative counts, Error{Checkpoint} naming `where` past int64.
+int64_t checked_add(int64_t a, int64_t b, const std::string& where);
+int64_t checked_mul(int64_t a, int64_t b, const std::string& where);
 
 }  // namespace shardopt::detail

@@ -47,6 +47,9 @@ CheckpointInfo read_checkpoint_info(const std::string& dir) {
 
 FullState read_full_state(const std::string& dir, bool with_optimizer_state) {
   const Manifest m = read_manifest(dir);
+  // The parameters' sizes are bounded by the sections, those by the files' stated sizes: check
+  // those against the disk before allocating (Note [Sizes from files] in checkpoint/format.hpp).
+  for (int r = 0; r < m.world; ++r) check_shard_size(m, r);
   const auto opts = at::TensorOptions().dtype(m.dtype);
   std::vector<at::Tensor> params;
   std::vector<std::vector<at::Tensor>> states(with_optimizer_state ? m.state_names.size() : 0);

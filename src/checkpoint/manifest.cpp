@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 
@@ -19,6 +20,26 @@ namespace shardopt::detail {
 namespace fs = std::filesystem;
 
 namespace {
+
+// Integers are read only from JSON integers within the target's range: nlohmann converts a JSON
+// float to an integer with a cast, undefined past the range (found by the fuzzer, issue 42). The
+// std::logic_error becomes read_manifest's "malformed manifest" error.
+template <typename T>
+T integer(const json& v) {
+  if (!v.is_number_integer()) throw std::invalid_argument("expected an integer, got " + dump(v));
+  const bool fits = v.is_number_unsigned()
+                        ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+                        : v.get<int64_t>() >= std::numeric_limits<T>::min() &&
+                              v.get<int64_t>() <= std::numeric_limits<T>::max();
+  if (!fits) throw std::out_of_range("integer " + dump(v) + " out of range");
+  return static_cast<T>(v.get<int64_t>());
+}
+std::vector<int64_t> integers(const json& v) {
+  if (!v.is_array()) throw std::invalid_argument("expected an array of integers, got " + dump(v));
+  std::vector<int64_t> out;
+  for (const auto& x : v) out.push_back(integer<int64_t>(x));
+  return out;
+}
 
 // Note [Manifest checksum]: the manifest's own CRC-32, over its compact dump without the
 // "manifest_crc32" field (nlohmann's objects are sorted, so the dump is canonical and survives a
@@ -40,29 +61,32 @@ FlatLayout recorded_layout(const Manifest& m) {
   int64_t shard_offset = 0;
   for (const auto& b : lj.at("buckets")) {
     BucketLayout bl;
-    bl.group = b.at("group").get<int>();
-    bl.flat_offset = b.at("flat_offset").get<int64_t>();
-    bl.numel = b.at("numel").get<int64_t>();
-    bl.padded = b.at("padded").get<int64_t>();
-    bl.shard = b.at("shard").get<int64_t>();
-    bl.shard_offset = b.at("shard_offset").get<int64_t>();
-    SHARDOPT_CHECK(bl.shard >= 0 && bl.shard * m.world == bl.padded && bl.numel <= bl.padded &&
+    bl.group = integer<int>(b.at("group"));
+    bl.flat_offset = integer<int64_t>(b.at("flat_offset"));
+    bl.numel = integer<int64_t>(b.at("numel"));
+    bl.padded = integer<int64_t>(b.at("padded"));
+    bl.shard = integer<int64_t>(b.at("shard"));
+    bl.shard_offset = integer<int64_t>(b.at("shard_offset"));
+    const std::string where = fmt::format("{}: bucket #{} of the layout", m.path.string(),
+                                          layout.buckets.size());
+    SHARDOPT_CHECK(bl.shard >= 0 && bl.numel >= 0 &&
+                       checked_mul(bl.shard, m.world, where) == bl.padded && bl.numel <= bl.padded &&
                        bl.shard_offset == shard_offset,
                    Checkpoint,
                    "checkpoint: {}: bucket #{} of the recorded layout is inconsistent (numel {}, "
                    "padded {}, shard {} at {} for {} ranks); the manifest was edited or is corrupt",
                    m.path.string(), layout.buckets.size(), bl.numel, bl.padded, bl.shard,
                    bl.shard_offset, m.world);
-    shard_offset += bl.shard;
+    shard_offset = checked_add(shard_offset, bl.shard, where);
     layout.buckets.push_back(bl);
   }
   // A parameter starts at its recorded slot and continues into the next buckets when it is split
   // (Note [Flat layout] in src/engine/flat_state.hpp): its pieces are recomputed here as make_layout cuts them.
   for (const auto& p : m.j.at("parameters")) {
     ParamSlot slot;
-    slot.bucket = p.at("bucket").get<int>();
-    slot.offset = p.at("offset").get<int64_t>();
-    slot.numel = p.at("numel").get<int64_t>();
+    slot.bucket = integer<int>(p.at("bucket"));
+    slot.offset = integer<int64_t>(p.at("offset"));
+    slot.numel = integer<int64_t>(p.at("numel"));
     slot.first_piece = static_cast<int>(layout.pieces.size());
     slot.piece_count = 0;
     const std::string name = p.at("name").get<std::string>();
@@ -137,8 +161,15 @@ Manifest read_manifest(const std::string& dir_text) {
                   m.path.string(), hint);
   }
   const at::Tensor bytes = read_bytes(m.path, "manifest");
-  const std::string text(static_cast<const char*>(bytes.data_ptr()),
-                         static_cast<size_t>(bytes.numel()));
+  return parse_manifest(std::string(static_cast<const char*>(bytes.data_ptr()),
+                                    static_cast<size_t>(bytes.numel())),
+                        dir_text);
+}
+
+Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
+  Manifest m;
+  m.dir = fs::path(dir_text);
+  m.path = m.dir / kManifest;
   try {
     m.j = json::parse(text);
   } catch (const json::exception& e) {
@@ -150,7 +181,7 @@ Manifest read_manifest(const std::string& dir_text) {
                    "checkpoint: {} is not a shardopt checkpoint manifest (\"format\" should be "
                    "\"{}\")",
                    m.path.string(), kFormat);
-    const int format_version = m.j.at("format_version").get<int>();
+    const int format_version = integer<int>(m.j.at("format_version"));
     SHARDOPT_CHECK(format_version == kCheckpointFormatVersion, Checkpoint,
                    "checkpoint: {} has unknown format version {}; this build (shardopt {}) reads "
                    "version {}",
@@ -163,10 +194,10 @@ Manifest read_manifest(const std::string& dir_text) {
                      "says {}; it was edited or is corrupt",
                      m.path.string(), crc_text(crc), saved);
     }
-    m.world = m.j.at("world_size").get<int>();
-    m.stage = m.j.at("stage").get<int>();
+    m.world = integer<int>(m.j.at("world_size"));
+    m.stage = integer<int>(m.j.at("stage"));
     m.dtype = dtype_from_name(m.j.at("dtype").get<std::string>(), m.path.string());
-    m.step = m.j.at("step").get<int64_t>();
+    m.step = integer<int64_t>(m.j.at("step"));
     const json& opt = m.j.at("optimizer");
     m.rule = opt.at("rule").get<std::string>();
     m.state_names = opt.at("state").get<std::vector<std::string>>();
@@ -180,14 +211,14 @@ Manifest read_manifest(const std::string& dir_text) {
     for (int r = 0; r < m.world; ++r) {
       const json& f = files[r];
       ShardFile sf;
-      sf.rank = f.at("rank").get<int>();
+      sf.rank = integer<int>(f.at("rank"));
       SHARDOPT_CHECK(sf.rank == r, Checkpoint, "checkpoint: {}: file #{} is for rank {}",
                      m.path.string(), r, sf.rank);
       sf.path = f.at("path").get<std::string>();
       SHARDOPT_CHECK(fs::path(sf.path).filename().string() == sf.path, Checkpoint,
                      "checkpoint: {}: shard path '{}' must be a plain file name", m.path.string(),
                      sf.path);
-      sf.bytes = f.at("bytes").get<int64_t>();
+      sf.bytes = integer<int64_t>(f.at("bytes"));
       SHARDOPT_CHECK(sf.bytes >= kAlign, Checkpoint,
                      "checkpoint: {}: {} is {} bytes, shorter "
                      "than its header",
@@ -195,14 +226,22 @@ Manifest read_manifest(const std::string& dir_text) {
       sf.crc = static_cast<uint32_t>(std::stoul(f.at("crc32").get<std::string>(), nullptr, 16));
       for (const auto& s : f.at("sections")) {
         Section sec;
-        sec.offset = s.at("offset").get<int64_t>();
+        sec.offset = integer<int64_t>(s.at("offset"));
         sec.dtype = dtype_from_name(s.at("dtype").get<std::string>(), m.path.string());
-        sec.shape = s.at("shape").get<std::vector<int64_t>>();
-        const int64_t end =
-            sec.offset + numel_of(sec.shape) * static_cast<int64_t>(c10::elementSize(sec.dtype));
-        SHARDOPT_CHECK(sec.offset >= kAlign && sec.offset % kAlign == 0 && end <= sf.bytes,
-                       Checkpoint, "checkpoint: {}: section '{}' of {} lies outside the file",
-                       m.path.string(), s.at("name").get<std::string>(), sf.path);
+        sec.shape = integers(s.at("shape"));
+        const std::string where = fmt::format("{}: section '{}' of {}", m.path.string(),
+                                              s.at("name").get<std::string>(), sf.path);
+        SHARDOPT_CHECK(sec.offset >= kAlign && sec.offset % kAlign == 0, Checkpoint,
+                       "checkpoint: {}: offset {} is not a multiple of {} past the header", where,
+                       sec.offset, kAlign);
+        const int64_t end = checked_add(
+            sec.offset,
+            checked_mul(checked_numel(sec.shape, where),
+                        static_cast<int64_t>(c10::elementSize(sec.dtype)), where),
+            where);
+        SHARDOPT_CHECK(end <= sf.bytes, Checkpoint,
+                       "checkpoint: {} lies outside the file: it ends at byte {}, the file has {}",
+                       where, end, sf.bytes);
         sf.sections[s.at("name").get<std::string>()] = sec;
       }
       m.files.push_back(std::move(sf));
@@ -210,19 +249,23 @@ Manifest read_manifest(const std::string& dir_text) {
     for (const auto& p : m.j.at("parameters")) {
       ManifestParam mp;
       mp.name = p.at("name").get<std::string>();
-      mp.shape = p.at("shape").get<std::vector<int64_t>>();
-      mp.numel = numel_of(mp.shape);
-      mp.group = p.at("group").get<int>();
+      mp.shape = integers(p.at("shape"));
+      mp.numel = checked_numel(
+          mp.shape, fmt::format("{}: parameter '{}'", m.path.string(), mp.name));
+      mp.group = integer<int>(p.at("group"));
       for (const auto& piece : p.at("pieces")) {
-        SavedPiece sp{piece.at(0).get<int>(), piece.at(1).get<int64_t>(),
-                      piece.at(2).get<int64_t>(), piece.at(3).get<int64_t>()};
+        SavedPiece sp{integer<int>(piece.at(0)), integer<int64_t>(piece.at(1)),
+                      integer<int64_t>(piece.at(2)), integer<int64_t>(piece.at(3))};
         SHARDOPT_CHECK(sp.rank >= 0 && sp.rank < m.world, Checkpoint,
                        "checkpoint: {}: a piece of '{}' names rank {} of {}", m.path.string(),
                        mp.name, sp.rank, m.world);
         const auto& sections = m.files[sp.rank].sections;
         auto it = sections.find("param");
-        SHARDOPT_CHECK(it != sections.end() && sp.shard_begin >= 0 &&
-                           sp.shard_begin + sp.numel <= numel_of(it->second.shape),
+        SHARDOPT_CHECK(it != sections.end() && sp.shard_begin >= 0 && sp.numel >= 0 &&
+                           sp.param_begin >= 0 &&
+                           checked_add(sp.shard_begin, sp.numel,
+                                       fmt::format("{}: a piece of '{}'", m.path.string(),
+                                                   mp.name)) <= numel_of(it->second.shape),
                        Checkpoint, "checkpoint: {}: a piece of '{}' lies outside rank {}'s shard",
                        m.path.string(), mp.name, sp.rank);
         mp.pieces.push_back(sp);
@@ -256,13 +299,25 @@ at::Tensor LoadedShard::section(const std::string& name) const {
       .view(s.shape);
 }
 
-LoadedShard load_shard(const Manifest& m, int rank) {
+void check_shard_size(const Manifest& m, int rank) {
   const ShardFile& f = m.files[rank];
   const fs::path path = m.dir / f.path;
   std::error_code ec;
   SHARDOPT_CHECK(fs::exists(path, ec), Checkpoint,
                  "checkpoint: shard file {} of rank {} is missing (the manifest {} lists it)",
                  path.string(), rank, m.path.string());
+  const auto size = fs::file_size(path, ec);
+  SHARDOPT_CHECK(!ec && static_cast<int64_t>(size) == f.bytes, Checkpoint,
+                 "checkpoint: shard file {} is {} bytes, but the manifest says {} (truncated or "
+                 "replaced)",
+                 path.string(), ec ? std::string("unreadable: ") + ec.message() : std::to_string(size),
+                 f.bytes);
+}
+
+LoadedShard load_shard(const Manifest& m, int rank) {
+  const ShardFile& f = m.files[rank];
+  const fs::path path = m.dir / f.path;
+  check_shard_size(m, rank);  // before reading: never more bytes than the manifest promised
   LoadedShard s;
   s.file = &f;
   s.bytes = read_bytes(path, fmt::format("shard file of rank {}", rank));

@@ -65,6 +65,13 @@ struct LoadedShard {
 
 // Reads and checks <dir>/manifest.json (not the shard files).
 Manifest read_manifest(const std::string& dir_text);
+// The same checks on a manifest's text, as if it were <dir_text>/manifest.json (no file is read;
+// the fuzz harness tests/fuzz/manifest_fuzz.cpp).
+Manifest parse_manifest(const std::string& text, const std::string& dir_text);
+
+// Rank `rank`'s shard file exists and has the size the manifest says (Note [Sizes from files]);
+// read_full_state checks every file so before it allocates the full parameters.
+void check_shard_size(const Manifest& m, int rank);
 
 // Rank `rank`'s shard file, checked against the manifest (size, CRC-32, header).
 LoadedShard load_shard(const Manifest& m, int rank);

@@ -6,7 +6,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -96,6 +98,44 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
           {"bytes", w.bytes()},
           {"crc32", crc_text(w.crc())},
           {"sections", sections}};
+}
+
+// The stored values of the model's tensors that LoadOptions::module_state names (world rank 0's,
+// kept in shard file 0 as trainer tensors "module/<name>"), checked against their targets.
+std::map<std::string, at::Tensor> stage_module_state(
+    const Manifest& m, const std::map<std::string, at::Tensor>& targets) {
+  std::map<std::string, at::Tensor> staged;
+  if (targets.empty()) return staged;
+  std::vector<std::string> stored;
+  if (const auto it = m.j.find("module"); it != m.j.end() && it->is_object()) {
+    try {
+      stored = it->at("tensors").get<std::vector<std::string>>();
+    } catch (const json::exception& e) {
+      SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed \"module\" in {}: {}", m.path.string(),
+                    e.what());
+    }
+  }
+  for (const auto& [name, target] : targets) {
+    SHARDOPT_CHECK(std::find(stored.begin(), stored.end(), name) != stored.end(), Mismatch,
+                   "checkpoint: {} stores no module tensor '{}' (LoadOptions::module_state); it "
+                   "stores {} (SaveOptions::module_state of the save)",
+                   m.path.string(), name,
+                   stored.empty() ? std::string("none") : fmt::format("{}", fmt::join(stored, ", ")));
+    SHARDOPT_CHECK(target.defined(), InvalidArgument,
+                   "checkpoint: LoadOptions::module_state['{}'] is undefined", name);
+  }
+  const LoadedShard shard = load_shard(m, 0);
+  for (const auto& [name, target] : targets) {
+    const at::Tensor value = shard.section("trainer/" + std::string(kModulePrefix) + name);
+    SHARDOPT_CHECK(value.sizes() == target.sizes() && value.scalar_type() == target.scalar_type(),
+                   Mismatch,
+                   "checkpoint: {}: module tensor '{}' is stored as {} {}, the model's is {} {}",
+                   m.path.string(), name, dtype_name(value.scalar_type()),
+                   shape_text(value.sizes().vec()), dtype_name(target.scalar_type()),
+                   shape_text(target.sizes().vec()));
+    staged[name] = value.clone();
+  }
+  return staged;
 }
 
 }  // namespace
@@ -244,6 +284,7 @@ TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string&
   Staging staging;
   TrainerState trainer;
   std::vector<Rule> rules;
+  std::map<std::string, at::Tensor> module_state;
 
   // 1. Everything that can fail, without touching the optimizer.
   agree(comm, a.zero_options().timeout, fmt::format("loading checkpoint {}", dir),
@@ -292,6 +333,7 @@ TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string&
               }
             }
           }
+          module_state = stage_module_state(m, options.module_state);
           trainer.json = dump(m.j.at("trainer"));
           if (options.restore_hyperparameters) {
             for (size_t g = 0; g < rules.size(); ++g) {
@@ -318,6 +360,7 @@ TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string&
   if (options.restore_hyperparameters) {
     for (size_t g = 0; g < rules.size(); ++g) a.set_group_rule(static_cast<int>(g), rules[g]);
   }
+  for (const auto& [name, value] : module_state) options.module_state.at(name).copy_(value);
   a.after_load();
   return trainer;
 }

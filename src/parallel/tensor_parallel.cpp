@@ -87,6 +87,11 @@ struct GroupHolder : torch::CustomClassHolder {
   CommunicatorPtr group;
 };
 
+CommunicatorPtr group_in(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())
+      ->group;
+}
+
 // One autograd function for every pair (forward op, backward op) of Note [Split regions].
 struct Mapping : torch::autograd::Function<Mapping> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t forward_op,
@@ -97,11 +102,36 @@ struct Mapping : torch::autograd::Function<Mapping> {
     return run(forward_op, x, dim, *group);  // identity: x itself (autograd makes it a view)
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto holder =
-        c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule());
     at::Tensor g = run(ctx->saved_data["backward_op"].toInt(), grads[0],
-                       ctx->saved_data["dim"].toInt(), *holder->group);
+                       ctx->saved_data["dim"].toInt(), *group_in(ctx));
     return {g, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Sequence parallelism's column-parallel product (as Megatron's linear with its all-gather
+// inside): gathers the sequence shards, multiplies, and keeps only the shard for backward, where
+// it is gathered again. The whole sequence is never held from forward to backward; a gather
+// before a plain linear would keep one whole copy per product (q, k and v each).
+struct SequenceGatheredLinear : torch::autograd::Function<SequenceGatheredLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, int64_t dim, const CommunicatorPtr& group) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
+    return at::linear(all_gather(x, dim, *group), weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    Communicator& group = *group_in(ctx);
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    const at::Tensor full = all_gather(x, dim, group);
+    const at::Tensor rows = grads[0].reshape({-1, weight.size(0)});
+    const at::Tensor grad_weight = rows.t().mm(full.reshape({-1, weight.size(1)}));
+    const at::Tensor grad_bias = ctx->saved_data["bias"].toBool() ? rows.sum(0) : at::Tensor();
+    const at::Tensor grad_x = reduce_scatter(grads[0].matmul(weight), dim, group);
+    return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -190,10 +220,10 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t 
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  const at::Tensor input = tp_.sequence_parallel
-                               ? gather_from_sequence_region(x, tp_.sequence_dim, tp_.group)
-                               : copy_to_region(x, tp_.group);
-  at::Tensor y = at::linear(input, weight, bias);
+  if (tp_.sequence_parallel && tp_.group->size() > 1) {
+    return SequenceGatheredLinear::apply(x, weight, bias, tp_.sequence_dim, tp_.group);
+  }
+  at::Tensor y = at::linear(copy_to_region(x, tp_.group), weight, bias);
   return gather_output_ ? gather_from_region(y, -1, tp_.group) : y;
 }
 

@@ -62,13 +62,18 @@ TEST(BertConfigFile, ErrorsNameTheFileAndTheKey) {
   EXPECT_EQ(with("hidden_act", "swish"),
             "cfg.json: 'hidden_act' \"swish\" is not supported (supported: gelu, gelu_new, "
             "gelu_pytorch_tanh, relu)");
-  EXPECT_EQ(with("num_hidden_layers", 2.5), "cfg.json: 'num_hidden_layers' expected an integer >= 1, got 2.5");
+  EXPECT_EQ(with("num_hidden_layers", 2.5),
+            "cfg.json: 'num_hidden_layers' expected an integer in [1, 2147483647], got 2.5");
   EXPECT_EQ(with("hidden_dropout_prob", 1.5),
             "cfg.json: 'hidden_dropout_prob' expected a number in [0, 1), got 1.5");
   EXPECT_EQ(with("position_embedding_type", "relative_key"),
             "cfg.json: 'position_embedding_type' \"relative_key\" is not supported (only \"absolute\")");
   EXPECT_EQ(with("model_type", "roberta"), "cfg.json: 'model_type' \"roberta\" is not BERT (expected \"bert\")");
   EXPECT_EQ(with("is_decoder", true), "cfg.json: 'is_decoder' true is not supported (an encoder only)");
+  EXPECT_EQ(with("tie_word_embeddings", false),
+            "cfg.json: 'tie_word_embeddings' false is not supported (this BERT's MLM decoder is "
+            "always the word embedding matrix)");
+  EXPECT_EQ(with("tie_word_embeddings", true), "");
   EXPECT_EQ(with("num_attention_heads", 5),
             "cfg.json: hidden_size (768) must be a multiple of num_attention_heads (5)");
   EXPECT_EQ(error_of(nlohmann::json::array()), "cfg.json: expected a JSON object (bert_config.json or config.json), got array");
@@ -79,6 +84,7 @@ TEST(BertConfigFile, HuggingFaceJsonRoundTrips) {
     const BertConfig p = BertConfig::preset(name);
     const auto j = p.to_hf_json();
     EXPECT_EQ(j.at("model_type"), "bert");
+    EXPECT_EQ(j.at("tie_word_embeddings"), true);  // what the model does; read back, not ignored
     EXPECT_EQ(j.at("architectures")[0], p.nsp ? "BertForPreTraining" : "BertForMaskedLM") << name;
     std::vector<std::string> ignored;
     const BertConfig r = BertConfig::from_json(j, "config.json", &ignored);
@@ -192,6 +198,25 @@ TEST(Pretrained, LoadsHuggingFaceNamesAndListsWhatItSkips) {
     EXPECT_TRUE(torch::equal(got[item.key()], item.value())) << item.key();
   }
   EXPECT_EQ(r.loaded, static_cast<int64_t>(want.size()) - 2);
+}
+
+TEST(Pretrained, AnUntiedDecoderIsRefusedNamingBothKeys) {
+  BertForPreTraining source(small_config()), target(small_config());
+  StateDict sd;
+  for (const auto& item : source->named_parameters()) sd.insert(item.key(), item.value().detach().clone());
+  // transformers' save_pretrained of a tied model writes no copy; an equal copy is ignored.
+  sd.insert("cls.predictions.decoder.bias", source->named_parameters()["cls.predictions.bias"].detach().clone());
+  EXPECT_NO_THROW(load_pretrained(target, sd));
+  sd.insert("cls.predictions.decoder.weight", source->word_embeddings().detach() + 1);
+  try {
+    load_pretrained(target, sd);
+    ADD_FAILURE() << "an untied decoder weight was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "--init-checkpoint: 'cls.predictions.decoder.weight' differs from "
+              "'bert.embeddings.word_embeddings.weight', to which this model ties it (a checkpoint "
+              "of an untied model: tie_word_embeddings=false)");
+  }
 }
 
 TEST(Pretrained, AShapeMismatchNamesTheKey) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "shardopt/detail/use_trace.hpp"
+#include "shardopt/error.hpp"
 
 namespace shardopt::detail {
 namespace {
@@ -67,12 +68,20 @@ TEST(UseTrace, DisagreementTurnsItOffForGood) {
 
 // Forwards without a backward (evaluation) start over past 4 * ids + 16 uses.
 TEST(UseTrace, EvaluationForwardsStartOver) {
-  UseTrace t(2);
+  UseTrace t(3);  // one_pass uses ids 0..2 (this said 2, and ASan found the write past the end)
   one_pass(t);
   t.end_backward(true);
   for (int i = 0; i < 100; ++i) t.forward(i % 2);
-  EXPECT_LE(t.position(), 4u * 2 + 16);
+  EXPECT_LE(t.position(), 4u * 3 + 16);
   EXPECT_FALSE(t.following());
+}
+
+// An id outside the trace is our bug, reported, never a write past the trace's table.
+TEST(UseTrace, AnIdOutsideTheTraceIsAnInternalError) {
+  UseTrace t(2);
+  t.forward(1);
+  EXPECT_THROW(t.forward(2), Error);
+  EXPECT_THROW(t.forward(-1), Error);
 }
 
 }  // namespace

@@ -79,7 +79,7 @@ inline bool covers(std::vector<SavedPiece> pieces, int64_t numel) {
             [](const SavedPiece& a, const SavedPiece& b) { return a.param_begin < b.param_begin; });
   int64_t next = 0;
   for (const SavedPiece& p : pieces) {
-    if (p.param_begin != next || p.numel <= 0) return false;
+    if (p.param_begin != next || p.numel <= 0 || p.numel > numel - next) return false;
     next += p.numel;
   }
   return next == numel;

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "shardopt/error.hpp"
+
 namespace shardopt::detail {
 
 class UseTrace {
@@ -25,6 +27,9 @@ class UseTrace {
 
   // Forward: a use of `id` starts; false (nothing recorded) when it repeats the last one.
   bool forward(int id) {
+    // An id past the trace's count wrote past last_at_ (found by ASan, issue 42).
+    SHARDOPT_INTERNAL_ASSERT(id >= 0 && static_cast<size_t>(id) < last_at_.size(),
+                             "use trace: id {} of a trace of {} ids", id, last_at_.size());
     cursor_ = order_.size();
     if (!order_.empty() && order_.back() == id) return false;
     if (order_.size() > bound_) {
@@ -46,7 +51,7 @@ class UseTrace {
   // Where the last pass's trace (forward, then backward) uses `id` next after its latest use in
   // this forward; kNever: not again. Meaningful while following().
   size_t next_use(int id) const {
-    const size_t at = last_at_[id];
+    const size_t at = last_at_.at(static_cast<size_t>(id));
     return at < next_.size() ? next_[at] : kNever;
   }
 

@@ -1,0 +1,162 @@
+"""CPU AdamW implementations side by side (issue 39), each against a bandwidth probe measured in
+the same process: shardopt's fused AdamW (the Python bindings, one rank, stage 0), DeepSpeed's
+DeepSpeedCPUAdam (adamw_mode, JIT-built on first use into TORCH_EXTENSIONS_DIR),
+torch.optim.AdamW(fused=True) on CPU and torch.optim.AdamW(foreach=True).
+
+Every optimizer steps one fp32 parameter of NUMEL elements whose gradient stays fixed; a step
+moves at least 28 B per parameter (read p, g, m, v; write p, m, v), so the bound is 28 B over
+the bandwidth of a STREAM-style triad (a = b + s*c, 12 B per element, torch.add on the same
+threads) of the same size. Each (size, threads) runs in a fresh process with OMP_NUM_THREADS set.
+
+Usage (pip platform: the venv's Python, the bindings built in build-pip/):
+  PYTHONPATH=build-pip/python OMP_NUM_THREADS=1 <venv>/bin/python bench/optimizer_kernels.py \
+      [--sizes 21e6,110e6] [--threads 1,2] [--reps 5] [--json OUT.json]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ADAM_BYTES = 28
+TRIAD_BYTES = 12
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def timed(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def make_param(torch, numel):
+    p = torch.nn.Parameter(torch.randn(numel) * 0.02)
+    p.grad = torch.randn(numel) * 1e-3
+    return p
+
+
+def run_shardopt(torch, numel, phases):
+    """step() as a user calls it, and its phases (last_step()): `update` is the fused kernel alone,
+    `check` the non-finite check, one read of the gradients."""
+    import shardopt
+    p = make_param(torch, numel)
+    grad = p.grad
+    p.grad = None
+    opt = shardopt.DistributedOptimizer([("p", p)], "adamw", comm=shardopt.make_single_communicator(),
+                                        stage=0, **HYPER)
+    (p * grad).sum().backward()  # p.grad = grad, through the optimizer's own gradient path
+
+    def step():
+        opt.step()
+        s = opt.last_step()
+        phases.append((s.update_s, s.check_s))
+    return step
+
+
+def run_deepspeed(torch, numel):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    opt = DeepSpeedCPUAdam([make_param(torch, numel)], adamw_mode=True, **HYPER)
+    return opt.step
+
+
+def run_torch(torch, numel, **flags):
+    opt = torch.optim.AdamW([make_param(torch, numel)], **HYPER, **flags)
+    return opt.step
+
+
+def child(numel, threads, reps, which):
+    import torch
+    torch.set_num_threads(threads)
+    a, b, c = torch.empty(numel), torch.randn(numel), torch.randn(numel)
+    triad_s = timed(lambda: torch.add(b, c, alpha=0.5, out=a), reps)
+    del a, b, c
+    bandwidth = TRIAD_BYTES * numel / triad_s
+    rows = [dict(impl="triad", numel=numel, threads=threads, seconds=triad_s, gbs=bandwidth / 1e9)]
+    phases = []
+    impls = {"shardopt_fused": lambda: run_shardopt(torch, numel, phases),
+             "deepspeed_cpu_adam": lambda: run_deepspeed(torch, numel),
+             "torch_fused": lambda: run_torch(torch, numel, fused=True),
+             "torch_foreach": lambda: run_torch(torch, numel, foreach=True)}
+    for name in which:
+        try:
+            step = impls[name]()
+            s = timed(step, reps)
+            del step
+            rows.append(dict(impl=name, numel=numel, threads=threads, seconds=s,
+                             gbs=ADAM_BYTES * numel / s / 1e9,
+                             of_bound=(ADAM_BYTES * numel / bandwidth) / s))
+            if name == "shardopt_fused":  # the timed steps' phases (the last `reps`)
+                for i, (phase, nbytes) in enumerate((("update phase (the kernel)", ADAM_BYTES),
+                                                     ("check phase (4 B/param)", 4))):
+                    t = statistics.median(x[i] for x in phases[-reps:])
+                    rows.append(dict(impl=f"shardopt {phase}", numel=numel, threads=threads,
+                                     seconds=t, gbs=nbytes * numel / t / 1e9,
+                                     of_bound=(nbytes * numel / bandwidth) / t))
+        except Exception as e:  # a peer that does not run is reported, not dropped
+            rows.append(dict(impl=name, numel=numel, threads=threads, error=f"{type(e).__name__}: {e}"))
+    print(json.dumps(rows))
+
+
+def table(rows):
+    lines = ["| impl | params | threads | median step (ms) | GB/s at 28 B/param | bound / time |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['numel'] / 1e6:.0f}M | {r['threads']} | error: {r['error'][:80]} | | |")
+        elif r["impl"] == "triad":
+            lines.append(f"| triad (12 B/elem) | {r['numel'] / 1e6:.0f}M | {r['threads']} | "
+                         f"{r['seconds'] * 1e3:.1f} | {r['gbs']:.2f} (probe) | 1 |")
+        else:
+            lines.append(f"| {r['impl']} | {r['numel'] / 1e6:.0f}M | {r['threads']} | "
+                         f"{r['seconds'] * 1e3:.1f} | {r['gbs']:.2f} | {r['of_bound']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="21e6,110e6")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--impls", default="shardopt_fused,deepspeed_cpu_adam,torch_fused,torch_foreach")
+    ap.add_argument("--json")
+    ap.add_argument("--child", nargs=3, metavar=("NUMEL", "THREADS", "REPS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    which = args.impls.split(",")
+    if args.child:
+        child(int(args.child[0]), int(args.child[1]), int(args.child[2]), which)
+        return 0
+    rows = []
+    with open("/proc/loadavg") as f:
+        load_before = f.read().split()[:3]
+    for size in args.sizes.split(","):
+        for threads in args.threads.split(","):
+            env = dict(os.environ, OMP_NUM_THREADS=threads, DS_ACCELERATOR="cpu")
+            out = subprocess.run([sys.executable, __file__, "--impls", args.impls, "--child",
+                                  str(int(float(size))), threads, str(args.reps)],
+                                 env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                print(out.stderr[-3000:], file=sys.stderr)
+                return 1
+            rows += json.loads(out.stdout.strip().splitlines()[-1])
+            print(table([r for r in rows if r["numel"] == int(float(size))
+                         and r["threads"] == int(threads)]).split("\n", 2)[2], flush=True)
+    with open("/proc/loadavg") as f:
+        load_after = f.read().split()[:3]
+    print(f"\nload average before {' '.join(load_before)}, after {' '.join(load_after)} "
+          f"({os.cpu_count()} CPUs)\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, load_before=load_before, load_after=load_after), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer harnesses with clang (Debian's clang 14: -fsanitize=fuzzer) into
+# build-fuzz/ and, with --run SECONDS, fuzzes each from its seed corpus (a copy: new inputs go to
+# build-fuzz/corpus-<name>, crashes to build-fuzz/crash-<name>-*). Torch-free readers only.
+#   tests/fuzz/build.sh [--run SECONDS]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${SHARDOPT_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
+CXX="${FUZZ_CXX:-clang++}"
+mkdir -p "$OUT"
+flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
+"$CXX" "${flags[@]}" -I"$ROOT/examples/bert" "$ROOT/tests/fuzz/safetensors_fuzz.cpp" \
+  "$ROOT/examples/bert/safetensors.cpp" -lfmt -o "$OUT/safetensors_fuzz"
+echo "[fuzz] built $OUT/safetensors_fuzz"
+# The manifest parser and its checks compiled with coverage; the rest (Error, CRC-32, files) from
+# the ordinary build's libshardopt.so (scripts/build.sh first), libtorch from the system.
+BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
+[ -f "$BUILD/libshardopt.so" ] || { echo "[fuzz] $BUILD/libshardopt.so missing: run scripts/build.sh" >&2; exit 1; }
+"$CXX" "${flags[@]}" -D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$BUILD/include" -I/usr/include/torch/csrc/api/include \
+  "$ROOT/tests/fuzz/manifest_fuzz.cpp" "$ROOT/src/checkpoint/manifest.cpp" \
+  "$ROOT/src/checkpoint/format.cpp" -L"$BUILD" -lshardopt -ltorch_cpu -lc10 -lfmt -lz \
+  -Wl,-rpath,"$BUILD" -o "$OUT/manifest_fuzz"
+echo "[fuzz] built $OUT/manifest_fuzz"
+if [ "${1:-}" = "--run" ]; then
+  seconds="${2:-60}"
+  for name in safetensors manifest; do
+    mkdir -p "$OUT/corpus-$name"
+    for seed in "$ROOT/tests/fuzz/corpus/$name"/*; do  # *.hex seeds are binary inputs as text
+      base="$(basename "$seed" .hex)"
+      [ -e "$OUT/corpus-$name/$base" ] && continue
+      if [ "$seed" != "${seed%.hex}" ]; then /usr/bin/python3 -c "import sys; sys.stdout.buffer.write(bytes.fromhex(open(sys.argv[1]).read()))" "$seed" >"$OUT/corpus-$name/$base"; else cp "$seed" "$OUT/corpus-$name/"; fi
+    done
+    # -rss_limit_mb: an allocation beyond the input's size shows as an out-of-memory report.
+    "$OUT/${name}_fuzz" -max_total_time="$seconds" -rss_limit_mb=512 -malloc_limit_mb=64 \
+      -max_len=4096 -artifact_prefix="$OUT/crash-$name-" -print_final_stats=1 "$OUT/corpus-$name"
+  done
+fi

@@ -1,0 +1,144 @@
+// Resource bounds of the checkpoint reader (Note [Sizes from files] in src/checkpoint/format.hpp):
+// a manifest claiming 10^15 elements, a negative or overflowing shape or offset, a section past
+// the end of its file are each a named Error{Checkpoint} before any allocation larger than the
+// files. The manifests are edited without their checksum, as manifests older than it are read.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/files.hpp"
+#include "shardopt/checkpoint.hpp"
+#include "shardopt/error.hpp"
+#include "support/expect_error.hpp"
+
+namespace shardopt {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using test::expect_error;
+
+constexpr int64_t kHuge = 1000000000000000;  // 10^15 elements
+
+class CheckpointBounds : public ::testing::Test {
+ protected:
+  CheckpointBounds() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-bounds-XXXXXX";
+    root_ = mkdtemp(templ.data());
+    dir_ = (root_ / "ckpt").string();
+    // One parameter in one bucket, one rank: the smallest manifest to edit consistently.
+    torch::OrderedDict<std::string, at::Tensor> params;
+    params.insert("w", at::arange(8, at::kFloat).set_requires_grad(true));
+    ZeroOptions zo;
+    zo.stage = stage_from_int(0);
+    DistributedOptimizer opt(params, AdamW(0.1), make_single_communicator(), zo);
+    opt.zero_grad();
+    opt.backward((params["w"] * params["w"]).sum());
+    opt.step();
+    save_checkpoint(opt, dir_, {"{}", {{"rng", at::arange(4)}}});
+    manifest_ = json::parse(std::ifstream(path()));
+    manifest_.erase("manifest_crc32");
+  }
+  ~CheckpointBounds() override {
+    std::error_code ec;
+    detail::remove_tree(root_, ec);
+  }
+  std::string path() const { return dir_ + "/manifest.json"; }
+  void write(const json& m) { std::ofstream(path()) << m.dump(1); }
+  void load() {
+    torch::OrderedDict<std::string, at::Tensor> params;
+    params.insert("w", at::zeros({8}).set_requires_grad(true));
+    ZeroOptions zo;
+    zo.stage = stage_from_int(0);
+    DistributedOptimizer opt(params, AdamW(0.1), make_single_communicator(), zo);
+    load_checkpoint(opt, dir_);
+  }
+
+  fs::path root_;
+  std::string dir_;
+  json manifest_;
+};
+
+TEST_F(CheckpointBounds, TheUneditedManifestLoads) {
+  write(manifest_);
+  load();
+  EXPECT_EQ(read_full_state(dir_).params["w"].numel(), 8);
+}
+
+// Every count agrees with every other, only the shard file is not that big: consolidation must
+// not allocate 4 PB (three of them) before it looks at the file.
+TEST_F(CheckpointBounds, AManifestClaimingPetabytesIsRefusedBeforeAllocating) {
+  json m = manifest_;
+  auto& p = m["parameters"][0];
+  p["shape"] = {kHuge};
+  p["numel"] = kHuge;
+  p["pieces"] = json::array({json::array({0, 0, 0, kHuge})});
+  auto& b = m["layout"]["buckets"][0];
+  b["numel"] = kHuge, b["padded"] = kHuge, b["shard"] = kHuge;
+  int64_t offset = 64;
+  for (auto& s : m["files"][0]["sections"]) {
+    s["offset"] = offset;
+    if (s["name"].get<std::string>().rfind("trainer/", 0) == 0) {
+      offset += 64;
+      continue;
+    }
+    s["shape"] = {kHuge};
+    offset += 4 * kHuge;
+  }
+  m["files"][0]["bytes"] = offset;
+  write(m);
+  const std::string shard = dir_ + "/shard-00000-of-00001.bin";
+  expect_error([&] { read_full_state(dir_); }, ErrorKind::Checkpoint,
+               {shard, "bytes, but the manifest says " + std::to_string(offset)});
+  expect_error([&] { consolidate_checkpoint(dir_, (root_ / "model.pt").string()); },
+               ErrorKind::Checkpoint, {shard, "but the manifest says"});
+}
+
+TEST_F(CheckpointBounds, NegativeOrOverflowingShapesAreNamed) {
+  json m = manifest_;
+  for (auto& s : m["files"][0]["sections"]) {
+    if (s["name"] == "trainer/rng") s["shape"] = {-4};
+  }
+  write(m);
+  expect_error([&] { load(); }, ErrorKind::Checkpoint,
+               {path(), "section 'trainer/rng'", "shape [-4] has a negative dimension"});
+  m = manifest_;
+  for (auto& s : m["files"][0]["sections"]) {
+    if (s["name"] == "trainer/rng") s["shape"] = {int64_t{1} << 40, int64_t{1} << 40};
+  }
+  write(m);
+  expect_error([&] { load(); }, ErrorKind::Checkpoint,
+               {"section 'trainer/rng'", "more than 2^63 elements"});
+  m = manifest_;
+  m["parameters"][0]["shape"] = {-2, -4};
+  write(m);
+  expect_error([&] { read_full_state(dir_); }, ErrorKind::Checkpoint,
+               {path(), "parameter 'w'", "negative dimension"});
+}
+
+TEST_F(CheckpointBounds, OffsetsOutsideTheFileAreNamed) {
+  for (const int64_t offset : {int64_t{-64}, int64_t{3}, int64_t{1} << 62, int64_t{1} << 20}) {
+    json m = manifest_;
+    for (auto& s : m["files"][0]["sections"]) {
+      if (s["name"] == "trainer/rng") {
+        s["offset"] = offset;
+        if (offset == int64_t{1} << 62) s["shape"] = {int64_t{1} << 60};  // the end overflows
+      }
+    }
+    write(m);
+    expect_error([&] { load(); }, ErrorKind::Checkpoint, {path(), "section 'trainer/rng'"});
+  }
+  json m = manifest_;
+  m["parameters"][0]["pieces"][0][1] = std::numeric_limits<int64_t>::max();
+  write(m);
+  expect_error([&] { load(); }, ErrorKind::Checkpoint, {path(), "a piece of 'w'"});
+}
+
+}  // namespace
+}  // namespace shardopt

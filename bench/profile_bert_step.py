@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
-PHASES = ["embeddings", "qkv", "scores", "softmax", "context", "attn_out", "ffn", "layernorm",
+PHASES = ["embeddings", "qkv", "scores", "softmax", "context", "attention", "attn_out", "ffn", "layernorm",
           "head_transform", "decoder", "loss"]
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 

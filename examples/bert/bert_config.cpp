@@ -73,6 +73,10 @@ void BertConfig::validate() const {
            attention_dropout < 1,
        "dropout probabilities must be in [0, 1)");
   need(layer_norm_eps > 0 && initializer_range > 0, "layer_norm_eps and initializer_range must be > 0");
+  need(attn_implementation == "auto" || attn_implementation == "eager" ||
+           attn_implementation == "sdpa",
+       fmt::format("attn_implementation '{}' is not supported (auto, eager, sdpa)",
+                   attn_implementation));
   const auto& acts = supported_activations();
   need(std::find(acts.begin(), acts.end(), hidden_act) != acts.end(),
        fmt::format("hidden_act '{}' is not supported (supported: {})", hidden_act,

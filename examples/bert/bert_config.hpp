@@ -36,6 +36,10 @@ struct BertConfig {
   // MLM logits at every position with ignore_index -100 (Hugging Face BertForMaskedLM) rather
   // than only at the masked ones (Google's gather_indexes): same loss, ~6x the decoder's work.
   bool mlm_all_positions = false;
+  // Attention as Hugging Face names it: "sdpa" (torch's fused scaled_dot_product_attention, torch
+  // 2.1 and later), "eager" (matmul, softmax, dropout, matmul) or "auto" (sdpa where this torch
+  // has it, else eager; the model resolves it). A run choice, not a file key.
+  std::string attn_implementation = "auto";
 
   // The named configs: the shapes of shardopt::estimate::bert_preset (one table for the
   // estimator and the example): tiny, mini, small, base, large, and peer (mini without the NSP

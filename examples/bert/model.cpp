@@ -9,10 +9,19 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+// scaled_dot_product_attention with its scale argument: torch 2.1.
+#if defined(TORCH_VERSION_MAJOR) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
+#define BERT_HAS_SDPA 1
+#else
+#define BERT_HAS_SDPA 0
+#endif
 
 namespace bert {
 
@@ -68,6 +77,16 @@ static void mark_sequence_parallel(const torch::nn::LayerNorm& norm, const Model
   tp::mark_sequence_parallel(norm->bias, mp.tp.group);
 }
 
+std::string resolve_attn_implementation(const std::string& requested) {
+  if (requested == "auto") return BERT_HAS_SDPA ? "sdpa" : "eager";
+  if (requested == "sdpa" && !BERT_HAS_SDPA) {
+    throw std::invalid_argument(fmt::format(
+        "attn_implementation 'sdpa' needs torch 2.1 or later (scaled_dot_product_attention); this "
+        "build has torch {}: use 'eager' or 'auto'", TORCH_VERSION));
+  }
+  return requested;
+}
+
 // hidden_act: BERT's gelu is the exact (erf) one; gelu_new / gelu_pytorch_tanh the tanh
 // approximation (Hugging Face's names).
 static at::Tensor activation(const at::Tensor& x, const std::string& name) {
@@ -121,6 +140,7 @@ BertLayerImpl::BertLayerImpl(const BertConfig& c, const ModelParallel& mp)
   output_norm_ = output->register_module("LayerNorm", ln());
   mark_sequence_parallel(attn_norm_, mp);
   mark_sequence_parallel(output_norm_, mp);
+  sdpa_ = resolve_attn_implementation(c.attn_implementation) == "sdpa";
   attn_dropout_ = register_module("attention_dropout", torch::nn::Dropout(c.attention_dropout));
   hidden_dropout_ = register_module("hidden_dropout", torch::nn::Dropout(c.hidden_dropout));
 }
@@ -139,18 +159,37 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
     BERT_PHASE("qkv");
     q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
   }
+  const double scale = 1.0 / std::sqrt(double(head_dim_));
+#if BERT_HAS_SDPA
+  if (sdpa_) {
+    // Note [Fused attention]: one call; on the CPU its flash kernel runs when no dropout applies
+    // (eval, or attention dropout 0), otherwise torch falls back to the same matmul, softmax,
+    // dropout and matmul as the eager branch. The dropout draws from the tensor-parallel region's
+    // generator as the eager branch's does.
+    BERT_PHASE("attention");
+    const double p = is_training() ? attn_dropout_->options.p() : 0.0;
+    std::optional<tp::RngTracker::Fork> fork;
+    if (p > 0 && mp_.rng) fork.emplace(*mp_.rng);
+    const auto mask = mask_bias.defined() ? c10::optional<at::Tensor>(mask_bias) : c10::nullopt;
+    context = at::scaled_dot_product_attention(q, k, v, mask, p, /*is_causal=*/false, scale)
+                  .transpose(1, 2)
+                  .reshape({B, -1, local_h});
+  } else
+#endif
   {
-    BERT_PHASE("scores");
-    scores = torch::matmul(q, k.transpose(-1, -2)) * (1.0 / std::sqrt(double(head_dim_)));
-    if (mask_bias.defined()) scores = scores + mask_bias;
-  }
-  {
-    BERT_PHASE("softmax");
-    probs = dropout(attn_dropout_, torch::softmax(scores, -1), mp_, /*split_region=*/true);
-  }
-  {
-    BERT_PHASE("context");
-    context = torch::matmul(probs, v).transpose(1, 2).reshape({B, -1, local_h});
+    {
+      BERT_PHASE("scores");
+      scores = torch::matmul(q, k.transpose(-1, -2)) * scale;
+      if (mask_bias.defined()) scores = scores + mask_bias;
+    }
+    {
+      BERT_PHASE("softmax");
+      probs = dropout(attn_dropout_, torch::softmax(scores, -1), mp_, /*split_region=*/true);
+    }
+    {
+      BERT_PHASE("context");
+      context = torch::matmul(probs, v).transpose(1, 2).reshape({B, -1, local_h});
+    }
   }
   {
     BERT_PHASE("attn_out");

@@ -84,6 +84,10 @@ struct Dense {
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
+// "auto" -> "sdpa" where this torch has scaled_dot_product_attention (2.1+), else "eager";
+// "sdpa" on an older torch is std::invalid_argument naming the version.
+std::string resolve_attn_implementation(const std::string& requested);
+
 class BertLayerImpl : public torch::nn::Module {
  public:
   explicit BertLayerImpl(const BertConfig& config, const ModelParallel& mp = {});
@@ -95,6 +99,7 @@ class BertLayerImpl : public torch::nn::Module {
   ModelParallel mp_;
   int64_t heads_, head_dim_;  // heads_: this rank's
   std::string act_;
+  bool sdpa_;  // config.attn_implementation resolved (resolve_attn_implementation)
   Dense query_, key_, value_, attn_dense_;
   torch::nn::LayerNorm attn_norm_{nullptr};
   Dense intermediate_, output_;

@@ -223,6 +223,10 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--mlm-positions", a.mlm_positions, "masked: MLM logits only at masked positions "
                  "(Google); all: at every position (Hugging Face); preset: the preset's choice")
       ->check(CLI::IsMember({"masked", "all", "preset"}));
+  app.add_option("--attn-implementation", a.attn_implementation, "sdpa: torch's fused "
+                 "scaled_dot_product_attention (torch 2.1+); eager: matmul, softmax, dropout, matmul; "
+                 "auto: sdpa where available (Hugging Face's names)")
+      ->check(CLI::IsMember({"auto", "sdpa", "eager"}));
   app.add_option("--timing-warmup", a.timing_warmup, "first steps left out of the timing medians "
                  "in summary.json")->check(integer_at_least(0));
   app.add_option("--block-cache-mb", a.block_cache_mb, "keep freed tensor blocks of >= 32 MiB (up "

@@ -75,6 +75,7 @@ struct Args {
   bool synthetic = false;             // random-token MLM batches, no corpus
   bool no_nsp = false;
   std::string mlm_positions = "preset";  // masked | all | preset
+  std::string attn_implementation = "auto";  // auto | sdpa | eager (BertConfig)
   int64_t timing_warmup = 5;          // first steps left out of the timing medians
   double block_cache_mb = 1024;       // freed blocks >= 32 MiB kept for reuse; 0: off
   bool no_overlap = false;

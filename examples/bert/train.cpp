@@ -126,6 +126,7 @@ void load_data(Run& r) {
   }
   if (a.no_nsp) config.nsp = false;
   if (a.mlm_positions != "preset") config.mlm_all_positions = a.mlm_positions == "all";
+  config.attn_implementation = bert::resolve_attn_implementation(a.attn_implementation);
   if (a.dropout >= 0) config.hidden_dropout = config.attention_dropout = a.dropout;
   if (r.max_seq_length > config.max_position_embeddings) {
     throw UsageError(fmt::format("--max-seq-length: {} exceeds the model's {} positions",
@@ -146,10 +147,11 @@ void print_plan(const Run& r) {
   const Args& a = r.a;
   const auto& c = r.config;
   fmt::print("[bert] model: {} ({} layers, hidden {}, {} heads, {}), {:.2f} M parameters, vocab {}, "
-             "{}, MLM logits at {} positions\n",
+             "{}, MLM logits at {} positions, {} attention\n",
              a.bert_config.empty() ? "BERT-" + c.name : "BERT of " + a.bert_config, c.num_layers,
              c.hidden_size, c.num_heads, c.hidden_act, r.model->num_parameters() / 1e6, c.vocab_size,
-             c.nsp ? "MLM + NSP" : "MLM only", c.mlm_all_positions ? "all" : "masked");
+             c.nsp ? "MLM + NSP" : "MLM only", c.mlm_all_positions ? "all" : "masked",
+             c.attn_implementation);
   const auto* data = r.loader.data.get();
   const std::string epochs =
       data ? fmt::format("{:.2f} epochs of {} instances",

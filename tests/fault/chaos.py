@@ -100,6 +100,7 @@ class Campaign:
         self.a = a
         self.work = a.work or tempfile.mkdtemp(prefix="shardopt-chaos.")
         os.makedirs(self.work, exist_ok=True)
+        self.current = None  # the out dir of the run under way
         self.reference = {}  # ranks -> (losses, [(event, seconds since launch)], wall seconds)
         self.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -185,6 +186,7 @@ class Campaign:
         """One run; returns (list of failures, figures for the summary)."""
         ranks, victim, anchor, delay = self.draw(seed)
         out = os.path.join(self.work, f"run-{seed}")
+        self.current = out
         shutil.rmtree(out, ignore_errors=True)
         what = f"seed {seed}, {ranks} ranks: SIGKILL rank {victim} {delay:.3f} s after " + (
             f"step {anchor}'s line" if anchor else "it started")
@@ -289,35 +291,42 @@ def main():
     a = p.parse_args()
     c = Campaign(a)
     t0 = time.monotonic()
+    figs, failed = [], []
+    # SIGTERM (or ^C) ends a long campaign early with the figures of the runs it completed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         c.prepare()
-        figs, failed = [], []
         for i in range(a.runs):
             failures, fig = c.chaos_run(a.seed + i)
             figs.append(fig)
             if failures:
                 failed.append(a.seed + i)
-    finally:
-        for ranks in a.ranks:  # nothing of ours survives the campaign, whatever happened
-            kill_all(os.path.join(c.work, f"whole-np{ranks}") + "/")
+    except KeyboardInterrupt:
+        print(f"[chaos] stopped after {len(figs)} of {a.runs} runs", flush=True)
+    finally:  # nothing of ours survives the campaign, whatever happened
+        for tag in [os.path.join(c.work, f"whole-np{r}") for r in a.ranks] + [c.current]:
+            if tag:
+                kill_all(tag + "/")
     wall = time.monotonic() - t0
-    summary = {"runs": a.runs, "failures": len(failed), "failed_seeds": failed,
+    summary = {"runs": len(figs), "failures": len(failed), "failed_seeds": failed,
                "lost_checkpoints": sum(f["lost"] for f in figs),
                "hung_jobs": sum(f["hung"] for f in figs),
                "stray_processes": sum(f["strays"] for f in figs),
                "missed_kills": sum(f["missed"] for f in figs),
                "from_scratch": sum(f["from_scratch"] for f in figs),
                "runs_by_ranks": {str(r): sum(f["ranks"] == r for f in figs) for r in a.ranks},
-               "seeds": [a.seed, a.seed + a.runs - 1], "steps": a.steps, "stage": a.stage,
+               "seeds": [a.seed, a.seed + len(figs) - 1], "steps": a.steps, "stage": a.stage,
                "wall_s": round(wall, 1)}
     print("[chaos] summary: " + json.dumps(summary), flush=True)
     if a.summary:
         with open(a.summary, "a") as f:
             f.write(json.dumps(summary) + "\n")
-    if not failed and not a.work:
+    if not failed and not a.work and len(figs) == a.runs:
         shutil.rmtree(c.work, ignore_errors=True)
-    print("[chaos] PASS" if not failed else f"[chaos] FAIL: seeds {failed}", flush=True)
-    return 1 if failed else 0
+    ok = not failed and len(figs) == a.runs
+    print("[chaos] PASS" if ok else f"[chaos] FAIL: seeds {failed}" if failed else
+          "[chaos] INCOMPLETE", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

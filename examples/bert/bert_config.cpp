@@ -157,7 +157,7 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
   }
   for (const char* key : {"is_decoder", "add_cross_attention"}) {
     if (!j.contains(key)) continue;
-    // Not j.value(key, false): it throws nlohmann's type_error for 1 or "no" (found by the fuzzer).
+    // Not j.value(key, false): it throws nlohmann's type_error for 1 or "no" (issue 42).
     const auto& v = j.at(key);
     if (!v.is_boolean()) throw fail(key, fmt::format("expected true or false, got {}", shown(v)));
     if (v.get<bool>()) throw fail(key, "true is not supported (an encoder only)");

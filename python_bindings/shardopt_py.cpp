@@ -511,13 +511,17 @@ void bind_optimizer(py::module_& m) {
       "aliases"_a = std::map<std::string, std::string>{}, py::call_guard<py::gil_scoped_release>());
   m.def(
       "load_checkpoint",
-      [](DistributedOptimizer& o, const std::string& dir, bool restore_hyperparameters) {
+      [](DistributedOptimizer& o, const std::string& dir, bool restore_hyperparameters,
+         const std::map<std::string, at::Tensor>& module_state) {
         LoadOptions options;
         options.restore_hyperparameters = restore_hyperparameters;
+        // The module's own tensors (views, not copies): they are overwritten in place.
+        options.module_state = module_state;
         const TrainerState t = shardopt::load_checkpoint(o, dir, options);
         return std::make_pair(t.json, t.tensors);
       },
       "optimizer"_a, "directory"_a, "restore_hyperparameters"_a = true,
+      "module_state"_a = std::map<std::string, at::Tensor>{},
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "consolidate_checkpoint",

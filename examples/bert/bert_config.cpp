@@ -160,7 +160,11 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
     throw fail("model_type", shown(j.at("model_type")) + " is not BERT (expected \"bert\")");
   }
   for (const char* key : {"is_decoder", "add_cross_attention"}) {
-    if (j.value(key, false) == true) throw fail(key, "true is not supported (an encoder only)");
+    if (!j.contains(key)) continue;
+    // Not j.value(key, false): it throws nlohmann's type_error for 1 or "no" (issue 42).
+    const auto& v = j.at(key);
+    if (!v.is_boolean()) throw fail(key, fmt::format("expected true or false, got {}", shown(v)));
+    if (v.get<bool>()) throw fail(key, "true is not supported (an encoder only)");
   }
   // transformers' save_pretrained writes it; false would give the MLM decoder its own matrix.
   if (j.contains("tie_word_embeddings") && j.at("tie_word_embeddings") != true) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <queue>
 #include <stdexcept>
@@ -191,21 +192,27 @@ int32_t Vocab::find(std::string_view token) const {
 }
 
 Vocab Vocab::load(const std::string& path) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("vocab: cannot read '" + path + "'");
+  return parse(std::string(std::istreambuf_iterator<char>(in), {}), path);
+}
+
+Vocab Vocab::parse(std::string_view text, const std::string& source) {
   std::vector<std::string> tokens;
-  std::string line;
-  while (std::getline(in, line)) {
+  while (!text.empty()) {
+    const size_t end = std::min(text.find('\n'), text.size());
+    std::string line(text.substr(0, end));
+    text.remove_prefix(std::min(end + 1, text.size()));
     while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t')) {
       line.pop_back();
     }
-    tokens.push_back(line);
+    tokens.push_back(std::move(line));
   }
   while (!tokens.empty() && tokens.back().empty()) tokens.pop_back();
   try {
     return Vocab(std::move(tokens));
   } catch (const std::exception& e) {
-    throw std::runtime_error(std::string(e.what()) + " in '" + path + "'");
+    throw std::runtime_error(std::string(e.what()) + " in '" + source + "'");
   }
 }
 

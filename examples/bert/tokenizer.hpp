@@ -24,6 +24,8 @@ class Vocab {
   // One token per line (trailing '\r' and whitespace trimmed); throws std::runtime_error naming
   // the file when it cannot be read or lacks one of [PAD] [UNK] [CLS] [SEP] [MASK].
   static Vocab load(const std::string& path);
+  // The same from the file's text; `source` names it in errors (tests/fuzz/vocab_fuzz.cpp).
+  static Vocab parse(std::string_view text, const std::string& source);
   // Writes one token per line via tmp + rename.
   void save(const std::string& path) const;
 

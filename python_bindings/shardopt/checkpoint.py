@@ -4,8 +4,6 @@ directory. The files themselves are written and read by C++ (src/checkpoint/).""
 import json
 import os
 
-import torch
-
 from . import _C
 
 __all__ = ["CheckpointMethods", "consolidate_checkpoint", "read_checkpoint_info",
@@ -36,16 +34,17 @@ class CheckpointMethods:
         ``client_state`` (``(client_state, tensors)`` with ``with_tensors=True``: the tensors
         this rank number saved). The groups' hyper-parameters are restored into
         ``param_groups`` unless ``restore_hyperparameters=False``; with ``module``, its buffers
-        and frozen parameters from the checkpoint (saved with ``module=``). Collective."""
+        and frozen parameters are overwritten in place with the checkpoint's (saved with
+        ``module=``; rank 0's values on every rank), by C++'s ``LoadOptions::module_state``: a
+        name the checkpoint does not store, or another shape or dtype, raises ValueError on every
+        rank before anything changes. Collective."""
+        module_state = self._module_extras(module)[0] if module is not None else {}
         text, tensors = _C.load_checkpoint(self._core, os.fspath(directory),
-                                           restore_hyperparameters)
+                                           restore_hyperparameters, module_state)
         if self._inner is None:
             for g, group in enumerate(self.param_groups):
                 group.update(self._core.group_hyperparameters(g))
-        saved = {k[len("module/"):]: v for k, v in tensors.items() if k.startswith("module/")}
         tensors = {k: v for k, v in tensors.items() if not k.startswith("module/")}
-        if module is not None:
-            self._restore_module_extras(module, saved)
         client_state = json.loads(text)
         return (client_state, tensors) if with_tensors else client_state
 
@@ -71,17 +70,6 @@ class CheckpointMethods:
             elif t is not None:
                 state[name] = t.detach()
         return state, aliases
-
-    def _restore_module_extras(self, module, saved):
-        """Rank 0 read the module state; every rank takes its values."""
-        with torch.no_grad():
-            for name, t in module.state_dict(keep_vars=True).items():
-                if t is None or t.requires_grad:
-                    continue
-                value = saved.get(name) if self.comm.rank == 0 else None
-                buf = t.detach().contiguous() if value is None else value.to(t.dtype).contiguous()
-                self.comm.broadcast(buf, root=0)
-                t.copy_(buf)
 
 
 def consolidate_checkpoint(directory, out, optimizer_out=None):

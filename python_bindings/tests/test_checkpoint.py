@@ -100,8 +100,18 @@ def test_consolidated_model_loads_strictly_with_module_state(comm, tmp_path):
     other_opt.load_checkpoint(tmp_path / "ckpt", module=other)
     for name, tensor in other.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
-    # Without module= the file holds the optimizer's parameters only.
+    # The restore is C++'s LoadOptions::module_state: what the checkpoint does not store is a
+    # MismatchError (a ValueError) before anything changes, as in C++.
     opt.save_checkpoint(tmp_path / "plain")
+    torch.manual_seed(3)
+    third = NormNet()
+    before = {n: t.clone() for n, t in third.state_dict().items()}
+    third_opt = shardopt.DistributedOptimizer(third.named_parameters(), "adamw", comm=comm)
+    with pytest.raises(shardopt.MismatchError, match="stores no module tensor 'frozen.bias'"):
+        third_opt.load_checkpoint(tmp_path / "plain", module=third)
+    for name, tensor in third.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    # Without module= the file holds the optimizer's parameters only.
     shardopt.consolidate_checkpoint(tmp_path / "plain", tmp_path / "plain.pt")
     assert sorted(torch.load(tmp_path / "plain.pt")) == sorted(
         n for n, p in model.named_parameters() if p.requires_grad)

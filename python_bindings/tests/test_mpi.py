@@ -272,6 +272,34 @@ def test_checkpoint_resume_with_client_state_and_scheduler(comm, stage):
     assert all_ranks_ok(comm, ok and diff <= TOL), f"stage {stage}: ok={ok} diff={diff}"
 
 
+def test_load_checkpoint_module_takes_rank0s_buffers(comm):
+    """load_checkpoint(module=) at N = 2 (C++'s LoadOptions::module_state): each rank's buffers
+    differ when saved and when loaded; after the load every rank holds what rank 0 saved."""
+    import shutil
+
+    def build(fill):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        model[1].running_mean.fill_(fill)
+        model[1].num_batches_tracked.fill_(int(fill))
+        opt = shardopt.DistributedOptimizer(model.named_parameters(), "adamw", comm=comm,
+                                            stage=2, lr=0.01)
+        return model, opt
+
+    directory = _shared_dir(comm)
+    model, opt = build(1.0 + comm.rank)
+    opt.save_checkpoint(directory, module=model)
+    resumed, ropt = build(10.0 + comm.rank)
+    ropt.load_checkpoint(directory, module=resumed)
+    bn = resumed[1]
+    ok = (torch.equal(bn.running_mean, torch.full((4,), 1.0))
+          and bn.num_batches_tracked.item() == 1 and torch.equal(bn.running_var, torch.ones(4)))
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert all_ranks_ok(comm, ok), f"rank {comm.rank}: {bn.running_mean} {bn.num_batches_tracked}"
+
+
 def test_tensor_parallel_grid_clipping(comm):
     """make_parallel_groups(tp=2) and ZeroOptions.tensor_group / tensor_replicated: rank r holds
     rows [3r, 3r+3) of W (split) and all of v (replicated); the loss is the unsplit model's (the

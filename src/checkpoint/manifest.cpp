@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -33,6 +34,13 @@ T integer(const json& v) {
                               v.get<int64_t>() <= std::numeric_limits<T>::max();
   if (!fits) throw std::out_of_range("integer " + dump(v) + " out of range");
   return static_cast<T>(v.get<int64_t>());
+}
+// Floats are read only from finite JSON numbers (integers included: 65536 is a scale).
+double finite_number(const json& v) {
+  if (!v.is_number()) throw std::invalid_argument("expected a number, got " + dump(v));
+  const double x = v.get<double>();
+  if (!std::isfinite(x)) throw std::out_of_range("number " + dump(v) + " is not finite");
+  return x;
 }
 std::vector<int64_t> integers(const json& v) {
   if (!v.is_array()) throw std::invalid_argument("expected an array of integers, got " + dump(v));
@@ -202,6 +210,26 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
     m.rule = opt.at("rule").get<std::string>();
     m.state_names = opt.at("state").get<std::vector<std::string>>();
     for (const auto& g : opt.at("param_groups")) m.group_rules.push_back(g);
+    // Read here, before any rank changes its state (Note [Agreement before state changes]).
+    if (const auto it = m.j.find("loss_scaler"); it != m.j.end() && !it->is_null()) {
+      const json& s = *it;
+      SHARDOPT_CHECK(s.is_object(), Checkpoint,
+                     "checkpoint: {}: \"loss_scaler\" should be an object or null, got {}",
+                     m.path.string(), dump(s));
+      LossScaler::State st;
+      st.scale = finite_number(s.at("scale"));
+      st.good_steps = integer<int64_t>(s.at("good_steps"));
+      st.hysteresis_left = integer<int>(s.at("hysteresis_left"));
+      st.overflows = integer<int64_t>(s.at("overflows"));
+      SHARDOPT_CHECK(st.scale > 0 && st.good_steps >= 0 && st.hysteresis_left >= 0 &&
+                         st.overflows >= 0,
+                     Checkpoint,
+                     "checkpoint: {}: invalid loss scaler state (scale {}, good_steps {}, "
+                     "hysteresis_left {}, overflows {}): the scale must be positive and the "
+                     "counts non-negative",
+                     m.path.string(), st.scale, st.good_steps, st.hysteresis_left, st.overflows);
+      m.loss_scaler = st;
+    }
     SHARDOPT_CHECK(m.world >= 1, Checkpoint, "checkpoint: {}: world_size {} is not positive",
                    m.path.string(), m.world);
     const auto& files = m.j.at("files");

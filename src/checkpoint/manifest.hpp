@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "checkpoint/format.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/detail/shard_plan.hpp"
+#include "shardopt/precision.hpp"
 
 namespace shardopt::detail {
 
@@ -51,6 +53,7 @@ struct Manifest {
   std::string rule;
   std::vector<std::string> state_names;
   std::vector<json> group_rules;
+  std::optional<LossScaler::State> loss_scaler;  // fp16's dynamic loss scaler, when saved
   std::vector<ManifestParam> params;
   std::unordered_map<std::string, int> by_name;
   std::vector<ShardFile> files;  // by rank

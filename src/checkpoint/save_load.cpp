@@ -349,14 +349,8 @@ TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string&
   // 2. Every rank succeeded: replace the state.
   commit(a, staging);
   a.set_step_count(m.step);
-  if (const auto it = m.j.find("loss_scaler"); it != m.j.end() && it->is_object()) {
-    LossScaler::State scaler;
-    scaler.scale = it->value("scale", 1.0);
-    scaler.good_steps = it->value("good_steps", int64_t{0});
-    scaler.hysteresis_left = it->value("hysteresis_left", 0);
-    scaler.overflows = it->value("overflows", int64_t{0});
-    a.set_loss_scaler_state(scaler);  // an fp16 optimizer continues with it; others ignore it
-  }
+  // An fp16 optimizer continues with the saved scaler (checked by read_manifest); others ignore it.
+  if (m.loss_scaler) a.set_loss_scaler_state(*m.loss_scaler);
   if (options.restore_hyperparameters) {
     for (size_t g = 0; g < rules.size(); ++g) a.set_group_rule(static_cast<int>(g), rules[g]);
   }

@@ -70,6 +70,11 @@ TEST(BertConfigFile, ErrorsNameTheFileAndTheKey) {
             "cfg.json: 'position_embedding_type' \"relative_key\" is not supported (only \"absolute\")");
   EXPECT_EQ(with("model_type", "roberta"), "cfg.json: 'model_type' \"roberta\" is not BERT (expected \"bert\")");
   EXPECT_EQ(with("is_decoder", true), "cfg.json: 'is_decoder' true is not supported (an encoder only)");
+  // A JSON type error escaped as nlohmann's own exception before (tests/fuzz, issue 42).
+  EXPECT_EQ(with("is_decoder", 1), "cfg.json: 'is_decoder' expected true or false, got 1");
+  EXPECT_EQ(with("add_cross_attention", "no"),
+            "cfg.json: 'add_cross_attention' expected true or false, got \"no\"");
+  EXPECT_EQ(with("is_decoder", false), "");
   EXPECT_EQ(with("tie_word_embeddings", false),
             "cfg.json: 'tie_word_embeddings' false is not supported (this BERT's MLM decoder is "
             "always the word embedding matrix)");

@@ -2,7 +2,8 @@
 # Builds the libFuzzer harnesses with clang (Debian's clang 14: -fsanitize=fuzzer) into
 # build-fuzz/ and, with --run SECONDS, fuzzes each from its seed corpus (a copy: new inputs go to
 # build-fuzz/corpus-<name>, crashes to build-fuzz/crash-<name>-*). Torch-free readers only.
-#   tests/fuzz/build.sh [--run SECONDS]
+#   tests/fuzz/build.sh [--run SECONDS ["NAME ..."]]  (names: safetensors manifest bert_config
+#                                                   vocab data; default all)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${SHARDOPT_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
@@ -12,6 +13,15 @@ flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recov
 "$CXX" "${flags[@]}" -I"$ROOT/examples/bert" "$ROOT/tests/fuzz/safetensors_fuzz.cpp" \
   "$ROOT/examples/bert/safetensors.cpp" -lfmt -o "$OUT/safetensors_fuzz"
 echo "[fuzz] built $OUT/safetensors_fuzz"
+# BERT's torch-free readers: config (JSON), vocab.txt (+ the tokenizer), the pretraining data file.
+B="$ROOT/examples/bert"
+"$CXX" "${flags[@]}" -I"$B" -I"$ROOT/include" "$ROOT/tests/fuzz/bert_config_fuzz.cpp" \
+  "$B/bert_config.cpp" -lfmt -o "$OUT/bert_config_fuzz"
+"$CXX" "${flags[@]}" -I"$B" "$ROOT/tests/fuzz/vocab_fuzz.cpp" "$B/tokenizer.cpp" -lutf8proc \
+  -o "$OUT/vocab_fuzz"
+"$CXX" "${flags[@]}" -I"$B" "$ROOT/tests/fuzz/data_fuzz.cpp" "$B/data.cpp" "$B/data_check.cpp" \
+  "$B/corpus.cpp" "$B/tokenizer.cpp" -lutf8proc -lfmt -lz -o "$OUT/data_fuzz"
+echo "[fuzz] built $OUT/bert_config_fuzz $OUT/vocab_fuzz $OUT/data_fuzz"
 # The manifest parser and its checks compiled with coverage; the rest (Error, CRC-32, files) from
 # the ordinary build's libshardopt.so (scripts/build.sh first), libtorch from the system.
 BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
@@ -23,7 +33,7 @@ BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
 echo "[fuzz] built $OUT/manifest_fuzz"
 if [ "${1:-}" = "--run" ]; then
   seconds="${2:-60}"
-  for name in safetensors manifest; do
+  for name in ${3:-safetensors manifest bert_config vocab data}; do
     mkdir -p "$OUT/corpus-$name"
     for seed in "$ROOT/tests/fuzz/corpus/$name"/*; do  # *.hex seeds are binary inputs as text
       base="$(basename "$seed" .hex)"

@@ -2,6 +2,7 @@
 // parses into a manifest whose sections lie inside their files' stated sizes and whose pieces lie
 // inside their sections, or throws shardopt::Error{Checkpoint}; any other exception, a crash or a
 // sanitizer report is a finding. Replayed over corpus/manifest by CTest with the ordinary build.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -32,6 +33,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const auto& piece : p.pieces) {
       if (piece.numel < 0 || piece.numel > p.numel || piece.shard_begin < 0) std::abort();
     }
+  }
+  if (const auto& s = m.loss_scaler;
+      s && (!(s->scale > 0) || !std::isfinite(s->scale) || s->good_steps < 0 ||
+            s->hysteresis_left < 0 || s->overflows < 0)) {
+    std::abort();
   }
   return 0;
 }

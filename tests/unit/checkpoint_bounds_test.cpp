@@ -51,18 +51,26 @@ class CheckpointBounds : public ::testing::Test {
   }
   std::string path() const { return dir_ + "/manifest.json"; }
   void write(const json& m) { std::ofstream(path()) << m.dump(1); }
-  void load() {
+  // Loads into a fresh optimizer whose parameter is zeros; returns that parameter.
+  at::Tensor load() {
     torch::OrderedDict<std::string, at::Tensor> params;
     params.insert("w", at::zeros({8}).set_requires_grad(true));
     ZeroOptions zo;
     zo.stage = stage_from_int(0);
     DistributedOptimizer opt(params, AdamW(0.1), make_single_communicator(), zo);
-    load_checkpoint(opt, dir_);
+    try {
+      load_checkpoint(opt, dir_);
+    } catch (...) {
+      loaded_ = params["w"];
+      throw;
+    }
+    return params["w"];
   }
 
   fs::path root_;
   std::string dir_;
   json manifest_;
+  at::Tensor loaded_;  // the parameter of the last load() that threw
 };
 
 TEST_F(CheckpointBounds, TheUneditedManifestLoads) {
@@ -138,6 +146,53 @@ TEST_F(CheckpointBounds, OffsetsOutsideTheFileAreNamed) {
   m["parameters"][0]["pieces"][0][1] = std::numeric_limits<int64_t>::max();
   write(m);
   expect_error([&] { load(); }, ErrorKind::Checkpoint, {path(), "a piece of 'w'"});
+}
+
+// The loss scaler's fields are read as the rest of the manifest is (in-range JSON integers, finite
+// numbers) and before any state changes: a bad value is a named error with the parameters left
+// as they were (they were set first and read with nlohmann's value(), casting 1.5 and 2^40).
+TEST_F(CheckpointBounds, LossScalerFieldsAreCheckedBeforeAnyStateChanges) {
+  const json good = {{"scale", 65536.0}, {"good_steps", 3}, {"hysteresis_left", 2},
+                     {"overflows", 1}};
+  json m = manifest_;
+  m["loss_scaler"] = good;  // an fp32 optimizer ignores a valid one
+  write(m);
+  EXPECT_FALSE(at::equal(load(), at::zeros({8})));  // the saved values arrived
+  struct Case {
+    const char* field;
+    json value;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {"scale", "big", "expected a number, got \"big\""},
+      {"scale", nullptr, "expected a number, got null"},
+      {"scale", -2.0, "invalid loss scaler state (scale -2"},
+      {"scale", 0, "the scale must be positive"},
+      {"good_steps", 1.5, "expected an integer, got 1.5"},
+      {"good_steps", -1, "invalid loss scaler state"},
+      {"hysteresis_left", int64_t{1} << 40, "integer 1099511627776 out of range"},
+      {"overflows", 1e300, "expected an integer"},
+      {"overflows", -7, "overflows -7"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(std::string(c.field) + " = " + c.value.dump());
+    m = manifest_;
+    m["loss_scaler"] = good;
+    m["loss_scaler"][c.field] = c.value;
+    write(m);
+    expect_error([&] { load(); }, ErrorKind::Checkpoint, {path(), c.what});
+    ASSERT_TRUE(loaded_.defined());
+    EXPECT_TRUE(at::equal(loaded_, at::zeros({8})));
+  }
+  m = manifest_;
+  m["loss_scaler"] = good;
+  m["loss_scaler"].erase("overflows");
+  write(m);
+  expect_error([&] { load(); }, ErrorKind::Checkpoint, {"malformed manifest", "overflows"});
+  m["loss_scaler"] = "fp16";
+  write(m);
+  expect_error([&] { load(); }, ErrorKind::Checkpoint,
+               {"\"loss_scaler\" should be an object or null, got \"fp16\""});
 }
 
 }  // namespace

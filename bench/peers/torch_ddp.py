@@ -5,8 +5,6 @@ bench/peers/'s harness (parity, byte counts, one JSON report).
 
     mpirun -np 2 python bench/peers/torch_ddp.py --variant zero [--parity]
 """
-import sys
-
 import torch
 import torch.nn as nn
 
@@ -66,4 +64,4 @@ class TorchDDP(common.Peer):
 
 if __name__ == "__main__":
     a = common.finish_args(common.arg_parser(__doc__, ["ddp", "zero"]).parse_args())
-    sys.exit(common.run(TorchDDP(), a))
+    common.exit_now(common.run(TorchDDP(), a))

@@ -171,6 +171,7 @@ class CommCounter:
     all-gather its output. Collectives issued from C++ (DDP's reducer) are not seen."""
 
     NAMES = {"all_reduce": 2, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,
+             "reduce_scatter_single": 1, "all_gather_single": 1,  # FSDP2's, torch >= 2.10
              "reduce_scatter": 1, "all_gather_into_tensor": 1, "_all_gather_base": 1,
              "all_gather": 1, "broadcast": 1, "reduce": 1, "all_to_all_single": 1}
 
@@ -300,9 +301,19 @@ def run(peer, a):
             cpu_t.append(c2 - c0)
     res = dict(rank=rank, step_s=statistics.median(step_t), cpu_s=statistics.median(cpu_t),
                fwdbwd_s=statistics.median(fb_t), opt_s=statistics.median(opt_t),
-               peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               live_bytes=live_tensor_bytes(batches) + peer.extra_state_bytes(),
-               own_state=peer.model_state(), loss_first=losses[0], loss_last=losses[-1])
+               loss_first=losses[0], loss_last=losses[-1])
+    if not a.parity:
+        # Note [Model state point]: one more, untimed step, measured after its backward and after
+        # its optimizer step; the larger total counts (peers free gradients at different points:
+        # DeepSpeed after the step, torch at the next zero_grad).
+        peer.zero_grad()
+        peer.forward_backward(batches[0])
+        points = [(peer.model_state(), live_tensor_bytes(batches))]
+        peer.step()
+        points.append((peer.model_state(), live_tensor_bytes(batches)))
+        res["own_state"] = max((p[0] for p in points), key=lambda d: sum(d.values()))
+        res["live_bytes"] = max(p[1] for p in points) + peer.extra_state_bytes()
+    res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if counter is not None and a.steps > 1:
         res["comm_bytes_per_step"] = (counter.bytes - comm_before) / (a.steps - 1)
         res["comm_by_op"] = counter.by_op

@@ -27,6 +27,24 @@ def tensor_bytes(t):
     return t.numel() * t.element_size() if torch.is_tensor(t) else 0
 
 
+def flatten(x):
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for v in x for t in flatten(v)] if isinstance(x, (list, tuple)) else []
+
+
+def storage_bytes(tensors):
+    """Bytes of the distinct storages under `tensors` (DeepSpeed's gradient structures are views
+    into a few flat buffers, and some into the same one)."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 class DeepSpeedZero(common.Peer):
     name = "deepspeed"
 
@@ -45,7 +63,10 @@ class DeepSpeedZero(common.Peer):
         config = {
             "train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0, "steps_per_print": 1 << 30,
-            "zero_optimization": {"stage": self.stage},
+            # Buckets of 2^22 elements (16 MiB fp32, shardopt's default bucket) rather than
+            # DeepSpeed's 5e8 elements, whose 2 GB stage-3 buffer would be charged to it.
+            "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 1 << 22,
+                                  "allgather_bucket_size": 1 << 22},
         }
         self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                                            config=config)
@@ -86,14 +107,16 @@ class DeepSpeedZero(common.Peer):
         if self.stage == 3:
             out["params"] = sum(tensor_bytes(p.ds_tensor) for _, p in self._named())
             out["fp32_partitions"] = sum(tensor_bytes(t) for t in z.fp32_partitioned_groups_flat)
-            grads = getattr(z, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", {})
-            out["grads"] = sum(tensor_bytes(g) for g in grads.values())
-            out["grads"] += tensor_bytes(getattr(z, "grad_partitions_flat_buffer", None))
+            # the per-parameter gradient partitions are views into this one buffer
+            out["grads"] = tensor_bytes(getattr(z, "grad_partitions_flat_buffer", None))
         else:
             out["params"] = sum(tensor_bytes(t) for t in z.bit16_groups_flat)
             out["fp32_partitions"] = sum(tensor_bytes(t) for t in z.single_partition_of_fp32_groups)
-            out["grads"] = sum(tensor_bytes(t.grad) for t in z.single_partition_of_fp32_groups)
-            out["grads"] += sum(tensor_bytes(p.grad) for _, p in self._named())
+            out["grads"] = storage_bytes(
+                flatten([z.grads_in_partition, z.averaged_gradients,
+                         getattr(z, "all_grad_tensors", {}), getattr(z, "ipg_buffer", None)])
+                + [t.grad for t in z.single_partition_of_fp32_groups if t.grad is not None]
+                + [p.grad for _, p in self._named() if p.grad is not None])
         out["optimizer_state"] = sum(tensor_bytes(v) for st in z.optimizer.state.values()
                                      for v in st.values())
         return out

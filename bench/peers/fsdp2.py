@@ -7,8 +7,9 @@ tied word embedding is used by both, so it stays in the root).
 
     mpirun -np 2 python bench/peers/fsdp2.py --variant reshard [--parity]
 
-Note [Gloo AVG]: FSDP2 reduce-scatters gradients with ReduceOp.AVG in fp32, and Gloo's AVG sums
-(pytorch#162338): every unit is set to force SUM reductions with a post-division, which is exact.
+Note [Gloo AVG]: FSDP2 reduce-scatters fp32 gradients with ReduceOp.AVG, which Gloo summed
+(pytorch#162338); every unit is set to force SUM reductions with a post-division, exact either way.
+(With torch 2.15 here, AVG was exact too: --parity passed with the setting off, 2026-11-26.)
 """
 import torch
 import torch.distributed as dist

@@ -13,6 +13,7 @@ deepspeed.init_distributed(dist_backend="gloo") joins them. DS_ACCELERATOR=cpu i
 no oneCCL bindings installed, DeepSpeed's CPU accelerator names Gloo as its backend.
 """
 import os
+import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/var/cache/shardopt/torch_extensions")
 
@@ -122,6 +123,21 @@ class DeepSpeedZero(common.Peer):
         return out
 
 
+def build_ops():
+    """JIT-builds (or finds in TORCH_EXTENSIONS_DIR) the two ops the peers load: one process at a
+    time, so that two ranks do not wait on each other's build lock under a test's timeout."""
+    from deepspeed.accelerator import get_accelerator
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None:
+            sys.exit(f"[peer] DeepSpeed's accelerator {get_accelerator()._name} has no {name}")
+        builder.load()
+        print(f"[peer] {name}: loaded from {os.environ['TORCH_EXTENSIONS_DIR']}", flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--build-ops"]:
+        build_ops()
+        sys.exit(0)
     a = common.finish_args(common.arg_parser(__doc__, VARIANTS).parse_args())
     common.exit_now(common.run(DeepSpeedZero(), a))

@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
-# shardopt's BERT trainer vs the PyTorch peer (DDP + AdamW, DDP + ZeroRedundancyOptimizer) on this
-# machine, same model, data, batch, threads and steps; prints a markdown table. Needs the project
-# built (scripts/test.sh or scripts/build.sh --target bert_pretrain) and /usr/bin/python3 with torch.
+# shardopt's BERT trainer vs the peers users would pick instead, on this machine, in one run:
+# torch DDP (+ ZeroRedundancyOptimizer), DeepSpeed ZeRO-1/2/3 (torch AdamW and DeepSpeedCPUAdam)
+# and FSDP2 (reshard_after_forward on and off), all over Gloo from the pip platform's venv
+# (bench/peers/), beside `bert_pretrain --stage 0..3`; same model, data, batch, threads and steps.
+# Each peer first runs once for parity against single-process torch.optim.AdamW; prints a markdown
+# table (parity, step time, CPU time, RSS, model state, bytes communicated) and the goals per stage.
 #
-#   bench/compare_peers.sh                           # stages 0 1 2 3, 20 timed steps after 5
-#   bench/compare_peers.sh --stages 0,2 --steps 10 --rounds 2 --variants all
-#   PEER=/path/to/torch_zero_bert.py PYTHON=/usr/bin/python3 bench/compare_peers.sh
+#   bench/compare_peers.sh                           # every peer, stages 0-3, 20 timed steps after 5
+#   bench/compare_peers.sh --rounds 3                # the acceptance run (needs a quiet machine)
+#   bench/compare_peers.sh --peers torch:zero,fsdp2:reshard --stages 1,3 --steps 10
 #
-# Options are those of bench/compare_peers.py (--help). SHARDOPT_BUILD_DIR names the build dir.
+# Options are those of bench/compare_peers.py (--help). The trainer is the pip platform's build
+# (build-pip/, made on demand with scripts/platform.sh pip scripts/build.sh --target
+# bert_pretrain), so both sides use the same libtorch; SHARDOPT_BUILD_DIR names another build dir,
+# PYTHON another Python (it needs torch, DeepSpeed and ninja). DeepSpeedCPUAdam and DeepSpeed's
+# shm comm op are JIT-built on first use into TORCH_EXTENSIONS_DIR
+# (default /var/cache/shardopt/torch_extensions, outside the clone; a few minutes once).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
-PYTHON="${PYTHON:-/usr/bin/python3}"
-PEER="${PEER:-$ROOT/../shared/peers/torch_zero_bert.py}"
+BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build-pip}"
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON="$("$ROOT/scripts/pip-venv.sh")/bin/python"
+fi
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/var/cache/shardopt/torch_extensions}"
+# DeepSpeed's JIT build runs ninja from PATH.
+export PATH="$(dirname "$PYTHON"):$PATH"
 TRAINER="$BUILD/examples/bert_pretrain"
 if [ ! -x "$TRAINER" ]; then
-  echo "[compare] $TRAINER is missing: building it (scripts/build.sh --target bert_pretrain)" >&2
-  SHARDOPT_BUILD_DIR="$BUILD" "$ROOT/scripts/build.sh" --target bert_pretrain
+  echo "[compare] $TRAINER is missing: building it" >&2
+  if [ "$BUILD" = "$ROOT/build-pip" ]; then
+    "$ROOT/scripts/platform.sh" pip scripts/build.sh --target bert_pretrain
+  else
+    SHARDOPT_BUILD_DIR="$BUILD" "$ROOT/scripts/build.sh" --target bert_pretrain
+  fi
 fi
-exec "$PYTHON" "$ROOT/bench/compare_peers.py" --trainer "$TRAINER" --peer "$PEER" \
-  --python "$PYTHON" "$@"
+exec "$PYTHON" "$ROOT/bench/compare_peers.py" --trainer "$TRAINER" --python "$PYTHON" "$@"

@@ -101,3 +101,23 @@ function(shardopt_hf_reason out)
     set(${out} "${SHARDOPT_PYTHON} has no transformers, tokenizers or safetensors (the pip platform's venv has them: scripts/test.sh --platform pip)" PARENT_SCOPE)
   endif()
 endfunction()
+
+# shardopt_peers_reason(out): "" when SHARDOPT_PYTHON can run bench/peers/ (torch's FSDP2
+# fully_shard, DeepSpeed and ninja for its JIT-built ops: the pip platform's venv), else why the
+# peers_* tests are named skips. DeepSpeed is found, not imported (its import probes accelerators
+# and prints to stdout).
+function(shardopt_peers_reason out)
+  if(NOT SHARDOPT_PYTHON)
+    set(${out} "no Python with torch for this build (the peers run on the pip platform: scripts/test.sh --platform pip)" PARENT_SCOPE)
+    return()
+  endif()
+  execute_process(COMMAND "${SHARDOPT_PYTHON}" -c "import importlib.metadata as m, importlib.util as u, ninja; from torch.distributed.fsdp import fully_shard; assert u.find_spec('deepspeed'); print(m.version('deepspeed'))"
+                  OUTPUT_VARIABLE version OUTPUT_STRIP_TRAILING_WHITESPACE
+                  RESULT_VARIABLE rc ERROR_QUIET)
+  if(rc EQUAL 0)
+    message(STATUS "shardopt: peer tests with DeepSpeed ${version} and FSDP2 (${SHARDOPT_PYTHON})")
+    set(${out} "" PARENT_SCOPE)
+  else()
+    set(${out} "${SHARDOPT_PYTHON} lacks DeepSpeed, ninja or torch's fully_shard (the pip platform's venv has them: scripts/test.sh --platform pip)" PARENT_SCOPE)
+  endif()
+endfunction()

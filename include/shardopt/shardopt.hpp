@@ -12,6 +12,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
 #include "shardopt/pipeline.hpp"
+#include "shardopt/pipeline_runner.hpp"
 #include "shardopt/options.hpp"
 #include "shardopt/recompute.hpp"
 #include "shardopt/rules.hpp"

@@ -309,13 +309,20 @@ class MpiCommunicator final : public Communicator {
         ++it;
         continue;
       }
+      std::exception_ptr error;
       try {
         check_p2p(rc, status, it->op);
-        it->done->set_value();
       } catch (...) {
-        it->done->set_exception(std::current_exception());
+        error = std::current_exception();
       }
+      // The tensor is dropped before the caller learns of completion (see run_worker).
+      const auto done = std::move(it->done);
       it = pending_.erase(it);
+      if (error) {
+        done->set_exception(error);
+      } else {
+        done->set_value();
+      }
       progressed = true;
     }
     return progressed;

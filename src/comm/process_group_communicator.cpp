@@ -160,13 +160,21 @@ class ProcessGroupCommunicator final : public Communicator {
   // the group and its store are therefore left to the process's exit instead of destroyed, so
   // that the error ends the process promptly (and the launcher tears the job down).
   ~ProcessGroupCommunicator() override {
-    if (poster_.joinable()) {
-      {
-        std::lock_guard<std::mutex> lock(p2p_mutex_);
-        stopping_ = true;
+    {
+      // A poster blocked on a header nobody will send is woken by aborting that receive.
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      stopping_ = true;
+      for (auto& [peer, poster] : posters_) {
+        if (!poster->waiting) continue;
+        try {
+          poster->waiting->abort();
+        } catch (const std::exception&) {  // not abortable: the join waits for its timeout
+        }
       }
-      p2p_ready_.notify_one();
-      poster_.join();
+    }
+    for (auto& [peer, poster] : posters_) {
+      poster->ready.notify_one();
+      poster->thread.join();
     }
     if (!detail::collective_timed_out()) return;
     (void)group_.release();  // leaked on purpose: see above
@@ -285,8 +293,8 @@ class ProcessGroupCommunicator final : public Communicator {
   // Note [Point-to-point on process groups]: a Gloo receive must not be posted before the size
   // is known (a larger message aborts Gloo's device thread; a smaller one completes silently), so
   // each message is a 2 x int64 header {dtype, numel} (tag 0) then the payload (tag 1). Sends
-  // post both at once. A receive posts its header; a poster thread, polling the oldest receive of
-  // each peer, checks the header and posts the payload into the tensor, or, on a mismatch, into
+  // post both at once. A receive posts its header; the peer's poster thread waits for the
+  // oldest header, checks it and posts the payload into the tensor, or, on a mismatch, into
   // a scratch tensor of the announced size (so the sender completes and later messages stay in
   // step) and fails the receive with Error{Mismatch}. NCCL groups send the payload alone.
   WorkPtr do_batch_isend_irecv(const std::vector<P2pOp>& ops) override {
@@ -332,8 +340,12 @@ class ProcessGroupCommunicator final : public Communicator {
                      std::shared_future<c10::intrusive_ptr<c10d::Work>> payload)
         : Work(std::move(description), timeout), payload_(std::move(payload)) {}
     bool is_completed() override {
-      return payload_.wait_for(std::chrono::seconds(0)) == std::future_status::ready &&
-             (!payload_.get() || payload_.get()->isCompleted());
+      if (payload_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+      try {
+        return payload_.get()->isCompleted();
+      } catch (const Error&) {
+        return true;  // failed (a Mismatch): wait() reports it
+      }
     }
 
    protected:
@@ -358,61 +370,64 @@ class ProcessGroupCommunicator final : public Communicator {
     auto future = pending.payload->get_future().share();
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
-      recvs_[op.peer].push_back(std::move(pending));
-      if (!poster_.joinable()) poster_ = std::thread([this] { run_poster(); });
+      auto& poster = posters_[op.peer];
+      if (!poster) {
+        poster = std::make_unique<Poster>();
+        Poster* raw = poster.get();
+        raw->thread = std::thread([this, raw] { run_poster(*raw); });
+      }
+      poster->queue.push_back(std::move(pending));
+      poster->ready.notify_one();
     }
-    p2p_ready_.notify_one();
     return std::make_shared<HeaderedRecvWork>(detail::describe_p2p(op, name_), timeout(),
                                               std::move(future));
   }
 
-  // Polls the oldest receive of each peer (peers never wait for each other), backing off while
-  // no header arrives.
-  void run_poster() {
-    auto interval = std::chrono::microseconds(10);
+  // One poster thread per peer received from, so that a header awaited from one peer never
+  // holds up another's (c10d's Gloo receives report completion only through a blocking wait,
+  // and a wait that timed out leaves the receive failed: no polling).
+  struct Poster {
+    std::deque<PendingRecv> queue;  // oldest first
+    c10::intrusive_ptr<c10d::Work> waiting;  // the header being waited for
+    std::condition_variable ready;
+    std::thread thread;
+  };
+
+  void run_poster(Poster& poster) {
     std::unique_lock<std::mutex> lock(p2p_mutex_);
     for (;;) {
-      const bool idle = std::all_of(recvs_.begin(), recvs_.end(),
-                                    [](const auto& kv) { return kv.second.empty(); });
+      poster.ready.wait(lock, [&] { return stopping_ || !poster.queue.empty(); });
       if (stopping_) return;
-      if (idle) {
-        p2p_ready_.wait(lock);
-        interval = std::chrono::microseconds(10);
-        continue;
-      }
-      bool progressed = false;
-      for (auto& kv : recvs_) {
-        auto& queue = kv.second;
-        while (!queue.empty() && queue.front().header_work->isCompleted()) {
-          PendingRecv p = std::move(queue.front());
-          queue.pop_front();
-          lock.unlock();
-          post_payload(p);
-          lock.lock();
-          progressed = true;
-        }
-      }
-      interval = progressed ? std::chrono::microseconds(10)
-                            : std::min(interval * 2, std::chrono::microseconds(1000));
-      p2p_ready_.wait_for(lock, interval);
+      PendingRecv p = std::move(poster.queue.front());
+      poster.queue.pop_front();
+      poster.waiting = p.header_work;
+      lock.unlock();
+      post_payload(p);
+      lock.lock();
+      poster.waiting.reset();
     }
   }
 
   void post_payload(PendingRecv& p) {
     try {
-      try {
-        p.header_work->wait();
-      } catch (const std::exception& e) {
-        SHARDOPT_FAIL(Communication, "comm: {} failed: {}", detail::describe_p2p(p.op, name_),
-                      first_line(e.what()));
-      }
+      ProcessGroupWork header(detail::describe_p2p(p.op, name_) + " (header)", timeout(),
+                              p.header_work);
+      SHARDOPT_CHECK(header.wait_until_for(timeout()), Timeout,
+                     "comm: {} did not complete within {} ms; the peer may have died, hung, or "
+                     "not sent",
+                     detail::describe_p2p(p.op, name_), timeout().count());
       const int64_t code = p.header[0][0].template item<int64_t>();
       const int64_t numel = p.header[0][1].template item<int64_t>();
       const bool known = code >= 0 && code < static_cast<int64_t>(at::ScalarType::NumOptions);
       const auto dtype = static_cast<at::ScalarType>(known ? code : 0);
       if (known && dtype == p.op.tensor.scalar_type() && numel == p.op.tensor.numel()) {
         std::vector<at::Tensor> payload{transport_bits(p.op.tensor, name_ == "gloo")};
-        p.payload->set_value(group_->recv(payload, p.op.peer, kPayloadTag));
+        auto work = group_->recv(payload, p.op.peer, kPayloadTag);
+        // Our references go before the caller learns of completion (the work keeps its own):
+        // see Note [Freeing without the GIL] in python_bindings/shardopt_py.cpp.
+        payload.clear();
+        p.op.tensor.reset();
+        p.payload->set_value(std::move(work));
         return;
       }
       SHARDOPT_CHECK(known && numel >= 0, Communication,
@@ -420,9 +435,14 @@ class ProcessGroupCommunicator final : public Communicator {
                      detail::describe_p2p(p.op, name_), code, numel);
       // Drained into scratch, kept alive until the process group is done with it.
       std::vector<at::Tensor> scratch{transport_bits(at::empty({numel}, dtype), true)};
-      drains_.push_back(group_->recv(scratch, p.op.peer, kPayloadTag));
+      auto drain = group_->recv(scratch, p.op.peer, kPayloadTag);
+      {
+        std::lock_guard<std::mutex> lock(p2p_mutex_);
+        drains_.push_back(std::move(drain));
+      }
       detail::fail_p2p_mismatch(p.op, name_, fmt::format("{} x {}", numel, c10::toString(dtype)));
     } catch (...) {
+      p.op.tensor.reset();
       p.payload->set_exception(std::current_exception());
     }
   }
@@ -450,11 +470,9 @@ class ProcessGroupCommunicator final : public Communicator {
   int64_t splits_ = 0;
   // Point-to-point receives (Note [Point-to-point on process groups]).
   std::mutex p2p_mutex_;
-  std::condition_variable p2p_ready_;
-  std::map<int, std::deque<PendingRecv>> recvs_;  // by peer, oldest first
-  std::vector<c10::intrusive_ptr<c10d::Work>> drains_;  // poster-only
+  std::map<int, std::unique_ptr<Poster>> posters_;  // by peer
+  std::vector<c10::intrusive_ptr<c10d::Work>> drains_;  // guarded by p2p_mutex_
   bool stopping_ = false;
-  std::thread poster_;
 };
 
 #if SHARDOPT_HAS_GLOO

@@ -9,9 +9,10 @@
 
 namespace shardopt {
 
-// Note [Pipeline action lists]: a schedule is data, not control flow (torch.distributed.pipelining's
-// lesson). compile_schedule() turns (kind, p ranks, m micro-batches, v chunks per rank) into one
-// list of Actions per rank; an executor runs its rank's list front to back and does nothing else.
+// Note [Pipeline action lists]: a schedule is data, not control flow (the lesson of
+// torch.distributed.pipelining). compile_schedule() turns (kind, p ranks, m micro-batches, v
+// chunks per rank) into one list of Actions per rank; an executor (run_pipeline in
+// pipeline_runner.hpp) runs its rank's list front to back and does nothing else.
 //   - The model is cut into S = v*p stages; rank r holds chunks c = 0..v-1, chunk c being stage
 //     c*p + r (Megatron's interleaved placement; v = 1: stage r on rank r).
 //   - Compute actions: Forward, Backward (input and weight gradients together), or the two halves

@@ -34,10 +34,12 @@ std::vector<Layer> make_model() {
 }
 
 at::Tensor data(int mb) {
-  return at::cos(at::arange(kBatch * kHidden, at::kFloat) * (0.11 * (mb + 1))).reshape({kBatch, kHidden});
+  const at::Tensor i = at::arange(kBatch * kHidden, at::kFloat);
+  return at::cos(i * (0.11 * (mb + 1))).reshape({kBatch, kHidden});
 }
 at::Tensor target(int mb) {
-  return at::sin(at::arange(kBatch * kHidden, at::kFloat) * (0.23 * (mb + 1))).reshape({kBatch, kHidden});
+  const at::Tensor i = at::arange(kBatch * kHidden, at::kFloat);
+  return at::sin(i * (0.23 * (mb + 1))).reshape({kBatch, kHidden});
 }
 
 at::Tensor run_layers(const std::vector<Layer>& model, int first, int last, at::Tensor x) {
@@ -108,8 +110,9 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
                                std::pair{model[l].bias, reference[l].bias}}) {
         const bool same = got.grad().defined() && at::equal(got.grad(), want.grad());
         EXPECT_TRUE(same) << "layer " << l << " max diff "
-                          << (got.grad().defined() ? (got.grad() - want.grad()).abs().max().item<float>()
-                                                   : -1.f);
+                          << (got.grad().defined()
+                                  ? (got.grad() - want.grad()).abs().max().item<float>()
+                                  : -1.f);
         ok = ok && same;
       }
     }

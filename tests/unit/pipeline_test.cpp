@@ -207,7 +207,8 @@ TEST(PipelineSchedule, ValidatorNamesViolations) {
 TEST(PipelineSchedule, SimulatorReportsDeadlock) {
   PipelineSchedule s = compile_schedule(Kind::GPipe, 2, 1);
   // Both ranks receive first: each waits for the other.
-  s.actions[0] = {Action{ActionType::RecvGrad, 0, 0, 0, 1}, Action{ActionType::Forward, 0, 0, 0, -1},
+  s.actions[0] = {Action{ActionType::RecvGrad, 0, 0, 0, 1},
+                  Action{ActionType::Forward, 0, 0, 0, -1},
                   Action{ActionType::SendActivation, 0, 0, 0, 1},
                   Action{ActionType::Backward, 0, 0, 0, -1}};
   try {

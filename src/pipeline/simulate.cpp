@@ -89,7 +89,11 @@ void check_local_order(const PipelineSchedule& s) {
     for (int c = 0; c < s.chunks; ++c) {
       const int st = c * s.ranks + r;
       for (int mb = 0; mb < s.microbatches; ++mb) {
-        const auto name = [&](ActionType t) { return to_string(Action{t, mb, c, st, -1}); };
+        const auto name = [&](ActionType t) {
+          Action a{t, mb, c, st, -1};
+          if (!is_compute(t)) a.peer = s.rank_of((peer_stage(a) + S) % S);
+          return to_string(a);
+        };
         const int f = pos(ActionType::Forward, st, mb);
         const int b = pos(ActionType::Backward, st, mb);
         const int in = pos(ActionType::BackwardInput, st, mb);

@@ -79,8 +79,9 @@ struct P2pOp {
 // between. A receive names the dtype and element count it expects (its tensor); a message of
 // another dtype or size fails that receive with Error{Mismatch} naming both (MPI: the message's
 // tag carries the dtype and its byte count is checked; Gloo: a 16-byte header precedes each
-// message, and the payload travels under a tag made from its dtype and size, so a mismatched
-// payload never lands in a tensor of another size). NCCL cannot check: there a mismatch is
+// message, and the payload is received only once the header matches, else drained into scratch,
+// so it never lands in a tensor of another size and the pair stays in step: Note
+// [Point-to-point on process groups]). NCCL cannot check: there a mismatch is
 // undefined, as in NCCL itself. A peer that never sends ends in Error{Timeout}, as collectives do.
 
 // All calls but point-to-point ones are collective: every rank must make the same calls in the

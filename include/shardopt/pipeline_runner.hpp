@@ -40,7 +40,9 @@ struct PipelineRunOptions {
 // for its parameters (torch::autograd::backward with inputs): correct, not yet faster. Tested on
 // MPI and Gloo; on NCCL a lone send and a lone receive queue on one stream, so two ranks sending
 // to each other at once would wait on each other there: pairing them in one batch_isend_irecv
-// (Megatron's send_forward_recv_backward) is still to do.
+// (Megatron's send_forward_recv_backward) is still to do. Sent tensors are released once their
+// sends report completion; c10d's Gloo sends report it only when waited for, so there they live
+// to the end of the call.
 std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communicator& comm,
                                      const std::vector<PipelineChunk>& chunks,
                                      const std::function<at::Tensor(int microbatch)>& data,

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace shardopt {
 
@@ -62,7 +63,29 @@ struct Capabilities {
 class Communicator;
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 
-// All calls are collective: every rank must make the same calls in the same order.
+// One message of a point-to-point batch (Communicator::batch_isend_irecv).
+struct P2pOp {
+  enum class Kind { Send, Recv };
+  Kind kind = Kind::Send;
+  at::Tensor tensor;  // contiguous; a Recv fills it in place
+  int peer = -1;      // the rank sent to or received from, in this communicator
+  static P2pOp send(at::Tensor t, int dst) { return {Kind::Send, std::move(t), dst}; }
+  static P2pOp recv(at::Tensor t, int src) { return {Kind::Recv, std::move(t), src}; }
+};
+
+// Note [Point-to-point messages]: send/recv are not collective; only the two ranks take part.
+// There are no tags: the messages from rank a to rank b are matched to b's receives from a in the
+// order each side issued them (MPI's non-overtaking rule), whatever else either rank does in
+// between. A receive names the dtype and element count it expects (its tensor); a message of
+// another dtype or size fails that receive with Error{Mismatch} naming both (MPI: the message's
+// tag carries the dtype and its byte count is checked; Gloo: a 16-byte header precedes each
+// message, and the payload is received only once the header matches, else drained into scratch,
+// so it never lands in a tensor of another size and the pair stays in step: Note
+// [Point-to-point on process groups]). NCCL cannot check: there a mismatch is
+// undefined, as in NCCL itself. A peer that never sends ends in Error{Timeout}, as collectives do.
+
+// All calls but point-to-point ones are collective: every rank must make the same calls in the
+// same order.
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   virtual ~Communicator() = default;
@@ -87,6 +110,18 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   WorkPtr broadcast(const at::Tensor& tensor, int root, bool async = false);
   void barrier();
 
+  // Point-to-point (Note [Point-to-point messages]). The i- forms return at once; the tensor must
+  // stay alive and unchanged (send) or unread (recv) until wait(). A peer outside [0, size()) or
+  // equal to rank() is Error{InvalidArgument}.
+  void send(const at::Tensor& tensor, int dst);
+  void recv(const at::Tensor& tensor, int src);
+  WorkPtr isend(const at::Tensor& tensor, int dst);
+  WorkPtr irecv(const at::Tensor& tensor, int src);
+  // Issues every op at once and returns one Work for all: with NCCL the ops form one group, so a
+  // rank may both send to and receive from a peer in one batch without deadlock (the other
+  // engines never block on issue).
+  WorkPtr batch_isend_irecv(const std::vector<P2pOp>& ops);
+
   // Sub-communicators (MPI_Comm_split; a c10d subgroup for process groups). Call on all ranks.
   // Ranks passing the same color >= 0 form one new communicator, ranked by (key, rank here);
   // a rank passing color < 0 joins none and gets nullptr. The new one keeps this one's timeout.
@@ -110,6 +145,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual WorkPtr do_all_gather(const at::Tensor& input, const at::Tensor& output) = 0;
   virtual WorkPtr do_broadcast(const at::Tensor& tensor, int root) = 0;
   virtual void do_barrier() = 0;
+  // Validated ops (peers in range, tensors checked), issued in order. The default throws
+  // Error{Unsupported} naming the engine.
+  virtual WorkPtr do_batch_isend_irecv(const std::vector<P2pOp>& ops);
   // Called on validated arguments (color < 0 already mapped to "none"); engines without
   // sub-groups keep the default, which throws Error{Unsupported} naming the engine.
   virtual CommunicatorPtr do_split(int color, int key);
@@ -128,6 +166,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
 // A completed Work, for engines whose calls finish before they return.
 WorkPtr make_completed_work(std::string description);
+// One Work over several: wait() waits for each in order within the one deadline.
+WorkPtr make_work_group(std::string description, std::vector<WorkPtr> parts, Duration timeout);
 
 // One process, rank 0 of 1: collectives are copies or no-ops.
 CommunicatorPtr make_single_communicator();

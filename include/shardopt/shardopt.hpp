@@ -11,6 +11,8 @@
 #include "shardopt/memory_tracker.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
+#include "shardopt/pipeline.hpp"
+#include "shardopt/pipeline_runner.hpp"
 #include "shardopt/options.hpp"
 #include "shardopt/recompute.hpp"
 #include "shardopt/rules.hpp"

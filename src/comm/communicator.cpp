@@ -169,7 +169,40 @@ void check_alias(const char* op, const at::Tensor& whole, const at::Tensor& part
                  op, rank);
 }
 
+// Waits for every part against one deadline (the parts' own errors pass through).
+class WorkGroup final : public Work {
+ public:
+  WorkGroup(std::string description, std::vector<WorkPtr> parts, Duration timeout)
+      : Work(std::move(description), timeout), parts_(std::move(parts)) {}
+  bool is_completed() override {
+    for (const auto& p : parts_) {
+      if (!p->is_completed()) return false;
+    }
+    return true;
+  }
+
+ protected:
+  bool wait_for(Duration timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (const auto& p : parts_) {
+      const auto left = std::chrono::duration_cast<Duration>(deadline -
+                                                             std::chrono::steady_clock::now());
+      if (left <= Duration::zero() && !p->is_completed()) return false;
+      p->wait(std::max(left, Duration(1)));  // a part's Timeout names the message
+    }
+    return true;
+  }
+
+ private:
+  std::vector<WorkPtr> parts_;
+};
+
 }  // namespace
+
+WorkPtr make_work_group(std::string description, std::vector<WorkPtr> parts, Duration timeout) {
+  if (parts.size() == 1) return std::move(parts.front());
+  return std::make_shared<WorkGroup>(std::move(description), std::move(parts), timeout);
+}
 
 WorkPtr make_completed_work(std::string description) {
   return std::make_shared<CompletedWork>(std::move(description));
@@ -241,6 +274,50 @@ WorkPtr Communicator::broadcast(const at::Tensor& tensor, int root, bool async) 
 }
 
 void Communicator::barrier() { do_barrier(); }
+
+void Communicator::send(const at::Tensor& tensor, int dst) { isend(tensor, dst)->wait(); }
+void Communicator::recv(const at::Tensor& tensor, int src) { irecv(tensor, src)->wait(); }
+WorkPtr Communicator::isend(const at::Tensor& tensor, int dst) {
+  return batch_isend_irecv({P2pOp::send(tensor, dst)});
+}
+WorkPtr Communicator::irecv(const at::Tensor& tensor, int src) {
+  return batch_isend_irecv({P2pOp::recv(tensor, src)});
+}
+
+WorkPtr Communicator::batch_isend_irecv(const std::vector<P2pOp>& ops) {
+  for (const auto& op : ops) {
+    const bool send = op.kind == P2pOp::Kind::Send;
+    const char* name = send ? "send" : "recv";
+    check_tensor(*this, name, "tensor", op.tensor);
+    SHARDOPT_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, InvalidArgument,
+                   "comm.{}: the peer must be another rank of this communicator, in [0, {}) and "
+                   "not {} (this rank), got {} ({} on {})",
+                   name, size_, rank_, op.peer, describe(op.tensor), backend());
+  }
+  if (ops.empty()) return make_completed_work("empty batch_isend_irecv");
+  return do_batch_isend_irecv(ops);
+}
+
+std::string detail::describe_p2p(const P2pOp& op, const std::string& backend) {
+  const bool send = op.kind == P2pOp::Kind::Send;
+  return fmt::format("{}({} {} rank {}) on {}", send ? "send" : "recv", describe(op.tensor),
+                     send ? "to" : "from", op.peer, backend);
+}
+
+void detail::fail_p2p_mismatch(const P2pOp& op, const std::string& backend,
+                               const std::string& got) {
+  SHARDOPT_FAIL(Mismatch,
+                "comm.recv: the message from rank {} does not match the receiving tensor, "
+                "expected {} x {} ({} bytes), got {} ({}); the ranks' sends and receives "
+                "disagree",
+                op.peer, op.tensor.numel(), c10::toString(op.tensor.scalar_type()),
+                op.tensor.nbytes(), got, describe_p2p(op, backend));
+}
+
+WorkPtr Communicator::do_batch_isend_irecv(const std::vector<P2pOp>&) {
+  SHARDOPT_FAIL(Unsupported, "comm.send/recv: the {} engine has no point-to-point messages",
+                backend());
+}
 
 CommunicatorPtr Communicator::split(int color, int key) {
   CommunicatorPtr sub = do_split(color < 0 ? -1 : color, key);

@@ -17,3 +17,12 @@ CommunicatorPtr make_gloo_tcp_communicator(int rank, int size, const std::string
                                            Duration timeout,
                                            const std::optional<std::string>& agent_prefix = {});
 }  // namespace shardopt::detail
+
+namespace shardopt::detail {
+// "send([4] float32 cpu to rank 1) on mpi": the description of one point-to-point message.
+std::string describe_p2p(const P2pOp& op, const std::string& backend);
+// Throws Error{Mismatch}: the message `op` awaited from its peer is of another dtype or size
+// (Note [Point-to-point messages]). `got` describes what arrived, e.g. "8 x int32".
+[[noreturn]] void fail_p2p_mismatch(const P2pOp& op, const std::string& backend,
+                                    const std::string& got);
+}  // namespace shardopt::detail

@@ -20,6 +20,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <list>
 #include <future>
 #include <mutex>
 #include <string>
@@ -130,6 +131,10 @@ class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, int rank, int size, bool threaded)
       : Communicator(rank, size), comm_(comm), threaded_(threaded) {
+    // Point-to-point messages match any tag from their source (the tag carries the dtype), so
+    // they get a communicator of their own that the collectives' Sendrecv never touches.
+    SHARDOPT_MPI_CHECK(MPI_Comm_dup(comm_, &p2p_comm_), "make_mpi_communicator");
+    MPI_Comm_set_errhandler(p2p_comm_, MPI_ERRORS_RETURN);
     if (threaded_) {
       {
         std::lock_guard<std::mutex> lock(g_live_mutex);
@@ -160,7 +165,10 @@ class MpiCommunicator final : public Communicator {
     }
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&comm_);
+    if (!finalized) {
+      MPI_Comm_free(&p2p_comm_);
+      MPI_Comm_free(&comm_);
+    }
   }
 
   std::string backend() const override { return "mpi"; }
@@ -202,6 +210,14 @@ class MpiCommunicator final : public Communicator {
   void do_barrier() override {
     submit("barrier on mpi", [this] { SHARDOPT_MPI_CHECK(MPI_Barrier(comm_), "barrier"); })->wait();
   }
+  // Each message is posted (MPI_Isend/MPI_Irecv) on the worker in submission order and completes
+  // there too (poll_p2p), so MPI is entered by one thread only, as MPI_THREAD_SERIALIZED allows.
+  WorkPtr do_batch_isend_irecv(const std::vector<P2pOp>& ops) override {
+    std::vector<WorkPtr> parts;
+    for (const auto& op : ops) parts.push_back(post_p2p(op));
+    return make_work_group(fmt::format("batch_isend_irecv of {} messages on mpi", ops.size()),
+                           std::move(parts), timeout());
+  }
   // On the worker, after every collective issued before it (MPI forbids two threads in
   // collectives on one communicator).
   CommunicatorPtr do_split(int color, int key) override {
@@ -238,6 +254,136 @@ class MpiCommunicator final : public Communicator {
     return std::make_shared<MpiWork>(std::move(description), timeout(), std::move(done), shared_);
   }
 
+  struct Pending {
+    MPI_Request request = MPI_REQUEST_NULL;
+    P2pOp op;
+    std::shared_ptr<std::promise<void>> done;
+  };
+
+  // Posts `op` on the worker (inline without one); the Work completes when the message has.
+  WorkPtr post_p2p(const P2pOp& op) {
+    std::string description = detail::describe_p2p(op, "mpi");
+    auto done = std::make_shared<std::promise<void>>();
+    std::shared_future<void> future = done->get_future().share();
+    auto post = [this, op, done] {
+      Pending p{MPI_REQUEST_NULL, op, done};
+      const int bytes = mpi_count(static_cast<int64_t>(op.tensor.nbytes()), "send/recv");
+      try {
+        if (op.kind == P2pOp::Kind::Send) {
+          SHARDOPT_MPI_CHECK(MPI_Isend(op.tensor.data_ptr(), bytes, MPI_BYTE, op.peer,
+                                       dtype_tag(op.tensor.scalar_type()), p2p_comm_, &p.request),
+                             detail::describe_p2p(op, "mpi"));
+        } else {
+          SHARDOPT_MPI_CHECK(MPI_Irecv(op.tensor.data_ptr(), bytes, MPI_BYTE, op.peer,
+                                       MPI_ANY_TAG, p2p_comm_, &p.request),
+                             detail::describe_p2p(op, "mpi"));
+        }
+      } catch (...) {
+        done->set_exception(std::current_exception());
+        return;
+      }
+      pending_.push_back(std::move(p));
+    };
+    if (!threaded_) {
+      post();
+      return std::make_shared<InlineP2pWork>(std::move(description), timeout(), std::move(future),
+                                             this);
+    }
+    submit(description, std::move(post));
+    return std::make_shared<MpiWork>(std::move(description), timeout(), std::move(future),
+                                     shared_);
+  }
+
+  // The tag of a message is its dtype, so that the receiver can name what arrived.
+  static int dtype_tag(at::ScalarType t) { return static_cast<int>(t); }
+
+  // Completes the posted messages that MPI has finished; returns whether any did. Worker-only
+  // (or the caller's thread without a worker).
+  bool poll_p2p() {
+    bool progressed = false;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      int flag = 0;
+      MPI_Status status;
+      const int rc = MPI_Test(&it->request, &flag, &status);
+      if (rc == MPI_SUCCESS && !flag) {
+        ++it;
+        continue;
+      }
+      std::exception_ptr error;
+      try {
+        check_p2p(rc, status, it->op);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      // The tensor is dropped before the caller learns of completion (see run_worker).
+      const auto done = std::move(it->done);
+      it = pending_.erase(it);
+      if (error) {
+        done->set_exception(error);
+      } else {
+        done->set_value();
+      }
+      progressed = true;
+    }
+    return progressed;
+  }
+
+  // A receive completes with the sender's dtype in its tag and its byte count in the status.
+  static void check_p2p(int rc, MPI_Status& status, const P2pOp& op) {
+    const std::string what = detail::describe_p2p(op, "mpi");
+    int error_class = MPI_SUCCESS;
+    if (rc != MPI_SUCCESS) MPI_Error_class(rc, &error_class);
+    if (op.kind == P2pOp::Kind::Recv && (rc == MPI_SUCCESS || error_class == MPI_ERR_TRUNCATE)) {
+      const auto sent = static_cast<at::ScalarType>(status.MPI_TAG);
+      const bool known = status.MPI_TAG >= 0 &&
+                         status.MPI_TAG < static_cast<int>(at::ScalarType::NumOptions);
+      const std::string dtype = known ? c10::toString(sent) : fmt::format("tag {}", status.MPI_TAG);
+      if (error_class == MPI_ERR_TRUNCATE) {
+        detail::fail_p2p_mismatch(op, "mpi", fmt::format("more than {} bytes of {}",
+                                                         op.tensor.nbytes(), dtype));
+      }
+      int bytes = 0;
+      MPI_Get_count(&status, MPI_BYTE, &bytes);
+      if (sent != op.tensor.scalar_type() || bytes != static_cast<int64_t>(op.tensor.nbytes())) {
+        const int64_t elem = known ? static_cast<int64_t>(c10::elementSize(sent)) : 1;
+        detail::fail_p2p_mismatch(op, "mpi", fmt::format("{} x {}", bytes / elem, dtype));
+      }
+      return;
+    }
+    if (rc == MPI_SUCCESS) return;
+    char message[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(rc, message, &length);
+    SHARDOPT_FAIL(Communication, "comm.mpi: {} failed: {}", what, std::string(message, length));
+  }
+
+  // Without a worker thread (MPI_THREAD_SINGLE/FUNNELED) the waiting thread polls MPI itself.
+  class InlineP2pWork final : public Work {
+   public:
+    InlineP2pWork(std::string description, Duration timeout, std::shared_future<void> done,
+                  MpiCommunicator* comm)
+        : Work(std::move(description), timeout), done_(std::move(done)), comm_(comm) {}
+    bool is_completed() override {
+      comm_->poll_p2p();
+      return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    }
+
+   protected:
+    bool wait_for(Duration timeout) override {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      while (!is_completed()) {
+        if (std::chrono::steady_clock::now() >= deadline) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      done_.get();
+      return true;
+    }
+
+   private:
+    std::shared_future<void> done_;
+    MpiCommunicator* comm_;
+  };
+
   // A communicator over `sub` (duplicated by make_mpi_communicator), which is then freed.
   static CommunicatorPtr adopt(MPI_Comm sub) {
     if (sub == MPI_COMM_NULL) return nullptr;
@@ -256,8 +402,22 @@ class MpiCommunicator final : public Communicator {
       Task task;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
+        const auto woken = [this] { return stopping_ || !queue_.empty(); };
+        if (pending_.empty()) {
+          ready_.wait(lock, woken);
+        } else {
+          // Messages in flight: poll them, backing off while none completes.
+          ready_.wait_for(lock, poll_interval_, woken);
+        }
+        if (queue_.empty() && stopping_) {
+          cancel_p2p();
+          return;
+        }
+        if (queue_.empty()) {
+          lock.unlock();
+          poll_interval_ = poll_p2p() ? kMinPoll : std::min(poll_interval_ * 2, kMaxPoll);
+          continue;
+        }
         task = std::move(queue_.front());
         queue_.pop_front();
       }
@@ -275,7 +435,20 @@ class MpiCommunicator final : public Communicator {
       } else {
         task.done.set_value();
       }
+      if (!pending_.empty()) {
+        poll_p2p();
+        poll_interval_ = kMinPoll;
+      }
     }
+  }
+
+  // At teardown: receives nobody will send are cancelled; sends are left to MPI.
+  void cancel_p2p() {
+    for (auto& p : pending_) {
+      if (p.op.kind == P2pOp::Kind::Recv) MPI_Cancel(&p.request);
+      MPI_Request_free(&p.request);
+    }
+    pending_.clear();
   }
 
   // Typed view of the persistent scratch buffer; grows once, never shrinks.
@@ -357,7 +530,12 @@ class MpiCommunicator final : public Communicator {
   }
 
   MPI_Comm comm_;
+  MPI_Comm p2p_comm_ = MPI_COMM_NULL;
   bool threaded_;
+  static constexpr std::chrono::microseconds kMinPoll{10};
+  static constexpr std::chrono::microseconds kMaxPoll{1000};
+  std::chrono::microseconds poll_interval_ = kMinPoll;  // worker-only
+  std::list<Pending> pending_;                          // worker-only (caller's without one)
   std::thread worker_;
   std::promise<void> exit_signal_;
   std::future<void> exited_;

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <thread>
 
+#include "comm/engines.hpp"
 #include "plugins.hpp"
 #include "shardopt/error.hpp"
 #include "torch_stream.hpp"
@@ -188,6 +189,38 @@ class NcclCommunicator final : public Communicator {
     if (color < 0) return nullptr;
     return make_nccl_communicator(sub_bootstrap, device_);
 #endif
+  }
+
+  // One NCCL group per batch, so a rank may send to and receive from a peer in one batch (NCCL
+  // pairs the two sides' groups). NCCL cannot check a message's dtype or size (Note
+  // [Point-to-point messages]); host tensors go through the bootstrap engine, which can.
+  WorkPtr do_batch_isend_irecv(const std::vector<P2pOp>& ops) override {
+    const bool host = ops.front().tensor.is_cpu();
+    for (const auto& op : ops) {
+      SHARDOPT_CHECK(op.tensor.is_cpu() == host, InvalidArgument,
+                     "comm.nccl: a batch_isend_irecv mixes host and CUDA tensors ({}); issue "
+                     "them as two batches",
+                     detail::describe_p2p(op, "nccl"));
+    }
+    if (host) return bootstrap_->batch_isend_irecv(ops);
+    for (const auto& op : ops) check_device(op.tensor);
+    SHARDOPT_NCCL_CHECK(ncclGroupStart(), "batch_isend_irecv");
+    for (const auto& op : ops) {
+      const auto type = nccl_type(op.tensor.scalar_type());
+      if (op.kind == P2pOp::Kind::Send) {
+        SHARDOPT_NCCL_CHECK(ncclSend(op.tensor.data_ptr(), op.tensor.numel(), type, op.peer,
+                                     state_->comm, stream_),
+                            detail::describe_p2p(op, "nccl"));
+      } else {
+        SHARDOPT_NCCL_CHECK(ncclRecv(op.tensor.data_ptr(), op.tensor.numel(), type, op.peer,
+                                     state_->comm, stream_),
+                            detail::describe_p2p(op, "nccl"));
+      }
+    }
+    SHARDOPT_NCCL_CHECK(ncclGroupEnd(), "batch_isend_irecv");
+    return record(ops.size() == 1 ? detail::describe_p2p(ops.front(), "nccl")
+                                  : fmt::format("batch_isend_irecv of {} messages on nccl",
+                                                ops.size()));
   }
 
   void do_barrier() override {

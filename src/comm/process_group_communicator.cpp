@@ -32,6 +32,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
 #include <cstdlib>
 #include <optional>
 #include <sstream>
@@ -104,6 +109,7 @@ class ProcessGroupWork final : public Work {
                    std::function<void()> then = {})
       : Work(std::move(description), timeout), work_(std::move(work)), then_(std::move(then)) {}
   bool is_completed() override { return work_->isCompleted(); }
+  bool wait_until_for(Duration timeout) { return wait_for(timeout); }
 
  protected:
   bool wait_for(Duration timeout) override {
@@ -154,6 +160,22 @@ class ProcessGroupCommunicator final : public Communicator {
   // the group and its store are therefore left to the process's exit instead of destroyed, so
   // that the error ends the process promptly (and the launcher tears the job down).
   ~ProcessGroupCommunicator() override {
+    {
+      // A poster blocked on a header nobody will send is woken by aborting that receive.
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      stopping_ = true;
+      for (auto& [peer, poster] : posters_) {
+        if (!poster->waiting) continue;
+        try {
+          poster->waiting->abort();
+        } catch (const std::exception&) {  // not abortable: the join waits for its timeout
+        }
+      }
+    }
+    for (auto& [peer, poster] : posters_) {
+      poster->ready.notify_one();
+      poster->thread.join();
+    }
     if (!detail::collective_timed_out()) return;
     (void)group_.release();  // leaked on purpose: see above
     (void)store_.release();
@@ -268,7 +290,163 @@ class ProcessGroupCommunicator final : public Communicator {
 #endif
   }
 
+  // Note [Point-to-point on process groups]: a Gloo receive must not be posted before the size
+  // is known (a larger message aborts Gloo's device thread; a smaller one completes silently), so
+  // each message is a 2 x int64 header {dtype, numel} (tag 0) then the payload (tag 1). Sends
+  // post both at once. A receive posts its header; the peer's poster thread waits for the
+  // oldest header, checks it and posts the payload into the tensor, or, on a mismatch, into
+  // a scratch tensor of the announced size (so the sender completes and later messages stay in
+  // step) and fails the receive with Error{Mismatch}. NCCL groups send the payload alone.
+  WorkPtr do_batch_isend_irecv(const std::vector<P2pOp>& ops) override {
+    std::vector<WorkPtr> parts;
+    for (const auto& op : ops) {
+      const std::string what = detail::describe_p2p(op, name_);
+      std::vector<at::Tensor> payload{transport_bits(op.tensor, name_ == "gloo")};
+      if (op.kind == P2pOp::Kind::Send) {
+        if (headers()) {
+          std::vector<at::Tensor> header{
+              at::tensor({static_cast<int64_t>(op.tensor.scalar_type()), op.tensor.numel()},
+                         at::kLong)};
+          parts.push_back(wrap(what + " (header)", group_->send(header, op.peer, kHeaderTag)));
+        }
+        parts.push_back(wrap(what, group_->send(payload, op.peer, kPayloadTag)));
+      } else if (!headers()) {
+        parts.push_back(wrap(what, group_->recv(payload, op.peer, kPayloadTag)));
+      } else {
+        parts.push_back(post_header_recv(op));
+      }
+    }
+    return make_work_group(fmt::format("batch_isend_irecv of {} messages on {}", ops.size(), name_),
+                           std::move(parts), timeout());
+  }
+
  private:
+  static constexpr int kHeaderTag = 0;
+  static constexpr int kPayloadTag = 1;
+  bool headers() const { return name_ != "nccl"; }
+
+  // A receive in flight: its header posted, its payload posted by the poster once checked.
+  struct PendingRecv {
+    P2pOp op;
+    std::vector<at::Tensor> header;
+    c10::intrusive_ptr<c10d::Work> header_work;
+    std::shared_ptr<std::promise<c10::intrusive_ptr<c10d::Work>>> payload;
+  };
+
+  // Completes when the poster has posted the payload and that receive has completed.
+  class HeaderedRecvWork final : public Work {
+   public:
+    HeaderedRecvWork(std::string description, Duration timeout,
+                     std::shared_future<c10::intrusive_ptr<c10d::Work>> payload)
+        : Work(std::move(description), timeout), payload_(std::move(payload)) {}
+    bool is_completed() override {
+      if (payload_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+      try {
+        return payload_.get()->isCompleted();
+      } catch (const Error&) {
+        return true;  // failed (a Mismatch): wait() reports it
+      }
+    }
+
+   protected:
+    bool wait_for(Duration timeout) override {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      if (payload_.wait_for(timeout) != std::future_status::ready) return false;
+      c10::intrusive_ptr<c10d::Work> work = payload_.get();  // rethrows a Mismatch
+      const auto left = std::chrono::duration_cast<Duration>(deadline -
+                                                             std::chrono::steady_clock::now());
+      ProcessGroupWork inner(description(), timeout, work);
+      return inner.wait_until_for(std::max(left, Duration(1)));
+    }
+
+   private:
+    std::shared_future<c10::intrusive_ptr<c10d::Work>> payload_;
+  };
+
+  WorkPtr post_header_recv(const P2pOp& op) {
+    PendingRecv pending{op, {at::empty({2}, at::kLong)}, {}, {}};
+    pending.header_work = group_->recv(pending.header, op.peer, kHeaderTag);
+    pending.payload = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
+    auto future = pending.payload->get_future().share();
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      auto& poster = posters_[op.peer];
+      if (!poster) {
+        poster = std::make_unique<Poster>();
+        Poster* raw = poster.get();
+        raw->thread = std::thread([this, raw] { run_poster(*raw); });
+      }
+      poster->queue.push_back(std::move(pending));
+      poster->ready.notify_one();
+    }
+    return std::make_shared<HeaderedRecvWork>(detail::describe_p2p(op, name_), timeout(),
+                                              std::move(future));
+  }
+
+  // One poster thread per peer received from, so that a header awaited from one peer never
+  // holds up another's (c10d's Gloo receives report completion only through a blocking wait,
+  // and a wait that timed out leaves the receive failed: no polling).
+  struct Poster {
+    std::deque<PendingRecv> queue;  // oldest first
+    c10::intrusive_ptr<c10d::Work> waiting;  // the header being waited for
+    std::condition_variable ready;
+    std::thread thread;
+  };
+
+  void run_poster(Poster& poster) {
+    std::unique_lock<std::mutex> lock(p2p_mutex_);
+    for (;;) {
+      poster.ready.wait(lock, [&] { return stopping_ || !poster.queue.empty(); });
+      if (stopping_) return;
+      PendingRecv p = std::move(poster.queue.front());
+      poster.queue.pop_front();
+      poster.waiting = p.header_work;
+      lock.unlock();
+      post_payload(p);
+      lock.lock();
+      poster.waiting.reset();
+    }
+  }
+
+  void post_payload(PendingRecv& p) {
+    try {
+      ProcessGroupWork header(detail::describe_p2p(p.op, name_) + " (header)", timeout(),
+                              p.header_work);
+      SHARDOPT_CHECK(header.wait_until_for(timeout()), Timeout,
+                     "comm: {} did not complete within {} ms; the peer may have died, hung, or "
+                     "not sent",
+                     detail::describe_p2p(p.op, name_), timeout().count());
+      const int64_t code = p.header[0][0].template item<int64_t>();
+      const int64_t numel = p.header[0][1].template item<int64_t>();
+      const bool known = code >= 0 && code < static_cast<int64_t>(at::ScalarType::NumOptions);
+      const auto dtype = static_cast<at::ScalarType>(known ? code : 0);
+      if (known && dtype == p.op.tensor.scalar_type() && numel == p.op.tensor.numel()) {
+        std::vector<at::Tensor> payload{transport_bits(p.op.tensor, name_ == "gloo")};
+        auto work = group_->recv(payload, p.op.peer, kPayloadTag);
+        // Our references go before the caller learns of completion (the work keeps its own):
+        // see Note [Freeing without the GIL] in python_bindings/shardopt_py.cpp.
+        payload.clear();
+        p.op.tensor.reset();
+        p.payload->set_value(std::move(work));
+        return;
+      }
+      SHARDOPT_CHECK(known && numel >= 0, Communication,
+                     "comm: {} got a corrupt header (dtype code {}, {} elements)",
+                     detail::describe_p2p(p.op, name_), code, numel);
+      // Drained into scratch, kept alive until the process group is done with it.
+      std::vector<at::Tensor> scratch{transport_bits(at::empty({numel}, dtype), true)};
+      auto drain = group_->recv(scratch, p.op.peer, kPayloadTag);
+      {
+        std::lock_guard<std::mutex> lock(p2p_mutex_);
+        drains_.push_back(std::move(drain));
+      }
+      detail::fail_p2p_mismatch(p.op, name_, fmt::format("{} x {}", numel, c10::toString(dtype)));
+    } catch (...) {
+      p.op.tensor.reset();
+      p.payload->set_exception(std::current_exception());
+    }
+  }
+
   bool needs_widening(const at::Tensor& t) const {
     return name_ == "gloo" && t.scalar_type() == at::kBFloat16;
   }
@@ -290,6 +468,11 @@ class ProcessGroupCommunicator final : public Communicator {
   c10::intrusive_ptr<c10d::Store> store_;  // null when the caller gave none: no split()
   std::string name_;
   int64_t splits_ = 0;
+  // Point-to-point receives (Note [Point-to-point on process groups]).
+  std::mutex p2p_mutex_;
+  std::map<int, std::unique_ptr<Poster>> posters_;  // by peer
+  std::vector<c10::intrusive_ptr<c10d::Work>> drains_;  // guarded by p2p_mutex_
+  bool stopping_ = false;
 };
 
 #if SHARDOPT_HAS_GLOO

@@ -1,0 +1,133 @@
+// run_pipeline(): one loop over this rank's action list (Note [Pipeline action lists]). Sends are
+// isend (waited for at the end), receives block, which are the semantics the validator proved
+// deadlock-free. Activations and their graphs live from a chunk's Forward to its last backward
+// pass for that micro-batch.
+#include "shardopt/pipeline_runner.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <map>
+#include <utility>
+
+#include "shardopt/error.hpp"
+
+namespace shardopt {
+namespace {
+
+// What one (chunk, micro-batch) keeps between its passes on this rank.
+struct InFlight {
+  at::Tensor input;   // the received activation (a leaf requiring grad); stage 0: the data
+  at::Tensor output;  // the chunk's output (the loss on the last stage)
+  at::Tensor grad;    // the gradient of `output` received from the next stage
+};
+
+}  // namespace
+
+std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communicator& comm,
+                                     const std::vector<PipelineChunk>& chunks,
+                                     const std::function<at::Tensor(int microbatch)>& data,
+                                     const PipelineRunOptions& options) {
+  SHARDOPT_CHECK(schedule.ranks == comm.size(), InvalidArgument,
+                 "pipeline: the schedule is for p = {} ranks, but the communicator has {}",
+                 schedule.ranks, comm.size());
+  SHARDOPT_CHECK(static_cast<int>(chunks.size()) == schedule.chunks, InvalidArgument,
+                 "pipeline: the {} schedule places v = {} chunks on each rank, got {} chunks",
+                 to_string(schedule.kind), schedule.chunks, chunks.size());
+  const int rank = comm.rank();
+  const int last_stage = schedule.stages() - 1;
+  const auto activation = [&] {
+    return at::empty(options.activation_shape, at::TensorOptions().dtype(options.activation_dtype));
+  };
+  std::map<std::pair<int, int>, InFlight> live;  // by (chunk, micro-batch)
+  std::vector<at::Tensor> losses(rank == schedule.rank_of(last_stage) ? schedule.microbatches : 0);
+  std::vector<WorkPtr> sends;
+  std::vector<at::Tensor> sent;  // alive until their sends complete
+  const auto isend = [&](const at::Tensor& t, int peer) {
+    // Completed sends release their tensors, so activations do not outlive the schedule's bound.
+    for (size_t i = sends.size(); i-- > 0;) {
+      if (sends[i]->is_completed()) {
+        sends[i]->wait();  // rethrows an engine error
+        sends.erase(sends.begin() + static_cast<std::ptrdiff_t>(i));
+        sent.erase(sent.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    }
+    sent.push_back(t.contiguous());
+    sends.push_back(comm.isend(sent.back(), peer));
+  };
+  const auto check_shape = [&](const at::Tensor& t, const Action& a, const char* what) {
+    SHARDOPT_CHECK(t.sizes().vec() == options.activation_shape &&
+                       t.scalar_type() == options.activation_dtype,
+                   InvalidArgument,
+                   "pipeline: the {} of {} on rank {} is {}, but activations between stages "
+                   "must be [{}] {} (PipelineRunOptions)",
+                   what, to_string(a), rank, describe(t), fmt::join(options.activation_shape, ", "),
+                   c10::toString(options.activation_dtype));
+  };
+
+  // A (chunk, micro-batch)'s tensors and graph are dropped after its last action here.
+  std::map<std::pair<int, int>, int> uses;
+  for (const Action& a : schedule.actions.at(rank)) ++uses[{a.chunk, a.microbatch}];
+
+  for (const Action& a : schedule.actions.at(rank)) {
+    InFlight& f = live[{a.chunk, a.microbatch}];
+    const PipelineChunk& chunk = chunks.at(a.chunk);
+    switch (a.type) {
+      case ActionType::RecvActivation:
+        f.input = activation();
+        comm.recv(f.input, a.peer);
+        f.input.requires_grad_(true);
+        break;
+      case ActionType::Forward: {
+        if (a.stage == 0) f.input = data(a.microbatch);
+        f.output = chunk.forward(f.input, a.microbatch);
+        if (a.stage == last_stage) {
+          SHARDOPT_CHECK(f.output.numel() == 1, InvalidArgument,
+                         "pipeline: the last stage must return the micro-batch's loss, a "
+                         "scalar, got {} for micro-batch {}",
+                         describe(f.output), a.microbatch);
+          losses[a.microbatch] = f.output.detach();
+        }
+        break;
+      }
+      case ActionType::SendActivation:
+        check_shape(f.output, a, "output");
+        isend(f.output.detach(), a.peer);
+        break;
+      case ActionType::RecvGrad:
+        f.grad = activation();
+        comm.recv(f.grad, a.peer);
+        break;
+      case ActionType::Backward:
+        // Accumulates into the parameters' .grad and, off stage 0, into input.grad.
+        torch::autograd::backward({f.output}, {f.grad});
+        break;
+      case ActionType::BackwardInput:
+        // Only the input's gradient now; the graph stays for the weight pass.
+        if (a.stage > 0) {
+          f.input.mutable_grad() =
+              torch::autograd::grad({f.output}, {f.input}, {f.grad}, /*retain_graph=*/true)[0];
+        }
+        break;
+      case ActionType::BackwardWeight:
+        SHARDOPT_CHECK(!chunk.parameters.empty(), InvalidArgument,
+                       "pipeline: schedule {} splits the backward pass, which needs the "
+                       "parameters of chunk {} (PipelineChunk::parameters)",
+                       to_string(schedule.kind), a.chunk);
+        torch::autograd::backward({f.output}, {f.grad}, /*retain_graph=*/false,
+                                  /*create_graph=*/false, chunk.parameters);
+        break;
+      case ActionType::SendGrad:
+        SHARDOPT_CHECK(f.input.grad().defined(), Internal,
+                       "pipeline: no input gradient for {} on rank {}", to_string(a), rank);
+        isend(f.input.grad(), a.peer);
+        break;
+    }
+    if (--uses[{a.chunk, a.microbatch}] == 0) live.erase({a.chunk, a.microbatch});
+  }
+  for (auto& work : sends) work->wait();
+  return losses;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,218 @@
+// validate_schedule() and simulate_schedule(): the rules of Note [Pipeline action lists] checked
+// on the lists, and a run of all ranks with integer costs (torch.distributed.pipelining's
+// _validate_schedule and _simulate_comms_compute play these parts there). Torch-free.
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <utility>
+
+#include "shardopt/error.hpp"
+#include "shardopt/pipeline.hpp"
+
+namespace shardopt {
+namespace {
+
+bool is_send(ActionType t) { return t == ActionType::SendActivation || t == ActionType::SendGrad; }
+bool is_recv(ActionType t) { return t == ActionType::RecvActivation || t == ActionType::RecvGrad; }
+
+// The stage at the other end of a message.
+int peer_stage(const Action& a) {
+  return a.type == ActionType::SendActivation || a.type == ActionType::RecvGrad ? a.stage + 1
+                                                                                 : a.stage - 1;
+}
+
+// Whether receive `recv` on its rank takes the message of `send`.
+bool matches(const Action& send, const Action& recv) {
+  const ActionType expected = send.type == ActionType::SendActivation ? ActionType::RecvActivation
+                                                                      : ActionType::RecvGrad;
+  return recv.type == expected && recv.microbatch == send.microbatch &&
+         recv.stage == peer_stage(send) && send.stage == peer_stage(recv);
+}
+
+int64_t cost(const Action& a, const ActionCosts& c) {
+  switch (a.type) {
+    case ActionType::Forward: return c.forward;
+    case ActionType::Backward: return c.backward_input + c.backward_weight;
+    case ActionType::BackwardInput: return c.backward_input;
+    case ActionType::BackwardWeight: return c.backward_weight;
+    default: return 0;
+  }
+}
+
+void check_shape(const PipelineSchedule& s) {
+  const int p = s.ranks, m = s.microbatches, v = s.chunks;
+  SHARDOPT_CHECK(static_cast<int>(s.actions.size()) == p, InvalidArgument,
+                 "pipeline: a schedule for p = {} ranks needs {} action lists, got {}", p, p,
+                 s.actions.size());
+  for (int r = 0; r < p; ++r) {
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const Action& a = s.actions[r][i];
+      const std::string where = fmt::format("rank {} action {} ({})", r, i, to_string(a));
+      SHARDOPT_CHECK(a.microbatch >= 0 && a.microbatch < m && a.chunk >= 0 && a.chunk < v,
+                     InvalidArgument,
+                     "pipeline: {} names micro-batch {} of chunk {}, expected micro-batch in "
+                     "[0, {}) and chunk in [0, {})",
+                     where, a.microbatch, a.chunk, m, v);
+      SHARDOPT_CHECK(a.stage == a.chunk * p + r, InvalidArgument,
+                     "pipeline: {} names stage {}, but chunk {} of rank {} is stage {}", where,
+                     a.stage, a.chunk, r, a.chunk * p + r);
+      if (is_compute(a.type)) continue;
+      const int other = peer_stage(a);
+      SHARDOPT_CHECK(other >= 0 && other < s.stages() && a.peer == s.rank_of(other),
+                     InvalidArgument,
+                     "pipeline: {} must go to or come from stage {} on rank {}, got peer {}",
+                     where, other, other >= 0 && other < s.stages() ? s.rank_of(other) : -1,
+                     a.peer);
+    }
+  }
+}
+
+// Each (stage, micro-batch): one Forward, one backward (B, or I then W), each input received
+// before the compute that needs it and each output sent after the compute that makes it.
+void check_local_order(const PipelineSchedule& s) {
+  const int S = s.stages();
+  for (int r = 0; r < s.ranks; ++r) {
+    // Position of each action type per (stage, micro-batch) on this rank; -1: absent.
+    std::map<std::tuple<int, int, int>, int> at;
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const Action& a = s.actions[r][i];
+      const auto key = std::make_tuple(static_cast<int>(a.type), a.stage, a.microbatch);
+      SHARDOPT_CHECK(at.count(key) == 0, InvalidArgument,
+                     "pipeline: rank {} runs {} twice (positions {} and {})", r, to_string(a),
+                     at[key], i);
+      at[key] = static_cast<int>(i);
+    }
+    const auto pos = [&](ActionType t, int stage, int mb) {
+      auto it = at.find(std::make_tuple(static_cast<int>(t), stage, mb));
+      return it == at.end() ? -1 : it->second;
+    };
+    for (int c = 0; c < s.chunks; ++c) {
+      const int st = c * s.ranks + r;
+      for (int mb = 0; mb < s.microbatches; ++mb) {
+        const auto name = [&](ActionType t) {
+          Action a{t, mb, c, st, -1};
+          if (!is_compute(t)) a.peer = s.rank_of((peer_stage(a) + S) % S);
+          return to_string(a);
+        };
+        const int f = pos(ActionType::Forward, st, mb);
+        const int b = pos(ActionType::Backward, st, mb);
+        const int in = pos(ActionType::BackwardInput, st, mb);
+        const int w = pos(ActionType::BackwardWeight, st, mb);
+        SHARDOPT_CHECK(f >= 0, InvalidArgument, "pipeline: rank {} never runs {}", r,
+                       name(ActionType::Forward));
+        SHARDOPT_CHECK((b >= 0) != (in >= 0 && w >= 0) && (b < 0 || (in < 0 && w < 0)),
+                       InvalidArgument,
+                       "pipeline: rank {} must run either {} or both {} and {} for stage {}, "
+                       "micro-batch {}",
+                       r, name(ActionType::Backward), name(ActionType::BackwardInput),
+                       name(ActionType::BackwardWeight), st, mb);
+        const int grad = b >= 0 ? b : in;  // the pass that makes the input gradient
+        SHARDOPT_CHECK(f < grad && (w < 0 || grad < w), InvalidArgument,
+                       "pipeline: rank {} runs the passes of stage {}, micro-batch {} out of "
+                       "order: expected F before B (or I before W), got positions F {}, B {}, "
+                       "I {}, W {}",
+                       r, st, mb, f, b, in, w);
+        const auto around = [&](ActionType t, int compute_pos, bool before, bool needed) {
+          const int q = pos(t, st, mb);
+          SHARDOPT_CHECK(needed == (q >= 0) && (!needed || (before ? q < compute_pos
+                                                                   : q > compute_pos)),
+                         InvalidArgument,
+                         "pipeline: rank {} must {} {} {} its compute at position {}, got "
+                         "position {}",
+                         r, needed ? "run" : "not run", name(t), before ? "before" : "after",
+                         compute_pos, q);
+        };
+        around(ActionType::RecvActivation, f, true, st > 0);
+        around(ActionType::SendActivation, f, false, st < S - 1);
+        around(ActionType::RecvGrad, grad, true, st < S - 1);
+        around(ActionType::SendGrad, grad, false, st > 0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& costs) {
+  check_shape(s);
+  const int p = s.ranks;
+  SimulatedRun run;
+  run.compute.assign(p, 0);
+  run.finish.assign(p, 0);
+  run.peak_in_flight.assign(p, 0);
+  run.start.resize(p);
+  std::vector<size_t> next(p, 0);
+  std::vector<int64_t> clock(p, 0);
+  std::vector<int> in_flight(p, 0);
+  // Messages sent and not yet received, per (from, to), oldest first, with their send time.
+  std::map<std::pair<int, int>, std::deque<std::pair<Action, int64_t>>> wire;
+  size_t left = 0;
+  for (const auto& list : s.actions) left += list.size();
+  while (left > 0) {
+    bool progressed = false;
+    for (int r = 0; r < p; ++r) {
+      const auto& list = s.actions[r];
+      while (next[r] < list.size()) {
+        const Action& a = list[next[r]];
+        int64_t start = clock[r];
+        if (is_recv(a.type)) {
+          auto& queue = wire[{a.peer, r}];
+          if (queue.empty()) break;  // blocked until the peer sends
+          const auto& [send, sent_at] = queue.front();
+          SHARDOPT_CHECK(matches(send, a), InvalidArgument,
+                         "pipeline: rank {} action {} ({}) would receive rank {}'s {}: the "
+                         "sends and receives between the two ranks are not in the same order",
+                         r, next[r], to_string(a), a.peer, to_string(send));
+          start = std::max(start, sent_at);
+          queue.pop_front();
+        } else if (is_send(a.type)) {
+          wire[{r, a.peer}].emplace_back(a, start);
+        }
+        run.start[r].push_back(start);
+        clock[r] = start + cost(a, costs);
+        run.compute[r] += cost(a, costs);
+        if (a.type == ActionType::Forward) {
+          run.peak_in_flight[r] = std::max(run.peak_in_flight[r], ++in_flight[r]);
+        } else if (a.type == ActionType::Backward || a.type == ActionType::BackwardWeight) {
+          --in_flight[r];
+        }
+        ++next[r];
+        --left;
+        progressed = true;
+      }
+    }
+    if (!progressed) {
+      std::string blocked;
+      for (int r = 0; r < p; ++r) {
+        if (next[r] < s.actions[r].size()) {
+          blocked += fmt::format("{}rank {} at action {} ({})", blocked.empty() ? "" : ", ", r,
+                                 next[r], to_string(s.actions[r][next[r]]));
+        }
+      }
+      SHARDOPT_FAIL(InvalidArgument,
+                    "pipeline: the {} schedule (p = {}, m = {}, v = {}) deadlocks: every rank "
+                    "left waits for a message never sent: {}",
+                    to_string(s.kind), s.ranks, s.microbatches, s.chunks, blocked);
+    }
+  }
+  for (const auto& [pair, queue] : wire) {
+    SHARDOPT_CHECK(queue.empty(), InvalidArgument,
+                   "pipeline: rank {} sends {} to rank {}, which never receives it", pair.first,
+                   to_string(queue.front().first), pair.second);
+  }
+  for (int r = 0; r < p; ++r) {
+    run.finish[r] = clock[r];
+    run.makespan = std::max(run.makespan, clock[r]);
+  }
+  const int64_t useful = *std::max_element(run.compute.begin(), run.compute.end());
+  run.bubble = useful > 0 ? static_cast<double>(run.makespan - useful) / useful : 0.0;
+  return run;
+}
+
+void validate_schedule(const PipelineSchedule& schedule) {
+  check_shape(schedule);
+  check_local_order(schedule);
+  simulate_schedule(schedule);  // message order and deadlock freedom
+}
+
+}  // namespace shardopt

@@ -1,0 +1,225 @@
+// Pipeline schedules compiled to action lists (shardopt/pipeline.hpp), checked without torch:
+// the validator's rules, deadlock freedom and message order by simulation, the simulated bubble
+// against each schedule's formula, and the first stage's peak of micro-batches in flight.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "shardopt/error.hpp"
+#include "shardopt/pipeline.hpp"
+
+namespace shardopt {
+namespace {
+
+using Kind = PipelineScheduleKind;
+
+// Note [Bubble] in pipeline.hpp: (makespan - compute) / compute, with unit F, B and W costs.
+double formula(Kind kind, int p, int m, int v) {
+  switch (kind) {
+    case Kind::GPipe:
+    case Kind::OneFOneB: return double(p - 1) / m;
+    case Kind::Interleaved1F1B: return double(p - 1) / (v * m);
+    case Kind::ZeroBubbleH1: return double(p - 1) / (3 * m);
+  }
+  return -1;
+}
+
+struct Case {
+  Kind kind;
+  int p, m, v;
+};
+
+std::string name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  std::string kind = to_string(c.kind);
+  for (auto& ch : kind) {
+    if (ch == '-') ch = '_';
+  }
+  return fmt::format("{}_p{}_m{}_v{}", kind == "1f1b" ? "one_f_one_b" : kind, c.p, c.m, c.v);
+}
+
+// Every schedule at p in {2, 4}, m in {1, 2, 4, 8}; interleaved at v = 2 where m % p == 0 (the
+// other combinations are errors: BadCombinations below).
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (int p : {2, 4}) {
+    for (int m : {1, 2, 4, 8}) {
+      out.push_back({Kind::GPipe, p, m, 1});
+      out.push_back({Kind::OneFOneB, p, m, 1});
+      out.push_back({Kind::ZeroBubbleH1, p, m, 1});
+      if (m % p == 0) out.push_back({Kind::Interleaved1F1B, p, m, 2});
+    }
+  }
+  return out;
+}
+
+class Schedules : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Schedules, ValidAndDeadlockFree) {
+  const Case c = GetParam();
+  const PipelineSchedule s = compile_schedule(c.kind, c.p, c.m, c.v);
+  ASSERT_EQ(static_cast<int>(s.actions.size()), c.p);
+  EXPECT_NO_THROW(validate_schedule(s));
+  // Each rank runs F and a backward of every (chunk, micro-batch) it owns.
+  for (int r = 0; r < c.p; ++r) {
+    int forwards = 0, weight_passes = 0;
+    for (const Action& a : s.actions[r]) {
+      forwards += a.type == ActionType::Forward;
+      weight_passes += a.type == ActionType::Backward || a.type == ActionType::BackwardWeight;
+    }
+    EXPECT_EQ(forwards, c.m * c.v) << "rank " << r;
+    EXPECT_EQ(weight_passes, c.m * c.v) << "rank " << r;
+  }
+}
+
+TEST_P(Schedules, BubbleMatchesFormula) {
+  const Case c = GetParam();
+  const SimulatedRun run = simulate_schedule(compile_schedule(c.kind, c.p, c.m, c.v));
+  const double want = formula(c.kind, c.p, c.m, c.v);
+  if (c.kind == Kind::ZeroBubbleH1 && c.m < c.p) {
+    // (p-1)/(3m) is the steady state's bubble; with fewer micro-batches than ranks no W can
+    // fill the ramps (m = 1: F and B cross the pipeline once, 2(p-1)/3). Still below 1F1B's.
+    const SimulatedRun one_f_one_b = simulate_schedule(compile_schedule(Kind::OneFOneB, c.p, c.m));
+    EXPECT_GE(run.bubble, want - 1e-12);
+    EXPECT_LT(run.bubble, one_f_one_b.bubble);
+  } else {
+    EXPECT_NEAR(run.bubble, want, 1e-12) << "makespan " << run.makespan;
+  }
+  std::printf("[ bubble   ] %-12s p=%d m=%d v=%d: simulated %.4f, formula %.4f\n",
+              to_string(c.kind), c.p, c.m, c.v, run.bubble, want);
+}
+
+TEST_P(Schedules, FirstStageMemory) {
+  const Case c = GetParam();
+  const SimulatedRun run = simulate_schedule(compile_schedule(c.kind, c.p, c.m, c.v));
+  const int peak = run.peak_in_flight[0];
+  switch (c.kind) {
+    case Kind::GPipe: EXPECT_EQ(peak, c.m); break;
+    case Kind::OneFOneB: EXPECT_LE(peak, c.p); break;
+    case Kind::ZeroBubbleH1:  // W deferred by r micro-batches on rank r: every rank holds <= p
+      for (int held : run.peak_in_flight) EXPECT_LE(held, c.p);
+      break;
+    case Kind::Interleaved1F1B: EXPECT_LE(peak, c.m * c.v); break;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Schedules, ::testing::ValuesIn(cases()), name);
+
+TEST(PipelineSchedule, OneFOneBHoldsAtMostPWhereGPipeHoldsM) {
+  for (int p : {2, 4}) {
+    for (int m : {4, 8}) {
+      const auto gpipe = simulate_schedule(compile_schedule(Kind::GPipe, p, m));
+      const auto one_f_one_b = simulate_schedule(compile_schedule(Kind::OneFOneB, p, m));
+      EXPECT_EQ(gpipe.peak_in_flight[0], m);
+      EXPECT_EQ(one_f_one_b.peak_in_flight[0], std::min(p, m));
+      // The last rank runs 1F1B from the start: one micro-batch at a time.
+      EXPECT_EQ(one_f_one_b.peak_in_flight[p - 1], 1);
+    }
+  }
+}
+
+TEST(PipelineSchedule, OneFOneBListsForTwoRanks) {
+  const PipelineSchedule s = compile_schedule(Kind::OneFOneB, 2, 2);
+  const auto text = [](const std::vector<Action>& list) {
+    std::string out;
+    for (const Action& a : list) out += (out.empty() ? "" : " ") + to_string(a);
+    return out;
+  };
+  EXPECT_EQ(text(s.actions[0]), "F0c0 sendA0c0>1 F1c0 sendA1c0>1 recvG0c0<1 B0c0 recvG1c0<1 B1c0");
+  EXPECT_EQ(text(s.actions[1]), "recvA0c0<0 F0c0 B0c0 sendG0c0>0 recvA1c0<0 F1c0 B1c0 sendG1c0>0");
+}
+
+TEST(PipelineSchedule, ZeroBubbleSplitsBackward) {
+  const PipelineSchedule s = compile_schedule(Kind::ZeroBubbleH1, 4, 8);
+  for (const auto& list : s.actions) {
+    for (const Action& a : list) EXPECT_NE(a.type, ActionType::Backward) << to_string(a);
+  }
+  // Unequal costs too: still deadlock-free (order does not depend on timing).
+  ActionCosts costs;
+  costs.forward = 3;
+  costs.backward_input = 2;
+  costs.backward_weight = 5;
+  EXPECT_NO_THROW(simulate_schedule(s, costs));
+}
+
+TEST(PipelineSchedule, BadCombinationsAreNamedErrors) {
+  const auto expect = [](auto fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 4, 2, 2); }, "m % p == 0");
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 2, 1, 2); }, "m % p == 0");
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 2, 4, 1); }, "v >= 2");
+  expect([] { compile_schedule(Kind::OneFOneB, 2, 4, 2); }, "only interleaved takes v > 1");
+  expect([] { compile_schedule(Kind::GPipe, 0, 4); }, "pipeline ranks p");
+  expect([] { compile_schedule(Kind::GPipe, 2, 0); }, "micro-batches m");
+  expect([] { parse_schedule_kind("pipedream"); }, "gpipe, 1f1b, interleaved, zb-h1");
+  EXPECT_EQ(parse_schedule_kind("zb-h1"), Kind::ZeroBubbleH1);
+}
+
+// The validator catches what a hand-edited list gets wrong.
+TEST(PipelineSchedule, ValidatorNamesViolations) {
+  const auto expect = [](const PipelineSchedule& s, const std::string& needle) {
+    try {
+      validate_schedule(s);
+      ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  {  // two receives swapped on the last rank: the messages arrive in the other order
+    PipelineSchedule s = compile_schedule(Kind::GPipe, 2, 2);
+    auto& last = s.actions[1];
+    std::swap(last[0], last[2]);  // recvA0 F0 recvA1 F1 ... -> recvA1 F0 recvA0 F1
+    expect(s, "before");
+  }
+  {  // the same swap with the forwards too: local order fine, message order wrong
+    PipelineSchedule s = compile_schedule(Kind::GPipe, 2, 2);
+    auto& last = s.actions[1];
+    std::swap(last[0], last[2]);
+    std::swap(last[1], last[3]);
+    expect(s, "not in the same order");
+  }
+  {  // rank 0 waits for a gradient before sending the activation it depends on: deadlock
+    PipelineSchedule s = compile_schedule(Kind::GPipe, 2, 1);
+    auto& first = s.actions[0];  // F0 sendA0 recvG0 B0
+    std::swap(first[1], first[2]);
+    expect(s, "deadlocks");  // each rank's order is fine alone; together they wait forever
+    s = compile_schedule(Kind::OneFOneB, 2, 2);
+    // Rank 1's first receive moved to its end: its Forward would run without its input.
+    auto& last = s.actions[1];
+    std::rotate(last.begin(), last.begin() + 1, last.end());
+    expect(s, "recvA0c0<0 before");
+  }
+  {  // a missing backward
+    PipelineSchedule s = compile_schedule(Kind::OneFOneB, 2, 2);
+    s.actions[0].pop_back();
+    expect(s, "must run either");
+  }
+}
+
+TEST(PipelineSchedule, SimulatorReportsDeadlock) {
+  PipelineSchedule s = compile_schedule(Kind::GPipe, 2, 1);
+  // Both ranks receive first: each waits for the other.
+  s.actions[0] = {Action{ActionType::RecvGrad, 0, 0, 0, 1},
+                  Action{ActionType::Forward, 0, 0, 0, -1},
+                  Action{ActionType::SendActivation, 0, 0, 0, 1},
+                  Action{ActionType::Backward, 0, 0, 0, -1}};
+  try {
+    simulate_schedule(s);
+    ADD_FAILURE() << "expected a deadlock";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("deadlocks"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0 at action 0 (recvG0c0<1)"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -83,41 +83,39 @@ function(shardopt_python_available out)
                  "pybind11 ${pybind11_VERSION})")
 endfunction()
 
-# shardopt_hf_reason(out): "" when SHARDOPT_PYTHON imports Hugging Face's transformers, tokenizers
-# and safetensors (the pip platform's venv, scripts/pip-requirements.txt), else why the Hugging
-# Face client tests are named skips (tests/example/bert_hf_client_test.sh, test_hf_bert.py).
-function(shardopt_hf_reason out)
+# shardopt_python_probe(out label code lacks): "" when SHARDOPT_PYTHON runs `code` (which prints a
+# version), else why the tests it guards are named skips ("lacks" says what is missing).
+function(shardopt_python_probe out label code lacks)
   if(NOT SHARDOPT_PYTHON)
-    set(${out} "no Python with torch for this build (the Hugging Face tests run on the pip platform: scripts/test.sh --platform pip)" PARENT_SCOPE)
+    set(${out} "no Python with torch for this build (${label} run on the pip platform: scripts/test.sh --platform pip)" PARENT_SCOPE)
     return()
   endif()
-  execute_process(COMMAND "${SHARDOPT_PYTHON}" -c "import transformers, tokenizers, safetensors; print(transformers.__version__)"
+  execute_process(COMMAND "${SHARDOPT_PYTHON}" -c "${code}"
                   OUTPUT_VARIABLE version OUTPUT_STRIP_TRAILING_WHITESPACE
                   RESULT_VARIABLE rc ERROR_QUIET)
   if(rc EQUAL 0)
-    message(STATUS "shardopt: Hugging Face client tests with transformers ${version} (${SHARDOPT_PYTHON})")
+    message(STATUS "shardopt: ${label} with ${version} (${SHARDOPT_PYTHON})")
     set(${out} "" PARENT_SCOPE)
   else()
-    set(${out} "${SHARDOPT_PYTHON} has no transformers, tokenizers or safetensors (the pip platform's venv has them: scripts/test.sh --platform pip)" PARENT_SCOPE)
+    set(${out} "${SHARDOPT_PYTHON} has no ${lacks} (the pip platform's venv has them: scripts/test.sh --platform pip)" PARENT_SCOPE)
   endif()
 endfunction()
 
-# shardopt_peers_reason(out): "" when SHARDOPT_PYTHON can run bench/peers/ (torch's FSDP2
-# fully_shard, DeepSpeed and ninja for its JIT-built ops: the pip platform's venv), else why the
-# peers_* tests are named skips. DeepSpeed is found, not imported (its import probes accelerators
-# and prints to stdout).
+# shardopt_hf_reason(out): the Hugging Face client tests need transformers, tokenizers and
+# safetensors (tests/example/bert_hf_client_test.sh, test_hf_bert.py).
+function(shardopt_hf_reason out)
+  shardopt_python_probe(reason "the Hugging Face client tests"
+    "import transformers, tokenizers, safetensors; print('transformers', transformers.__version__)"
+    "transformers, tokenizers or safetensors")
+  set(${out} "${reason}" PARENT_SCOPE)
+endfunction()
+
+# shardopt_peers_reason(out): bench/peers/ needs torch's FSDP2 fully_shard, DeepSpeed and ninja
+# for its JIT-built ops. DeepSpeed is found, not imported (its import probes accelerators and
+# prints to stdout).
 function(shardopt_peers_reason out)
-  if(NOT SHARDOPT_PYTHON)
-    set(${out} "no Python with torch for this build (the peers run on the pip platform: scripts/test.sh --platform pip)" PARENT_SCOPE)
-    return()
-  endif()
-  execute_process(COMMAND "${SHARDOPT_PYTHON}" -c "import importlib.metadata as m, importlib.util as u, ninja; from torch.distributed.fsdp import fully_shard; assert u.find_spec('deepspeed'); print(m.version('deepspeed'))"
-                  OUTPUT_VARIABLE version OUTPUT_STRIP_TRAILING_WHITESPACE
-                  RESULT_VARIABLE rc ERROR_QUIET)
-  if(rc EQUAL 0)
-    message(STATUS "shardopt: peer tests with DeepSpeed ${version} and FSDP2 (${SHARDOPT_PYTHON})")
-    set(${out} "" PARENT_SCOPE)
-  else()
-    set(${out} "${SHARDOPT_PYTHON} lacks DeepSpeed, ninja or torch's fully_shard (the pip platform's venv has them: scripts/test.sh --platform pip)" PARENT_SCOPE)
-  endif()
+  shardopt_python_probe(reason "the peer tests (DeepSpeed, FSDP2)"
+    "import importlib.metadata as m, importlib.util as u, ninja; from torch.distributed.fsdp import fully_shard; assert u.find_spec('deepspeed'); print('DeepSpeed', m.version('deepspeed'))"
+    "DeepSpeed, ninja or torch's fully_shard")
+  set(${out} "${reason}" PARENT_SCOPE)
 endfunction()

@@ -40,8 +40,11 @@ if [ "${1:-}" = "--run" ]; then
       [ -e "$OUT/corpus-$name/$base" ] && continue
       if [ "$seed" != "${seed%.hex}" ]; then /usr/bin/python3 -c "import sys; sys.stdout.buffer.write(bytes.fromhex(open(sys.argv[1]).read()))" "$seed" >"$OUT/corpus-$name/$base"; else cp "$seed" "$OUT/corpus-$name/"; fi
     done
-    # -rss_limit_mb: an allocation beyond the input's size shows as an out-of-memory report.
-    "$OUT/${name}_fuzz" -max_total_time="$seconds" -rss_limit_mb=512 -malloc_limit_mb=64 \
+    # -malloc_limit_mb: one allocation beyond the input's size shows as an out-of-memory report.
+    # -rss_limit_mb is the whole process: the manifest harness loads libtorch (~380 MB resident
+    # before the first input) and its corpus grows, so 512 stopped a 5M-run campaign with no
+    # input at fault (empty crash file).
+    "$OUT/${name}_fuzz" -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=64 \
       -max_len=4096 -artifact_prefix="$OUT/crash-$name-" -print_final_stats=1 "$OUT/corpus-$name"
   done
 fi

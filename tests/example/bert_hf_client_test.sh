@@ -34,7 +34,9 @@ export)
       --dump-logits "$W/logits.safetensors" --out "$W/eval" >"$W/eval.log" 2>&1 \
     || { cat "$W/eval.log"; fail "--eval-only --dump-logits"; }
   # Text for the tokenizers: the corpus's first lines, and lines that exercise BasicTokenizer.
-  { cat "$CORPUS"/* | head -n 300
+  # (awk, not `cat | head`: head's early exit kills cat with SIGPIPE, which pipefail turns into a
+  # silent exit of this script, in most runs.)
+  { awk 'NR <= 300' "$CORPUS"/*
     printf '%s\n' "Héllo, WORLD! Ça va? naïve café — “quoted” (parens) [brackets] {braces}" \
       "CJK: 中文字符 and 日本語 mixed with English; tabs	and   spaces" \
       "Numbers 3.14159, 1,000,000 and e-mail foo@bar.example; URLs http://x.y/z?q=1&r=2" \

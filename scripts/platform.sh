@@ -98,7 +98,9 @@ mount_into() {  # mount_into <root> : proc, sys, dev (with pts and shm), resolv.
   cp -L /etc/resolv.conf "$r/etc/resolv.conf" 2>/dev/null || true
 }
 no_mounts_under() {  # never rm -rf a tree with something mounted inside it
-  ! findmnt -rn -o TARGET | grep -q "^$1\(/\|$\)"
+  # grep without -q reads all of findmnt's output: -q's early exit can SIGPIPE findmnt, and
+  # pipefail would then report "nothing mounted".
+  ! findmnt -rn -o TARGET | grep "^$1\(/\|$\)" >/dev/null
 }
 
 KEY="$( { echo "recipe $RECIPE suite $SUITE mirror $MIRROR"; "$ROOT/scripts/setup.sh" --print-packages; } \

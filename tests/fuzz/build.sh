@@ -3,7 +3,7 @@
 # build-fuzz/ and, with --run SECONDS, fuzzes each from its seed corpus (a copy: new inputs go to
 # build-fuzz/corpus-<name>, crashes to build-fuzz/crash-<name>-*). Torch-free readers only.
 #   tests/fuzz/build.sh [--run SECONDS ["NAME ..."]]  (names: safetensors manifest bert_config
-#                                                   vocab data; default all)
+#                                                   vocab data corpus; default all)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${SHARDOPT_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
@@ -21,7 +21,9 @@ B="$ROOT/examples/bert"
   -o "$OUT/vocab_fuzz"
 "$CXX" "${flags[@]}" -I"$B" "$ROOT/tests/fuzz/data_fuzz.cpp" "$B/data.cpp" "$B/data_check.cpp" \
   "$B/corpus.cpp" "$B/tokenizer.cpp" -lutf8proc -lfmt -lz -o "$OUT/data_fuzz"
-echo "[fuzz] built $OUT/bert_config_fuzz $OUT/vocab_fuzz $OUT/data_fuzz"
+"$CXX" "${flags[@]}" -I"$B" "$ROOT/tests/fuzz/corpus_fuzz.cpp" "$B/data.cpp" "$B/data_check.cpp" \
+  "$B/corpus.cpp" "$B/tokenizer.cpp" -lutf8proc -lfmt -lz -o "$OUT/corpus_fuzz"
+echo "[fuzz] built $OUT/bert_config_fuzz $OUT/vocab_fuzz $OUT/data_fuzz $OUT/corpus_fuzz"
 # The manifest parser and its checks compiled with coverage; the rest (Error, CRC-32, files) from
 # the ordinary build's libshardopt.so (scripts/build.sh first), libtorch from the system.
 BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
@@ -33,7 +35,7 @@ BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
 echo "[fuzz] built $OUT/manifest_fuzz"
 if [ "${1:-}" = "--run" ]; then
   seconds="${2:-60}"
-  for name in ${3:-safetensors manifest bert_config vocab data}; do
+  for name in ${3:-safetensors manifest bert_config vocab data corpus}; do
     mkdir -p "$OUT/corpus-$name"
     for seed in "$ROOT/tests/fuzz/corpus/$name"/*; do  # *.hex seeds are binary inputs as text
       base="$(basename "$seed" .hex)"

@@ -16,7 +16,7 @@ export SHARDOPT_CMAKE_ARGS="-DSHARDOPT_SANITIZE=$sanitizers -DCMAKE_BUILD_TYPE=R
 -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 \
 -DSHARDOPT_BUILD_PYTHON=OFF -DSHARDOPT_BUILD_BENCH=OFF ${SHARDOPT_CMAKE_ARGS:-}"
 start=$SECONDS
-"$ROOT/scripts/build.sh" --target unit_tests dist_tests bert_tests
+"$ROOT/scripts/build.sh" --target unit_tests dist_tests bert_tests pipeline_tests
 echo "[sanitize] build: $((SECONDS - start)) s"
 
 S="$ROOT/tests/sanitizers"
@@ -26,10 +26,11 @@ export LSAN_OPTIONS="suppressions=$S/lsan.supp:print_suppressions=0:${LSAN_OPTIO
 export UBSAN_OPTIONS="suppressions=$S/ubsan.supp:print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-# The unit tests, the BERT example's readers, and the multi-rank tests of the paths that parse and
-# move bytes (checkpoints, buffers), the four stages, non-finite handling and the communicators,
-# at two ranks (tests/sanitizers/README.md gives the cost of more).
-default_tests='^(unit|unit_kernels_env_scalar|bert_unit|checkpoint_np2|checkpoint_buffers_np2|stages_np2|nonfinite_np2|comm_np2)$'
+# The unit tests, the BERT example's readers, the pipeline schedules, and the multi-rank tests of
+# the paths that parse and move bytes (checkpoints, buffers), the four stages, non-finite handling,
+# the communicators' collectives and point-to-point, and the pipeline executor, at two ranks
+# (tests/sanitizers/README.md gives the cost of more).
+default_tests='^(unit|unit_kernels_env_scalar|bert_unit|pipeline_schedules|checkpoint_np2|checkpoint_buffers_np2|stages_np2|nonfinite_np2|comm_np2|p2p_np2|pipeline_np2)$'
 cd "$SHARDOPT_BUILD_DIR"
 LOG="$SHARDOPT_BUILD_DIR/last-sanitize.log"
 set +e

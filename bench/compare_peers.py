@@ -6,7 +6,9 @@ The peers (bench/peers/, run in the pip platform's venv: torch 2.15, DeepSpeed, 
   level 1  torch DDP + ZeroRedundancyOptimizer; DeepSpeed ZeRO-1 (torch AdamW / DeepSpeedCPUAdam)
   level 2  DeepSpeed ZeRO-2 (both optimizers); FSDP2 with reshard_after_forward=False
   level 3  DeepSpeed ZeRO-3 (both optimizers); FSDP2 with reshard_after_forward=True
-and `bert_pretrain --preset peer --synthetic --stage S` for each requested stage (the level).
+and shardopt's own rows: `bert_pretrain --preset peer --synthetic --stage S` for each requested
+stage (the level), and shardopt through its Python bindings in the same harness as the peers
+(bench/peers/shardopt_py.py, stages 0-3 over MPI; needs <build>/python, target shardopt_python).
 All train the same model (vocab 30522, hidden 256, 4 layers, 4 heads, intermediate 1024, MLM logits
 at every position, the decoder tied to the word embeddings), on uniform random tokens (15% masked,
 seq 128), 8 sequences per rank, AdamW (lr 1e-4, weight decay 0.01, no clipping), dropout 0.1, one
@@ -16,11 +18,13 @@ First each peer runs once for parity: --parity-steps steps with dropout off, the
 the same model on the same global batches with single-process torch.optim.AdamW and reports the
 largest parameter difference and the largest difference of step 1's averaged gradient; the run
 also counts the bytes each rank hands to torch.distributed's collectives. A peer that is not
-exact keeps its row, marked. Then every variant runs once per round, timed, the order rotating
-every round (after one untimed run of each shardopt stage). The table: parity, median step time
-(the slowest rank's median), CPU s/step, peak RSS per rank, model state per rank (each system's
-own accounting) and live tensor bytes (one method for every Python peer), bytes communicated,
-and the ratio to the fastest exact peer at the same level; then the issue's goals per stage.
+exact keeps its row, marked (shardopt's Python rows too; they count their bytes themselves,
+StepStats.comm_elements: its MPI traffic never passes torch.distributed). Then every variant runs
+once per round, timed, the order rotating every round (after one untimed run of each C++ stage).
+The table: parity, median step time (the slowest rank's median), CPU s/step, peak RSS per rank,
+model state per rank (each system's own accounting) and live tensor bytes (one method for every
+Python peer), bytes communicated, and the ratio to the fastest exact peer at the same level;
+then the issue's goals per stage (for shardopt's C++ and Python rows).
 
 --variants masked adds shardopt rows with MLM logits only at the masked positions (the same loss,
 ~1/7 of the decoder's work): not the peers' work, so not a comparison. A stage the library
@@ -179,7 +183,16 @@ PEERS = {
        for s in (1, 2, 3) for o in ("", "-cpuadam")},
     "fsdp2:noreshard": ("fsdp2.py", "noreshard", "FSDP2 reshard_after_forward=False", 2),
     "fsdp2:reshard": ("fsdp2.py", "reshard", "FSDP2 reshard_after_forward=True", 3),
+    **{f"shardopt:s{s}": ("shardopt_py.py", f"s{s}", f"shardopt stage {s} (Python bindings)", s)
+       for s in range(4)},
 }
+# Rows of PEERS that are shardopt itself: beside the C++ rows in the table, measured against the
+# peers in the goals, never a peer that a ratio is taken against.
+OURS = {k for k, v in PEERS.items() if v[0] == "shardopt_py.py"}
+
+
+def ours(key):
+    return key[0] == "shardopt" or key[1] in OURS
 
 
 def free_port():
@@ -321,7 +334,7 @@ def row_name(key):
 def fastest_exact_peer(runs, parities, level):
     best = None
     for key, r in runs.items():
-        if key[0] == "peer" and PEERS[key[1]][3] == level and r["status"] == "ok" \
+        if not ours(key) and PEERS[key[1]][3] == level and r["status"] == "ok" \
                 and exact(parities.get(key[1])):
             if best is None or r["step_s"] < best[1]["step_s"]:
                 best = (key, r)
@@ -348,7 +361,9 @@ def table(args, runs, parities, psi):
         if key[0] == "peer":
             bd = f"fwd+bwd {r['fwdbwd_s']:.3f}, step {r['opt_s']:.3f}"
             comm = f"{par['comm'] / MB:.1f}" if par and par["status"] == "ok" else "?"
-            live = f"{r['live'] / MB:.1f}"
+            # shardopt's buffers and state live in C++, out of gc's reach: its own count only
+            live = "n/a" if ours(key) else f"{r['live'] / MB:.1f}"
+            comm += " (StepStats)" if ours(key) and par and par["status"] == "ok" else ""
         else:
             bd = (f"fwd {r['fwd_s']:.3f}, bwd {r['bwd_s']:.3f}, step {r['opt_s']:.3f} (comm wait "
                   f"{r['comm_wait_s']:.3f}, update {r['update_s']:.3f}, gather {r['gather_s']:.3f})")
@@ -372,17 +387,18 @@ def verdicts(args, runs, parities):
     no more than that peer's."""
     out = []
     for key, r in runs.items():
-        if key[0] != "shardopt" or r["status"] != "ok":
+        if not ours(key) or r["status"] != "ok":
             continue
-        stage = key[1][0]
+        stage = row_name(key)[1]
+        label = f"stage {stage}" + ("" if key[0] == "shardopt" else " (Python bindings)")
         best = fastest_exact_peer(runs, parities, stage)
         if not best:
-            out.append(f"stage {stage}: no exact peer ran at this level")
+            out.append(f"{label}: no exact peer ran at this level")
             continue
         b = best[1]
         q, c = r["step_s"] / b["step_s"], r["cpu_s"] / b["cpu_s"]
         m = r["model_state"] / b["model_state"] if b["model_state"] > 0 else float("nan")
-        out.append(f"stage {stage} vs {row_name(best[0])[0]}: step time {q:.2f}x "
+        out.append(f"{label} vs {row_name(best[0])[0]}: step time {q:.2f}x "
                    f"({'meets' if q <= 0.8 else 'MISSES'} the 0.8x goal), CPU time {c:.2f}x, "
                    f"model state {m:.2f}x ({'meets' if m <= 1 else 'MISSES'} the <= 1x goal)")
     return out
@@ -396,7 +412,8 @@ def main():
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--variants", default="all", help="shardopt MLM variants: all, masked")
     ap.add_argument("--peers", default="all",
-                    help="comma-separated peers, or all: " + ", ".join(PEERS))
+                    help="comma-separated peers, or all (shardopt's Python rows then only at "
+                         "--stages): " + ", ".join(PEERS))
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (after --warmup)")
@@ -416,20 +433,29 @@ def main():
     if not os.access(args.trainer, os.X_OK):
         sys.exit(f"[compare] the trainer {args.trainer} is missing: build it with "
                  "scripts/build.sh --target bert_pretrain")
-    peers = list(PEERS) if args.peers == "all" else [p for p in args.peers.split(",") if p]
+    stages = [int(s) for s in args.stages.split(",") if s != ""]
+    peers = ([p for p in PEERS if p not in OURS or PEERS[p][3] in stages] if args.peers == "all"
+             else [p for p in args.peers.split(",") if p])
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         sys.exit(f"[compare] unknown peers {unknown}; expected some of: {', '.join(PEERS)}")
+    # shardopt's Python rows import the bindings built beside the trainer (<build>/python)
+    build_python = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(args.trainer))),
+                                "python")
+    if any(p in OURS for p in peers) and os.path.isdir(os.path.join(build_python, "shardopt")):
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [build_python] + [x for x in [os.environ.get("PYTHONPATH")] if x])
     need = "torch, torch.distributed" + (", deepspeed" if any(
-        p.startswith("deepspeed") for p in peers) else "")
+        p.startswith("deepspeed") for p in peers) else "") + (", shardopt" if any(
+        p in OURS for p in peers) else "")
     probe = subprocess.run([args.python, "-c", f"import {need}"], capture_output=True, text=True)
     if probe.returncode != 0:
         sys.exit(f"[compare] {args.python} cannot import {need} (the peers run in the pip "
-                 f"platform's venv: scripts/pip-venv.sh prints it): "
+                 f"platform's venv: scripts/pip-venv.sh prints it; shardopt from {build_python}, "
+                 f"target shardopt_python): "
                  f"{probe.stderr.strip().splitlines()[-1:]}")
     if shutil.which("mpirun") is None:
         sys.exit("[compare] mpirun is not on PATH")
-    stages = [int(s) for s in args.stages.split(",") if s != ""]
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         if v not in ("all", "masked"):
@@ -446,7 +472,10 @@ def main():
           f"{args.steps} timed steps, 1 thread per rank, {args.rounds} round(s); logs in {outdir}")
     sys.stdout.flush()
 
-    keys = [("peer", p) for p in peers] + [("shardopt", (s, v)) for v in variants for s in stages]
+    # shardopt's Python rows come right after its C++ rows
+    keys = ([("peer", p) for p in peers if p not in OURS]
+            + [("shardopt", (s, v)) for v in variants for s in stages]
+            + [("peer", p) for p in peers if p in OURS])
     results = {k: [] for k in keys}
 
     def one(key, rnd):
@@ -498,10 +527,12 @@ def main():
           "stage a row competes at; model state r0 = each system's own accounting of parameters, "
           "gradients, optimizer state and its persistent buffers on rank 0 after a step (shardopt: "
           "opt.memory()); live tensors r0 = every tensor storage Python reaches after a step, less "
-          "the batches (the same method for every Python peer; DDP's C++ buckets added); comm per "
+          "the batches (the same method for every Python peer; DDP's C++ buckets added; n/a for "
+          "shardopt, whose buffers and state live in C++); comm per "
           "step = bytes handed to torch.distributed collectives in the parity run (all-reduce "
-          "counted twice); sys s per run = the run's system CPU seconds per rank; MB = 10^6 bytes; "
-          "load = 1-minute load average when the run started (2 cores: above ~2 means other work "
+          "counted twice; shardopt's Python rows: StepStats.comm_elements x 4 bytes, its own count "
+          "of what it sent over MPI); sys s per run = the run's system CPU seconds per rank; MB = "
+          "10^6 bytes; load = 1-minute load average when the run started (2 cores: above ~2 means other work "
           "shared them).")
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump({"machine": info, "args": vars(args), "parity": parities,

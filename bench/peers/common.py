@@ -267,6 +267,12 @@ class Peer:
     def full_grads(self):  # name -> full averaged gradient after backward, or None if not reachable
         return None
 
+    def first_step_grads(self):  # where full_grads() is None: step 1's averaged gradient as read
+        return None              # after step 1 (every rank calls it; rank 0's answer is checked)
+
+    def sent_bytes(self):  # bytes this rank sent into collectives so far by the peer's own count,
+        return None        # or None: counted at torch.distributed's calls (CommCounter)
+
     def model_state(self):  # {category: bytes} by the peer's own accounting, or {} for none
         return {}
 
@@ -283,9 +289,13 @@ def run(peer, a):
     batches = make_batches(a, rank)
     step_t, cpu_t, fb_t, opt_t, losses, grads1 = [], [], [], [], [], None
     comm_before = 0
+
+    def sent():
+        own = peer.sent_bytes()
+        return counter.bytes if own is None else own
     for i, batch in enumerate(batches):
         if counter is not None and i == 1:
-            comm_before = counter.bytes  # step 0 also holds set-up collectives
+            comm_before = sent()  # step 0 also holds set-up collectives
         c0, t0 = time.process_time(), time.perf_counter()
         peer.zero_grad()
         loss = peer.forward_backward(batch)
@@ -295,6 +305,8 @@ def run(peer, a):
         t1b = time.perf_counter()
         peer.step()
         t2, c2 = time.perf_counter(), time.process_time()
+        if a.parity and i == 0 and grads1 is None:
+            grads1 = peer.first_step_grads()
         losses.append(loss.item())
         if i >= a.warmup:
             step_t.append(t2 - t0 - (t1b - t1)); fb_t.append(t1 - t0); opt_t.append(t2 - t1b)
@@ -315,8 +327,9 @@ def run(peer, a):
         res["live_bytes"] = max(p[1] for p in points) + peer.extra_state_bytes()
     res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if counter is not None and a.steps > 1:
-        res["comm_bytes_per_step"] = (counter.bytes - comm_before) / (a.steps - 1)
+        res["comm_bytes_per_step"] = (sent() - comm_before) / (a.steps - 1)
         res["comm_by_op"] = counter.by_op
+        res["comm_counted"] = "torch.distributed" if peer.sent_bytes() is None else "own"
     if a.parity:
         full = peer.full_params()
         if rank == 0:

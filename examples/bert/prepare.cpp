@@ -86,6 +86,13 @@ Made make_data(const Args& a, const std::vector<std::string>& files, const Token
                           &eval);
   Made m;
   m.train_docs = train.size(), m.eval_docs = eval.size();
+  if (train.empty()) {  // create_instances' precondition, said in the user's terms
+    throw std::runtime_error(fmt::format(
+        "--corpus: no sentence with a token in its {} file(s){}", files.size(),
+        eval.empty() ? " (empty files, or man pages that only redirect with .so)"
+                     : fmt::format("; all {} document(s) went to the held-out split "
+                                   "(--eval-fraction)", eval.size())));
+  }
   if (train.size() < 2) {
     warnings->push_back(fmt::format(
         "the training data has {} document(s): NSP's \"random next\" segments then come from the "

@@ -216,6 +216,7 @@ TEST_F(BertCli, BadInputsGetOneLineNamingTheFlagAndExitTwo) {
   fs::create_directories(path("lonely"));
   fs::copy_file(path("data.bin"), path("lonely/data.bin"), fs::copy_options::overwrite_existing);
   std::ofstream(path("small_vocab.txt")) << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\n";
+
   const std::string data = " --data " + path("data.bin");
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"--batch-size 0", {"--batch-size", "integer >= 1", "'0'"}},
@@ -267,6 +268,19 @@ TEST_F(BertCli, DataFindsItsVocabularyAndSkipsTheCorpus) {
   ASSERT_EQ(r.rc, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("data.bin.vocab.txt (found next to it)"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("corpus:"), std::string::npos) << r.out;
+}
+
+// A corpus with no text (found by the corpus fuzzer, issue 42) is named, in one line, not
+// reported as create_instances' precondition.
+TEST_F(BertCli, CorpusWithoutTextIsNamed) {
+  fs::create_directories(path("empty_corpus"));
+  std::ofstream(path("empty_corpus/blank.txt")) << "\n\n";
+  const Result r = run("--preset tiny --steps 1 --no-plot --corpus " + path("empty_corpus") +
+                       " --out " + path("empty_out"));
+  EXPECT_EQ(r.rc, 1) << r.err;
+  EXPECT_EQ(count(r.err, "error:"), 1) << r.err;
+  EXPECT_NE(r.err.find("bert_pretrain: error: --corpus: no sentence with a token in its 1 file(s)"),
+            std::string::npos) << r.err;
 }
 
 TEST_F(BertCli, OneDocumentCorpusWarns) {

@@ -417,5 +417,13 @@ TEST(BertCorpus, ManPageToText) {
   EXPECT_EQ(man_to_text(".so man3/other.3\n"), "");
 }
 
+// Glyph names whose numbers are not numbers are unknown glyphs, not std::stoi's exceptions (the
+// corpus fuzzer's find, tests/fuzz/corpus/corpus/regress-glyph-char-not-a-number).
+TEST(BertCorpus, MalformedGlyphNumbersAreUnknownGlyphs) {
+  EXPECT_EQ(man_to_text(".TH X 1\n.SH NAME\na\\[charfP]b \\[char99999999999]c \\[uZZZZ]d "
+                        "\\[char300]e \\[char46]f \\[u00E9]g\n"),
+            "NAME\n\nab c d e .f \u00e9g");
+}
+
 }  // namespace
 }  // namespace bert

@@ -216,7 +216,6 @@ TEST_F(BertCli, BadInputsGetOneLineNamingTheFlagAndExitTwo) {
   fs::create_directories(path("lonely"));
   fs::copy_file(path("data.bin"), path("lonely/data.bin"), fs::copy_options::overwrite_existing);
   std::ofstream(path("small_vocab.txt")) << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\n";
-
   const std::string data = " --data " + path("data.bin");
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"--batch-size 0", {"--batch-size", "integer >= 1", "'0'"}},

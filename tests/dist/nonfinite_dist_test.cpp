@@ -4,6 +4,7 @@
 // padding and shards (NonFinite.*, its own CTest entries); repeated non-finite steps end in
 // Error{NonFinite}.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.x
 #include <gtest/gtest.h>
 
 #include <algorithm>

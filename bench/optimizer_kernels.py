@@ -3,8 +3,9 @@ the same process: shardopt's fused AdamW (the Python bindings, one rank, stage 0
 DeepSpeedCPUAdam (adamw_mode, JIT-built on first use into TORCH_EXTENSIONS_DIR),
 torch.optim.AdamW(fused=True) on CPU and torch.optim.AdamW(foreach=True).
 
-Every optimizer steps one fp32 parameter of NUMEL elements whose gradient stays fixed; a step
-moves at least 28 B per parameter (read p, g, m, v; write p, m, v), so the bound is 28 B over
+Every optimizer steps one fp32 parameter of NUMEL elements in a training loop (zero_grad(),
+backward through loss = dot(p, g), step(): Note [What each row times]); a step moves at least
+28 B per parameter (read p, g, m, v; write p, m, v), so the bound is 28 B over
 the bandwidth of a STREAM-style triad (a = b + s*c, 12 B per element, torch.add on the same
 threads) of the same size. Each (size, threads) runs in a fresh process with OMP_NUM_THREADS set.
 
@@ -25,50 +26,96 @@ TRIAD_BYTES = 12
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
-def timed(fn, reps, warmup=2):
+def median_of(fn, reps, warmup=2):
+    """Median seconds of `fn` (which returns the seconds it timed) over `reps` calls after
+    `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
-    out = []
-    for _ in range(reps):
+    return statistics.median(fn() for _ in range(reps))
+
+
+def timed(fn, reps, warmup=2):
+    def once():
         t0 = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        return time.perf_counter() - t0
+    return median_of(once, reps, warmup)
 
 
 def make_param(torch, numel):
-    p = torch.nn.Parameter(torch.randn(numel) * 0.02)
-    p.grad = torch.randn(numel) * 1e-3
-    return p
+    return torch.nn.Parameter(torch.randn(numel) * 0.02)
+
+
+# Note [What each row times]
+# A training loop calls zero_grad(), backward and step(). Every implementation gets its gradient
+# from the same graph, loss = dot(p, g) with g fixed, whose backward makes p's gradient (a fresh
+# tensor, g itself by value) as a real model's does:
+# - "step()": step() alone, after an untimed zero_grad() + backward; what a user sees per step.
+#   shardopt checks the gradients for NaN/Inf during backward (Note [The non-finite check during
+#   backward] in src/engine/local_update.cpp), so its step() is the update;
+# - "zero_grad + backward + step": the three timed together, so work an implementation moves
+#   into backward (shardopt's copy of the gradient into its flat buffer and its check) is
+#   counted; "backward alone" is the graph with no optimizer attached (p.grad reset each time),
+#   the part every implementation shares.
+# Repeating step() without a backward would time something else for shardopt: step() consumes
+# the gradients (Note [step() consumes the gradients] in src/engine/engine.cpp), so every later
+# step() zeroes them and checks the zeros (what the first version of this bench measured).
+def loop_timer(torch, numel, opt, p):
+    g = torch.randn(numel) * 1e-3
+
+    def step_only():
+        opt.zero_grad()
+        torch.dot(p, g).backward()
+        t0 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0
+
+    def whole():
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.dot(p, g).backward()
+        opt.step()
+        return time.perf_counter() - t0
+    return step_only, whole
 
 
 def run_shardopt(torch, numel, phases):
-    """step() as a user calls it, and its phases (last_step()): `update` is the fused kernel alone,
-    `check` the non-finite check, one read of the gradients."""
+    """`update` is the fused kernel alone; `check` the non-finite check's time in step(), `check
+    in backward` its time during backward (one read of the gradients, 4 B/param)."""
     import shardopt
     p = make_param(torch, numel)
-    grad = p.grad
-    p.grad = None
     opt = shardopt.DistributedOptimizer([("p", p)], "adamw", comm=shardopt.make_single_communicator(),
                                         stage=0, **HYPER)
-    (p * grad).sum().backward()  # p.grad = grad, through the optimizer's own gradient path
+    step_only, whole = loop_timer(torch, numel, opt, p)
 
-    def step():
-        opt.step()
+    def step_recorded():
+        t = step_only()
         s = opt.last_step()
-        phases.append((s.update_s, s.check_s))
-    return step
+        phases.append((s.update_s, s.check_s, s.check_backward_s))
+        return t
+    return step_recorded, whole
 
 
 def run_deepspeed(torch, numel):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    opt = DeepSpeedCPUAdam([make_param(torch, numel)], adamw_mode=True, **HYPER)
-    return opt.step
+    p = make_param(torch, numel)
+    return loop_timer(torch, numel, DeepSpeedCPUAdam([p], adamw_mode=True, **HYPER), p)
 
 
 def run_torch(torch, numel, **flags):
-    opt = torch.optim.AdamW([make_param(torch, numel)], **HYPER, **flags)
-    return opt.step
+    p = make_param(torch, numel)
+    return loop_timer(torch, numel, torch.optim.AdamW([p], **HYPER, **flags), p)
+
+
+def backward_alone(torch, numel):
+    p, g = make_param(torch, numel), torch.randn(numel) * 1e-3
+
+    def once():
+        p.grad = None
+        t0 = time.perf_counter()
+        torch.dot(p, g).backward()
+        return time.perf_counter() - t0
+    return once
 
 
 def child(numel, threads, reps, which):
@@ -79,6 +126,13 @@ def child(numel, threads, reps, which):
     del a, b, c
     bandwidth = TRIAD_BYTES * numel / triad_s
     rows = [dict(impl="triad", numel=numel, threads=threads, seconds=triad_s, gbs=bandwidth / 1e9)]
+
+    def row(impl, seconds, nbytes=ADAM_BYTES):
+        return dict(impl=impl, numel=numel, threads=threads, seconds=seconds,
+                    gbs=nbytes * numel / seconds / 1e9,
+                    of_bound=(nbytes * numel / bandwidth) / seconds)
+    rows.append(dict(row("backward alone (dot graph)", median_of(backward_alone(torch, numel), reps)),
+                     gbs=None, of_bound=None))
     phases = []
     impls = {"shardopt_fused": lambda: run_shardopt(torch, numel, phases),
              "deepspeed_cpu_adam": lambda: run_deepspeed(torch, numel),
@@ -86,19 +140,22 @@ def child(numel, threads, reps, which):
              "torch_foreach": lambda: run_torch(torch, numel, foreach=True)}
     for name in which:
         try:
-            step = impls[name]()
-            s = timed(step, reps)
-            del step
-            rows.append(dict(impl=name, numel=numel, threads=threads, seconds=s,
-                             gbs=ADAM_BYTES * numel / s / 1e9,
-                             of_bound=(ADAM_BYTES * numel / bandwidth) / s))
+            step_only, whole = impls[name]()
+            s = median_of(step_only, reps)
+            w = median_of(whole, reps)
+            del step_only, whole
+            rows.append(row(f"{name} step()", s))
             if name == "shardopt_fused":  # the timed steps' phases (the last `reps`)
                 for i, (phase, nbytes) in enumerate((("update phase (the kernel)", ADAM_BYTES),
-                                                     ("check phase (4 B/param)", 4))):
+                                                     ("check in step()", 4),
+                                                     ("check in backward", 4))):
                     t = statistics.median(x[i] for x in phases[-reps:])
-                    rows.append(dict(impl=f"shardopt {phase}", numel=numel, threads=threads,
-                                     seconds=t, gbs=nbytes * numel / t / 1e9,
-                                     of_bound=(nbytes * numel / bandwidth) / t))
+                    # Under a millisecond: bookkeeping, no pass over the gradients to rate.
+                    rows.append(row(f"shardopt {phase}", t, nbytes) if t > 1e-3 else
+                                dict(impl=f"shardopt {phase}", numel=numel, threads=threads,
+                                     seconds=t, gbs=None, of_bound=None))
+            rows.append(dict(row(f"{name} zero_grad + backward + step", w), gbs=None,
+                             of_bound=None))
         except Exception as e:  # a peer that does not run is reported, not dropped
             rows.append(dict(impl=name, numel=numel, threads=threads, error=f"{type(e).__name__}: {e}"))
     print(json.dumps(rows))
@@ -113,6 +170,9 @@ def table(rows):
         elif r["impl"] == "triad":
             lines.append(f"| triad (12 B/elem) | {r['numel'] / 1e6:.0f}M | {r['threads']} | "
                          f"{r['seconds'] * 1e3:.1f} | {r['gbs']:.2f} (probe) | 1 |")
+        elif r["gbs"] is None:  # a time with no byte count of its own
+            lines.append(f"| {r['impl']} | {r['numel'] / 1e6:.0f}M | {r['threads']} | "
+                         f"{r['seconds'] * 1e3:.1f} | | |")
         else:
             lines.append(f"| {r['impl']} | {r['numel'] / 1e6:.0f}M | {r['threads']} | "
                          f"{r['seconds'] * 1e3:.1f} | {r['gbs']:.2f} | {r['of_bound']:.2f} |")

@@ -378,6 +378,9 @@ void Engine::finish_reduction() {
 // max_nonfinite_steps skipped steps in a row throw on every rank (they agree on the flag).
 bool Engine::skip_non_finite() {
   RECORD_FUNCTION("shardopt::skip_non_finite", std::vector<c10::IValue>());
+  for (int b = 0; b < static_cast<int>(flat_->layout().buckets.size()); ++b) {
+    if (reducer_->written_after_reduced(b)) update_->recheck(b);
+  }
   const bool non_finite =
       update_->unscale_and_check(grad_divisor(), options_.max_grad_norm > 0, stats_);
   if (scaler_) {

@@ -29,6 +29,7 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
   }
   grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
   written_.assign(params_.size(), 0);
+  reduced_version_.assign(params_.size(), -1);
   for (size_t i = 0; i < params_.size(); ++i) {
     // Aliases of the flat buffer that are not autograd views: torch 1.13's C++
     // Optimizer::zero_grad calls detach_() on every .grad, which autograd refuses for views.
@@ -57,6 +58,11 @@ at::Tensor GradientReducer::reduced(int bucket, const UpdatedRange& range) const
 }
 
 namespace {
+// The tensor's version counter, read without a dispatch (Tensor::_version() is an operator).
+int64_t version_of(const at::Tensor& t) {
+  return static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version());
+}
+
 // Marks the reducer's calls from autograd's side (Note [The non-finite check during backward]).
 struct InBackward {
   explicit InBackward(bool& flag) : flag_(flag) { flag_ = true; }
@@ -268,7 +274,12 @@ void GradientReducer::complete(int bucket) {
   if (!plan_.bucketed()) {
     const auto it = std::find(landing_.begin(), landing_.end(), bucket);
     if (it != landing_.end()) landing_.erase(it);
-    if (final) on_reduced_(bucket);
+    if (final) {
+      for (int i : flat_.layout().buckets[bucket].params) {
+        reduced_version_[i] = version_of(grad_views_[i]);
+      }
+      on_reduced_(bucket);
+    }
     return;
   }
   const auto range = flat_.updated(bucket);
@@ -350,7 +361,28 @@ void GradientReducer::start_over() {
   in_flight_.clear();
   landing_.clear();
   std::fill(written_.begin(), written_.end(), 0);
+  std::fill(reduced_version_.begin(), reduced_version_.end(), -1);
   for (auto& p : params_) p.mutable_grad().reset();
+}
+
+// Note [Gradients written after the check]
+// In place, a parameter's .grad is its view of the flat buffer from its first gradient of the step
+// on: a trainer may still write it after backward (gradient surgery, its own clipping, a NaN set
+// by hand) before step() reads it, so a bucket checked during backward (Note [The non-finite check
+// during backward] in local_update.cpp) is only trusted while every view in it keeps the version
+// it had then. Every in-place write through .grad or a view of it moves the version counter, as
+// autograd's saved-tensor check relies on; writes through .data or a raw pointer bypass it there
+// as here. Our own writes after the check go through other aliases (the scan's unscale through
+// the segment's slice), and bucketed gradients live in buffers no .grad reaches.
+bool GradientReducer::written_after_reduced(int bucket) const {
+  if (plan_.bucketed()) return false;
+  for (int i : flat_.layout().buckets[bucket].params) {
+    if (reduced_version_[i] >= 0 &&
+        version_of(grad_views_[i]) != reduced_version_[i]) {
+      return true;
+    }
+  }
+  return false;
 }
 
 int64_t GradientReducer::grad_bytes() const {

@@ -61,6 +61,10 @@ class GradientReducer {
   // Called with a bucket whose reduction for this step landed while backward runs (from accept()
   // or end_pass(), never from step()'s complete_all): its reduced gradients are final.
   void set_on_reduced(std::function<void(int bucket)> fn) { on_reduced_ = std::move(fn); }
+  // InPlace: whether some parameter of `bucket` had its .grad written in place (its version
+  // counter moved) after the bucket's reduced gradients went to on_reduced_ in this step
+  // (Note [Gradients written after the check]).
+  bool written_after_reduced(int bucket) const;
 
   int64_t take_comm_elements() { return std::exchange(comm_elements_, 0); }
   int64_t grad_bytes() const;    // gradients kept between backward and step
@@ -101,6 +105,7 @@ class GradientReducer {
   at::Tensor grad_flat_;               // InPlace: full length, model dtype
   std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it
   std::vector<char> written_;           // InPlace: the view holds this step's gradient
+  std::vector<int64_t> reduced_version_;  // InPlace: the view's version when on_reduced_ saw it
   at::Tensor grad_reduced_;            // Bucketed: update coordinates, master options
   std::vector<at::Tensor> pool_;       // Bucketed: bucket buffers
   at::Tensor host_staging_;            // offload of device gradients: pinned, one bucket

@@ -19,7 +19,8 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
                          bool fused)
     : flat_(flat), comm_(std::move(comm)), timeout_(timeout), rule_of_(std::move(rule_of)),
       lamb_(std::holds_alternative<Lamb>(rule)), low_done_(flat_.segments().size(), 0),
-      bucket_segments_(flat_.layout().buckets.size()), early_(flat_.segments().size()) {
+      bucket_segments_(flat_.layout().buckets.size()), early_(flat_.segments().size()),
+      unscaled_(flat_.segments().size(), 0) {
   for (size_t k = 0; k < flat_.segments().size(); ++k) {
     bucket_segments_[flat_.segments()[k].bucket].push_back(static_cast<int>(k));
   }
@@ -72,7 +73,16 @@ void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
 
 void LocalUpdate::forget_early() {
   std::fill(early_.begin(), early_.end(), std::nullopt);
+  std::fill(unscaled_.begin(), unscaled_.end(), 0);
   early_s_ = 0.0;
+}
+
+void LocalUpdate::recheck(int bucket) {
+  for (int k : bucket_segments_[bucket]) {
+    if (!early_[k]) continue;
+    early_[k].reset();
+    unscaled_[k] = 1;
+  }
 }
 
 bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats) {
@@ -87,7 +97,8 @@ bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats)
   auto& segments = flat_.segments();
   for (size_t k = 0; k < segments.size(); ++k) {
     add_scan(total, early_[k] ? *early_[k]
-                              : scan_segment(segments[k], divisor, norm, &stats.unscale_s));
+                              : scan_segment(segments[k], unscaled_[k] ? 1.0 : divisor, norm,
+                                             &stats.unscale_s));
   }
   // Tensor parallelism: each tensor rank holds the replicated parameters' gradients whole, so
   // they count 1/t on each (clamped: the two sums round differently).

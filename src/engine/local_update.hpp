@@ -35,6 +35,9 @@ class LocalUpdate {
   void check_early(int bucket, double divisor, bool norm);
   // The gradients start over (step() taken or skipped, zero_grad()): nothing checked early.
   void forget_early();
+  // `bucket`'s gradients were written after check_early saw them (Note [Gradients written after
+  // the check] in gradient_reducer.cpp): unscale_and_check checks them again, not dividing twice.
+  void recheck(int bucket);
   // Divides the reduced gradients by `divisor` (world * loss scale) and returns whether any rank
   // holds a non-finite one; with `norm`, their global L2 norm goes to stats.grad_norm (the same on
   // every rank), and the times to stats' unscale_s, check_s and check_backward_s.
@@ -77,6 +80,7 @@ class LocalUpdate {
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
   std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
   std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early
+  std::vector<char> unscaled_;  // per segment: divided early, then written: check, do not divide
   double early_divisor_ = 0.0;
   bool early_norm_ = false;
   double early_s_ = 0.0;

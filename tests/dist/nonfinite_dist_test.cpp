@@ -4,9 +4,11 @@
 // padding and shards (NonFinite.*, its own CTest entries); repeated non-finite steps end in
 // Error{NonFinite}.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.x
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <optional>
@@ -292,6 +294,93 @@ TEST(NonFinite, PlantedElementSkipsEveryRank) {
     }
   }
   EXPECT_EQ(checked, 3 * 4 * 2 * (n > 1 ? 5 : 3) * 3 * static_cast<int>(planters.size()));
+}
+
+// A NaN or Inf written into .grad in place after backward, before step() (gradient surgery, a
+// value set by hand): the check during backward saw the values before it, so step() must check
+// that bucket again (Note [Gradients written after the check] in src/engine/gradient_reducer.cpp).
+// Every rank writes the same element of one parameter at a time (at stage 0 each rank checks its
+// own replica of the reduced gradients), through a view of .grad and through .grad itself. Where
+// .grad is undefined after backward (bucketed gradients) there is nothing to write.
+TEST(NonFinite, WrittenIntoGradAfterBackwardSkipsEveryRank) {
+  auto comm = test::world();
+  const int64_t per_rank = kBatch / comm->size();
+  int written = 0;
+  for (int stage : {0, 1, 2, 3}) {
+    for (double clip : {0.0, 0.05}) {
+      TinyNet net;
+      ZeroOptions zo = options_for(stage, Precision::FP32, clip, net);
+      zo.max_nonfinite_steps = 0;  // one skipped step per parameter, in a row
+      DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm, zo);
+      int64_t s = 0;
+      for (const auto& [name, param] : net.by_name) {
+        for (const bool whole : {false, true}) {
+          auto [x, y] = batch(s++ % kSteps, 0);
+          const at::Tensor xr = x.narrow(0, comm->rank() * per_rank, per_rank);
+          const at::Tensor yr = y.narrow(0, comm->rank() * per_rank, per_rank);
+          opt.zero_grad();
+          opt.backward(net.loss(xr, yr));
+          at::Tensor g = param.grad();
+          if (!g.defined() || name == "unused.weight") continue;  // the same on every rank
+          const auto before = raw_snapshot(net, opt);
+          {
+            at::NoGradGuard no_grad;
+            if (whole) {
+              g.mul_(std::numeric_limits<float>::infinity());  // Inf, or NaN where it was 0
+            } else {
+              g.view(-1).narrow(0, g.numel() - 1, 1).fill_(std::nan(""));
+            }
+          }
+          opt.step();
+          const auto what = fmt::format("stage {} clip {} N = {}: {} written into {}.grad after "
+                                        "backward", stage, clip, comm->size(),
+                                        whole ? "Inf" : "NaN", name);
+          const bool skipped = opt.last_step().skipped;
+          const std::string changed = bitwise_difference(raw_snapshot(net, opt), before);
+          EXPECT_TRUE(skipped) << what;
+          EXPECT_EQ(changed, "") << what << ": the skipped step changed it";
+          EXPECT_TRUE(test::all_ranks(skipped && changed.empty())) << what;
+          ++written;
+        }
+      }
+      // The next step is clean again.
+      auto [x, y] = batch(0, 0);
+      opt.zero_grad();
+      opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
+                            y.narrow(0, comm->rank() * per_rank, per_rank)));
+      opt.step();
+      EXPECT_FALSE(opt.last_step().skipped) << "stage " << stage << ": the clean step after";
+    }
+  }
+  EXPECT_GT(written, 0) << "no stage left .grad defined after backward";
+}
+
+// After a clean step a NaN gradient set by hand (no backward since) is checked in step(): the
+// check of the last backward covers none of it.
+TEST(NonFinite, HandSetAfterCleanStepSkipsEveryRank) {
+  auto comm = test::world();
+  for (int stage : {0, 1, 2}) {
+    TinyNet net;
+    DistributedOptimizer opt(net.groups(true), make_rule("adamw"), comm,
+                             options_for(stage, Precision::FP32, 0.0, net));
+    auto [x, y] = batch(0, 0);
+    opt.zero_grad();
+    opt.backward(net.loss(x, y));
+    opt.step();
+    EXPECT_FALSE(opt.last_step().skipped) << "stage " << stage;
+    const auto before = raw_snapshot(net, opt);
+    for (const auto& [name, param] : net.by_name) {
+      at::Tensor g = at::zeros_like(param);
+      if (name == "fc2.weight") g.view(-1)[g.numel() / 2] = std::nan("");
+      param.mutable_grad() = g;
+    }
+    opt.step();
+    const bool skipped = opt.last_step().skipped;
+    const std::string changed = bitwise_difference(raw_snapshot(net, opt), before);
+    EXPECT_TRUE(skipped) << "stage " << stage;
+    EXPECT_EQ(changed, "") << "stage " << stage;
+    EXPECT_TRUE(test::all_ranks(skipped && changed.empty())) << "stage " << stage;
+  }
 }
 
 // max_nonfinite_steps skipped steps in a row end in Error{NonFinite} on every rank.

@@ -25,6 +25,38 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
     SKIP_PRECOMPILE_HEADERS ON)
 endif()
 
+# Note [OpenMP for at::parallel_for]
+# With torch's OpenMP backend (AT_PARALLEL_OPENMP, Debian's and pip's builds) at::parallel_for is
+# a header template whose `#pragma omp parallel` compiles into the caller: without -fopenmp it
+# runs the whole range on the calling thread. Until 2026-11-26 the kernels did exactly that, so
+# their "threads" never changed anything. The kernel driver (and the benches' triad probe,
+# bench/triad.hpp) compile with OpenMP and link libgomp, the runtime torch itself loads (pip's
+# wheel ships its own copy under the same soname, so one runtime serves both in a process); the
+# thread count is torch's (at::set_num_threads, read per thread by at::parallel_for).
+set(SHARDOPT_PARALLEL_OPENMP OFF)
+foreach(_dir IN LISTS TORCH_INCLUDE_DIRS)
+  if(EXISTS "${_dir}/ATen/Config.h")
+    file(STRINGS "${_dir}/ATen/Config.h" _omp REGEX "#define AT_PARALLEL_OPENMP 1")
+    if(_omp)
+      set(SHARDOPT_PARALLEL_OPENMP ON)
+    endif()
+    break()
+  endif()
+endforeach()
+if(SHARDOPT_PARALLEL_OPENMP)
+  find_package(OpenMP COMPONENTS CXX)
+  if(OpenMP_CXX_FOUND)
+    # Not through the precompiled header: parsed without _OPENMP, its ATen would be serial.
+    set_property(SOURCE src/kernels/cpu_dispatch.cpp APPEND PROPERTY COMPILE_OPTIONS
+                 ${OpenMP_CXX_FLAGS})
+    set_property(SOURCE src/kernels/cpu_dispatch.cpp PROPERTY SKIP_PRECOMPILE_HEADERS ON)
+    target_link_libraries(shardopt PRIVATE OpenMP::OpenMP_CXX)
+  else()
+    message(WARNING "shardopt: torch uses OpenMP but this compiler has none: the fused CPU "
+                    "kernels will run on one thread whatever at::set_num_threads says")
+  endif()
+endif()
+
 # ---- CUDA ---------------------------------------------------------------------------------------
 # check_language(CUDA) ran in the top-level file (CMAKE_CUDA_COMPILER set when nvcc works).
 set(_shardopt_cuda_kernels_default OFF)

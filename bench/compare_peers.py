@@ -22,7 +22,8 @@ exact keeps its row, marked (shardopt's Python rows too; they count their bytes 
 StepStats.comm_elements: its MPI traffic never passes torch.distributed). Then every variant runs
 once per round, timed, the order rotating every round (after one untimed run of each C++ stage).
 The table: parity, median step time (the slowest rank's median), CPU s/step, peak RSS per rank,
-model state per rank (each system's own accounting) and live tensor bytes (one method for every
+model state per rank (each system's own accounting of parameters, gradients and optimizer state;
+persistent communication buffers beside it: Note [Model state, as ZeRO defines it]) and live tensor bytes (one method for every
 Python peer), bytes communicated, and the ratio to the fastest exact peer at the same level;
 then the issue's goals per stage (for shardopt's C++ and Python rows).
 
@@ -237,10 +238,22 @@ def run_peer(args, key, outdir, rnd, parity=False):
         "step_s": slow["step_s"], "cpu_s": max(r["cpu_s"] for r in rows),
         "fwdbwd_s": slow["fwdbwd_s"], "opt_s": slow["opt_s"],
         "rss": [float(r["peak_rss"]) for r in rows],
-        "model_state": float(sum(own.values())) if own else float("nan"),
+        "model_state": model_state(own) if own else float("nan"),
+        "buffers": float(own.get("buffers", 0)) if own else float("nan"),
         "live": float(r0["live_bytes"]),
         "loss_first": r0["loss_first"], "loss_last": r0["loss_last"],
     }
+
+
+# Note [Model state, as ZeRO defines it]
+# The ZeRO paper's model states are parameters, gradients and optimizer state (fp32 master copies
+# included); communication buffers are residual states beside activations. The goals compare
+# model states so defined, for every system alike: a system's persistent buffers (shardopt's
+# bucket pool, DeepSpeed's ipg bucket) are reported in their own column, never hidden. Buffers a
+# system allocates per collective and frees (FSDP2's) are not counted by its own accounting at all;
+# the peak RSS column is where every byte, buffers and activations included, shows.
+def model_state(own):
+    return float(sum(v for k, v in own.items() if k != "buffers"))
 
 
 # ---- shardopt ------------------------------------------------------------------------------------
@@ -278,7 +291,7 @@ def run_ours(args, stage, variant, outdir, rnd):
         "fwd_s": slow["fwd_s"], "bwd_s": slow["bwd_s"], "opt_s": slow["opt_s"],
         "comm_wait_s": slow["comm_wait_s"], "update_s": slow["update_s"], "gather_s": slow["gather_s"],
         "rss": s["peak_rss_bytes"], "tensor_peak": s["peak_tensor_bytes"],
-        "model_state": sum(ms.get(k, 0) for k in ("params", "grads", "optimizer_state", "buffers")),
+        "model_state": model_state(ms), "buffers": float(ms.get("buffers", 0)),
         "loss_first": s["first5_loss"], "loss_last": s["last5_loss"],
         "parameters": s["parameters"],
     }
@@ -345,16 +358,16 @@ def table(args, runs, parities, psi):
     head = ("| run | level | parity: max abs param diff after "
             f"{args.parity_steps} steps / step-1 grad diff | median step (s) | samples/s | "
             "vs fastest exact peer at its level | CPU s/step | wall / CPU | sys s per run | "
-            "peak RSS per rank (MB) | model state r0 (MB) | live tensors r0 (MB) | "
+            "peak RSS per rank (MB) | model state r0 (MB) | buffers r0 (MB) | live tensors r0 (MB) | "
             "comm per step r0 (MB) | breakdown (s) | load |")
-    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     gb = args.ranks * args.batch
     for key, r in runs.items():
         name, level = row_name(key)
         par = parities.get(key[1]) if key[0] == "peer" else None
         if r["status"] != "ok":
             lines.append(f"| {name} | {level} | {parity_text(par)} | {r['status']} | | | | | | | "
-                         f"| | | {r['reason']} | {r['load']:.1f} |")
+                         f"| | | | {r['reason']} | {r['load']:.1f} |")
             continue
         best = fastest_exact_peer(runs, parities, level)
         vs = f"{r['step_s'] / best[1]['step_s']:.2f}x" if best else "no exact peer"
@@ -378,6 +391,7 @@ def table(args, runs, parities, psi):
         lines.append(f"| {name} | {level} | {parity_text(par)} | {r['step_s']:.3f} | "
                      f"{gb / r['step_s']:.2f} | {vs} | {r['cpu_s']:.3f} | {wall_cpu:.2f}{flag} | "
                      f"{r['sys_s']:.1f} | {fmt_rss(r['rss'])} | {r['model_state'] / MB:.1f} | "
+                     f"{r['buffers'] / MB:.1f} | "
                      f"{live} | {comm} | {bd} | {r['load']:.1f} |")
     return "\n".join(lines)
 
@@ -525,8 +539,10 @@ def main():
           f"one run of {args.parity_steps} steps with dropout off against single-process "
           "torch.optim.AdamW on the same global batches (exact: both <= 1e-6); level = the ZeRO "
           "stage a row competes at; model state r0 = each system's own accounting of parameters, "
-          "gradients, optimizer state and its persistent buffers on rank 0 after a step (shardopt: "
-          "opt.memory()); live tensors r0 = every tensor storage Python reaches after a step, less "
+          "gradients and optimizer state (ZeRO's model states) on rank 0 after a step (shardopt: "
+          "opt.memory()); buffers r0 = its persistent communication buffers by the same "
+          "accounting (shardopt's bucket pool, DeepSpeed's ipg bucket; FSDP2 frees its own per "
+          "collective); live tensors r0 = every tensor storage Python reaches after a step, less "
           "the batches (the same method for every Python peer; DDP's C++ buckets added; n/a for "
           "shardopt, whose buffers and state live in C++); comm per "
           "step = bytes handed to torch.distributed collectives in the parity run (all-reduce "

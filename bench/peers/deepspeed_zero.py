@@ -36,11 +36,14 @@ def flatten(x):
     return [t for v in x for t in flatten(v)] if isinstance(x, (list, tuple)) else []
 
 
-def storage_bytes(tensors):
+def storage_bytes(tensors, exclude=()):
     """Bytes of the distinct storages under `tensors` (DeepSpeed's gradient structures are views
-    into a few flat buffers, and some into the same one)."""
+    into a few flat buffers, and some into the same one), less those under `exclude`."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
     seen = {}
     for t in tensors:
+        if t.untyped_storage().data_ptr() in skip:
+            continue
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
@@ -113,11 +116,16 @@ class DeepSpeedZero(common.Peer):
         else:
             out["params"] = sum(tensor_bytes(t) for t in z.bit16_groups_flat)
             out["fp32_partitions"] = sum(tensor_bytes(t) for t in z.single_partition_of_fp32_groups)
+            # its reduce bucket (ipg_buffer) is a communication buffer: counted apart (Note
+            # [Model state, as ZeRO defines it] in bench/compare_peers.py)
+            bucket = flatten([getattr(z, "ipg_buffer", None)])
+            out["buffers"] = storage_bytes(bucket)
             out["grads"] = storage_bytes(
                 flatten([z.grads_in_partition, z.averaged_gradients,
-                         getattr(z, "all_grad_tensors", {}), getattr(z, "ipg_buffer", None)])
+                         getattr(z, "all_grad_tensors", {})])
                 + [t.grad for t in z.single_partition_of_fp32_groups if t.grad is not None]
-                + [p.grad for _, p in self._named() if p.grad is not None])
+                + [p.grad for _, p in self._named() if p.grad is not None],
+                exclude=bucket)
         out["optimizer_state"] = sum(tensor_bytes(v) for st in z.optimizer.state.values()
                                      for v in st.values())
         return out

@@ -243,7 +243,10 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
       SHARDOPT_CHECK(sf.rank == r, Checkpoint, "checkpoint: {}: file #{} is for rank {}",
                      m.path.string(), r, sf.rank);
       sf.path = f.at("path").get<std::string>();
-      SHARDOPT_CHECK(fs::path(sf.path).filename().string() == sf.path, Checkpoint,
+      // "." and ".." are their own filename() but name the directory and its parent.
+      SHARDOPT_CHECK(!sf.path.empty() && sf.path != "." && sf.path != ".." &&
+                         fs::path(sf.path).filename().string() == sf.path,
+                     Checkpoint,
                      "checkpoint: {}: shard path '{}' must be a plain file name", m.path.string(),
                      sf.path);
       sf.bytes = integer<int64_t>(f.at("bytes"));

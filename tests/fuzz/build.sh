@@ -68,6 +68,7 @@ if [ "${1:-}" = "--run" ]; then
     # input at fault (empty crash file).
     # The optimizer-state seeds (a checkpoint directory, a torch::save archive) run to ~11 kB.
     case "$name" in checkpoint_dir|torch_load|state_dict_file) max_len=16384 ;; *) max_len=4096 ;; esac
+    LSAN_OPTIONS="suppressions=$ROOT/tests/fuzz/lsan.supp${LSAN_OPTIONS:+:$LSAN_OPTIONS}" \
     "$OUT/${name}_fuzz" -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=64 \
       -max_len="$max_len" -artifact_prefix="$OUT/crash-$name-" -print_final_stats=1 "$OUT/corpus-$name"
   done

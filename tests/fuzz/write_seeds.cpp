@@ -98,6 +98,19 @@ int main(int argc, char** argv) {
               std::string(1, static_cast<char>(load_stage | (rule << 2))) +
                   shardopt::fuzz::encode_files(files));
   }
+  // Issue 42's finding (Note [Tensors from files], src/checkpoint/staging.hpp): a state tensor
+  // whose strides reach past its storage, as the unit test TorchArchive.StateTensorOutside* makes.
+  {
+    const FuzzNet net;
+    auto opt = net.optimizer(0, 0);
+    net.train(*opt, 2);
+    opt->consolidate_state_dict(0);
+    const at::Tensor t = opt->state_dict().groups[0].params[0].state.at("exp_avg");
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), {1000, 1});
+    std::ostringstream archive;
+    torch::save(*opt, archive);
+    write_hex(root / "torch_load" / "regress-strides-past-storage.hex", archive.str());
+  }
   // Before the first step (no state), and torch::optim::AdamW's own archive (cross-loadable).
   {
     const FuzzNet net;

@@ -108,6 +108,18 @@ TEST_F(CheckpointBounds, AManifestClaimingPetabytesIsRefusedBeforeAllocating) {
                ErrorKind::Checkpoint, {shard, "but the manifest says"});
 }
 
+// A shard path must name a file inside the directory: ".." and "." pass a filename() check but
+// are the parent and the directory itself (regress-shard-path-dotdot.json, issue 42).
+TEST_F(CheckpointBounds, ShardPathsOutsideTheDirectoryAreRefused) {
+  for (const std::string bad : {"..", ".", "", "../shard-00000-of-00001.bin"}) {
+    json m = manifest_;
+    m["files"][0]["path"] = bad;
+    write(m);
+    expect_error([&] { read_full_state(dir_); }, ErrorKind::Checkpoint,
+                 {path(), "shard path '" + bad + "' must be a plain file name"});
+  }
+}
+
 TEST_F(CheckpointBounds, NegativeOrOverflowingShapesAreNamed) {
   json m = manifest_;
   for (auto& s : m["files"][0]["sections"]) {

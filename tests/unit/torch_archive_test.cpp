@@ -3,11 +3,17 @@
 // consolidated DistributedOptimizer, and the torch.save files of full state dicts.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
+
+#include <cstdlib>
+#include <fstream>
 
 #include <sstream>
 #include <string>
 
+#include "fuzz/fuzz_files.hpp"
 #include "fuzz/fuzz_model.hpp"
 #include "shardopt/error.hpp"
 #include "support/expect_error.hpp"
@@ -16,6 +22,13 @@ namespace shardopt {
 namespace {
 
 using fuzz::FuzzNet;
+using test::expect_error;
+
+// Makes `t` claim more elements than its storage holds, as a crafted file's sizes and strides do
+// (Note [Tensors from files] in src/checkpoint/staging.hpp): the last row starts past the end.
+void stretch_past_storage(const at::Tensor& t) {
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), {1000, 1});
+}
 
 // The archive of a consolidated optimizer of `rule` (fuzz_rule) after two steps.
 std::string saved_archive(int rule) {
@@ -39,6 +52,42 @@ TEST(TorchArchive, EveryRuleRoundTrips) {
     // SGD keeps no step in torch: a state with momentum buffers loads as step 1.
     EXPECT_EQ(opt->last_step().step, rule == 1 ? 2 : 3) << "rule " << rule;
   }
+}
+
+// torch's reader rebuilds a tensor whose strides reach past its storage without a complaint; a
+// load must refuse it before a copy reads beyond the storage (regress-strides-past-storage.hex).
+TEST(TorchArchive, StateTensorOutsideItsStorageIsRefused) {
+  const FuzzNet source;
+  auto saver = source.optimizer(0, 0);
+  source.train(*saver, 2);
+  saver->consolidate_state_dict(0);
+  stretch_past_storage(saver->state_dict().groups[0].params[0].state.at("exp_avg"));
+  std::ostringstream out;
+  torch::save(*saver, out);
+  const FuzzNet net;
+  auto opt = net.optimizer(0, 1);
+  std::istringstream in(out.str());
+  expect_error([&] { torch::load(*opt, in); }, ErrorKind::Checkpoint,
+               {"'exp_avg'", "lies outside its storage of 48 bytes"});
+}
+
+// The same in a torch.save file of a state dict (read_state_dict, load_full_state_dict).
+TEST(TorchArchive, StateDictTensorOutsideItsStorageIsRefused) {
+  const FuzzNet source;
+  const at::Tensor w = source.w.detach().clone();
+  stretch_past_storage(w);
+  c10::Dict<std::string, at::Tensor> dict;
+  dict.insert("embed.weight", w);
+  dict.insert("fc.bias", source.b.detach());
+  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
+  const fuzz::ScratchDir dir;
+  std::ofstream(dir / "model.pt", std::ios::binary).write(bytes.data(), bytes.size());
+  expect_error([&] { read_state_dict(dir / "model.pt"); }, ErrorKind::Checkpoint,
+               {"'embed.weight'", "lies outside its storage of 48 bytes"});
+  const FuzzNet net;
+  auto opt = net.optimizer(0, 2);
+  expect_error([&] { load_full_state_dict(*opt, dir / "model.pt"); }, ErrorKind::Checkpoint,
+               {"'embed.weight'", "lies outside its storage"});
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// Shared by the harnesses whose reader takes files by path (checkpoint directories, torch.save
-// files): the input after its first byte (flags) is a small archive of named files, written into a
+// Shared by the optimizer-state harnesses: the outcome check, and for readers that take files by
+// path (checkpoint directories, torch.save files) the input after its first byte (flags) as a
+// small archive of named files, written into a
 // fresh directory that is removed after the input. Record: u8 name length, the name, u32 length
 // (little-endian, clamped to what is left), the bytes. The harness writes only plain names inside
 // its directory (not "", ".", "..", nothing with '/' or NUL); whether the *reader* stays inside
@@ -14,10 +15,12 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <string>
 
 #include "checkpoint/files.hpp"
+#include "shardopt/error.hpp"
 
 namespace shardopt::fuzz {
 
@@ -25,6 +28,24 @@ namespace shardopt::fuzz {
 inline void note(const char* what) {
   static const bool verbose = std::getenv("SHARDOPT_FUZZ_VERBOSE") != nullptr;
   if (verbose) std::fprintf(stderr, "[fuzz] %s\n", what);
+}
+
+// Runs one reader: true when it returned, false when it threw shardopt::Error of one of the
+// `kinds` it documents. Another kind aborts and another exception type escapes to libFuzzer:
+// both are findings.
+template <typename Fn>
+bool returns_or_throws(Fn&& fn, std::initializer_list<ErrorKind> kinds) {
+  try {
+    fn();
+    return true;
+  } catch (const Error& e) {
+    note(e.what());
+    for (const ErrorKind k : kinds) {
+      if (e.kind() == k) return false;
+    }
+    std::fprintf(stderr, "unexpected error kind: %s\n", e.what());
+    std::abort();
+  }
 }
 
 // name -> bytes of the archive in `data[0, size)` (later records of a name replace earlier ones).

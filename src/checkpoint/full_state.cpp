@@ -232,7 +232,10 @@ torch::OrderedDict<std::string, at::Tensor> tensor_dict(const c10::IValue& v,
   torch::OrderedDict<std::string, at::Tensor> out;
   for (const auto& entry : v.toGenericDict()) {
     if (!entry.key().isString() || !entry.value().isTensor()) continue;
-    out.insert(entry.key().toStringRef(), entry.value().toTensor());
+    const std::string& key = entry.key().toStringRef();
+    check_tensor_from_file(entry.value().toTensor(),
+                           fmt::format("checkpoint: {}: tensor '{}'", what, key));
+    out.insert(key, entry.value().toTensor());
   }
   return out;
 }
@@ -265,8 +268,11 @@ std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
             for (const auto& entry : top.at("state").toGenericDict()) {
               const std::string param = entry.key().toStringRef();
               for (const auto& buffer : entry.value().toGenericDict()) {
-                state.optimizer_state[buffer.key().toStringRef()].insert(param,
-                                                                         buffer.value().toTensor());
+                const std::string& name = buffer.key().toStringRef();
+                const at::Tensor& t = buffer.value().toTensor();
+                check_tensor_from_file(t, fmt::format("checkpoint: {}: '{}' of parameter '{}'",
+                                                      optimizer_file, name, param));
+                state.optimizer_state[name].insert(param, t);
               }
             }
           }

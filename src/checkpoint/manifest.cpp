@@ -243,7 +243,10 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
       SHARDOPT_CHECK(sf.rank == r, Checkpoint, "checkpoint: {}: file #{} is for rank {}",
                      m.path.string(), r, sf.rank);
       sf.path = f.at("path").get<std::string>();
-      SHARDOPT_CHECK(fs::path(sf.path).filename().string() == sf.path, Checkpoint,
+      // "." and ".." are their own filename() but name the directory and its parent.
+      SHARDOPT_CHECK(!sf.path.empty() && sf.path != "." && sf.path != ".." &&
+                         fs::path(sf.path).filename().string() == sf.path,
+                     Checkpoint,
                      "checkpoint: {}: shard path '{}' must be a plain file name", m.path.string(),
                      sf.path);
       sf.bytes = integer<int64_t>(f.at("bytes"));
@@ -270,7 +273,24 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
         SHARDOPT_CHECK(end <= sf.bytes, Checkpoint,
                        "checkpoint: {} lies outside the file: it ends at byte {}, the file has {}",
                        where, end, sf.bytes);
-        sf.sections[s.at("name").get<std::string>()] = sec;
+        const std::string name = s.at("name").get<std::string>();
+        SHARDOPT_CHECK((name != "param" && name.rfind("state/", 0) != 0) || sec.shape.size() == 1,
+                       Checkpoint, "checkpoint: {} has shape {}, expected one dimension", where,
+                       shape_text(sec.shape));
+        sf.sections[name] = sec;
+      }
+      // Pieces are checked against "param"; every state section holds the same elements
+      // (Note [Checkpoint layout]), so it must be as long (a shorter one: issue 42's fuzzer).
+      if (const auto param = sf.sections.find("param"); param != sf.sections.end()) {
+        for (const auto& n : m.state_names) {
+          const auto state = sf.sections.find("state/" + n);
+          SHARDOPT_CHECK(state == sf.sections.end() || state->second.shape == param->second.shape,
+                         Checkpoint,
+                         "checkpoint: {}: section 'state/{}' of {} has shape {}, its 'param' "
+                         "section {}; the sections of a shard file hold the same elements",
+                         m.path.string(), n, sf.path, shape_text(state->second.shape),
+                         shape_text(param->second.shape));
+        }
       }
       m.files.push_back(std::move(sf));
     }
@@ -308,6 +328,16 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
       m.params.push_back(std::move(mp));
     }
     check_piece_tables(m);
+    // What read_checkpoint_info, read_full_state and load_checkpoint read besides the layout:
+    // of the types they take, or a named error here rather than a json exception there (found by
+    // issue 42's fuzzer: a manifest without "trainer").
+    SHARDOPT_CHECK(m.j.contains("trainer"), Checkpoint, "checkpoint: {} has no \"trainer\"",
+                   m.path.string());
+    (void)m.j.value("precision", std::string());
+    if (const auto it = m.j.find("module"); it != m.j.end()) {
+      (void)it->at("tensors").get<std::vector<std::string>>();
+      (void)it->at("aliases").get<std::map<std::string, std::string>>();
+    }
   } catch (const json::exception& e) {
     SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed manifest {}: {}", m.path.string(), e.what());
   } catch (const std::logic_error& e) {  // std::stoul of a bad checksum

@@ -97,6 +97,32 @@ void check_same_optimizer(ShardAccess& a, const Manifest& m,
                  m.group_rules.size(), a.group_count());
 }
 
+void check_tensor_from_file(const at::Tensor& t, const std::string& what) {
+  SHARDOPT_CHECK(t.defined(), Checkpoint, "{} is an undefined tensor", what);
+  SHARDOPT_CHECK(t.layout() == at::kStrided && !t.is_quantized(), Checkpoint,
+                 "{} is a {}{} tensor, expected a dense one", what,
+                 t.is_quantized() ? "quantized " : "", c10::toString(t.layout()));
+  // Elements [offset, offset + extent] of the storage, each of itemsize bytes.
+  int64_t last = t.storage_offset();
+  bool fits = last >= 0;
+  for (int64_t d = 0; d < t.dim(); ++d) fits = fits && t.size(d) >= 0 && t.stride(d) >= 0;
+  for (int64_t d = 0; fits && d < t.dim(); ++d) {
+    if (t.size(d) == 0) return;  // no element is read
+    int64_t step = 0;
+    fits = !__builtin_mul_overflow(t.size(d) - 1, t.stride(d), &step) &&
+           !__builtin_add_overflow(last, step, &last);
+  }
+  int64_t end = 0;
+  fits = fits && !__builtin_add_overflow(last, int64_t{1}, &end) &&
+         !__builtin_mul_overflow(end, static_cast<int64_t>(t.element_size()), &end) &&
+         end <= static_cast<int64_t>(t.storage().nbytes());
+  SHARDOPT_CHECK(fits, Checkpoint,
+                 "{} (shape {}, strides {}, storage offset {}) lies outside its "
+                 "storage of {} bytes; the file is corrupt",
+                 what, shape_text(t.sizes().vec()), shape_text(t.strides().vec()),
+                 t.storage_offset(), t.storage().nbytes());
+}
+
 std::vector<at::Tensor> match_full_params(ShardAccess& a,
                                           const torch::OrderedDict<std::string, at::Tensor>& params,
                                           const std::string& what) {

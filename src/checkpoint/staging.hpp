@@ -38,6 +38,14 @@ void check_same_model(ShardAccess& a, const Manifest& m);
 void check_same_optimizer(ShardAccess& a, const Manifest& m,
                           const std::vector<std::string>& names);
 
+// Note [Tensors from files]: torch's unpickler rebuilds a tensor from the sizes, strides and
+// storage offset a file states without checking them against the storage it read, so a crafted
+// torch.save or torch::save file makes a copy read past the storage. Every tensor our readers
+// take from such a file passes this first: a dense (strided, not quantized) tensor with
+// non-negative strides and every element inside its storage. Error{Checkpoint} starting with
+// `what` ("<module>: <file>: tensor '<name>'").
+void check_tensor_from_file(const at::Tensor& t, const std::string& what);
+
 // The model's parameters in a full state: index in the layout -> tensor (checked).
 std::vector<at::Tensor> match_full_params(ShardAccess& a,
                                           const torch::OrderedDict<std::string, at::Tensor>& params,

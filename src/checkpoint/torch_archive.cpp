@@ -69,6 +69,7 @@ void read_options(InputArchive& archive, Rule& rule) {
 int64_t read_size(InputArchive& archive, const std::string& key) {
   at::Tensor size;
   archive.read(key, size);
+  detail::check_tensor_from_file(size, fmt::format("optimizer: torch::load: '{}'", key));
   return size.item<int64_t>();
 }
 
@@ -137,6 +138,10 @@ void DistributedOptimizer::load(torch::serialize::InputArchive& archive) {
                            buffer, rule_name(group_rule(0)), fmt::join(names, ", "));
             c10::IValue v;
             param.read(buffer, v);
+            // Note [Tensors from files] (checkpoint/staging.hpp)
+            detail::check_tensor_from_file(
+                v.toTensor(),
+                fmt::format("optimizer: torch::load: '{}' of state '{}'", buffer, key));
             entry.state[buffer] = v.toTensor();
           }
           c10::IValue step;

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer harnesses with clang (Debian's clang 14: -fsanitize=fuzzer) into
 # build-fuzz/ and, with --run SECONDS, fuzzes each from its seed corpus (a copy: new inputs go to
-# build-fuzz/corpus-<name>, crashes to build-fuzz/crash-<name>-*). Torch-free readers only.
+# build-fuzz/corpus-<name>, crashes to build-fuzz/crash-<name>-*).
 #   tests/fuzz/build.sh [--run SECONDS ["NAME ..."]]  (names: safetensors manifest bert_config
-#                                                   vocab data corpus; default all)
+#                      vocab data corpus checkpoint_dir torch_load state_dict_file; default all)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${SHARDOPT_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
@@ -33,9 +33,29 @@ BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
   "$ROOT/src/checkpoint/format.cpp" -L"$BUILD" -lshardopt -ltorch_cpu -lc10 -lfmt -lz \
   -Wl,-rpath,"$BUILD" -o "$OUT/manifest_fuzz"
 echo "[fuzz] built $OUT/manifest_fuzz"
+# The optimizer-state readers: checkpoint directories, torch::load into the optimizer, torch.save
+# files of full state dicts. src/checkpoint's readers compiled with coverage (once, shared), the
+# rest of the library from libshardopt.so as above.
+torch_flags=(-D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$ROOT/tests"
+             -I"$BUILD/include" -I/usr/include/torch/csrc/api/include)
+mkdir -p "$OUT/obj"
+for src in manifest format files staging save_load full_state state_dict torch_archive; do
+  "$CXX" "${flags[@]}" "${torch_flags[@]}" -c "$ROOT/src/checkpoint/$src.cpp" -o "$OUT/obj/$src.o"
+done
+fuzz_link() {  # name objects...
+  local name="$1"; shift
+  "$CXX" "${flags[@]}" "${torch_flags[@]}" "$ROOT/tests/fuzz/${name}_fuzz.cpp" "$@" -L"$BUILD" \
+    -lshardopt -ltorch_cpu -lc10 -lfmt -lz -Wl,-rpath,"$BUILD" -o "$OUT/${name}_fuzz"
+  echo "[fuzz] built $OUT/${name}_fuzz"
+}
+O="$OUT/obj"
+fuzz_link checkpoint_dir "$O/manifest.o" "$O/format.o" "$O/files.o" "$O/staging.o" \
+  "$O/save_load.o" "$O/full_state.o"
+fuzz_link torch_load "$O/torch_archive.o" "$O/state_dict.o" "$O/staging.o"
+fuzz_link state_dict_file "$O/full_state.o" "$O/files.o" "$O/staging.o"
 if [ "${1:-}" = "--run" ]; then
   seconds="${2:-60}"
-  for name in ${3:-safetensors manifest bert_config vocab data corpus}; do
+  for name in ${3:-safetensors manifest bert_config vocab data corpus checkpoint_dir torch_load state_dict_file}; do
     mkdir -p "$OUT/corpus-$name"
     for seed in "$ROOT/tests/fuzz/corpus/$name"/*; do  # *.hex seeds are binary inputs as text
       base="$(basename "$seed" .hex)"
@@ -46,7 +66,10 @@ if [ "${1:-}" = "--run" ]; then
     # -rss_limit_mb is the whole process: the manifest harness loads libtorch (~380 MB resident
     # before the first input) and its corpus grows, so 512 stopped a 5M-run campaign with no
     # input at fault (empty crash file).
+    # The optimizer-state seeds (a checkpoint directory, a torch::save archive) run to ~11 kB.
+    case "$name" in checkpoint_dir|torch_load|state_dict_file) max_len=16384 ;; *) max_len=4096 ;; esac
+    LSAN_OPTIONS="suppressions=$ROOT/tests/fuzz/lsan.supp${LSAN_OPTIONS:+:$LSAN_OPTIONS}" \
     "$OUT/${name}_fuzz" -max_total_time="$seconds" -rss_limit_mb=2048 -malloc_limit_mb=64 \
-      -max_len=4096 -artifact_prefix="$OUT/crash-$name-" -print_final_stats=1 "$OUT/corpus-$name"
+      -max_len="$max_len" -artifact_prefix="$OUT/crash-$name-" -print_final_stats=1 "$OUT/corpus-$name"
   done
 fi

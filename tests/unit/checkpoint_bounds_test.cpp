@@ -108,6 +108,51 @@ TEST_F(CheckpointBounds, AManifestClaimingPetabytesIsRefusedBeforeAllocating) {
                ErrorKind::Checkpoint, {shard, "but the manifest says"});
 }
 
+// A shard path must name a file inside the directory: ".." and "." pass a filename() check but
+// are the parent and the directory itself (regress-shard-path-dotdot.json, issue 42).
+TEST_F(CheckpointBounds, ShardPathsOutsideTheDirectoryAreRefused) {
+  for (const std::string bad : {"..", ".", "", "../shard-00000-of-00001.bin"}) {
+    json m = manifest_;
+    m["files"][0]["path"] = bad;
+    write(m);
+    expect_error([&] { read_full_state(dir_); }, ErrorKind::Checkpoint,
+                 {path(), "shard path '" + bad + "' must be a plain file name"});
+  }
+}
+
+// A state section shorter than its file's "param" section: the pieces fit "param" but not it
+// (regress-state-section-shorter.hex, issue 42's checkpoint_dir fuzzer: an escaping c10::Error).
+TEST_F(CheckpointBounds, StateSectionsAsLongAsTheParamSection) {
+  json m = manifest_;
+  for (auto& s : m["files"][0]["sections"]) {
+    if (s["name"] == "state/exp_avg") s["shape"] = {1};
+  }
+  write(m);
+  expect_error([&] { read_full_state(dir_, true); }, ErrorKind::Checkpoint,
+               {path(), "section 'state/exp_avg'", "has shape [1], its 'param' section"});
+  expect_error([&] { load(); }, ErrorKind::Checkpoint, {"section 'state/exp_avg'"});
+}
+
+// Fields only the whole-checkpoint readers use (the fuzzer's manifest without "trainer" made
+// read_checkpoint_info throw nlohmann's exception; regress-manifest-without-trainer.hex).
+TEST_F(CheckpointBounds, TrainerAndModuleFieldsAreChecked) {
+  json m = manifest_;
+  m.erase("trainer");
+  write(m);
+  expect_error([&] { read_checkpoint_info(dir_); }, ErrorKind::Checkpoint,
+               {path(), "has no \"trainer\""});
+  m = manifest_;
+  m["module"] = {{"tensors", 5}, {"aliases", json::object()}};
+  write(m);
+  expect_error([&] { read_full_state(dir_); }, ErrorKind::Checkpoint,
+               {"malformed manifest", path()});
+  m = manifest_;
+  m["precision"] = 16;
+  write(m);
+  expect_error([&] { read_checkpoint_info(dir_); }, ErrorKind::Checkpoint,
+               {"malformed manifest", path()});
+}
+
 TEST_F(CheckpointBounds, NegativeOrOverflowingShapesAreNamed) {
   json m = manifest_;
   for (auto& s : m["files"][0]["sections"]) {

@@ -23,11 +23,29 @@ struct PipelineChunk {
   std::vector<at::Tensor> parameters;
 };
 
+// When and how long one action of this rank's list ran (PipelineRunOptions::trace).
+struct PipelineActionTiming {
+  int64_t start_ns = 0;    // steady clock (CLOCK_MONOTONIC on Linux: one clock for every
+  int64_t end_ns = 0;      // process of a host), nanoseconds since its epoch
+  int64_t cpu_ns = 0;      // this thread's CPU time in the action (CLOCK_THREAD_CPUTIME_ID)
+  int64_t live_bytes = 0;  // MemoryTracker::cpu().live_bytes() after the action and the release
+                           // of what it was the last use of (0 growth while not installed)
+};
+
+// The timings of one run_pipeline() call: actions[i] is this rank's schedule.actions[rank][i].
+// Costs two clock reads of each kind and an atomic load per action; nothing when not asked for.
+struct PipelineTrace {
+  std::vector<PipelineActionTiming> actions;
+  int64_t live_bytes_before = 0;  // MemoryTracker::cpu().live_bytes() when the call began
+};
+
 struct PipelineRunOptions {
   // Shape and dtype of every activation between stages (and of its gradient): receives are
   // posted into tensors of this shape, as Megatron's tensor_shape.
   std::vector<int64_t> activation_shape;
   at::ScalarType activation_dtype = at::kFloat;
+  // Where to record each action's timing (overwritten on every call); null: no timing.
+  PipelineTrace* trace = nullptr;
 };
 
 // Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). `chunks` holds

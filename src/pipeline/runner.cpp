@@ -8,10 +8,14 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <time.h>
+
+#include <chrono>
 #include <map>
 #include <utility>
 
 #include "shardopt/error.hpp"
+#include "shardopt/memory_tracker.hpp"
 
 namespace shardopt {
 namespace {
@@ -22,6 +26,18 @@ struct InFlight {
   at::Tensor output;  // the chunk's output (the loss on the last stage)
   at::Tensor grad;    // the gradient of `output` received from the next stage
 };
+
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t thread_cpu_ns() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
 
 }  // namespace
 
@@ -70,7 +86,16 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
   std::map<std::pair<int, int>, int> uses;
   for (const Action& a : schedule.actions.at(rank)) ++uses[{a.chunk, a.microbatch}];
 
-  for (const Action& a : schedule.actions.at(rank)) {
+  const std::vector<Action>& list = schedule.actions.at(rank);
+  PipelineTrace* const trace = options.trace;
+  if (trace) {
+    trace->actions.assign(list.size(), PipelineActionTiming{});
+    trace->live_bytes_before = MemoryTracker::cpu().live_bytes();
+  }
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Action& a = list[i];
+    const int64_t start_ns = trace ? steady_ns() : 0;
+    const int64_t start_cpu_ns = trace ? thread_cpu_ns() : 0;
     InFlight& f = live[{a.chunk, a.microbatch}];
     const PipelineChunk& chunk = chunks.at(a.chunk);
     switch (a.type) {
@@ -125,6 +150,10 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         break;
     }
     if (--uses[{a.chunk, a.microbatch}] == 0) live.erase({a.chunk, a.microbatch});
+    if (trace) {
+      trace->actions[i] = {start_ns, steady_ns(), thread_cpu_ns() - start_cpu_ns,
+                           MemoryTracker::cpu().live_bytes()};
+    }
   }
   for (auto& work : sends) work->wait();
   return losses;

@@ -54,8 +54,10 @@ struct PipelineRunOptions {
 // micro-batches' backward passes run, in micro-batch order on every stage, so fp32 results are
 // bitwise those of one process running the m micro-batches one after the other. Returns the m
 // losses (detached) on the rank that holds the last stage, an empty vector elsewhere. Call on
-// every rank of `comm` with the same schedule. ZB-H1's weight pass re-traverses the chunk's graph
-// for its parameters (torch::autograd::backward with inputs): correct, not yet faster. Tested on
+// every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters' own
+// branches of the graph, from the gradients its input pass kept where they leave the chain to the
+// input (src/pipeline/split_backward.hpp); a parameter used at several places of a chunk, or
+// stage 0 data that is not floating point, falls back to re-traversing the graph. Tested on
 // MPI and Gloo; on NCCL a lone send and a lone receive queue on one stream, so two ranks sending
 // to each other at once would wait on each other there: pairing them in one batch_isend_irecv
 // (Megatron's send_forward_recv_backward) is still to do. Sent tensors are released once their

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "shardopt/error.hpp"
+#include "pipeline/split_backward.hpp"
 #include "shardopt/memory_tracker.hpp"
 
 namespace shardopt {
@@ -25,6 +26,7 @@ struct InFlight {
   at::Tensor input;   // the received activation (a leaf requiring grad); stage 0: the data
   at::Tensor output;  // the chunk's output (the loss on the last stage)
   at::Tensor grad;    // the gradient of `output` received from the next stage
+  detail::SplitBackward split;  // zero-bubble schedules: what B keeps for W
 };
 
 int64_t steady_ns() {
@@ -82,6 +84,10 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                    c10::toString(options.activation_dtype));
   };
 
+  bool split_backward = false;
+  for (const Action& a : schedule.actions.at(rank)) {
+    split_backward = split_backward || a.type == ActionType::BackwardInput;
+  }
   // A (chunk, micro-batch)'s tensors and graph are dropped after its last action here.
   std::map<std::pair<int, int>, int> uses;
   for (const Action& a : schedule.actions.at(rank)) ++uses[{a.chunk, a.microbatch}];
@@ -105,7 +111,15 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         f.input.requires_grad_(true);
         break;
       case ActionType::Forward: {
-        if (a.stage == 0) f.input = data(a.microbatch);
+        if (a.stage == 0) {
+          f.input = data(a.microbatch);
+          // A split backward needs a trunk to the input (Note [Cheap weight pass]); stage 0's
+          // floating data gets one for the price of its unused gradient.
+          if (split_backward && at::isFloatingType(f.input.scalar_type()) &&
+              !f.input.requires_grad()) {
+            f.input = f.input.detach().requires_grad_(true);
+          }
+        }
         f.output = chunk.forward(f.input, a.microbatch);
         if (a.stage == last_stage) {
           SHARDOPT_CHECK(f.output.numel() == 1, InvalidArgument,
@@ -129,10 +143,11 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         torch::autograd::backward({f.output}, {f.grad});
         break;
       case ActionType::BackwardInput:
-        // Only the input's gradient now; the graph stays for the weight pass.
-        if (a.stage > 0) {
-          f.input.mutable_grad() =
-              torch::autograd::grad({f.output}, {f.input}, {f.grad}, /*retain_graph=*/true)[0];
+        // Only the input's gradient now; the graph stays for the weight pass, which will run
+        // only the parameters' own branches (Note [Cheap weight pass]).
+        if (f.input.requires_grad()) {
+          f.input.mutable_grad() = f.split.backward_input(f.output, f.grad, f.input,
+                                                          chunk.parameters);
         }
         break;
       case ActionType::BackwardWeight:
@@ -140,8 +155,7 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                        "pipeline: schedule {} splits the backward pass, which needs the "
                        "parameters of chunk {} (PipelineChunk::parameters)",
                        to_string(schedule.kind), a.chunk);
-        torch::autograd::backward({f.output}, {f.grad}, /*retain_graph=*/false,
-                                  /*create_graph=*/false, chunk.parameters);
+        f.split.backward_weight(f.output, f.grad, chunk.parameters);
         break;
       case ActionType::SendGrad:
         SHARDOPT_CHECK(f.input.grad().defined(), Internal,

@@ -2,7 +2,11 @@
 // against the simulator fed the measured costs and the formula, and the first stage's activation
 // peak, at p = the world size and m in --microbatches (issue 41; bench/pipeline_bubble.sh).
 //
-//   mpirun -np 4 build/bench/pipeline_bubble --microbatches 4,8 --rounds 5
+//   mpirun -np 4 build/bench/pipeline_bubble --microbatches 4,8 --rounds 4
+//
+// The defaults (64 layers of 512 x 512 on 512 rows: ~1.6 ms a layer's forward on one core) make
+// the shortest action (interleaved at p = 4: 8 layers) ~13 ms, several times a message's latency
+// when 4 ranks share 2 cores (the "hop ms" column: a few ms of scheduling delay per hand-over).
 //
 // Note [Measured bubble]: the simulator's definition (Note [Bubble] in pipeline.hpp), on the
 // trace: makespan = the last action's end minus the first action's start over all ranks (one
@@ -116,8 +120,40 @@ std::vector<double> summarize(const shardopt::PipelineTrace& trace,
   return out;
 }
 
+// The mean latency of a message, in ms: a receive's end minus the later of its own start and its
+// send's start (the k-th send from rank a to rank b is the k-th receive on b from a). `times`
+// holds every rank's (start, end) per action, `longest` actions per rank.
+double hop_latency_ms(const shardopt::PipelineSchedule& s, const at::Tensor& times,
+                      int64_t longest) {
+  const auto t = times.accessor<double, 1>();
+  const auto start = [&](int r, size_t i) { return t[(r * longest + int64_t(i)) * 2]; };
+  const auto end = [&](int r, size_t i) { return t[(r * longest + int64_t(i)) * 2 + 1]; };
+  std::map<std::pair<int, int>, std::vector<double>> sent;  // (from, to) -> send starts
+  for (int r = 0; r < s.ranks; ++r) {
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const auto type = s.actions[r][i].type;
+      if (type == ActionType::SendActivation || type == ActionType::SendGrad) {
+        sent[{r, s.actions[r][i].peer}].push_back(start(r, i));
+      }
+    }
+  }
+  std::map<std::pair<int, int>, size_t> taken;
+  double sum = 0;
+  int n = 0;
+  for (int r = 0; r < s.ranks; ++r) {
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const auto& a = s.actions[r][i];
+      if (a.type != ActionType::RecvActivation && a.type != ActionType::RecvGrad) continue;
+      const double send_start = sent[{a.peer, r}][taken[{a.peer, r}]++];
+      sum += end(r, i) - std::max(start(r, i), send_start);
+      ++n;
+    }
+  }
+  return n > 0 ? sum / n / 1e6 : 0.0;
+}
+
 struct Row {
-  std::vector<double> bubble, replay, peak_mb;
+  std::vector<double> bubble, replay, peak_mb, hop_ms;
   std::vector<double> f_ms, b_ms, i_ms, w_ms;
   double sim_unit = 0, formula = 0;
   int sim_in_flight = 0;
@@ -153,7 +189,7 @@ int main(int argc, char** argv) {
   CLI::App app{"pipeline bubble and first-stage activation peak per schedule (issue 41)"};
   std::vector<int> microbatches{4, 8};
   std::vector<std::string> kinds{"gpipe", "1f1b", "interleaved", "zb-h1"};
-  int layers = 8, rounds = 5;
+  int layers = 64, rounds = 4;
   int64_t hidden = 512, rows = 512;
   app.add_option("--microbatches", microbatches, "m values")->delimiter(',');
   app.add_option("--schedules", kinds, "gpipe, 1f1b, interleaved (v = 2), zb-h1")->delimiter(',');
@@ -195,6 +231,15 @@ int main(int argc, char** argv) {
         const std::vector<double> mine = summarize(trace, s.schedule.actions[rank]);
         at::Tensor all = at::empty({p * kFields}, at::kDouble);
         comm->all_gather(at::tensor(mine, at::kDouble), all);
+        int64_t longest = 0;
+        for (const auto& list : s.schedule.actions) longest = std::max<int64_t>(longest, list.size());
+        at::Tensor times = at::zeros({longest * 2}, at::kDouble);
+        for (size_t i = 0; i < trace.actions.size(); ++i) {
+          times[int64_t(i) * 2] = double(trace.actions[i].start_ns);
+          times[int64_t(i) * 2 + 1] = double(trace.actions[i].end_ns);
+        }
+        at::Tensor all_times = at::empty({p * longest * 2}, at::kDouble);
+        comm->all_gather(times, all_times);
         if (round == 0 || rank != 0) continue;
         const auto f = [&](int r, Field field) { return all[r * kFields + field].item<double>(); };
         double start = f(0, kStart), end = f(0, kEnd), compute = 0;
@@ -222,6 +267,7 @@ int main(int argc, char** argv) {
         costs.backward_input = std::max<int64_t>(1, int64_t(n[1] > 0 ? mean_us(1) : mean_us(2)));
         costs.backward_weight = n[1] > 0 ? 0 : std::max<int64_t>(1, int64_t(mean_us(3)));
         row.replay.push_back(shardopt::simulate_schedule(s.schedule, costs).bubble);
+        row.hop_ms.push_back(hop_latency_ms(s.schedule, all_times, longest));
       }
     }
     if (rank != 0) continue;
@@ -235,12 +281,13 @@ int main(int argc, char** argv) {
       const double measured = median(row.bubble);
       lines.push_back(fmt::format(
           "{:<12} {:>2} {:>2} {:>2} | {:>8.4f} [{:.4f}, {:.4f}] {:>+7.1f}% | {:>10.4f} | {:>8.4f} "
-          "{:>8.4f} | {:>6.2f} {:>6.2f} {:>6.2f} {:>6.2f} | {:>8.2f} {:>3}",
+          "{:>8.4f} | {:>6.2f} {:>6.2f} {:>6.2f} {:>6.2f} {:>6.2f} | {:>8.2f} {:>3}",
           shardopt::to_string(s.kind), p, m, s.chunks, measured,
           *std::min_element(row.bubble.begin(), row.bubble.end()),
           *std::max_element(row.bubble.begin(), row.bubble.end()),
           100.0 * (measured - row.formula) / row.formula, median(row.replay), row.sim_unit,
           row.formula, median(row.f_ms), median(row.b_ms), median(row.i_ms), median(row.w_ms),
+          median(row.hop_ms),
           median(row.peak_mb), row.sim_in_flight));
       // The acceptance figures of issue 41 at p = 4, m = 8 (the script greps "check:").
       if (m == 8 && p == 4) {
@@ -272,9 +319,9 @@ int main(int argc, char** argv) {
                p, cores, double(p) / cores, comm->backend(), layers, hidden, hidden, rows,
                rounds, load_before, load_average());
     fmt::print("{:<12} {:>2} {:>2} {:>2} | {:>8} {:<16} {:>8} | {:>10} | {:>8} {:>8} | {:>6} "
-               "{:>6} {:>6} {:>6} | {:>8} {:>3}\n",
+               "{:>6} {:>6} {:>6} {:>6} | {:>8} {:>3}\n",
                "schedule", "p", "m", "v", "measured", "[min, max]", "vs form", "sim(cpu)",
-               "sim(1)", "formula", "F ms", "B ms", "I ms", "W ms", "act MB", "mb0");
+               "sim(1)", "formula", "F ms", "B ms", "I ms", "W ms", "hop ms", "act MB", "mb0");
     for (const auto& line : lines) fmt::print("{}\n", line);
     std::fflush(stdout);
   }

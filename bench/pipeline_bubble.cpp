@@ -166,16 +166,6 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-double formula(PipelineScheduleKind kind, int p, int m, int v) {
-  switch (kind) {
-    case PipelineScheduleKind::GPipe:
-    case PipelineScheduleKind::OneFOneB: return double(p - 1) / m;
-    case PipelineScheduleKind::Interleaved1F1B: return double(p - 1) / (v * m);
-    case PipelineScheduleKind::ZeroBubbleH1: return double(p - 1) / (3 * m);
-  }
-  return 0;
-}
-
 std::string load_average() {
   std::ifstream in("/proc/loadavg");
   std::string one, five, fifteen;
@@ -277,7 +267,7 @@ int main(int argc, char** argv) {
       const auto unit = shardopt::simulate_schedule(s);
       row.sim_unit = unit.bubble;
       row.sim_in_flight = unit.peak_in_flight[0];
-      row.formula = formula(s.kind, p, m, s.chunks);
+      row.formula = shardopt::bubble_formula(s.kind, p, m, s.chunks);
       const double measured = median(row.bubble);
       lines.push_back(fmt::format(
           "{:<12} {:>2} {:>2} {:>2} | {:>8.4f} [{:.4f}, {:.4f}] {:>+7.1f}% | {:>10.4f} | {:>8.4f} "

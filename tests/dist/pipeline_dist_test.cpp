@@ -54,6 +54,31 @@ struct Case {
   int m, v;
 };
 
+// Rank r's chunks of `model` (which must outlive them) for `schedule`; `layers` gets their
+// layers' indices.
+std::vector<PipelineChunk> chunks_of(const std::vector<Layer>& model,
+                                     const PipelineSchedule& schedule, int r,
+                                     std::vector<int>* layers = nullptr) {
+  const int stages = schedule.stages(), per_stage = kLayers / stages;
+  std::vector<PipelineChunk> chunks;
+  for (int chunk = 0; chunk < schedule.chunks; ++chunk) {
+    const int stage = chunk * schedule.ranks + r;
+    const int first = stage * per_stage, last = first + per_stage;
+    PipelineChunk pc;
+    pc.forward = [&model, first, last, stage, stages](const at::Tensor& x, int mb) {
+      at::Tensor out = run_layers(model, first, last, x);
+      return stage == stages - 1 ? loss_of(out, mb) : out;
+    };
+    for (int l = first; l < last; ++l) {
+      pc.parameters.push_back(model[l].weight);
+      pc.parameters.push_back(model[l].bias);
+      if (layers) layers->push_back(l);
+    }
+    chunks.push_back(std::move(pc));
+  }
+  return chunks;
+}
+
 class PipelineParity : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -83,24 +108,9 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
     // The pipeline: this rank's chunks of a fresh copy.
     auto model = make_model();
     const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
-    const int stages = schedule.stages(), per_stage = kLayers / stages;
-    std::vector<PipelineChunk> chunks;
+    const int stages = schedule.stages();
     std::vector<int> mine;  // the layers this rank holds
-    for (int chunk = 0; chunk < c.v; ++chunk) {
-      const int stage = chunk * p + r;
-      const int first = stage * per_stage, last = first + per_stage;
-      PipelineChunk pc;
-      pc.forward = [&model, first, last, stage, stages](const at::Tensor& x, int mb) {
-        at::Tensor out = run_layers(model, first, last, x);
-        return stage == stages - 1 ? loss_of(out, mb) : out;
-      };
-      for (int l = first; l < last; ++l) {
-        pc.parameters.push_back(model[l].weight);
-        pc.parameters.push_back(model[l].bias);
-        mine.push_back(l);
-      }
-      chunks.push_back(std::move(pc));
-    }
+    const std::vector<PipelineChunk> chunks = chunks_of(model, schedule, r, &mine);
     PipelineRunOptions options;
     options.activation_shape = {kBatch, kHidden};
     const auto losses = run_pipeline(schedule, *comm, chunks, data, options);
@@ -147,20 +157,7 @@ TEST_P(PipelineTrace, EveryActionRecordedOnceInOrder) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}", to_string(c.kind), p, c.m, c.v));
     auto model = make_model();
     const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
-    const int stages = schedule.stages(), per_stage = kLayers / stages;
-    std::vector<PipelineChunk> chunks;
-    for (int chunk = 0; chunk < c.v; ++chunk) {
-      const int stage = chunk * p + r, first = stage * per_stage;
-      PipelineChunk pc;
-      pc.forward = [&model, first, per_stage, stage, stages](const at::Tensor& x, int mb) {
-        at::Tensor out = run_layers(model, first, first + per_stage, x);
-        return stage == stages - 1 ? loss_of(out, mb) : out;
-      };
-      for (int l = first; l < first + per_stage; ++l) {
-        pc.parameters.insert(pc.parameters.end(), {model[l].weight, model[l].bias});
-      }
-      chunks.push_back(std::move(pc));
-    }
+    const std::vector<PipelineChunk> chunks = chunks_of(model, schedule, r);
     shardopt::PipelineTrace trace;
     PipelineRunOptions options;
     options.activation_shape = {kBatch, kHidden};

@@ -95,7 +95,7 @@ Setup make_setup(PipelineScheduleKind kind, int p, int m, int rank, int layers, 
 }
 
 // What one rank sends rank 0 about one run (all_gather of doubles; times in ns).
-enum Field { kStart, kEnd, kComputeWall, kActPeak, kCpuF, kNF, kCpuB, kNB, kCpuI, kNI, kCpuW, kNW,
+enum Field { kStart, kEnd, kComputeWall, kComputeCpu, kActPeak, kCpuF, kNF, kCpuB, kNB, kCpuI, kNI, kCpuW, kNW,
              kFields };
 
 std::vector<double> summarize(const shardopt::PipelineTrace& trace,
@@ -114,6 +114,7 @@ std::vector<double> summarize(const shardopt::PipelineTrace& trace,
                       : list[i].type == ActionType::BackwardInput ? kCpuI
                                                                   : kCpuW;
     out[cpu] += double(t.cpu_ns);
+    out[kComputeCpu] += double(t.cpu_ns);
     out[cpu + 1] += 1;
   }
   out[kActPeak] = double(peak);
@@ -153,7 +154,7 @@ double hop_latency_ms(const shardopt::PipelineSchedule& s, const at::Tensor& tim
 }
 
 struct Row {
-  std::vector<double> bubble, replay, peak_mb, hop_ms;
+  std::vector<double> bubble, replay, peak_mb, hop_ms, stretch;
   std::vector<double> f_ms, b_ms, i_ms, w_ms;
   double sim_unit = 0, formula = 0;
   int sim_in_flight = 0;
@@ -232,12 +233,14 @@ int main(int argc, char** argv) {
         comm->all_gather(times, all_times);
         if (round == 0 || rank != 0) continue;
         const auto f = [&](int r, Field field) { return all[r * kFields + field].item<double>(); };
-        double start = f(0, kStart), end = f(0, kEnd), compute = 0;
+        double start = f(0, kStart), end = f(0, kEnd), compute = 0, wall = 0, on_cpu = 0;
         double cpu[4] = {0, 0, 0, 0}, n[4] = {0, 0, 0, 0};
         for (int r = 0; r < p; ++r) {
           start = std::min(start, f(r, kStart));
           end = std::max(end, f(r, kEnd));
           compute = std::max(compute, f(r, kComputeWall));
+          wall += f(r, kComputeWall);
+          on_cpu += f(r, kComputeCpu);
           for (int t = 0; t < 4; ++t) {
             cpu[t] += f(r, Field(kCpuF + 2 * t));
             n[t] += f(r, Field(kNF + 2 * t));
@@ -258,6 +261,7 @@ int main(int argc, char** argv) {
         costs.backward_weight = n[1] > 0 ? 0 : std::max<int64_t>(1, int64_t(mean_us(3)));
         row.replay.push_back(shardopt::simulate_schedule(s.schedule, costs).bubble);
         row.hop_ms.push_back(hop_latency_ms(s.schedule, all_times, longest));
+        row.stretch.push_back(wall / on_cpu);  // > 1: compute waited for a core or ran slower
       }
     }
     if (rank != 0) continue;
@@ -271,13 +275,13 @@ int main(int argc, char** argv) {
       const double measured = median(row.bubble);
       lines.push_back(fmt::format(
           "{:<12} {:>2} {:>2} {:>2} | {:>8.4f} [{:.4f}, {:.4f}] {:>+7.1f}% | {:>10.4f} | {:>8.4f} "
-          "{:>8.4f} | {:>6.2f} {:>6.2f} {:>6.2f} {:>6.2f} {:>6.2f} | {:>8.2f} {:>3}",
+          "{:>8.4f} | {:>6.2f} {:>6.2f} {:>6.2f} {:>6.2f} {:>6.2f} {:>5.2f} | {:>8.2f} {:>3}",
           shardopt::to_string(s.kind), p, m, s.chunks, measured,
           *std::min_element(row.bubble.begin(), row.bubble.end()),
           *std::max_element(row.bubble.begin(), row.bubble.end()),
           100.0 * (measured - row.formula) / row.formula, median(row.replay), row.sim_unit,
           row.formula, median(row.f_ms), median(row.b_ms), median(row.i_ms), median(row.w_ms),
-          median(row.hop_ms),
+          median(row.hop_ms), median(row.stretch),
           median(row.peak_mb), row.sim_in_flight));
       // The acceptance figures of issue 41 at p = 4, m = 8 (the script greps "check:").
       if (m == 8 && p == 4) {
@@ -309,9 +313,10 @@ int main(int argc, char** argv) {
                p, cores, double(p) / cores, comm->backend(), layers, hidden, hidden, rows,
                rounds, load_before, load_average());
     fmt::print("{:<12} {:>2} {:>2} {:>2} | {:>8} {:<16} {:>8} | {:>10} | {:>8} {:>8} | {:>6} "
-               "{:>6} {:>6} {:>6} {:>6} | {:>8} {:>3}\n",
+               "{:>6} {:>6} {:>6} {:>6} {:>5} | {:>8} {:>3}\n",
                "schedule", "p", "m", "v", "measured", "[min, max]", "vs form", "sim(cpu)",
-               "sim(1)", "formula", "F ms", "B ms", "I ms", "W ms", "hop ms", "act MB", "mb0");
+               "sim(1)", "formula", "F ms", "B ms", "I ms", "W ms", "hop ms", "w/cpu", "act MB",
+               "mb0");
     for (const auto& line : lines) fmt::print("{}\n", line);
     std::fflush(stdout);
   }

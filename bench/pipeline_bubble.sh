@@ -23,7 +23,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS
 mkdir -p "$(dirname "$OUT")"
 {
   echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(git -C "$ROOT" rev-parse --short HEAD)"
-  echo "# $(lscpu | grep -m1 'Model name' | sed 's/  */ /g'); $(nproc) online CPUs"
+  echo "# $(lscpu | grep -m1 'Model name' | sed 's/  */ /g'); $(getconf _NPROCESSORS_ONLN) online CPUs, $(lscpu | grep -m1 'Thread(s) per core' | sed 's/  */ /g')"
   echo "# load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   for p in 2 4; do
     echo "\$ mpirun -np $p --oversubscribe --bind-to none $BINARY --microbatches 4,8 $*"

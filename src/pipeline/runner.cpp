@@ -14,8 +14,8 @@
 #include <map>
 #include <utility>
 
-#include "shardopt/error.hpp"
 #include "pipeline/split_backward.hpp"
+#include "shardopt/error.hpp"
 #include "shardopt/memory_tracker.hpp"
 
 namespace shardopt {
@@ -84,15 +84,15 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                    c10::toString(options.activation_dtype));
   };
 
+  // A (chunk, micro-batch)'s tensors and graph are dropped after its last action here.
+  const std::vector<Action>& list = schedule.actions.at(rank);
+  std::map<std::pair<int, int>, int> uses;
   bool split_backward = false;
-  for (const Action& a : schedule.actions.at(rank)) {
+  for (const Action& a : list) {
+    ++uses[{a.chunk, a.microbatch}];
     split_backward = split_backward || a.type == ActionType::BackwardInput;
   }
-  // A (chunk, micro-batch)'s tensors and graph are dropped after its last action here.
-  std::map<std::pair<int, int>, int> uses;
-  for (const Action& a : schedule.actions.at(rank)) ++uses[{a.chunk, a.microbatch}];
 
-  const std::vector<Action>& list = schedule.actions.at(rank);
   PipelineTrace* const trace = options.trace;
   if (trace) {
     trace->actions.assign(list.size(), PipelineActionTiming{});

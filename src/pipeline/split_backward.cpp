@@ -17,9 +17,12 @@ namespace shardopt::detail {
 using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
+// std::shared_ptr<Node> in torch 1.13, c10::intrusive_ptr<Node> in newer ones (2.15): what an
+// Edge holds.
+using NodePtr = decltype(Edge::function);
 
 struct SplitBackward::Group {
-  std::shared_ptr<Node> node;                    // the split node
+  NodePtr node;                                  // the split node
   std::vector<Edge> parameter_edges;             // its parameters' gradient accumulators
   variable_list captured;                        // the gradients into `node` during B
 };
@@ -36,22 +39,33 @@ struct Capture : torch::autograd::FunctionPreHook {
   std::shared_ptr<SplitBackward::Group> group;
 };
 
-// Parents of each node of the graph under `root` (the reverse of next_edges).
-std::unordered_map<Node*, std::vector<Node*>> parents_under(Node* root) {
-  std::unordered_map<Node*, std::vector<Node*>> parents{{root, {}}};
-  std::vector<Node*> stack{root};
+// Parents of each node of the graph under `root` (the reverse of next_edges), and an owning
+// pointer to each node.
+struct Graph {
+  std::unordered_map<Node*, std::vector<Node*>> parents;
+  std::unordered_map<Node*, NodePtr> owner;
+};
+
+Graph graph_under(const NodePtr& root) {
+  Graph g;
+  g.parents[root.get()];
+  g.owner[root.get()] = root;
+  std::vector<Node*> stack{root.get()};
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
     for (const Edge& e : n->next_edges()) {
       if (!e.is_valid()) continue;
       Node* child = e.function.get();
-      const bool seen = parents.count(child) > 0;
-      parents[child].push_back(n);
-      if (!seen) stack.push_back(child);
+      const bool seen = g.parents.count(child) > 0;
+      g.parents[child].push_back(n);
+      if (!seen) {
+        g.owner[child] = e.function;
+        stack.push_back(child);
+      }
     }
   }
-  return parents;
+  return g;
 }
 
 }  // namespace
@@ -61,10 +75,11 @@ at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Ten
                                          const std::vector<at::Tensor>& parameters) {
   groups_.clear();
   split_ = false;
-  const std::shared_ptr<Node> root = output.grad_fn();
-  const std::shared_ptr<Node> input_node = torch::autograd::impl::try_get_grad_accumulator(input);
+  const NodePtr root = output.grad_fn();
+  const NodePtr input_node = torch::autograd::impl::try_get_grad_accumulator(input);
   if (root && input_node) {
-    const auto parents = parents_under(root.get());
+    const Graph graph = graph_under(root);
+    const auto& parents = graph.parents;
     // The trunk: the nodes from which the input's accumulator is reached.
     std::unordered_set<Node*> trunk;
     std::vector<Node*> stack{input_node.get()};
@@ -77,7 +92,7 @@ at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Ten
     std::unordered_map<Node*, std::shared_ptr<Group>> by_node;
     split_ = !trunk.empty();
     for (const at::Tensor& param : parameters) {
-      const auto acc = torch::autograd::impl::try_get_grad_accumulator(param);
+      const NodePtr acc = torch::autograd::impl::try_get_grad_accumulator(param);
       if (!split_ || !acc || !parents.count(acc.get())) continue;  // not used by this graph
       // Walk up the parameter's own branch to the trunk.
       std::unordered_set<Node*> seen, meets;
@@ -100,7 +115,7 @@ at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Ten
       auto& group = by_node[node];
       if (!group) {
         group = std::make_shared<Group>();
-        group->node = node->shared_from_this();
+        group->node = graph.owner.at(node);
       }
       group->parameter_edges.push_back(torch::autograd::impl::gradient_edge(param));
     }

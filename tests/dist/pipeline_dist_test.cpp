@@ -54,6 +54,16 @@ struct Case {
   int m, v;
 };
 
+// Every schedule at p ranks (interleaved at v = 2 from p = 2), 1F1B also with m not a multiple of p.
+std::vector<Case> cases_for(int p) {
+  std::vector<Case> cases{{PipelineScheduleKind::GPipe, 4, 1},
+                          {PipelineScheduleKind::OneFOneB, 4, 1},
+                          {PipelineScheduleKind::OneFOneB, 2 * p + 1, 1},
+                          {PipelineScheduleKind::ZeroBubbleH1, 2 * p, 1}};
+  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
+  return cases;
+}
+
 // Rank r's chunks of `model` (which must outlive them) for `schedule`; `layers` gets their
 // layers' indices.
 std::vector<PipelineChunk> chunks_of(const std::vector<Layer>& model,
@@ -89,13 +99,8 @@ class PipelineParity : public ::testing::TestWithParam<std::string> {
 TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
   auto comm = test::communicator(GetParam());
   const int p = comm->size(), r = comm->rank();
-  std::vector<Case> cases{{PipelineScheduleKind::GPipe, 4, 1},
-                          {PipelineScheduleKind::OneFOneB, 4, 1},
-                          {PipelineScheduleKind::OneFOneB, 2 * p + 1, 1},
-                          {PipelineScheduleKind::ZeroBubbleH1, 2 * p, 1}};
-  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
   bool ok = true;
-  for (const Case& c : cases) {
+  for (const Case& c : cases_for(p)) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}", to_string(c.kind), p, c.m, c.v));
     // One process: m micro-batches of gradient accumulation on the whole model.
     auto reference = make_model();
@@ -148,12 +153,8 @@ using PipelineTrace = PipelineParity;
 TEST_P(PipelineTrace, EveryActionRecordedOnceInOrder) {
   auto comm = test::communicator(GetParam());
   const int p = comm->size(), r = comm->rank();
-  std::vector<Case> cases{{PipelineScheduleKind::GPipe, 4, 1},
-                          {PipelineScheduleKind::OneFOneB, 4, 1},
-                          {PipelineScheduleKind::ZeroBubbleH1, 2 * p, 1}};
-  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
   bool ok = true;
-  for (const Case& c : cases) {
+  for (const Case& c : cases_for(p)) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}", to_string(c.kind), p, c.m, c.v));
     auto model = make_model();
     const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);

@@ -93,6 +93,11 @@ struct SimulatedRun {
   double bubble = 0;
 };
 
+// Note [Bubble]'s formula for a schedule at equal F, B and W costs: (p-1)/m for GPipe and 1F1B,
+// (p-1)/(v*m) interleaved, (p-1)/(3m) for ZB-H1 (its steady state: with m < p the ramps keep
+// more, see the simulator).
+double bubble_formula(PipelineScheduleKind kind, int ranks, int microbatches, int chunks = 1);
+
 // Runs every rank's list with `costs`: a compute action starts when its rank is free, a Recv when
 // its message was sent, a Send takes no time. Throws Error{InvalidArgument} naming each rank's
 // blocked action when no rank can progress (a deadlock, or a Recv that no Send matches).

@@ -23,11 +23,29 @@ struct PipelineChunk {
   std::vector<at::Tensor> parameters;
 };
 
+// When and how long one action of this rank's list ran (PipelineRunOptions::trace).
+struct PipelineActionTiming {
+  int64_t start_ns = 0;    // steady clock (CLOCK_MONOTONIC on Linux: one clock for every
+  int64_t end_ns = 0;      // process of a host), nanoseconds since its epoch
+  int64_t cpu_ns = 0;      // this thread's CPU time in the action (CLOCK_THREAD_CPUTIME_ID)
+  int64_t live_bytes = 0;  // MemoryTracker::cpu().live_bytes() after the action and the release
+                           // of what it was the last use of (0 growth while not installed)
+};
+
+// The timings of one run_pipeline() call: actions[i] is this rank's schedule.actions[rank][i].
+// Costs two clock reads of each kind and an atomic load per action; nothing when not asked for.
+struct PipelineTrace {
+  std::vector<PipelineActionTiming> actions;
+  int64_t live_bytes_before = 0;  // MemoryTracker::cpu().live_bytes() when the call began
+};
+
 struct PipelineRunOptions {
   // Shape and dtype of every activation between stages (and of its gradient): receives are
   // posted into tensors of this shape, as Megatron's tensor_shape.
   std::vector<int64_t> activation_shape;
   at::ScalarType activation_dtype = at::kFloat;
+  // Where to record each action's timing (overwritten on every call); null: no timing.
+  PipelineTrace* trace = nullptr;
 };
 
 // Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). `chunks` holds
@@ -36,8 +54,10 @@ struct PipelineRunOptions {
 // micro-batches' backward passes run, in micro-batch order on every stage, so fp32 results are
 // bitwise those of one process running the m micro-batches one after the other. Returns the m
 // losses (detached) on the rank that holds the last stage, an empty vector elsewhere. Call on
-// every rank of `comm` with the same schedule. ZB-H1's weight pass re-traverses the chunk's graph
-// for its parameters (torch::autograd::backward with inputs): correct, not yet faster. Tested on
+// every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters' own
+// branches of the graph, from the gradients its input pass kept where they leave the chain to the
+// input (src/pipeline/split_backward.hpp); a parameter used at several places of a chunk, or
+// stage 0 data that is not floating point, falls back to re-traversing the graph. Tested on
 // MPI and Gloo; on NCCL a lone send and a lone receive queue on one stream, so two ranks sending
 // to each other at once would wait on each other there: pairing them in one batch_isend_irecv
 // (Megatron's send_forward_recv_backward) is still to do. Sent tensors are released once their

@@ -8,10 +8,15 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <time.h>
+
+#include <chrono>
 #include <map>
 #include <utility>
 
+#include "pipeline/split_backward.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/memory_tracker.hpp"
 
 namespace shardopt {
 namespace {
@@ -21,7 +26,20 @@ struct InFlight {
   at::Tensor input;   // the received activation (a leaf requiring grad); stage 0: the data
   at::Tensor output;  // the chunk's output (the loss on the last stage)
   at::Tensor grad;    // the gradient of `output` received from the next stage
+  detail::SplitBackward split;  // zero-bubble schedules: what B keeps for W
 };
+
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t thread_cpu_ns() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
 
 }  // namespace
 
@@ -67,10 +85,23 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
   };
 
   // A (chunk, micro-batch)'s tensors and graph are dropped after its last action here.
+  const std::vector<Action>& list = schedule.actions.at(rank);
   std::map<std::pair<int, int>, int> uses;
-  for (const Action& a : schedule.actions.at(rank)) ++uses[{a.chunk, a.microbatch}];
+  bool split_backward = false;
+  for (const Action& a : list) {
+    ++uses[{a.chunk, a.microbatch}];
+    split_backward = split_backward || a.type == ActionType::BackwardInput;
+  }
 
-  for (const Action& a : schedule.actions.at(rank)) {
+  PipelineTrace* const trace = options.trace;
+  if (trace) {
+    trace->actions.assign(list.size(), PipelineActionTiming{});
+    trace->live_bytes_before = MemoryTracker::cpu().live_bytes();
+  }
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Action& a = list[i];
+    const int64_t start_ns = trace ? steady_ns() : 0;
+    const int64_t start_cpu_ns = trace ? thread_cpu_ns() : 0;
     InFlight& f = live[{a.chunk, a.microbatch}];
     const PipelineChunk& chunk = chunks.at(a.chunk);
     switch (a.type) {
@@ -80,7 +111,15 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         f.input.requires_grad_(true);
         break;
       case ActionType::Forward: {
-        if (a.stage == 0) f.input = data(a.microbatch);
+        if (a.stage == 0) {
+          f.input = data(a.microbatch);
+          // A split backward needs a trunk to the input (Note [Cheap weight pass]); stage 0's
+          // floating data gets one for the price of its unused gradient.
+          if (split_backward && at::isFloatingType(f.input.scalar_type()) &&
+              !f.input.requires_grad()) {
+            f.input = f.input.detach().requires_grad_(true);
+          }
+        }
         f.output = chunk.forward(f.input, a.microbatch);
         if (a.stage == last_stage) {
           SHARDOPT_CHECK(f.output.numel() == 1, InvalidArgument,
@@ -104,10 +143,11 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         torch::autograd::backward({f.output}, {f.grad});
         break;
       case ActionType::BackwardInput:
-        // Only the input's gradient now; the graph stays for the weight pass.
-        if (a.stage > 0) {
-          f.input.mutable_grad() =
-              torch::autograd::grad({f.output}, {f.input}, {f.grad}, /*retain_graph=*/true)[0];
+        // Only the input's gradient now; the graph stays for the weight pass, which will run
+        // only the parameters' own branches (Note [Cheap weight pass]).
+        if (f.input.requires_grad()) {
+          f.input.mutable_grad() = f.split.backward_input(f.output, f.grad, f.input,
+                                                          chunk.parameters);
         }
         break;
       case ActionType::BackwardWeight:
@@ -115,8 +155,7 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                        "pipeline: schedule {} splits the backward pass, which needs the "
                        "parameters of chunk {} (PipelineChunk::parameters)",
                        to_string(schedule.kind), a.chunk);
-        torch::autograd::backward({f.output}, {f.grad}, /*retain_graph=*/false,
-                                  /*create_graph=*/false, chunk.parameters);
+        f.split.backward_weight(f.output, f.grad, chunk.parameters);
         break;
       case ActionType::SendGrad:
         SHARDOPT_CHECK(f.input.grad().defined(), Internal,
@@ -125,6 +164,10 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         break;
     }
     if (--uses[{a.chunk, a.microbatch}] == 0) live.erase({a.chunk, a.microbatch});
+    if (trace) {
+      trace->actions[i] = {start_ns, steady_ns(), thread_cpu_ns() - start_cpu_ns,
+                           MemoryTracker::cpu().live_bytes()};
+    }
   }
   for (auto& work : sends) work->wait();
   return losses;

@@ -209,6 +209,16 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
   return run;
 }
 
+double bubble_formula(PipelineScheduleKind kind, int p, int m, int v) {
+  switch (kind) {
+    case PipelineScheduleKind::GPipe:
+    case PipelineScheduleKind::OneFOneB: return double(p - 1) / m;
+    case PipelineScheduleKind::Interleaved1F1B: return double(p - 1) / (v * m);
+    case PipelineScheduleKind::ZeroBubbleH1: return double(p - 1) / (3 * m);
+  }
+  return -1;
+}
+
 void validate_schedule(const PipelineSchedule& schedule) {
   check_shape(schedule);
   check_local_order(schedule);

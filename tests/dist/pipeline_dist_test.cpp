@@ -1,6 +1,6 @@
 // run_pipeline() over the world (p = world size) against one process running the same m
 // micro-batches of gradient accumulation on the whole model: fp32 gradients and losses bitwise
-// equal, for every schedule (interleaved at v = 2), on every engine.
+// equal, for every schedule (interleaved at v = 2), on every engine; and its trace complete.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -54,6 +54,41 @@ struct Case {
   int m, v;
 };
 
+// Every schedule at p ranks (interleaved at v = 2 from p = 2), 1F1B also with m not a multiple of p.
+std::vector<Case> cases_for(int p) {
+  std::vector<Case> cases{{PipelineScheduleKind::GPipe, 4, 1},
+                          {PipelineScheduleKind::OneFOneB, 4, 1},
+                          {PipelineScheduleKind::OneFOneB, 2 * p + 1, 1},
+                          {PipelineScheduleKind::ZeroBubbleH1, 2 * p, 1}};
+  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
+  return cases;
+}
+
+// Rank r's chunks of `model` (which must outlive them) for `schedule`; `layers` gets their
+// layers' indices.
+std::vector<PipelineChunk> chunks_of(const std::vector<Layer>& model,
+                                     const PipelineSchedule& schedule, int r,
+                                     std::vector<int>* layers = nullptr) {
+  const int stages = schedule.stages(), per_stage = kLayers / stages;
+  std::vector<PipelineChunk> chunks;
+  for (int chunk = 0; chunk < schedule.chunks; ++chunk) {
+    const int stage = chunk * schedule.ranks + r;
+    const int first = stage * per_stage, last = first + per_stage;
+    PipelineChunk pc;
+    pc.forward = [&model, first, last, stage, stages](const at::Tensor& x, int mb) {
+      at::Tensor out = run_layers(model, first, last, x);
+      return stage == stages - 1 ? loss_of(out, mb) : out;
+    };
+    for (int l = first; l < last; ++l) {
+      pc.parameters.push_back(model[l].weight);
+      pc.parameters.push_back(model[l].bias);
+      if (layers) layers->push_back(l);
+    }
+    chunks.push_back(std::move(pc));
+  }
+  return chunks;
+}
+
 class PipelineParity : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -64,13 +99,8 @@ class PipelineParity : public ::testing::TestWithParam<std::string> {
 TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
   auto comm = test::communicator(GetParam());
   const int p = comm->size(), r = comm->rank();
-  std::vector<Case> cases{{PipelineScheduleKind::GPipe, 4, 1},
-                          {PipelineScheduleKind::OneFOneB, 4, 1},
-                          {PipelineScheduleKind::OneFOneB, 2 * p + 1, 1},
-                          {PipelineScheduleKind::ZeroBubbleH1, 2 * p, 1}};
-  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
   bool ok = true;
-  for (const Case& c : cases) {
+  for (const Case& c : cases_for(p)) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}", to_string(c.kind), p, c.m, c.v));
     // One process: m micro-batches of gradient accumulation on the whole model.
     auto reference = make_model();
@@ -83,24 +113,9 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
     // The pipeline: this rank's chunks of a fresh copy.
     auto model = make_model();
     const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
-    const int stages = schedule.stages(), per_stage = kLayers / stages;
-    std::vector<PipelineChunk> chunks;
+    const int stages = schedule.stages();
     std::vector<int> mine;  // the layers this rank holds
-    for (int chunk = 0; chunk < c.v; ++chunk) {
-      const int stage = chunk * p + r;
-      const int first = stage * per_stage, last = first + per_stage;
-      PipelineChunk pc;
-      pc.forward = [&model, first, last, stage, stages](const at::Tensor& x, int mb) {
-        at::Tensor out = run_layers(model, first, last, x);
-        return stage == stages - 1 ? loss_of(out, mb) : out;
-      };
-      for (int l = first; l < last; ++l) {
-        pc.parameters.push_back(model[l].weight);
-        pc.parameters.push_back(model[l].bias);
-        mine.push_back(l);
-      }
-      chunks.push_back(std::move(pc));
-    }
+    const std::vector<PipelineChunk> chunks = chunks_of(model, schedule, r, &mine);
     PipelineRunOptions options;
     options.activation_shape = {kBatch, kHidden};
     const auto losses = run_pipeline(schedule, *comm, chunks, data, options);
@@ -127,6 +142,48 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, PipelineParity, ::testing::ValuesIn(test::backends()),
+                         [](const auto& info) { return info.param; });
+
+// PipelineRunOptions::trace holds one timing per action of this rank's list, in the list's order:
+// each ends no earlier than it starts and starts no earlier than the previous one ended (one
+// steady clock), so no action is missing, doubled or out of place. A second call overwrites it.
+// Orders only, no durations: nothing here depends on how fast the machine is.
+using PipelineTrace = PipelineParity;
+
+TEST_P(PipelineTrace, EveryActionRecordedOnceInOrder) {
+  auto comm = test::communicator(GetParam());
+  const int p = comm->size(), r = comm->rank();
+  bool ok = true;
+  for (const Case& c : cases_for(p)) {
+    SCOPED_TRACE(fmt::format("{} p={} m={} v={}", to_string(c.kind), p, c.m, c.v));
+    auto model = make_model();
+    const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
+    const std::vector<PipelineChunk> chunks = chunks_of(model, schedule, r);
+    shardopt::PipelineTrace trace;
+    PipelineRunOptions options;
+    options.activation_shape = {kBatch, kHidden};
+    options.trace = &trace;
+    for (int call = 0; call < 2; ++call) {
+      run_pipeline(schedule, *comm, chunks, data, options);
+      const auto& list = schedule.actions[r];
+      const bool complete = trace.actions.size() == list.size();
+      EXPECT_TRUE(complete) << trace.actions.size() << " timings for " << list.size()
+                            << " actions";
+      ok = ok && complete;
+      for (size_t i = 0; complete && i < list.size(); ++i) {
+        const auto& t = trace.actions[i];
+        const bool ordered = t.start_ns > 0 && t.end_ns >= t.start_ns && t.cpu_ns >= 0 &&
+                             (i == 0 || t.start_ns >= trace.actions[i - 1].end_ns);
+        EXPECT_TRUE(ordered) << "action " << i << " (" << to_string(list[i]) << "): start "
+                             << t.start_ns << ", end " << t.end_ns << ", cpu " << t.cpu_ns;
+        ok = ok && ordered;
+      }
+    }
+  }
+  EXPECT_TRUE(test::all_ranks(ok));
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, PipelineTrace, ::testing::ValuesIn(test::backends()),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

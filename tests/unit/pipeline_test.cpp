@@ -14,17 +14,6 @@ namespace {
 
 using Kind = PipelineScheduleKind;
 
-// Note [Bubble] in pipeline.hpp: (makespan - compute) / compute, with unit F, B and W costs.
-double formula(Kind kind, int p, int m, int v) {
-  switch (kind) {
-    case Kind::GPipe:
-    case Kind::OneFOneB: return double(p - 1) / m;
-    case Kind::Interleaved1F1B: return double(p - 1) / (v * m);
-    case Kind::ZeroBubbleH1: return double(p - 1) / (3 * m);
-  }
-  return -1;
-}
-
 struct Case {
   Kind kind;
   int p, m, v;
@@ -76,7 +65,7 @@ TEST_P(Schedules, ValidAndDeadlockFree) {
 TEST_P(Schedules, BubbleMatchesFormula) {
   const Case c = GetParam();
   const SimulatedRun run = simulate_schedule(compile_schedule(c.kind, c.p, c.m, c.v));
-  const double want = formula(c.kind, c.p, c.m, c.v);
+  const double want = bubble_formula(c.kind, c.p, c.m, c.v);  // Note [Bubble]
   if (c.kind == Kind::ZeroBubbleH1 && c.m < c.p) {
     // (p-1)/(3m) is the steady state's bubble; with fewer micro-batches than ranks no W can
     // fill the ramps (m = 1: F and B cross the pipeline once, 2(p-1)/3). Still below 1F1B's.

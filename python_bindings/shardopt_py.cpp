@@ -372,6 +372,7 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("unscale_s", &StepStats::unscale_s)
       .def_readonly("check_s", &StepStats::check_s)
       .def_readonly("check_backward_s", &StepStats::check_backward_s)
+      .def_readonly("reduce_wait_backward_s", &StepStats::reduce_wait_backward_s)
       .def_readonly("clip_s", &StepStats::clip_s)
       .def_readonly("update_s", &StepStats::update_s)
       .def_readonly("write_back_s", &StepStats::write_back_s)

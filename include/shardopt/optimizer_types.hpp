@@ -52,6 +52,9 @@ struct StepStats {
   double check_backward_s = 0.0;  // the check's share done during backward, as reductions
                                   // landed (Note [The non-finite check during backward]; not
                                   // part of step_s)
+  double reduce_wait_backward_s = 0.0;  // stages 0-1 in place: backward waiting for its last
+                                        // reductions before it returns (Note [Gradients are
+                                        // final when backward returns]; not part of step_s)
   double clip_s = 0.0;           // scaling the gradients down to max_grad_norm
   double update_s = 0.0;         // the local optimizer update (the fused kernels)
   double write_back_s = 0.0;     // master weights cast into the model's dtype where the kernels

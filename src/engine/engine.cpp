@@ -371,6 +371,7 @@ void Engine::finish_reduction() {
   }
   reducer_->complete_all();
   stats_.reduce_wait_s = seconds_since(t);
+  stats_.reduce_wait_backward_s = reducer_->take_backward_wait_s();
 }
 
 // Phase 2: gradients unscaled and checked in one pass, with the global norm when clipping:

@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 
 #include <algorithm>
+#include <chrono>
 
 #include "shardopt/error.hpp"
 
@@ -155,10 +156,25 @@ bool GradientReducer::pass_over_waiting(int micro) {
   return !in_flight_.empty();
 }
 
+// Note [Gradients are final when backward returns]
+// In place, .grad is the parameter's view of the buffer the collective reduces, so a reduction
+// still in flight after backward races with a trainer that reads or writes .grad before step()
+// (its own clipping, logging, gradient surgery): it would read partial sums, and its writes could
+// land anywhere, since MPI may use the buffer as workspace (OpenMPI's Bruck all-gather rotates the
+// blocks through it: a NaN written into one parameter surfaced in the padding of another chunk and
+// stayed there, skipping every later step). So, as DDP's reducer does in autograd's final
+// callback, the pass that reduces waits for its buckets before backward returns. The wait only
+// moves from step() to here; bucketed gradients live in buffers no .grad reaches.
 void GradientReducer::end_pass(int micro) {
   InBackward in_backward(in_backward_);
   launch_ready(micro, /*pass_end=*/true);
-  if (!plan_.bucketed()) complete_landed(micro);
+  if (!plan_.bucketed() && reduces(micro)) {
+    const auto t = std::chrono::steady_clock::now();
+    for (const int b : landing_) buckets_[b].work->wait(timeout_);
+    backward_wait_s_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+    for (const int b : std::vector<int>(landing_)) complete(b);  // checks them (on_reduced_)
+  }
   next_ = 0;
   for (auto& b : buckets_) {
     b.pending = b.pieces;
@@ -362,6 +378,7 @@ void GradientReducer::start_over() {
   landing_.clear();
   std::fill(written_.begin(), written_.end(), 0);
   std::fill(reduced_version_.begin(), reduced_version_.end(), -1);
+  backward_wait_s_ = 0.0;
   for (auto& p : params_) p.mutable_grad().reset();
 }
 

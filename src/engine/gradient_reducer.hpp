@@ -67,6 +67,9 @@ class GradientReducer {
   bool written_after_reduced(int bucket) const;
 
   int64_t take_comm_elements() { return std::exchange(comm_elements_, 0); }
+  // Seconds end_pass() waited for in-place reductions (Note [Gradients are final when backward
+  // returns]) since the last call.
+  double take_backward_wait_s() { return std::exchange(backward_wait_s_, 0.0); }
   int64_t grad_bytes() const;    // gradients kept between backward and step
   int64_t buffer_bytes() const;  // the bucket pool (+ offload's pinned staging buffer)
 
@@ -116,6 +119,7 @@ class GradientReducer {
   bool in_backward_ = false;            // inside accept() / end_pass()
   int64_t max_bucket_numel_ = 0;
   int64_t comm_elements_ = 0;
+  double backward_wait_s_ = 0.0;
 };
 
 }  // namespace shardopt::detail

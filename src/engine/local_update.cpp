@@ -55,9 +55,11 @@ FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
 // A bucket whose reduction lands while backward still runs (always at one rank) is unscaled and
 // checked then, from the reducer's hook path, while its values are in cache and off step()'s
 // critical path; step() checks the rest and combines the per-segment results in segment order, so
-// the sum of squares (and clipping) is bitwise the same whichever segments went early. Between
-// backward and step() some .grad may thus be divided by world x loss scale already (at more than
-// one rank they are the reducer's buffers, never the local gradients).
+// the sum of squares (and clipping) is bitwise the same whichever segments went early. In place,
+// every bucket of the reducing pass lands before backward returns (Note [Gradients are final when
+// backward returns] in gradient_reducer.cpp), so between backward and step() .grad holds the
+// reduced gradients divided by world x loss scale, as DDP's hold the average (at more than one
+// rank they are the reducer's buffers, never the local gradients).
 void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
   const auto t = std::chrono::steady_clock::now();
   double unscale_s = 0.0;

@@ -9,6 +9,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -254,6 +255,40 @@ TEST(TorchContract, GenericTrainerTrainsLikeDirectUse) {
                  std::string(e.what()).find("add_param_group") != std::string::npos;
     }
     EXPECT_TRUE(reported) << "stage " << stage;
+  }
+}
+
+// DDP's contract at stage 0: when backward returns, every rank's .grad holds the average gradient
+// of the global batch, final, so a trainer may read or change it before step() (Note [Gradients
+// are final when backward returns] in src/engine/gradient_reducer.cpp). Small buckets keep several
+// reductions in flight at the end of the pass.
+TEST(TorchContract, Stage0GradientsAreTheAverageWhenBackwardReturns) {
+  auto comm = test::world();
+  Mlp net, reference;
+  DistributedOptimizer opt(net.groups(), AdamW(0.01).weight_decay(0.05), comm,
+                           zero(0, net.units));
+  for (int64_t s = 0; s < kSteps; ++s) {
+    reference.load(net.snapshot());
+    auto [x, y] = batch(s);
+    for (auto& t : reference.tensors()) t.mutable_grad().reset();
+    reference.loss(x, y).backward();
+    auto [xr, yr] = my_rows(s, *comm);
+    opt.zero_grad();
+    opt.backward(net.loss(xr, yr));
+    double diff = 0;
+    int compared = 0;
+    for (auto& [name, t] : net.named) {
+      if (!t.requires_grad()) continue;
+      const at::Tensor& g = t.grad();
+      EXPECT_TRUE(g.defined()) << name;
+      if (!g.defined()) continue;
+      diff = std::max(diff, (g - reference.p[name].grad()).abs().max().item<double>());
+      ++compared;
+    }
+    EXPECT_EQ(compared, 5) << "step " << s;
+    EXPECT_LE(diff, 1e-6) << "step " << s;
+    EXPECT_TRUE(test::all_ranks(compared == 5 && diff <= 1e-6)) << "step " << s;
+    opt.step();
   }
 }
 

@@ -11,10 +11,12 @@
 #                     builds the library, unit, BERT and multi-rank tests with those sanitizers in
 #                     build-sanitize/ (SHARDOPT_SANITIZE_BUILD_DIR) and runs the unit tests and a
 #                     subset of the multi-rank ones (tests/sanitizers/README.md: which, and why)
+#   scripts/test.sh --sanitize thread [ctest args]
+#                     ThreadSanitizer alone, in build-tsan/: the engine's multi-rank tests
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "${1:-}" = "--sanitize" ]; then
-  [ $# -ge 2 ] || { echo "usage: scripts/test.sh --sanitize address,undefined [ctest args]" >&2; exit 2; }
+  [ $# -ge 2 ] || { echo "usage: scripts/test.sh --sanitize address,undefined|thread [ctest args]" >&2; exit 2; }
   sanitizers="$2"
   shift 2
   exec "$ROOT/tests/sanitizers/run.sh" "$sanitizers" "$@"

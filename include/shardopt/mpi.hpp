@@ -8,8 +8,9 @@
 namespace shardopt {
 
 // Wraps `comm` (duplicated, so shardopt's traffic never matches the caller's messages). MPI must be
-// initialised already; with MPI_THREAD_SERIALIZED or better, collectives run on a worker thread and
-// async calls overlap the caller, otherwise they run on the calling thread.
+// initialised already; with MPI_THREAD_MULTIPLE (what init_from_env asks for), collectives run on
+// a worker thread per communicator and async calls overlap the caller, otherwise they run on the
+// calling thread (every communicator's worker may be inside MPI at once, which SERIALIZED forbids).
 //
 // Note [MPI timeouts]: MPI cannot cancel a collective. When a rank never arrives, Work::wait
 // throws Error{Timeout} on the waiting ranks after the deadline, but the engine stays blocked;

@@ -8,7 +8,8 @@
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
-// Initialises MPI (MPI_THREAD_SERIALIZED) unless the application did, and wraps MPI_COMM_WORLD.
+// Initialises MPI (asking for MPI_THREAD_MULTIPLE) unless the application did, and wraps
+// MPI_COMM_WORLD.
 CommunicatorPtr make_mpi_world_communicator(Duration timeout);
 // Gloo over a TCPStore at host:port, served by rank 0; or, given agent_prefix, served by torchrun's
 // agent (TORCHELASTIC_USE_AGENT_STORE=True): every rank is then a client and keeps its keys under

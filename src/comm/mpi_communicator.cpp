@@ -590,7 +590,13 @@ CommunicatorPtr make_mpi_communicator(MPI_Comm comm) {
   int rank = 0, size = 1;
   MPI_Comm_rank(dup, &rank);
   MPI_Comm_size(dup, &size);
-  return std::make_shared<MpiCommunicator>(dup, rank, size, provided >= MPI_THREAD_SERIALIZED);
+  // Note [One worker per communicator needs MPI_THREAD_MULTIPLE]: each threaded communicator
+  // enters MPI from its own worker, and split() makes more of them (hybrid groups, tensor and
+  // pipeline groups), so two workers may be inside MPI at once, which MPI_THREAD_SERIALIZED
+  // forbids. Serialising them with one lock would deadlock (rank A's worker holds it inside a
+  // collective of group X while rank B's holds it inside group Y), so below MULTIPLE collectives
+  // run on the calling thread instead.
+  return std::make_shared<MpiCommunicator>(dup, rank, size, provided >= MPI_THREAD_MULTIPLE);
 }
 
 namespace detail {

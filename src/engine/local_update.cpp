@@ -58,8 +58,9 @@ FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
 // the sum of squares (and clipping) is bitwise the same whichever segments went early. In place,
 // every bucket of the reducing pass lands before backward returns (Note [Gradients are final when
 // backward returns] in gradient_reducer.cpp), so between backward and step() .grad holds the
-// reduced gradients divided by world x loss scale, as DDP's hold the average (at more than one
-// rank they are the reducer's buffers, never the local gradients).
+// reduced gradients divided by the world size (in place is fp32 only: no loss scale), as DDP's
+// hold the average (at more than one rank they are the reducer's buffers, never the local
+// gradients).
 void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
   const auto t = std::chrono::steady_clock::now();
   double unscale_s = 0.0;

@@ -39,7 +39,8 @@ echo "[fuzz] built $OUT/manifest_fuzz"
 torch_flags=(-D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$ROOT/tests"
              -I"$BUILD/include" -I/usr/include/torch/csrc/api/include)
 mkdir -p "$OUT/obj"
-for src in manifest format files staging save_load full_state state_dict torch_archive; do
+for src in manifest format files staging save_load full_state torch_save_reader state_dict \
+           torch_archive; do
   "$CXX" "${flags[@]}" "${torch_flags[@]}" -c "$ROOT/src/checkpoint/$src.cpp" -o "$OUT/obj/$src.o"
 done
 fuzz_link() {  # name objects...
@@ -50,9 +51,9 @@ fuzz_link() {  # name objects...
 }
 O="$OUT/obj"
 fuzz_link checkpoint_dir "$O/manifest.o" "$O/format.o" "$O/files.o" "$O/staging.o" \
-  "$O/save_load.o" "$O/full_state.o"
+  "$O/save_load.o" "$O/full_state.o" "$O/torch_save_reader.o"
 fuzz_link torch_load "$O/torch_archive.o" "$O/state_dict.o" "$O/staging.o"
-fuzz_link state_dict_file "$O/full_state.o" "$O/files.o" "$O/staging.o"
+fuzz_link state_dict_file "$O/full_state.o" "$O/torch_save_reader.o" "$O/files.o" "$O/staging.o"
 if [ "${1:-}" = "--run" ]; then
   seconds="${2:-60}"
   for name in ${3:-safetensors manifest bert_config vocab data corpus checkpoint_dir torch_load state_dict_file}; do

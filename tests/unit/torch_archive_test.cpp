@@ -2,17 +2,20 @@
 // input kept under tests/fuzz/corpus as regress-*.hex): torch::save / torch::load of a
 // consolidated DistributedOptimizer, and the torch.save files of full state dicts.
 #include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
+#include <cstring>
 #include <fstream>
-
 #include <sstream>
 #include <string>
 
 #include "fuzz/fuzz_files.hpp"
 #include "fuzz/fuzz_model.hpp"
+#include "checkpoint/torch_save.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/error.hpp"
 #include "support/expect_error.hpp"
@@ -95,6 +98,76 @@ TEST(TorchArchive, StateDictTensorOutsideItsStorageIsRefused) {
   auto opt = net.optimizer(0, 2);
   expect_error([&] { load_full_state_dict(*opt, dir / "model.pt"); }, ErrorKind::Checkpoint,
                {"model.pt", "storage", "48 bytes"});
+}
+
+// --- Note [Bounds on torch.save files] (src/checkpoint/torch_save_reader.hpp) -------------------
+
+// A torch.save zip holding `pickle` as data.pkl and `record` as data/0.
+std::vector<char> torch_save_file(const std::string& pickle, const std::string& record) {
+  std::vector<char> bytes;
+  caffe2::serialize::PyTorchStreamWriter zip([&bytes](const void* p, size_t n) {
+    bytes.insert(bytes.end(), static_cast<const char*>(p), static_cast<const char*>(p) + n);
+    return n;
+  });
+  zip.writeRecord("data.pkl", pickle.data(), pickle.size());
+  zip.writeRecord("data/0", record.data(), record.size());
+  zip.writeEndOfFile();
+  return bytes;
+}
+
+// {'w': a float tensor of `elements` over storage '0' of `numel` elements}, as Python's
+// torch.save writes it (BININT1 counts, so both below 256).
+std::string state_dict_pickle(int numel, int elements) {
+  using namespace std::string_literals;
+  auto str = [](const std::string& s) {
+    return "X"s + static_cast<char>(s.size()) + "\0\0\0"s + s;
+  };
+  return "\x80\x02}("s + str("w") + "ctorch._utils\n_rebuild_tensor_v2\n((" + str("storage") +
+         "ctorch\nFloatStorage\n" + str("0") + str("cpu") + "K" + static_cast<char>(numel) +
+         "tQK\0K"s + static_cast<char>(elements) + "\x85K\x01\x85\x89" +
+         "ccollections\nOrderedDict\n)RtRu.";
+}
+
+void write_file(const std::filesystem::path& path, const std::vector<char>& bytes) {
+  std::ofstream(path, std::ios::binary).write(bytes.data(), bytes.size());
+}
+
+// torch's unpickler makes a storage as large as the pickle's element count says over a record
+// that may hold fewer bytes (no check in torch 1.13 or 2.x): the reader compares the two.
+TEST(TorchSaveFile, StorageLargerThanItsRecordIsRefused) {
+  const fuzz::ScratchDir dir;
+  write_file(dir / "ok.pt", torch_save_file(state_dict_pickle(2, 2), std::string(8, '\0')));
+  EXPECT_EQ(read_state_dict(dir / "ok.pt").find("w")->numel(), 2);  // the pickle is torch's
+  write_file(dir / "model.pt", torch_save_file(state_dict_pickle(64, 64), std::string(8, '\0')));
+  expect_error([&] { read_state_dict(dir / "model.pt"); }, ErrorKind::Checkpoint,
+               {"model.pt", "claims 256 bytes", "holds 8"});
+}
+
+// A string length or a memo id the pickle states is what torch allocates for, before reading.
+TEST(TorchSaveFile, AbsurdPickleLengthsAndMemoIdsAreRefused) {
+  using namespace std::string_literals;
+  const fuzz::ScratchDir dir;
+  write_file(dir / "long.pt", torch_save_file("\x80\x02X\xff\xff\xff\x7f"s + "abc.", ""));
+  expect_error([&] { read_state_dict(dir / "long.pt"); }, ErrorKind::Checkpoint,
+               {"long.pt", "string", "claims 2147483647 bytes, but only 4 follow"});
+  write_file(dir / "memo.pt", torch_save_file("\x80\x02}r\x00\x00\x00\xf0."s, ""));
+  expect_error([&] { read_state_dict(dir / "memo.pt"); }, ErrorKind::Checkpoint,
+               {"memo.pt", "memoises value 4026531840 after only 0"});
+}
+
+// A deflated zip entry may claim any uncompressed size, which torch's reader allocates first.
+TEST(TorchSaveFile, CompressedEntriesAreRefused) {
+  c10::Dict<std::string, at::Tensor> dict;
+  dict.insert("w", at::ones({2}));
+  std::vector<char> bytes = detail::torch_save_bytes(c10::IValue(dict));
+  const char signature[] = {'P', 'K', 1, 2};
+  const auto cd = std::search(bytes.begin(), bytes.end(), signature, signature + 4);
+  ASSERT_NE(cd, bytes.end());
+  cd[10] = 8;  // method: deflate
+  const fuzz::ScratchDir dir;
+  write_file(dir / "model.pt", bytes);
+  expect_error([&] { read_state_dict(dir / "model.pt"); }, ErrorKind::Checkpoint,
+               {"model.pt", "is compressed (method 8)"});
 }
 
 }  // namespace

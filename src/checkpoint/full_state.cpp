@@ -4,6 +4,7 @@
 #include "shardopt/checkpoint.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard
 #include <fmt/format.h>
 #include <fmt/ranges.h>  // fmt::join
 

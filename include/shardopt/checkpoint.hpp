@@ -148,7 +148,10 @@ void consolidate_checkpoint(const std::string& dir, const std::string& out,
 
 // The {name: tensor} of a file consolidate_checkpoint or Python's torch.save(dict(...)) wrote (one
 // process, not collective); entries that are not tensors are skipped. Throws Error{Checkpoint}
-// naming the file when it cannot be read or holds no dict.
+// naming the file when it cannot be read or holds no dict. Safe on a file from anywhere: every
+// tensor lies inside its storage and every storage inside the file, and no size the file claims
+// is allocated before it is read, so memory stays proportional to the file (torch's own
+// pickle_load keeps neither bound: Note [Bounds on torch.save files]).
 torch::OrderedDict<std::string, at::Tensor> read_state_dict(const std::string& model_file);
 
 // The reverse: starts a sharded run from a full state. Every optimizer parameter must be present

@@ -4,6 +4,9 @@
 # build-fuzz/corpus-<name>, crashes to build-fuzz/crash-<name>-*).
 #   tests/fuzz/build.sh [--run SECONDS ["NAME ..."]]  (names: safetensors manifest bert_config
 #                      vocab data corpus checkpoint_dir torch_load state_dict_file; default all)
+# The torch-linked harnesses use Debian's libtorch; FUZZ_TORCH=<torch package dir> (pip's
+# site-packages/torch, with SHARDOPT_BUILD_DIR=build-pip) builds them against that torch instead
+# (C++20, as its headers require), e.g. to tell torch 1.13's reader crashes from ours.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${SHARDOPT_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
@@ -28,16 +31,27 @@ echo "[fuzz] built $OUT/bert_config_fuzz $OUT/vocab_fuzz $OUT/data_fuzz $OUT/cor
 # the ordinary build's libshardopt.so (scripts/build.sh first), libtorch from the system.
 BUILD="${SHARDOPT_BUILD_DIR:-$ROOT/build}"
 [ -f "$BUILD/libshardopt.so" ] || { echo "[fuzz] $BUILD/libshardopt.so missing: run scripts/build.sh" >&2; exit 1; }
-"$CXX" "${flags[@]}" -D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$BUILD/include" -I/usr/include/torch/csrc/api/include \
+if [ -n "${FUZZ_TORCH:-}" ]; then
+  # after -std=c++17: the last one counts. fmt header-only, as the pip build takes it (CMakeLists.txt).
+  flags+=(-std=c++20 -DFMT_HEADER_ONLY)
+  fmt_lib=()
+  torch_inc=(-I"$FUZZ_TORCH/include" -I"$FUZZ_TORCH/include/torch/csrc/api/include")
+  torch_lib=(-L"$FUZZ_TORCH/lib" -Wl,-rpath,"$FUZZ_TORCH/lib")
+else
+  torch_inc=(-I/usr/include/torch/csrc/api/include)
+  torch_lib=()
+  fmt_lib=(-lfmt)
+fi
+"$CXX" "${flags[@]}" -D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$BUILD/include" "${torch_inc[@]}" \
   "$ROOT/tests/fuzz/manifest_fuzz.cpp" "$ROOT/src/checkpoint/manifest.cpp" \
-  "$ROOT/src/checkpoint/format.cpp" -L"$BUILD" -lshardopt -ltorch_cpu -lc10 -lfmt -lz \
+  "$ROOT/src/checkpoint/format.cpp" -L"$BUILD" -lshardopt "${torch_lib[@]}" -ltorch_cpu -lc10 "${fmt_lib[@]}" -lz \
   -Wl,-rpath,"$BUILD" -o "$OUT/manifest_fuzz"
 echo "[fuzz] built $OUT/manifest_fuzz"
 # The optimizer-state readers: checkpoint directories, torch::load into the optimizer, torch.save
 # files of full state dicts. src/checkpoint's readers compiled with coverage (once, shared), the
 # rest of the library from libshardopt.so as above.
 torch_flags=(-D_GLIBCXX_USE_CXX11_ABI=1 -I"$ROOT/include" -I"$ROOT/src" -I"$ROOT/tests"
-             -I"$BUILD/include" -I/usr/include/torch/csrc/api/include)
+             -I"$BUILD/include" "${torch_inc[@]}")
 mkdir -p "$OUT/obj"
 for src in manifest format files staging save_load full_state torch_save_reader state_dict \
            torch_archive; do
@@ -46,7 +60,7 @@ done
 fuzz_link() {  # name objects...
   local name="$1"; shift
   "$CXX" "${flags[@]}" "${torch_flags[@]}" "$ROOT/tests/fuzz/${name}_fuzz.cpp" "$@" -L"$BUILD" \
-    -lshardopt -ltorch_cpu -lc10 -lfmt -lz -Wl,-rpath,"$BUILD" -o "$OUT/${name}_fuzz"
+    -lshardopt "${torch_lib[@]}" -ltorch_cpu -lc10 "${fmt_lib[@]}" -lz -Wl,-rpath,"$BUILD" -o "$OUT/${name}_fuzz"
   echo "[fuzz] built $OUT/${name}_fuzz"
 }
 O="$OUT/obj"

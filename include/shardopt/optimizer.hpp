@@ -116,6 +116,9 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // torch::optim optimizer of the same rule (AdamW, Adam, SGD, Adagrad, RMSprop; LAMB has no
   // torch counterpart) reads; torch::load(opt, file) on every rank loads such a file (collective).
   // Anything else throws Error{Unsupported} or Error{InvalidArgument}, never writes an empty file.
+  // torch::load parses the file with torch's own reader before load() sees it, which trusts the
+  // sizes the file states (torch 1.13 also crashes on some corrupt archives: tests/fuzz/README.md);
+  // for files from anywhere, load_checkpoint and load_full_state_dict (checkpoint.hpp) are bounded.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 

@@ -68,70 +68,115 @@ void check_entries_stored(const char* data, size_t size, const std::string& what
   }
 }
 
-// --- the pickle: lengths inside the bytes, memo ids in order ----------------------------------
+// --- the pickle: lengths inside the bytes, memo ids in order, a stack that holds -------------
 
-// Walks the protocol-2+ opcodes as far as it knows them (torch refuses the others): each
-// length-prefixed argument must fit in the bytes after it, and each memo id be at most the number
-// of values memoised so far (picklers number them 0, 1, 2, ...; torch's unpickler reserves a memo
-// table as long as the id).
-void check_pickle(const char* p, size_t size, const std::string& what) {
-  size_t at = 0;
-  uint64_t memoised = 0;
-  auto need = [&](uint64_t n, const char* arg) {
-    SHARDOPT_CHECK(n <= size - at, Checkpoint,
-                   "{}: the pickle's {} at byte {} claims {} bytes, but only {} follow", what,
-                   arg, at, n, size - at);
-  };
-  auto skip_line = [&] {
-    const void* nl = std::memchr(p + at, '\n', size - at);
-    if (nl == nullptr) return false;
-    at = static_cast<const char*>(nl) - p + 1;
-    return true;
-  };
-  auto memo = [&](uint64_t id) {
-    SHARDOPT_CHECK(id <= memoised, Checkpoint,
-                   "{}: the pickle memoises value {} after only {} (memo ids come in order)",
-                   what, id, memoised);
-    if (id == memoised) ++memoised;
-  };
-  auto sized = [&](int width, const char* arg) {  // a length of `width` bytes, then the bytes
-    need(width, arg);
-    const uint64_t n = le(p + at, width);
-    at += width;
-    need(n, arg);
-    at += n;
-  };
-  while (at < size) {
-    const auto op = static_cast<unsigned char>(p[at++]);
-    switch (op) {
-      case '.': return;  // STOP
-      case '(': case '0': case '1': case '2': case 'N': case ')': case ']': case '}': case 'a':
-      case 'e': case 'l': case 't': case 'R': case 'b': case 's': case 'u': case 'd': case 'Q':
-      case 'o': case 0x81: case 0x85: case 0x86: case 0x87: case 0x88: case 0x89: case 0x8f:
-      case 0x90: case 0x91: case 0x92: case 0x93: case 0x97: case 0x98:
-        break;
-      case 0x94: memo(memoised); break;  // MEMOIZE
-      case 'K': case 'h': case 0x80: case 0x82: need(1, "argument"); at += 1; break;
-      case 'M': case 0x83: need(2, "argument"); at += 2; break;
-      case 'J': case 'j': case 0x84: need(4, "argument"); at += 4; break;
-      case 'G': case 0x95: need(8, "argument"); at += 8; break;  // BINFLOAT, FRAME
-      case 'q': need(1, "memo id"); memo(le(p + at, 1)); at += 1; break;
-      case 'r': need(4, "memo id"); memo(le(p + at, 4)); at += 4; break;
-      case 0x8a: sized(1, "long integer"); break;
-      case 0x8b: sized(4, "long integer"); break;
-      case 0x8c: case 'C': case 'U': sized(1, "string"); break;
-      case 'X': case 'B': case 'T': sized(4, "string"); break;
-      case 0x8d: case 0x8e: case 0x96: sized(8, "string"); break;
-      case 'c':  // GLOBAL: module and name lines
-        if (!skip_line() || !skip_line()) return;
-        break;
-      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'g': case 'p':
-        if (!skip_line()) return;
-        break;
-      default: return;  // not a pickle opcode torch reads: torch refuses it
+// Runs the opcodes torch's unpickler reads (any other is refused: torch would refuse it too) on
+// a model of its stack: each length-prefixed argument must fit in the bytes after it; each memo
+// id be at most the number of values memoised so far (picklers number them 0, 1, 2, ...; torch
+// reserves a memo table as long as the id); and no opcode may take more values than the stack
+// holds above the innermost MARK, nor a MARK be missing (torch 1.13 reads such a pickle from an
+// empty stack, a SEGV found by the fuzzer) or a dict get an odd number of keys and values.
+class PickleCheck {
+ public:
+  PickleCheck(const char* p, size_t size, const std::string& what)
+      : p_(p), size_(size), what_(what) {}
+
+  void run() {
+    while (at_ < size_) {
+      const size_t op_at = at_;
+      const auto op = static_cast<unsigned char>(p_[at_++]);
+      switch (op) {
+        case 0x80: SHARDOPT_CHECK(op_at == 0, Checkpoint, "{}: a PROTO opcode at byte {} of the "
+                                  "pickle", what_, op_at);
+                   skip(1); break;
+        case '.': return;  // STOP
+        case '(': marks_.push_back(depth_); break;
+        case 'N': case ')': case ']': case '}': case 0x88: case 0x89: push(); break;
+        case 'K': case 'h': skip(1), push(); break;   // BININT1, BINGET
+        case 'M': skip(2), push(); break;              // BININT2
+        case 'J': case 'j': skip(4), push(); break;   // BININT, LONG_BINGET
+        case 'G': skip(8), push(); break;              // BINFLOAT
+        case 0x8a: sized(1, "long integer"), push(); break;
+        case 'X': sized(4, "string"), push(); break;   // BINUNICODE
+        case 'c': line(), line(), push(); break;       // GLOBAL module\nname\n
+        case 'q': need(1, "memo id"), memo(le(p_ + at_, 1)), at_ += 1, take(op, 1), push(); break;
+        case 'r': need(4, "memo id"), memo(le(p_ + at_, 4)), at_ += 4, take(op, 1), push(); break;
+        case 't': case 'l': to_mark(op), push(); break;                   // TUPLE, LIST
+        case 'd': pairs(op, to_mark(op)), push(); break;                  // DICT
+        case 'u': pairs(op, to_mark(op)), take(op, 1), push(); break;     // SETITEMS
+        case 'e': to_mark(op), take(op, 1), push(); break;                // APPENDS
+        case 'a': take(op, 2), push(); break;                             // APPEND
+        case 's': take(op, 3), push(); break;                             // SETITEM
+        case 0x85: case 0x86: case 0x87: take(op, op - 0x84), push(); break;  // TUPLE1-3
+        case 'R': case 'b': case 0x81: take(op, 2), push(); break;  // REDUCE, BUILD, NEWOBJ
+        case 'Q': take(op, 1), push(); break;                       // BINPERSID
+        default:
+          SHARDOPT_FAIL(Checkpoint, "{}: the pickle holds opcode 0x{:02x} at byte {}, which "
+                        "torch's unpickler does not read", what_, op, op_at);
+      }
     }
   }
-}
+
+ private:
+  void need(uint64_t n, const char* arg) const {
+    SHARDOPT_CHECK(n <= size_ - at_, Checkpoint,
+                   "{}: the pickle's {} at byte {} claims {} bytes, but only {} follow", what_,
+                   arg, at_, n, size_ - at_);
+  }
+  void skip(uint64_t n) { need(n, "argument"), at_ += n; }
+  void sized(int width, const char* arg) {  // a length of `width` bytes, then the bytes
+    need(width, arg);
+    const uint64_t n = le(p_ + at_, width);
+    at_ += width;
+    need(n, arg);
+    at_ += n;
+  }
+  void line() {
+    const void* nl = std::memchr(p_ + at_, '\n', size_ - at_);
+    SHARDOPT_CHECK(nl != nullptr, Checkpoint, "{}: the pickle ends inside a GLOBAL's name", what_);
+    at_ = static_cast<const char*>(nl) - p_ + 1;
+  }
+  void memo(uint64_t id) {
+    SHARDOPT_CHECK(id <= memoised_, Checkpoint,
+                   "{}: the pickle memoises value {} after only {} (memo ids come in order)",
+                   what_, id, memoised_);
+    if (id == memoised_) ++memoised_;
+  }
+  void push() { ++depth_; }
+  // Pops n values from above the innermost mark.
+  void take(unsigned char op, uint64_t n) {
+    const uint64_t floor = marks_.empty() ? 0 : marks_.back();
+    SHARDOPT_CHECK(depth_ - floor >= n, Checkpoint,
+                   "{}: the pickle's opcode 0x{:02x} at byte {} takes {} value(s), but the stack "
+                   "holds {} above its mark",
+                   what_, op, at_ - 1, n, depth_ - floor);
+    depth_ -= n;
+  }
+  // Pops everything above the innermost mark and the mark; returns how many values.
+  uint64_t to_mark(unsigned char op) {
+    SHARDOPT_CHECK(!marks_.empty(), Checkpoint,
+                   "{}: the pickle's opcode 0x{:02x} at byte {} needs a MARK before it", what_,
+                   op, at_ - 1);
+    const uint64_t n = depth_ - marks_.back();
+    depth_ = marks_.back();
+    marks_.pop_back();
+    return n;
+  }
+  void pairs(unsigned char op, uint64_t n) const {
+    SHARDOPT_CHECK(n % 2 == 0, Checkpoint,
+                   "{}: the pickle's opcode 0x{:02x} at byte {} gets {} values for a dict's keys "
+                   "and values",
+                   what_, op, at_ - 1, n);
+  }
+
+  const char* p_;
+  size_t size_;
+  const std::string& what_;
+  size_t at_ = 0;
+  uint64_t memoised_ = 0;
+  uint64_t depth_ = 0;
+  std::vector<uint64_t> marks_;  // depth_ at each open MARK
+};
 
 // --- reading: torch's unpickler over records we keep the sizes of ------------------------------
 
@@ -194,7 +239,7 @@ c10::IValue read_torch_save(const char* data, size_t size, const std::string& wh
   size_t pickle_size = 0;
   std::tie(pickle, pickle_size) = zip.getRecord("data.pkl");
   const auto* pickle_bytes = static_cast<const char*>(pickle.get());
-  check_pickle(pickle_bytes, pickle_size, what);
+  PickleCheck(pickle_bytes, pickle_size, what).run();
 
   size_t read = 0;
   auto reader = [&](char* buf, size_t n) -> size_t {

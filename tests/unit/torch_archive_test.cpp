@@ -155,6 +155,25 @@ TEST(TorchSaveFile, AbsurdPickleLengthsAndMemoIdsAreRefused) {
                {"memo.pt", "memoises value 4026531840 after only 0"});
 }
 
+// torch 1.13's unpickler pops from an empty stack (a SEGV the state_dict_file fuzzer found:
+// regress-pickle-stack-underflow-*.hex) and reads past the stack for a dict of odd length; the
+// reader runs the opcodes on a model of the stack first, and refuses opcodes torch cannot read.
+TEST(TorchSaveFile, PickleThatBreaksTheStackIsRefused) {
+  using namespace std::string_literals;
+  const fuzz::ScratchDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"\x80\x02\x85."s, "opcode 0x85 at byte 2 takes 1 value(s), but the stack holds 0"},
+      {"\x80\x02(NR."s, "opcode 0x52 at byte 4 takes 2 value(s), but the stack holds 1 above"},
+      {"\x80\x02Nt."s, "opcode 0x74 at byte 3 needs a MARK"},
+      {"\x80\x02}(Nu."s, "gets 1 values for a dict's keys and values"},
+      {"\x80\x02\x8c\x01a."s, "opcode 0x8c at byte 2, which torch's unpickler does not read"}};
+  for (const auto& [pickle, message] : cases) {
+    write_file(dir / "model.pt", torch_save_file(pickle, ""));
+    expect_error([&] { read_state_dict(dir / "model.pt"); }, ErrorKind::Checkpoint,
+                 {"model.pt", message});
+  }
+}
+
 // A deflated zip entry may claim any uncompressed size, which torch's reader allocates first.
 TEST(TorchSaveFile, CompressedEntriesAreRefused) {
   c10::Dict<std::string, at::Tensor> dict;

@@ -5,8 +5,9 @@
 // stated uncompressed size (deflated entries), and it makes each tensor's storage as many bytes
 // as the pickle's element count says, over a record that may hold fewer, so a copy reads past it.
 // So before torch reads: every zip entry is stored (torch.save compresses none, so miniz bounds
-// each by the file), every length-prefixed pickle argument fits in the bytes after it and memo ids
-// come in order; after: every storage lies inside the record it was made from.
+// each by the file), every length-prefixed pickle argument fits in the bytes after it, memo ids
+// come in order and no opcode takes more from the stack than it holds (torch 1.13 pops an empty
+// stack: a SEGV); after: every storage lies inside the record it was made from.
 #pragma once
 
 #include <ATen/core/ivalue.h>

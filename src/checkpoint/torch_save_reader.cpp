@@ -27,20 +27,20 @@ uint64_t le(const char* p, int bytes) {
 
 // --- the zip's central directory: every entry stored -------------------------------------------
 
-// Where the central directory starts and how many entries it lists, from the end-of-central-
-// directory record (zip64's when the 32-bit fields are saturated); false where the bytes hold no
-// such record, which torch's reader then refuses itself.
+// Where the central directory starts and how many entries it lists, as miniz (torch's zip reader)
+// finds them: the last end-of-central-directory record, and zip64's figures whenever a zip64
+// locator precedes it (torch writes one into every file, so a reader of the 32-bit fields alone
+// could check another directory than the one miniz reads); false where the bytes hold no such
+// record or a broken zip64 one, which miniz then refuses itself.
 bool central_directory(const char* data, size_t size, uint64_t& offset, uint64_t& count) {
   constexpr size_t kEnd = 22;  // end-of-central-directory record without its comment
   if (size < kEnd) return false;
   const size_t lowest = size - kEnd > 0xffff ? size - kEnd - 0xffff : 0;
-  for (size_t at = size - kEnd + 1; at-- > lowest;) {  // miniz also takes the last one
+  for (size_t at = size - kEnd + 1; at-- > lowest;) {
     if (le(data + at, 4) != 0x06054b50) continue;
     count = le(data + at + 10, 2);
     offset = le(data + at + 16, 4);
-    if (count != 0xffff && offset != 0xffffffff) return true;
-    // zip64: a locator just before this record points at the zip64 end record.
-    if (at < 20 || le(data + at - 20, 4) != 0x07064b50) return false;
+    if (at < 20 || le(data + at - 20, 4) != 0x07064b50) return true;
     const uint64_t end64 = le(data + at - 20 + 8, 8);
     if (end64 > size || size - end64 < 56 || le(data + end64, 4) != 0x06064b50) return false;
     count = le(data + end64 + 32, 8);
@@ -180,6 +180,8 @@ class PickleCheck {
 
 // --- reading: torch's unpickler over records we keep the sizes of ------------------------------
 
+// torch's MemoryReadAdapter would do, but torch 1.13's copies past the end when crafted zip
+// metadata asks it to (2.x clamps, as this does).
 class BytesReader final : public caffe2::serialize::ReadAdapterInterface {
  public:
   BytesReader(const char* data, size_t size) : data_(data), size_(size) {}

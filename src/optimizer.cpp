@@ -150,6 +150,9 @@ at::Tensor DistributedOptimizer::step(LossClosure closure) {
 }
 void DistributedOptimizer::zero_grad(bool /*set_to_none*/) { engine_->zero_grad(); }
 void DistributedOptimizer::backward(const at::Tensor& loss) { engine_->backward(loss); }
+void DistributedOptimizer::as_one_backward(const std::function<void()>& fn) {
+  engine_->as_one_backward(fn);
+}
 const StepStats& DistributedOptimizer::last_step() const { return engine_->last_step(); }
 MemoryReport DistributedOptimizer::memory() const { return engine_->memory(); }
 const ZeroOptions& DistributedOptimizer::options() const { return engine_->options(); }

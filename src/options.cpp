@@ -37,6 +37,15 @@ void ZeroOptions::validate() const {
   SHARDOPT_CHECK(tensor_replicated.empty() || tensor_group, InvalidArgument,
                  "options: tensor_replicated names {} parameter(s) but tensor_group is null",
                  tensor_replicated.size());
+  SHARDOPT_CHECK(pipeline_shared.empty() || (pipeline_group && pipeline_shared_group),
+                 InvalidArgument,
+                 "options: pipeline_shared names {} parameter(s) but pipeline_group or "
+                 "pipeline_shared_group is null (ParallelGroups::pp and ::embedding)",
+                 pipeline_shared.size());
+  SHARDOPT_CHECK(pipeline_shared.empty() || shard_group_size == 0, InvalidArgument,
+                 "options: pipeline_shared with shard_group_size = {} (hybrid sharding) is not "
+                 "supported; shard over the whole data-parallel group (0)",
+                 shard_group_size);
   SHARDOPT_CHECK(reuse_distance >= 0, InvalidArgument,
                  "options: reuse_distance must be >= 0 (unit uses ahead), got {}", reuse_distance);
   SHARDOPT_CHECK(shard_group_size >= 0, InvalidArgument,

@@ -66,6 +66,9 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // with fp16). Gradients are summed over micro-steps, so torch's own (loss / k).backward() gives
   // the same big-batch gradient (Note [Gradient accumulation convention], src/engine/engine.cpp).
   void backward(const at::Tensor& loss);
+  // The autograd runs inside `fn` count as one backward pass (one micro-step): a zero-bubble
+  // weight pass runs one per layer (PipelineRunOptions::weight_pass).
+  void as_one_backward(const std::function<void()>& fn);
 
   const StepStats& last_step() const;
   MemoryReport memory() const;

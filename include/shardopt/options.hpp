@@ -102,6 +102,17 @@ struct ZeroOptions {
   // (tp::replicated_parameter_names), counted once. Null: no tensor parallelism.
   CommunicatorPtr tensor_group;
   std::vector<std::string> tensor_replicated;
+  // Pipeline parallelism (shardopt/pipeline_runner.hpp): the optimizer holds one stage's
+  // parameters and is given that stage's data-parallel group; `pipeline_group` is the pipeline
+  // group (ParallelGroups::pp): the clipping norm and the non-finite check then span every stage.
+  // `pipeline_shared` names the parameters of which the first and the last stage each hold a copy
+  // (the tied word embedding): the copies start as the first stage's, their gradients are summed
+  // over `pipeline_shared_group` (ParallelGroups::embedding) before the update, so both take the
+  // same step, and the norm counts them once (Note [Parameters shared by two stages] in
+  // src/engine/grid_norm.cpp). Null: no pipeline. Not with shard_group_size (hybrid sharding).
+  CommunicatorPtr pipeline_group;
+  std::vector<std::string> pipeline_shared;
+  CommunicatorPtr pipeline_shared_group;
 
   // Throws Error{InvalidArgument} naming the first invalid field and its valid range.
   void validate() const;

@@ -3,7 +3,8 @@
 // by host: the tensor group talks the most), then data parallel, then pipeline stages:
 //   world rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 // make_parallel_groups cuts a world communicator into the three groups with Communicator::split;
-// DistributedOptimizer is then given `dp` and shards the tensor-split parameters over it.
+// DistributedOptimizer is then given `dp` and shards the tensor-split parameters (and one
+// pipeline stage's) over it.
 #pragma once
 
 #include <string>
@@ -24,7 +25,15 @@ struct ParallelLayout {
 struct ParallelGroups {
   ParallelLayout layout;  // with dp resolved
   CommunicatorPtr world, tp, dp, pp;
+  // Pipelines (pp > 1): the first and the last stage's data-parallel ranks of this tensor rank,
+  // first stage first (2d ranks), where the tied word embedding's two copies live
+  // (ZeroOptions::pipeline_shared_group; Megatron's embedding group). Null on the other stages
+  // and when pp = 1.
+  CommunicatorPtr embedding;
   int tp_rank = 0, dp_rank = 0, pp_rank = 0;
+
+  bool first_stage() const { return pp_rank == 0; }
+  bool last_stage() const { return pp_rank == layout.pp - 1; }
 };
 
 // Collective over `world`. Throws Error{InvalidArgument} naming the sizes when tp, pp or dp is

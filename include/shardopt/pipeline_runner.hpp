@@ -46,13 +46,19 @@ struct PipelineRunOptions {
   at::ScalarType activation_dtype = at::kFloat;
   // Where to record each action's timing (overwritten on every call); null: no timing.
   PipelineTrace* trace = nullptr;
+  // Runs a zero-bubble weight pass, given as a function: it takes one autograd run per split
+  // node, which an optimizer counting backward passes must count as one, e.g.
+  // [&](const auto& pass) { opt.as_one_backward(pass); } (DistributedOptimizer). Empty: run it.
+  std::function<void(const std::function<void()>& pass)> weight_pass;
 };
 
 // Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). `chunks` holds
 // this rank's v chunks in chunk order; `data(microbatch)` gives stage 0's inputs (called on the
 // rank that holds stage 0 only). Gradients accumulate into the parameters' .grad as the
 // micro-batches' backward passes run, in micro-batch order on every stage, so fp32 results are
-// bitwise those of one process running the m micro-batches one after the other. Returns the m
+// bitwise those of one process running the m micro-batches one after the other. An optimizer that
+// counts backward passes (DistributedOptimizer) sees one per chunk and micro-batch: its
+// grad_accumulation_steps is v*m (README "Pipeline parallelism" composes it with ZeRO). Returns the m
 // losses (detached) on the rank that holds the last stage, an empty vector elsewhere. Call on
 // every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters' own
 // branches of the graph, from the gradients its input pass kept where they leave the chain to the

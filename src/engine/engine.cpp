@@ -32,6 +32,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 
@@ -134,6 +136,7 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   model_ = collect_model(std::move(groups), rule, factory != nullptr, options_.precision,
                          plan_.per_part() ? unit_plan_.get() : nullptr);
   verify_same_model(params(), plan_.per_part(), *ranks_.world, options_.timeout);
+  copy_shared_from_first_stage();
   build(rule, factory);
   attach_hooks();
   if (plan_.per_part() && !automatic_ && !model_.loose_names.empty() && comm_->rank() == 0) {
@@ -223,7 +226,14 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
       options_.fused_update);
-  if (options_.tensor_group) update_->set_tensor_group(options_.tensor_group, replicated_slots());
+  if (options_.tensor_group) {
+    update_->grid().set_tensor_group(options_.tensor_group,
+                                     slots_named(options_.tensor_replicated, "tensor_replicated"));
+  }
+  if (options_.pipeline_group) {
+    update_->grid().set_pipeline(options_.pipeline_group, options_.pipeline_shared_group,
+                                 slots_named(options_.pipeline_shared, "pipeline_shared"));
+  }
   // Note [The non-finite check during backward] in local_update.cpp.
   reducer_->set_on_reduced([this](int bucket) {
     update_->check_early(bucket, grad_divisor(), options_.max_grad_norm > 0);
@@ -238,19 +248,52 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       });
 }
 
-// ZeroOptions::tensor_replicated as a flag per layout slot; a name that is no trainable parameter
-// here is an error (a misspelt name would silently count a replicated gradient t times).
-std::vector<char> Engine::replicated_slots() const {
-  std::vector<char> replicated(params().size(), 0);
-  for (const auto& name : options_.tensor_replicated) {
+// Names from ZeroOptions (`field`) as a flag per layout slot; a name that is no trainable
+// parameter here is an error (a misspelt name would silently count a gradient twice, or leave a
+// tied copy behind).
+std::vector<char> Engine::slots_named(const std::vector<std::string>& names,
+                                      const char* field) const {
+  std::vector<char> flags(params().size(), 0);
+  for (const auto& name : names) {
     auto it = std::find_if(params().begin(), params().end(),
                            [&](const ModelParam& p) { return p.name == name; });
     SHARDOPT_CHECK(it != params().end(), InvalidArgument,
-                   "optimizer: tensor_replicated names '{}', which is no trainable parameter of "
-                   "this optimizer", name);
-    replicated[it - params().begin()] = 1;
+                   "optimizer: {} names '{}', which is no trainable parameter of this optimizer",
+                   field, name);
+    flags[it - params().begin()] = 1;
   }
-  return replicated;
+  return flags;
+}
+
+// Note [Parameters shared by two stages] (grid_norm.cpp): both copies start as the first stage's.
+void Engine::copy_shared_from_first_stage() {
+  if (!options_.pipeline_shared_group) return;
+  const auto shared = slots_named(options_.pipeline_shared, "pipeline_shared");
+  // Both stages must name the same shapes, or the sum would mix parameters (or never meet).
+  std::vector<int64_t> shapes;
+  for (size_t i = 0; i < params().size(); ++i) {
+    if (!shared[i]) continue;
+    const auto sizes = params()[i].tensor.sizes();
+    shapes.push_back(static_cast<int64_t>(sizes.size()));
+    shapes.insert(shapes.end(), sizes.begin(), sizes.end());
+  }
+  const std::string mine = fmt::format("{}", fmt::join(shapes, ","));
+  const int64_t digest = static_cast<int64_t>(std::hash<std::string>{}(mine) >> 12);
+  at::Tensor range = at::tensor({digest, -digest}, at::kLong);
+  options_.pipeline_shared_group->all_reduce(range, ReduceOp::Max);
+  SHARDOPT_CHECK(range[0].item<int64_t>() == -range[1].item<int64_t>(), InvalidArgument,
+                 "optimizer: the parameters named in pipeline_shared differ between the first "
+                 "and the last pipeline stage (here: {} of shapes [{}]); name the same tied "
+                 "parameters, in the same order, on both",
+                 fmt::join(options_.pipeline_shared, ", "), mine);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params().size(); ++i) {
+    if (!shared[i]) continue;
+    const at::Tensor& t = params()[i].tensor;
+    at::Tensor buffer = t.contiguous();
+    options_.pipeline_shared_group->broadcast(buffer, 0);
+    if (!buffer.is_same(t)) t.copy_(buffer);
+  }
 }
 
 void Engine::attach_hooks() {
@@ -280,8 +323,19 @@ void Engine::begin_pass() {
   tracker_->begin_pass();
   // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
   queue_after_backward([this] {
-    if (tracker_->in_pass()) on_backward_end();
+    if (tracker_->in_pass() && held_passes_ == 0) on_backward_end();
   });
+}
+
+void Engine::as_one_backward(const std::function<void()>& fn) {
+  ++held_passes_;
+  try {
+    fn();
+  } catch (...) {
+    --held_passes_;
+    throw;
+  }
+  if (--held_passes_ == 0 && tracker_->in_pass()) on_backward_end();
 }
 
 // The path of a gradient: hook -> tracker (once per pass) -> reducer (Note [Bucket completion]) ->

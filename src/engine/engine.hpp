@@ -46,6 +46,7 @@ class Engine final : public UnitRuntime {
   at::Tensor step(const torch::optim::Optimizer::LossClosure& closure);
   void zero_grad();
   void backward(const at::Tensor& loss);
+  void as_one_backward(const std::function<void()>& fn);
   const StepStats& last_step() const { return stats_; }
   MemoryReport memory() const;
   const ZeroOptions& options() const { return options_; }
@@ -74,7 +75,8 @@ class Engine final : public UnitRuntime {
   const std::vector<ModelParam>& params() const { return model_.params; }
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
-  std::vector<char> replicated_slots() const;
+  std::vector<char> slots_named(const std::vector<std::string>& names, const char* field) const;
+  void copy_shared_from_first_stage();
   void attach_hooks();
   // Autograd events.
   void begin_pass();
@@ -116,7 +118,8 @@ class Engine final : public UnitRuntime {
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
   int bucket_tag_ = 0, step_tag_ = 0;  // MemoryScope tags (Note [Peak attribution])
-  int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
+  int nonfinite_run_ = 0;
+  int held_passes_ = 0;  // as_one_backward() calls in progress: autograd's end is not the pass's  // consecutive steps skipped for non-finite gradients (no loss scaler)
   StepStats stats_;
 };
 

@@ -95,4 +95,19 @@ class FlatState {
   std::vector<Segment> segments_;
 };
 
+// Calls fn(param index, begin, length, param_offset) for each parameter piece's intersection with
+// segment `s`: `begin` relative to the segment, `param_offset` to the parameter's first element.
+template <typename Fn>
+void for_each_param_piece(const FlatLayout& layout, const Segment& s, Fn&& fn) {
+  const ShardRange seg{s.bucket_begin, s.bucket_begin + s.param.numel()};
+  for (int k : layout.buckets[s.bucket].pieces) {
+    const auto& p = layout.pieces[k];
+    const ShardRange piece = intersect(seg, {p.offset, p.offset + p.numel});
+    if (!piece.empty()) {
+      fn(p.param, piece.begin - seg.begin, piece.size(),
+         p.param_offset + (piece.begin - p.offset));
+    }
+  }
+}
+
 }  // namespace shardopt::detail

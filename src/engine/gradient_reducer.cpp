@@ -244,6 +244,10 @@ int GradientReducer::acquire_buffer(int bucket, int hook_micro) {
 void GradientReducer::launch(int bucket, int micro) {
   auto& b = buckets_[bucket];
   const auto& bl = flat_.layout().buckets[bucket];
+  // A bucket no gradient reached in this micro-step (the other chunk's of an interleaved
+  // pipeline, flushed at the pass's end) may still be landing from the last one: as in accept(),
+  // that reduction lands before the bucket goes out again.
+  if (b.work && b.launched_micro != micro) complete(bucket);
   // A second launch would drop the first's work while landing_ still lists the bucket.
   SHARDOPT_INTERNAL_ASSERT(!b.work, "bucket {} launched again while its reduction is in flight",
                            bucket);

@@ -17,7 +17,8 @@ namespace shardopt::detail {
 LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout,
                          const Rule& rule, const ShardOptimizerFactory& factory, RuleOf rule_of,
                          bool fused)
-    : flat_(flat), comm_(std::move(comm)), timeout_(timeout), rule_of_(std::move(rule_of)),
+    : flat_(flat), comm_(comm), timeout_(timeout), grid_(flat, std::move(comm), timeout),
+      rule_of_(std::move(rule_of)),
       lamb_(std::holds_alternative<Lamb>(rule)), low_done_(flat_.segments().size(), 0),
       bucket_segments_(flat_.layout().buckets.size()), early_(flat_.segments().size()),
       unscaled_(flat_.segments().size(), 0) {
@@ -103,36 +104,12 @@ bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats)
                               : scan_segment(segments[k], unscaled_[k] ? 1.0 : divisor, norm,
                                              &stats.unscale_s));
   }
-  // Tensor parallelism: each tensor rank holds the replicated parameters' gradients whole, so
-  // they count 1/t on each (clamped: the two sums round differently).
-  if (tensor_group_ && norm) {
-    const double t = tensor_group_->size();
-    total.sum_sq = std::max(0.0, total.sum_sq - (1.0 - 1.0 / t) * replicated_sum_sq());
-  }
-  // Replicated plans hold the same reduced gradients on every rank: the answers agree already.
-  auto scan = agree_on(total, norm, flat_.plan().sharded() ? comm_.get() : nullptr, timeout_);
-  if (tensor_group_) scan = agree_on(scan, norm, tensor_group_.get(), timeout_);
+  const auto scan = grid_.combine(total, norm);
   if (norm) stats.grad_norm = std::sqrt(scan.sum_sq);
   stats.check_s = std::chrono::duration<double>(Clock::now() - t0).count() - stats.unscale_s;
   stats.check_backward_s = early_s_;
   forget_early();
   return scan.non_finite;
-}
-
-void LocalUpdate::set_tensor_group(CommunicatorPtr group, std::vector<char> replicated) {
-  tensor_group_ = std::move(group);
-  replicated_ = std::move(replicated);
-}
-
-double LocalUpdate::replicated_sum_sq() const {
-  double sum = 0.0;
-  for (const auto& s : flat_.segments()) {
-    for_each_param_piece(s, [&](int param, int64_t begin, int64_t length) {
-      if (!replicated_[param]) return;
-      sum += s.grad.narrow(0, begin, length).to(at::kDouble).pow(2).sum().item<double>();
-    });
-  }
-  return sum;
 }
 
 bool LocalUpdate::clip(double max_norm, double norm) {
@@ -207,14 +184,8 @@ bool LocalUpdate::fused_step(const Rule& rule, int64_t step, Segment& s,
 
 template <typename Fn>
 void LocalUpdate::for_each_param_piece(const Segment& s, Fn&& fn) const {
-  const auto& layout = flat_.layout();
-  const auto& bl = layout.buckets[s.bucket];
-  const ShardRange seg{s.bucket_begin, s.bucket_begin + s.param.numel()};
-  for (int k : bl.pieces) {
-    const auto& p = layout.pieces[k];
-    const ShardRange piece = intersect(seg, {p.offset, p.offset + p.numel});
-    if (!piece.empty()) fn(p.param, piece.begin - seg.begin, piece.size());
-  }
+  detail::for_each_param_piece(flat_.layout(), s, [&](int param, int64_t begin, int64_t length,
+                                                      int64_t) { fn(param, begin, length); });
 }
 
 // LAMB with the fused phases, per parameter piece (the trust ratio is per parameter).

@@ -14,6 +14,7 @@
 #include "engine/finite_check.hpp"
 #include "engine/flat_state.hpp"
 #include "engine/fused_kernels.hpp"
+#include "engine/grid_norm.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/optimizer_types.hpp"
 #include "shardopt/rules.hpp"
@@ -42,9 +43,8 @@ class LocalUpdate {
   // holds a non-finite one; with `norm`, their global L2 norm goes to stats.grad_norm (the same on
   // every rank), and the times to stats' unscale_s, check_s and check_backward_s.
   bool unscale_and_check(double divisor, bool norm, StepStats& stats);
-  // Tensor parallelism: unscale_and_check's norm and flag also span `group`, the parameters
-  // replicated[slot] (held whole by every tensor rank) counted once.
-  void set_tensor_group(CommunicatorPtr group, std::vector<char> replicated);
+  // Model parallelism: unscale_and_check's norm and flag span the grid (grid_norm.hpp).
+  GridNorm& grid() { return grid_; }
   // Scales the gradients down to `max_norm` given their global `norm`; returns whether it did.
   bool clip(double max_norm, double norm);
   // Optimizer step number `step` (1-based) into the segments' params (and, where the kernels wrote
@@ -67,12 +67,11 @@ class LocalUpdate {
   void for_each_param_piece(const Segment& s, Fn&& fn) const;
   // One segment's unscale (by 1/divisor) and check; a 16-bit unscale's time goes to *unscale_s.
   FiniteScan scan_segment(Segment& s, double divisor, bool norm, double* unscale_s) const;
-  // Sum of squares of this rank's (unscaled) gradients of the replicated parameters.
-  double replicated_sum_sq() const;
 
   FlatState& flat_;
   CommunicatorPtr comm_;
   Duration timeout_;
+  GridNorm grid_;
   RuleOf rule_of_;
   bool lamb_ = false;
   const FusedKernels* kernels_ = nullptr;
@@ -84,8 +83,6 @@ class LocalUpdate {
   double early_divisor_ = 0.0;
   bool early_norm_ = false;
   double early_s_ = 0.0;
-  CommunicatorPtr tensor_group_;  // tensor parallelism: the norm and flag span it too
-  std::vector<char> replicated_;  // per slot: held whole by every tensor rank
 };
 
 }  // namespace shardopt::detail

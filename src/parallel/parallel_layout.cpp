@@ -37,6 +37,8 @@ ParallelGroups make_parallel_groups(const CommunicatorPtr& world, ParallelLayout
   g.tp = world->split(r / layout.tp, g.tp_rank);
   g.dp = world->split(g.pp_rank * layout.tp + g.tp_rank, g.dp_rank);
   g.pp = world->split(r % (layout.tp * layout.dp), g.pp_rank);
+  const bool ends = layout.pp > 1 && (g.first_stage() || g.last_stage());
+  g.embedding = world->split(ends ? g.tp_rank : -1, (g.first_stage() ? 0 : layout.dp) + g.dp_rank);
   return g;
 }
 

@@ -155,7 +155,11 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                        "pipeline: schedule {} splits the backward pass, which needs the "
                        "parameters of chunk {} (PipelineChunk::parameters)",
                        to_string(schedule.kind), a.chunk);
-        f.split.backward_weight(f.output, f.grad, chunk.parameters);
+        if (options.weight_pass) {
+          options.weight_pass([&] { f.split.backward_weight(f.output, f.grad, chunk.parameters); });
+        } else {
+          f.split.backward_weight(f.output, f.grad, chunk.parameters);
+        }
         break;
       case ActionType::SendGrad:
         SHARDOPT_CHECK(f.input.grad().defined(), Internal,

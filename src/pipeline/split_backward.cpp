@@ -90,6 +90,7 @@ at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Ten
       for (Node* p : parents.at(n)) stack.push_back(p);
     }
     std::unordered_map<Node*, std::shared_ptr<Group>> by_node;
+    std::vector<std::shared_ptr<Group>> in_order;  // by their first parameter's position
     split_ = !trunk.empty();
     for (const at::Tensor& param : parameters) {
       const NodePtr acc = torch::autograd::impl::try_get_grad_accumulator(param);
@@ -116,13 +117,19 @@ at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Ten
       if (!group) {
         group = std::make_shared<Group>();
         group->node = graph.owner.at(node);
+        in_order.push_back(group);
       }
       group->parameter_edges.push_back(torch::autograd::impl::gradient_edge(param));
     }
     if (split_) {
-      for (auto& [node, group] : by_node) {
-        node->add_pre_hook(std::make_unique<Capture>(group));
-        groups_.push_back(group);
+      // Note [Weight passes in a fixed order]: the weight pass runs the split nodes in reverse
+      // parameter order, as a full backward roughly would, and never in the nodes' address order:
+      // gradients reach an optimizer's hooks in this order, and a data-parallel optimizer issues
+      // its bucket reductions in arrival order, which must be the same on every rank (the
+      // addresses were not: ZeRO's reduce-scatters then summed different buckets).
+      for (auto it = in_order.rbegin(); it != in_order.rend(); ++it) {
+        (*it)->node->add_pre_hook(std::make_unique<Capture>(*it));
+        groups_.push_back(*it);
       }
     }
   }

@@ -87,6 +87,19 @@ TEST(ParallelLayoutTest, GroupsFollowMegatronsOrder) {
     const int first = world->rank() / t * t;
     EXPECT_EQ(r.item<double>(), t * first + t * (t - 1) / 2.0);
   }
+  // The embedding group: the first and the last stage's ranks of a tensor rank, first stage first.
+  for (int p : {2, 4}) {
+    if (n % p != 0) continue;
+    const ParallelGroups g = make_parallel_groups(world, ParallelLayout{1, p});
+    const int d = n / p;
+    EXPECT_EQ(g.pp->size(), p);
+    EXPECT_EQ(g.pp_rank, world->rank() / d);
+    ASSERT_EQ(g.embedding != nullptr, g.first_stage() || g.last_stage());
+    if (!g.embedding) continue;
+    EXPECT_EQ(g.embedding->size(), 2 * d);
+    EXPECT_EQ(g.embedding->rank(), (g.first_stage() ? 0 : d) + g.dp_rank);
+  }
+  EXPECT_EQ(make_parallel_groups(world, ParallelLayout{1}).embedding, nullptr);
   if (n != 3) {
     test::expect_error([&] { make_parallel_groups(world, ParallelLayout{3, 1, 1}); },
                        ErrorKind::InvalidArgument, {"needs 3 ranks", "has " + std::to_string(n)});

@@ -1,0 +1,262 @@
+// Pipeline parallelism composed with ZeRO over the data-parallel group (ZeroOptions::pipeline_*):
+// a (p, d) grid, each stage's optimizer at stages 0-3 over its d ranks, trains as torch's AdamW on
+// the whole model over the global batch (float64: <= 1e-10 after 3 steps), for every schedule, with
+// a word embedding tied between the first stage (the lookup) and the last (the decoder), and
+// clipping whose norm (reported by every stage) is torch's clip_grad_norm_ of the whole model.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/types.h>  // before clip_grad.h, which does not include it
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardopt/optimizer.hpp"
+#include "shardopt/parallel_layout.hpp"
+#include "shardopt/pipeline.hpp"
+#include "shardopt/pipeline_runner.hpp"
+#include "support/dist_env.hpp"
+#include "support/expect_error.hpp"
+
+namespace shardopt {
+namespace {
+
+constexpr int kLayers = 8;  // 1, 2 or 4 per stage at S = 8, 4, 2 stages
+constexpr int64_t kVocab = 12, kHidden = 8, kRows = 2;  // rows per micro-batch
+constexpr int kSteps = 3;
+constexpr double kMaxNorm = 0.02;  // below every step's norm: every step clips
+
+// The whole model's initial values (the same on every rank).
+struct Model {
+  at::Tensor embedding;                 // [V, H], tied: lookup on the first stage, decoder last
+  std::vector<at::Tensor> weight, bias;  // per layer
+};
+
+Model initial_model() {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  Model m;
+  m.embedding = at::randn({kVocab, kHidden}, gen).to(at::kDouble) * 0.5;
+  for (int l = 0; l < kLayers; ++l) {
+    m.weight.push_back(at::randn({kHidden, kHidden}, gen).to(at::kDouble) * 0.4);
+    m.bias.push_back(at::randn({kHidden}, gen).to(at::kDouble) * 0.1);
+  }
+  return m;
+}
+
+// The global batch of step `step`: rows of inputs and targets, d * m * kRows of each.
+std::pair<at::Tensor, at::Tensor> global_batch(int step, int64_t rows) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(900 + step);
+  return {at::randn({rows, kVocab}, gen).to(at::kDouble),
+          at::randn({rows, kVocab}, gen).to(at::kDouble)};
+}
+
+at::Tensor embed(const at::Tensor& x, const at::Tensor& e) { return at::tanh(at::mm(x, e)); }
+at::Tensor layer(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return at::tanh(at::addmm(b, x, w.t()));
+}
+at::Tensor decode(const at::Tensor& h, const at::Tensor& e) { return at::mm(h, e.t()); }
+
+// torch's AdamW on the whole model over the global batch: the parameters after kSteps steps and
+// each step's gradient norm before clipping.
+struct Reference {
+  Model after;
+  std::vector<double> norms;
+};
+
+Reference reference_run(const AdamW& rule, int64_t rows) {
+  const Model init = initial_model();
+  std::vector<at::Tensor> params{init.embedding.clone().requires_grad_(true)};
+  for (int l = 0; l < kLayers; ++l) {
+    params.push_back(init.weight[l].clone().requires_grad_(true));
+    params.push_back(init.bias[l].clone().requires_grad_(true));
+  }
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(rule.lr())
+                                      .betas({rule.beta1(), rule.beta2()})
+                                      .eps(rule.eps())
+                                      .weight_decay(rule.weight_decay()));
+  Reference ref;
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = global_batch(s, rows);
+    opt.zero_grad();
+    at::Tensor h = embed(x, params[0]);
+    for (int l = 0; l < kLayers; ++l) h = layer(h, params[1 + 2 * l], params[2 + 2 * l]);
+    (decode(h, params[0]) - y).pow(2).mean().backward();
+    ref.norms.push_back(torch::nn::utils::clip_grad_norm_(params, kMaxNorm));
+    opt.step();
+  }
+  ref.after.embedding = params[0].detach();
+  for (int l = 0; l < kLayers; ++l) {
+    ref.after.weight.push_back(params[1 + 2 * l].detach());
+    ref.after.bias.push_back(params[2 + 2 * l].detach());
+  }
+  return ref;
+}
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() ? (a - b).abs().max().item<double>() : 1e9;
+}
+
+struct Case {
+  PipelineScheduleKind kind;
+  int m, v;
+};
+
+// The grids (p, d) with p in {2, 4} this world holds.
+std::vector<ParallelLayout> layouts(int world) {
+  std::vector<ParallelLayout> out;
+  for (int p : {2, 4}) {
+    if (world % p == 0) out.push_back(ParallelLayout{1, p, world / p});
+  }
+  return out;
+}
+
+// Micro-batch `mb` of data-parallel rank `dp_rank` in step `step`: its rows of the global batch.
+at::Tensor rows_of(const at::Tensor& all, int dp_rank, int m, int mb) {
+  return all.narrow(0, (int64_t{dp_rank} * m + mb) * kRows, kRows);
+}
+
+TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
+  auto world = test::world();
+  const auto grids = layouts(world->size());
+  if (grids.empty()) GTEST_SKIP() << "pipelines need a world of 2 or 4 ranks here (p = 2, 4)";
+  const AdamW rule = AdamW(0.01).weight_decay(0.05);
+  bool all_ok = true;
+  for (const ParallelLayout& layout : grids) {
+    const ParallelGroups g = make_parallel_groups(world, layout);
+    const int p = layout.pp, d = g.layout.dp;
+    for (const Case& c : {Case{PipelineScheduleKind::GPipe, 4, 1},
+                          Case{PipelineScheduleKind::OneFOneB, 4, 1},
+                          Case{PipelineScheduleKind::ZeroBubbleH1, 4, 1},
+                          Case{PipelineScheduleKind::Interleaved1F1B, 2 * p, 2}}) {
+      const int64_t rows = int64_t{d} * c.m * kRows;
+      const Reference ref = reference_run(rule, rows);
+      const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
+      const int stages = schedule.stages(), per_stage = kLayers / stages;
+      for (int zero_stage = 0; zero_stage <= 3; ++zero_stage) {
+        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {}", p, d, to_string(c.kind),
+                                 c.m, c.v, zero_stage));
+        const Model init = initial_model();
+        // This rank's chunks' layers and, on the first and the last stage, a copy of the tied
+        // embedding (the last stage's starts as zeros: the optimizer copies the first stage's).
+        at::Tensor embedding;
+        std::vector<int> layers;
+        std::vector<at::Tensor> weight, bias;  // by position in `layers`
+        ParamGroup group;
+        const bool holds_embedding = g.first_stage() || g.last_stage();
+        if (holds_embedding) {
+          embedding = (g.first_stage() ? init.embedding.clone() : at::zeros_like(init.embedding))
+                          .requires_grad_(true);
+          group.params.push_back({"embedding", embedding});
+        }
+        int step = 0;
+        at::Tensor inputs, targets;  // this step's global batch
+        std::vector<PipelineChunk> chunks;
+        for (int chunk = 0; chunk < c.v; ++chunk) {
+          const int s = chunk * p + g.pp_rank;
+          const size_t first = layers.size();
+          PipelineChunk pc;
+          for (int l = s * per_stage; l < (s + 1) * per_stage; ++l) {
+            layers.push_back(l);
+            weight.push_back(init.weight[l].clone().requires_grad_(true));
+            bias.push_back(init.bias[l].clone().requires_grad_(true));
+            group.params.push_back({fmt::format("layer{}.weight", l), weight.back()});
+            group.params.push_back({fmt::format("layer{}.bias", l), bias.back()});
+            pc.parameters.push_back(weight.back());
+            pc.parameters.push_back(bias.back());
+          }
+          if (s == 0 || s == stages - 1) pc.parameters.push_back(embedding);
+          const size_t last = layers.size();
+          pc.forward = [&, first, last, s](const at::Tensor& input, int mb) {
+            at::Tensor h = s == 0 ? embed(input, embedding) : input;
+            for (size_t i = first; i < last; ++i) h = layer(h, weight[i], bias[i]);
+            if (s != stages - 1) return h;
+            // The micro-batch's share of the global mean: the m micro-batches add up and the
+            // optimizer averages over the d data-parallel ranks.
+            const at::Tensor y = rows_of(targets, g.dp_rank, c.m, mb);
+            return (decode(h, embedding) - y).pow(2).mean() / c.m;
+          };
+          chunks.push_back(std::move(pc));
+        }
+        ZeroOptions zo;
+        zo.stage = stage_from_int(zero_stage);
+        zo.bucket_bytes = 512;
+        zo.unit_policy.persist_below = 0;  // stage 3: gathered on use
+        zo.timeout = std::chrono::seconds(60);
+        zo.grad_accumulation_steps = c.m * c.v;  // one backward pass per chunk and micro-batch
+        zo.max_grad_norm = kMaxNorm;
+        zo.pipeline_group = g.pp;
+        if (holds_embedding) {
+          zo.pipeline_shared = {"embedding"};
+          zo.pipeline_shared_group = g.embedding;
+        }
+        DistributedOptimizer opt({group}, rule, g.dp, zo);
+        PipelineRunOptions run;
+        run.activation_shape = {kRows, kHidden};
+        run.activation_dtype = at::kDouble;
+        run.weight_pass = [&](const std::function<void()>& pass) { opt.as_one_backward(pass); };
+        double norm_error = 0.0;
+        bool clipped = true;
+        for (step = 0; step < kSteps; ++step) {
+          std::tie(inputs, targets) = global_batch(step, rows);
+          opt.zero_grad();
+          run_pipeline(schedule, *g.pp, chunks,
+                       [&](int mb) { return rows_of(inputs, g.dp_rank, c.m, mb); }, run);
+          opt.step();
+          clipped = clipped && opt.last_step().clipped;
+          norm_error =
+              std::max(norm_error, std::abs(opt.last_step().grad_norm / ref.norms[step] - 1));
+        }
+        opt.gather_full_parameters();
+        double diff = holds_embedding ? max_diff(embedding, ref.after.embedding) : 0.0;
+        for (size_t i = 0; i < layers.size(); ++i) {
+          diff = std::max({diff, max_diff(weight[i], ref.after.weight[layers[i]]),
+                           max_diff(bias[i], ref.after.bias[layers[i]])});
+        }
+        EXPECT_LE(diff, 1e-10);
+        EXPECT_LE(norm_error, 1e-9) << "the grid's gradient norm is not the whole model's";
+        EXPECT_TRUE(clipped);
+        all_ok = all_ok && diff <= 1e-10 && norm_error <= 1e-9 && clipped;
+      }
+    }
+  }
+  EXPECT_TRUE(test::all_ranks(all_ok));
+}
+
+// A name in pipeline_shared that this stage's optimizer does not hold, a shared list without its
+// groups, and stages naming different sizes: clear errors on every rank, no hang.
+TEST(PipelineZero, SharedNamesAndClearErrors) {
+  auto world = test::world();
+  if (world->size() != 2) GTEST_SKIP() << "checked at p = 2";
+  const ParallelGroups g = make_parallel_groups(world, ParallelLayout{1, 2, 1});
+  at::Tensor e = at::ones({4, 3}).requires_grad_(true);
+  at::Tensor w = at::ones({3, 3}).requires_grad_(true);
+  ParamGroup group;
+  group.params = {{"embedding", e}, {"w", w}};
+  ZeroOptions zo;
+  zo.timeout = std::chrono::seconds(60);
+  zo.pipeline_group = g.pp;
+  zo.pipeline_shared = {"embeding"};
+  zo.pipeline_shared_group = g.embedding;
+  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
+                     ErrorKind::InvalidArgument,
+                     {"pipeline_shared names 'embeding'", "no trainable parameter"});
+  zo.pipeline_shared_group = nullptr;
+  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
+                     ErrorKind::InvalidArgument, {"pipeline_shared_group is null"});
+  zo.pipeline_shared_group = g.embedding;
+  zo.pipeline_shared = {g.first_stage() ? "embedding" : "w"};
+  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
+                     ErrorKind::InvalidArgument, {"differ between the first and the last"});
+  // Named alike, the last stage's copy starts as the first stage's.
+  if (g.last_stage()) e.detach().fill_(5.0);
+  zo.pipeline_shared = {"embedding"};
+  DistributedOptimizer opt({group}, AdamW(0.01), g.dp, zo);
+  EXPECT_TRUE(test::all_ranks(at::equal(e, at::ones({4, 3}))));
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -142,6 +142,8 @@ void bind_comm(py::module_& m) {
       .def_readonly("world", &ParallelGroups::world)
       .def_readonly("tp", &ParallelGroups::tp)
       .def_readonly("dp", &ParallelGroups::dp)
+      .def_readonly("embedding", &ParallelGroups::embedding,
+                    "pp > 1: the first and the last stage's data-parallel ranks (None elsewhere)")
       .def_readonly("pp", &ParallelGroups::pp)
       .def_readonly("tp_rank", &ParallelGroups::tp_rank)
       .def_readonly("dp_rank", &ParallelGroups::dp_rank)

@@ -333,6 +333,14 @@ void bind_options(py::module_& m) {
       .def_readwrite("tensor_replicated", &ZeroOptions::tensor_replicated,
                      "with tensor_group: the names of the parameters every tensor rank holds "
                      "whole (counted once in the clipping norm)")
+      .def_readwrite("pipeline_group", &ZeroOptions::pipeline_group,
+                     "pipeline parallelism: make_parallel_groups(...).pp; clipping and the "
+                     "non-finite check then span every stage")
+      .def_readwrite("pipeline_shared", &ZeroOptions::pipeline_shared,
+                     "names of the parameters the first and the last stage both hold (the tied "
+                     "word embedding): summed between them before the update, counted once")
+      .def_readwrite("pipeline_shared_group", &ZeroOptions::pipeline_shared_group,
+                     "with pipeline_shared: make_parallel_groups(...).embedding")
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })

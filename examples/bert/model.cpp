@@ -409,7 +409,16 @@ int64_t BertForPreTrainingImpl::num_parameters() const {
 std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tensor& input_ids,
                                                                  const at::Tensor& token_type_ids,
                                                                  const at::Tensor& attention_mask) {
-  const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  at::Tensor x = embed(input_ids, token_type_ids);
+  x = run_layers(x, mask_bias(attention_mask, x.scalar_type()), 0,
+                 static_cast<int64_t>(layers_.size()));
+  if (mp_.tp.sequence_parallel) x = tp::gather_from_region(x, 1, mp_.tp.group);  // whole again
+  return {x, pool(x)};
+}
+
+at::Tensor BertForPreTrainingImpl::embed(const at::Tensor& input_ids,
+                                         const at::Tensor& token_type_ids) {
+  const int64_t T = input_ids.size(1);
   if (T > config_.max_position_embeddings) {
     throw std::invalid_argument("BERT: sequence length " + std::to_string(T) +
                                 " exceeds max_position_embeddings " +
@@ -422,7 +431,7 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
         "length {} must be divisible by it (--max-seq-length)", mp_.size(), T));
   }
   const auto positions = torch::arange(T, input_ids.options()).unsqueeze(0);
-  auto x = in_unit(embeddings_unit_, [&] {
+  return in_unit(embeddings_unit_, [&] {
     BERT_PHASE("embeddings");
     at::Tensor e;
     if (split_word_embeddings_) {  // Note [Tensor-parallel BERT]: this rank's part of the sum
@@ -439,15 +448,22 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
     }
     return dropout(embeddings_dropout_, e, mp_, sp);
   });
-  // Additive mask: 0 on tokens, -10000 on padding (as the reference implementation). None when
-  // every token is real: it would add -0.0 to every score (no change) in a pass per layer. Asked
-  // on the CPU only, where it costs no device synchronisation.
-  at::Tensor mask_bias;
-  if (!attention_mask.is_cpu() || attention_mask.eq(0).any().item<bool>()) {
-    mask_bias = ((1.0 - attention_mask.to(x.scalar_type())) * -10000.0).view({B, 1, 1, T});
-  }
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    auto run_layer = [layer = layers_[i], mask_bias](const std::vector<at::Tensor>& in) {
+}
+
+// Additive mask: 0 on tokens, -10000 on padding (as the reference implementation). None when
+// every token is real: it would add -0.0 to every score (no change) in a pass per layer. Asked
+// on the CPU only, where it costs no device synchronisation.
+at::Tensor BertForPreTrainingImpl::mask_bias(const at::Tensor& attention_mask,
+                                             at::ScalarType dtype) const {
+  if (attention_mask.is_cpu() && !attention_mask.eq(0).any().item<bool>()) return {};
+  const int64_t B = attention_mask.size(0), T = attention_mask.size(1);
+  return ((1.0 - attention_mask.to(dtype)) * -10000.0).view({B, 1, 1, T});
+}
+
+at::Tensor BertForPreTrainingImpl::run_layers(at::Tensor x, const at::Tensor& mask_bias,
+                                              int64_t first, int64_t last) {
+  for (int64_t i = first; i < last; ++i) {
+    auto run_layer = [layer = layers_.at(i), mask_bias](const std::vector<at::Tensor>& in) {
       return layer.ptr()->forward(in[0], mask_bias);  // ptr(): the call is not const
     };
     // Recomputed in backward after set_recompute(true): through run(i, fn, inputs) when the
@@ -458,16 +474,21 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
       x = recompute_ ? shardopt::recompute(run_layer, {x}) : run_layer({x});
     }
   }
-  if (sp) x = tp::gather_from_region(x, 1, mp_.tp.group);  // whole again for the heads
-  at::Tensor pooled;
-  if (pooler_) {
-    pooled = in_unit(pooler_unit_, [&] { return torch::tanh(linear(pooler_, x.select(1, 0))); });
-  }
-  return {x, pooled};
+  return x;
+}
+
+at::Tensor BertForPreTrainingImpl::pool(const at::Tensor& sequence) {
+  if (!pooler_) return {};
+  return in_unit(pooler_unit_, [&] { return torch::tanh(linear(pooler_, sequence.select(1, 0))); });
 }
 
 BertOutputs BertForPreTrainingImpl::forward(const BertInputs& in) {
   auto [sequence, pooled] = encode(in.input_ids, in.token_type_ids, in.attention_mask);
+  return heads(sequence, pooled, in);
+}
+
+BertOutputs BertForPreTrainingImpl::heads(const at::Tensor& sequence, const at::Tensor& pooled,
+                                          const BertInputs& in) {
   const int64_t B = sequence.size(0), T = sequence.size(1), H = sequence.size(2);
   BertOutputs out;
   const auto labels = in.masked_labels.reshape({-1});

@@ -140,6 +140,14 @@ class BertForPreTrainingImpl : public torch::nn::Module {
                                            const at::Tensor& attention_mask);
   // Logits and losses (losses computed in fp32 whatever the parameters' dtype).
   BertOutputs forward(const BertInputs& inputs);
+  // forward()'s pieces, which pipeline stages run apart (examples/bert/pipeline_stages.hpp):
+  // encode = embed, run_layers over [0, layers) with mask_bias, (gather,) pool; then heads.
+  at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& token_type_ids);
+  // The attention's additive mask [B, 1, 1, T]; undefined when no token is padding (CPU).
+  at::Tensor mask_bias(const at::Tensor& attention_mask, at::ScalarType dtype) const;
+  at::Tensor run_layers(at::Tensor x, const at::Tensor& mask_bias, int64_t first, int64_t last);
+  at::Tensor pool(const at::Tensor& sequence);  // undefined without the NSP head
+  BertOutputs heads(const at::Tensor& sequence, const at::Tensor& pooled, const BertInputs& inputs);
 
   const at::Tensor& word_embeddings() const { return word_embedding_; }
   // The encoder layers, in order (the natural stage-3 units).

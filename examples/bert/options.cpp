@@ -242,6 +242,17 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_flag("--sequence-parallel", a.sequence_parallel, "with --tp: keep LayerNorm, dropout and "
                "the residuals split along the sequence between the split layers (less activation "
                "memory, the same bytes communicated)");
+  app.add_option("--pp", a.pp, "pipeline parallelism: this many stages of encoder layers "
+                 "(embeddings on the first, heads on the last); world = T x D x P")
+      ->check(integer_at_least(1));
+  app.add_option("--micro-batches", a.micro_batches, "with --pp: the M micro-batches of "
+                 "--batch-size sequences per data-parallel rank a step pipelines (what "
+                 "--grad-accum M accumulates; the default: --grad-accum)")
+      ->check(integer_at_least(1));
+  app.add_option("--schedule", a.schedule, "with --pp: gpipe | 1f1b | interleaved | zb-h1")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1"}));
+  app.add_option("--virtual-stages", a.virtual_stages, "with --schedule interleaved: model chunks "
+                 "per pipeline rank (V >= 2)")->check(integer_at_least(1));
   app.add_option("--reduce-dtype", a.reduce_dtype, "dtype gradients are reduced in: fp32 | bf16 | "
                  "fp16 (half the bytes on the wire)")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
@@ -294,6 +305,38 @@ double lr_at(const Args& a, int64_t step) {
   return a.lr * std::max(0.0, static_cast<double>(a.steps - step) / rest);
 }
 
+// --pp and its companions; the features not built for pipelines yet are refused by name.
+static std::string check_pipeline_args(const Args& a) {
+  if (a.pp == 1) {
+    if (a.micro_batches > 0) return "--micro-batches: needs --pp 2 or more (else: --grad-accum)";
+    if (a.virtual_stages > 1) return "--virtual-stages: needs --pp 2 or more and --schedule interleaved";
+    return "";
+  }
+  if (a.micro_batches > 0 && a.grad_accum != 1 && a.grad_accum != a.micro_batches) {
+    return fmt::format("--micro-batches {} contradicts --grad-accum {}: give one of them",
+                       a.micro_batches, a.grad_accum);
+  }
+  if ((a.virtual_stages > 1) != (a.schedule == "interleaved")) {
+    return "--virtual-stages: V >= 2 goes with --schedule interleaved, and only with it";
+  }
+  const int m = a.micro_batches > 0 ? a.micro_batches : a.grad_accum;
+  if (a.schedule == "interleaved" && m % a.pp != 0) {
+    return fmt::format("--schedule interleaved: --micro-batches {} must be a multiple of --pp {}",
+                       m, a.pp);
+  }
+  const std::pair<bool, const char*> unsupported[] = {
+      {a.checkpoint_every > 0, "--checkpoint-every"}, {a.resume_requested, "--resume"},
+      {a.save_model, "--save-model"}, {!a.export_hf.empty(), "--export-hf"},
+      {a.eval_only, "--eval-only"}, {!a.eval_data.empty(), "--eval-data"},
+      {a.eval_every > 0, "--eval-every"}, {a.sequence_parallel, "--sequence-parallel"},
+      {a.shard_group_size > 0, "--shard-group-size"}, {a.recompute, "--recompute"},
+      {a.units == "explicit" && a.stage == 3, "--stage 3 with the model's declared units (use --units auto)"}};
+  for (const auto& [given, flag] : unsupported) {
+    if (given) return fmt::format("--pp: {} is not supported with pipeline parallelism yet", flag);
+  }
+  return "";
+}
+
 std::string check_args(const Args& a, const Commands& c) {
   std::error_code ec;
   if (a.device != "cpu" && a.device != "cuda" && a.device.rfind("cuda:", 0) != 0) {
@@ -321,6 +364,7 @@ std::string check_args(const Args& a, const Commands& c) {
   }
   if (!a.dump_logits.empty() && !a.eval_only) return "--dump-logits: needs --eval-only";
   if (a.sequence_parallel && a.tp < 2) return "--sequence-parallel: needs --tp 2 or more";
+  if (auto why = check_pipeline_args(a); !why.empty()) return why;
   if (a.tp > 1) {
     // Not built yet for split models: refused rather than done wrongly.
     if (a.shard_group_size > 0) return "--tp: hybrid sharding (--shard-group-size) is not supported with tensor parallelism yet";

@@ -83,6 +83,10 @@ struct Args {
   int shard_group_size = 0;            // hybrid sharding; 0: over all ranks
   int tp = 1;                          // tensor-parallel ranks (world = tp x data-parallel)
   bool sequence_parallel = false;      // with --tp: LayerNorm/dropout split along the sequence
+  int pp = 1;                          // pipeline stages (world = tp x data-parallel x pp)
+  int micro_batches = 0;               // --micro-batches M: --grad-accum M, run as a pipeline
+  std::string schedule = "1f1b";       // gpipe | 1f1b | interleaved | zb-h1
+  int virtual_stages = 1;              // model chunks per pipeline rank (interleaved)
   std::string reduce_dtype = "fp32";  // dtype gradients are reduced in
 
   bool corpus_given = false;  // --corpus was passed (else the default is announced)

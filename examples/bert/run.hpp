@@ -18,6 +18,7 @@
 #include "metrics.hpp"
 #include "model.hpp"
 #include "options.hpp"
+#include "pipeline_stages.hpp"
 #include "prepare.hpp"
 #include "shardopt/shardopt.hpp"
 #include "test_fault.hpp"
@@ -97,11 +98,13 @@ struct Run {
   // metrics' sums) and the tensor-parallel group; at --tp 1 dp is the world.
   shardopt::ParallelGroups groups;
   shardopt::CommunicatorPtr dp;
+  std::unique_ptr<PipelineStages> pipeline;  // --pp > 1: this rank's stages (Note [Pipelined BERT])
 
   Run(const Args& args, shardopt::CommunicatorPtr c, shardopt::InitOptions options)
       : a(args), comm(std::move(c)), init(std::move(options)), rank(comm->rank()),
         world(comm->size()), lead(rank == 0), device(args.device) {}
   int tp() const { return groups.layout.tp; }
+  int pp() const { return groups.layout.pp; }
   std::string clear() const { return progress ? progress->prefix() : ""; }
 };
 

@@ -71,9 +71,9 @@ void set_up(Run& r) {
   }
   r.tracking.emplace();
   try {
-    r.groups = shardopt::make_parallel_groups(r.comm, shardopt::ParallelLayout{r.a.tp, 1, 0});
+    r.groups = shardopt::make_parallel_groups(r.comm, shardopt::ParallelLayout{r.a.tp, r.a.pp, 0});
   } catch (const shardopt::Error& e) {
-    throw UsageError(fmt::format("--tp {}: {}", r.a.tp, e.what()));
+    throw UsageError(fmt::format("--tp {} --pp {}: {}", r.a.tp, r.a.pp, e.what()));
   }
   r.dp = r.groups.dp;
   r.loader.rank = r.groups.dp_rank;
@@ -109,7 +109,11 @@ void load_data(Run& r) {
     const bert::Vocab vocab = bert::Vocab::load(r.prepared.vocab_path);
     r.loader.data = std::make_unique<bert::PretrainingData>(r.prepared.data_path);
     if (!r.prepared.eval_path.empty()) {
-      r.eval_data = std::make_unique<bert::PretrainingData>(r.prepared.eval_path);
+      if (a.pp > 1) {
+        if (r.lead) fmt::print("[bert] --pp: evaluation is not supported with pipelines yet; skipped\n");
+      } else {
+        r.eval_data = std::make_unique<bert::PretrainingData>(r.prepared.eval_path);
+      }
     }
     r.loader.loader =
         std::make_unique<bert::BatchLoader>(*r.loader.data, a.batch_size, r.dp->rank(), r.dp->size(), a.seed);
@@ -163,16 +167,22 @@ void print_plan(const Run& r) {
           ? fmt::format("{}, hybrid: shard groups of {}", r.comm->backend(), a.shard_group_size)
           : r.comm->backend();
   const std::string layout =
-      r.tp() > 1 ? fmt::format(" = {}{}", r.groups.layout.to_string(),
-                               a.sequence_parallel ? " with sequence parallelism" : "")
-                 : "";
+      r.tp() > 1 || r.pp() > 1
+          ? fmt::format(" = {}{}", r.groups.layout.to_string(),
+                        a.sequence_parallel ? " with sequence parallelism" : "")
+          : "";
   fmt::print("[bert] training: {} ranks{} ({}) on {}, ZeRO stage {}{}, {}, global batch {} = {} rows/rank "
              "x {} {}ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, weight decay {}), "
              "lr {} (warm-up {}, then {}), {} thread(s)/rank\n",
              r.world, layout, backend, a.device, a.stage, a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
-             a.precision, r.global_batch, a.batch_size, r.dp->size(), r.tp() > 1 ? "data-parallel " : "",
+             a.precision, r.global_batch, a.batch_size, r.dp->size(), r.tp() > 1 || r.pp() > 1 ? "data-parallel " : "",
              a.grad_accum, a.steps, epochs, a.optimizer, a.adam_betas.at(0), a.adam_betas.at(1),
              bert::adam_eps(a), a.weight_decay, a.lr, a.warmup_steps, a.lr_schedule, a.threads);
+  if (r.pipeline) {
+    fmt::print("[bert] pipeline: {} schedule over {} ranks{}, {} micro-batches a step; {}\n", a.schedule,
+               r.pp(), a.virtual_stages > 1 ? fmt::format(" x {} chunks", a.virtual_stages) : "",
+               a.grad_accum, bert::describe(r.pipeline->stages()));
+  }
   std::fflush(stdout);
 }
 
@@ -235,10 +245,22 @@ void build_model(Run& r) {
   }
   r.model->to(r.device);
   r.model->train();
+  if (r.pp() > 1) {  // Note [Pipelined BERT]: this rank's stages; the others' parameters freed
+    try {
+      r.pipeline = std::make_unique<bert::PipelineStages>(
+          r.model, r.groups,
+          shardopt::compile_schedule(shardopt::parse_schedule_kind(a.schedule), r.pp(),
+                                     a.grad_accum, a.virtual_stages),
+          r.config.num_layers);
+    } catch (const std::exception& e) {
+      throw UsageError(e.what());
+    }
+  }
+  const auto held = [&](const std::string& name) { return !r.pipeline || r.pipeline->holds(name); };
   shardopt::ZeroOptions zo;
   zo.stage = shardopt::stage_from_int(a.stage);
   if (!automatic) zo.units = r.model->units();  // stage 3 gathers one encoder layer at a time
-  zo.grad_accumulation_steps = a.grad_accum;
+  zo.grad_accumulation_steps = a.grad_accum * (r.pp() > 1 ? a.virtual_stages : 1);
   zo.max_grad_norm = a.max_grad_norm;
   zo.timeout = r.init.timeout;
   // The optimizer casts the parameters to the compute dtype itself and keeps the fp32 master
@@ -250,17 +272,30 @@ void build_model(Run& r) {
   zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
   if (r.tp() > 1) {  // the clipping norm and the non-finite check over the whole grid
     zo.tensor_group = r.groups.tp;
-    zo.tensor_replicated = r.model->replicated_parameter_names();
+    for (const auto& n : r.model->replicated_parameter_names()) {
+      if (held(n)) zo.tensor_replicated.push_back(n);
+    }
+  }
+  if (r.pp() > 1) {  // the grid-wide norm; the tied word embedding lives on the first and the last
+    zo.pipeline_group = r.groups.pp;
+    if (r.groups.embedding) {
+      zo.pipeline_shared = {"bert.embeddings.word_embeddings.weight"};
+      zo.pipeline_shared_group = r.groups.embedding;
+    }
+  }
+  torch::OrderedDict<std::string, at::Tensor> params;
+  for (const auto& p : r.model->named_parameters()) {
+    if (held(p.key())) params.insert(p.key(), p.value());
   }
   // BERT: no weight decay on biases and LayerNorm.
-  auto groups = shardopt::weight_decay_groups(r.model->named_parameters(), [](const std::string& n) {
+  auto groups = shardopt::weight_decay_groups(params, [](const std::string& n) {
     return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
   });
   r.opt = std::make_unique<shardopt::DistributedOptimizer>(groups, optimizer_rule(a), r.dp, zo);
   r.global_batch = a.batch_size * r.dp->size() * a.grad_accum;
   r.state.rows_per_position = a.batch_size * r.dp->size();
   if (r.lead) print_plan(r);
-  if (r.lead && automatic) print_automatic_units(r.model->named_parameters(), zo.unit_policy);
+  if (r.lead && automatic) print_automatic_units(params, zo.unit_policy);
 }
 
 // ---- checkpoints: --resume restores (outputs.cpp saves) ----------------------------------------
@@ -362,7 +397,26 @@ bert::StepRecord train_step(Run& r, int64_t step) {
   opt.zero_grad();
   double fwd_s = 0, bwd_s = 0, data_s = 0, metrics_s = 0, metrics_cpu_s = 0;
   bert::StepSums sums{};
-  for (int micro = 0; micro < a.grad_accum; ++micro) {
+  if (r.pipeline) {  // the M micro-batches through the pipeline; the sums on the last stage
+    std::vector<bert::BertInputs> inputs;
+    double rows = 0, tokens = 0;
+    const auto td = Clock::now();
+    for (int micro = 0; micro < a.grad_accum; ++micro) {
+      const bert::Batch batch = r.loader.batch(r.state.data_position++);
+      inputs.push_back(bert::to_inputs(batch, r.device));
+      rows += static_cast<double>(batch.rows);
+      tokens += static_cast<double>(batch.num_tokens);
+    }
+    data_s += seconds_since(td);
+    const auto tf = Clock::now();
+    const auto& ids = inputs.front().input_ids;
+    sums = r.pipeline->run(std::move(inputs), opt,
+                           {ids.size(0), ids.size(1), r.config.hidden_size},
+                           opt.param_groups().front().params().front().scalar_type());
+    fwd_s += seconds_since(tf);  // forward and backward interleave: all of it counts as forward
+    if (r.groups.last_stage()) sums[bert::kRows] += rows, sums[bert::kTokens] += tokens;
+  }
+  for (int micro = 0; micro < (r.pipeline ? 0 : a.grad_accum); ++micro) {
     const auto td = Clock::now();
     const bert::Batch batch = r.loader.batch(r.state.data_position++);
     const bert::BertInputs inputs = bert::to_inputs(batch, r.device);
@@ -407,6 +461,7 @@ bert::StepRecord train_step(Run& r, int64_t step) {
 
   auto reduced = torch::tensor(std::vector<double>(sums.begin(), sums.end()), torch::kDouble);
   r.dp->all_reduce(reduced, shardopt::ReduceOp::Sum);  // a tensor group's ranks share the rows
+  if (r.pp() > 1) r.groups.pp->all_reduce(reduced, shardopt::ReduceOp::Sum);  // the last stage's
   auto all = torch::zeros({bert::kTimings * r.world}, torch::kDouble);
   r.comm->all_gather(torch::tensor(local, torch::kDouble), all);
   bert::StepRecord rec;
@@ -548,6 +603,7 @@ int main(int argc, char** argv) {
   }
   bert::resolve_args(a);
   if (const std::string why = bert::check_args(a, commands); !why.empty()) return usage_error(why);
+  if (a.micro_batches > 0) a.grad_accum = a.micro_batches;  // --pp's name for --grad-accum
   if (a.device != "cpu" && !torch::cuda::is_available()) {
     return usage_error(fmt::format("--device {}: no CUDA device is visible to this libtorch (a "
                                    "build without CUDA, or no GPU); use --device cpu", a.device));

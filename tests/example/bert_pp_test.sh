@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# bert_pretrain with pipeline parallelism (issue 41; Note [Pipelined BERT] in
+# examples/bert/pipeline_stages.hpp). A small BERT of 8 encoder layers (so that p = 4 x v = 2
+# stages each hold one), vocabulary 1000, dropout 0, lr 2e-3, 20 steps of synthetic data.
+#   The per-step losses of (t, p, d) = (1, 2, 2), (2, 2, 1) and (1, 4, 1), every schedule (gpipe,
+#   1f1b, interleaved at v = 2, zb-h1), ZeRO stages 0-3 (3: automatic units), --micro-batches 4,
+#   equal those of the (1, 1, d) run with --grad-accum 4 on the same data within 1e-4 (--golden).
+#   Bad combinations are refused with one line naming the flag (exit 2).
+# Usage: bert_pp_test.sh reference|gpipe|1f1b|interleaved|zb-h1 BERT_PRETRAIN MPIEXEC WORKDIR
+#   reference: the (1, 1, d) runs' golden files in WORKDIR, and the refusals; a schedule: its 12
+#   runs against them (in WORKDIR/SCHEDULE).
+set -euo pipefail
+MODE="$1" EXE="$2" MPIEXEC="$3" BASE="$4"
+WORK="$BASE/$MODE"
+rm -rf "$WORK" && mkdir -p "$WORK"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+fail() { echo "FAIL: $*" >&2; exit 1; }
+cat >"$WORK/config.json" <<'JSON'
+{"vocab_size": 1000, "hidden_size": 32, "num_hidden_layers": 8, "num_attention_heads": 4,
+ "intermediate_size": 64, "hidden_act": "gelu", "max_position_embeddings": 64,
+ "type_vocab_size": 2, "initializer_range": 0.02, "hidden_dropout_prob": 0.1,
+ "attention_probs_dropout_prob": 0.1}
+JSON
+COMMON=(--bert-config "$WORK/config.json" --dropout 0 --lr 2e-3 --warmup-steps 2 --batch-size 4
+        --max-seq-length 32 --threads 1 --no-plot --progress lines --log-every 10 --synthetic --steps 20)
+train() {  # RANKS NAME FLAGS...
+  local n="$1" name="$2"; shift 2
+  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" "${COMMON[@]}" "$@" --out "$WORK/$name" \
+    >"$WORK/$name.log" 2>&1 || { local rc=$?; cat "$WORK/$name.log"; fail "$name: exit $rc"; }
+  grep -E "golden" "$WORK/$name.log" | sed "s/^/$name: /" || true
+}
+refused() {  # RANKS NAME EXPECTED-TEXT FLAGS...
+  local n="$1" name="$2" text="$3"; shift 3
+  set +e
+  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" "${COMMON[@]}" "$@" --out "$WORK/$name" \
+    >"$WORK/$name.log" 2>&1
+  local rc=$?
+  set -e
+  [ "$rc" -eq 2 ] || { cat "$WORK/$name.log"; fail "$name: exit $rc, expected 2"; }
+  grep -q -- "$text" "$WORK/$name.log" || { cat "$WORK/$name.log"; fail "$name: the error does not say '$text'"; }
+}
+
+if [ "$MODE" = reference ]; then
+  train 1 d1 --stage 0 --grad-accum 4 --write-golden "$BASE/d1.txt"
+  train 2 d2 --stage 0 --grad-accum 4 --write-golden "$BASE/d2.txt"
+  refused 2 bad_layers "each stage needs at least one" --pp 2 --schedule interleaved --virtual-stages 8 --micro-batches 4
+  refused 2 bad_ckpt "--checkpoint-every is not supported with pipeline parallelism" --pp 2 --checkpoint-every 5
+  refused 2 bad_v "--virtual-stages" --pp 2 --virtual-stages 2
+  refused 1 bad_mb "--micro-batches: needs --pp" --micro-batches 2
+  refused 2 bad_units "use --units auto" --pp 2 --stage 3
+  echo "reference: $BASE/d1.txt, $BASE/d2.txt; 5 bad combinations refused"
+  exit 0
+fi
+schedule="$MODE"
+[ -f "$BASE/d1.txt" ] && [ -f "$BASE/d2.txt" ] || fail "no golden files in $BASE: run the reference mode first"
+v=(); [ "$schedule" = interleaved ] && v=(--virtual-stages 2)
+for stage in 0 1 2 3; do
+  units=(); [ "$stage" -eq 3 ] && units=(--units auto)
+  P=(--schedule "$schedule" "${v[@]}" --micro-batches 4 --stage "$stage" "${units[@]}" --golden-tol 1e-4)
+  train 4 "p2d2_s$stage" --pp 2 "${P[@]}" --golden "$BASE/d2.txt"
+  train 4 "t2p2_s$stage" --tp 2 --pp 2 "${P[@]}" --golden "$BASE/d1.txt"
+  train 4 "p4_s$stage" --pp 4 "${P[@]}" --golden "$BASE/d1.txt"
+done
+grep -q "tp=2 x dp=1 x pp=2" "$WORK/t2p2_s0.log" || fail "the plan does not state the layout"
+if [ "$schedule" != interleaved ]; then
+  grep -q "stage 0: embeddings + layers 0-3; stage 1: layers 4-7 + heads" "$WORK/p2d2_s0.log" ||
+    fail "the plan does not state the stages"
+fi
+echo "$schedule: 12 pipelined runs within 1e-4 of their (1, 1, d) runs"

@@ -336,3 +336,42 @@ def test_tensor_parallel_grid_clipping(comm):
     ok &= torch.allclose(w.detach(), ref_w.detach()[3 * r:3 * r + 3], atol=1e-6)
     ok &= torch.allclose(v.detach(), ref_v.detach(), atol=1e-6)
     assert all_ranks_ok(comm, bool(ok))
+
+
+def test_pipeline_shared_embedding_and_grid_clipping(comm):
+    """make_parallel_groups(pp=2) and ZeroOptions.pipeline_group / pipeline_shared: both stages
+    hold a copy of the tied matrix E (the last stage's starts wrong: the optimizer copies the
+    first's), stage 1 also w. Each stage's loss uses its own copy; the whole model's loss is their
+    sum, so E's gradient is the sum of the two, which the optimizers add before the update; the
+    clipping norm spans both stages and counts E once: SGD then follows torch on the whole model."""
+    g = shardopt.make_parallel_groups(comm, pp=2)
+    assert (g.pp.size, g.dp.size, g.pp_rank, g.embedding.size) == (2, 1, comm.rank, 2)
+    torch.manual_seed(0)
+    e_full, w_full = torch.randn(4, 3), torch.randn(3, 3)
+    e = torch.nn.Parameter(e_full.clone() if g.pp_rank == 0 else torch.zeros(4, 3))
+    named = [("embedding", e)]
+    w = torch.nn.Parameter(w_full.clone())
+    if g.pp_rank == 1:
+        named.append(("w", w))
+    opt = shardopt.DistributedOptimizer(named, "sgd", comm=g.dp, lr=0.1, max_grad_norm=0.5,
+                                        pipeline_group=g.pp, pipeline_shared=["embedding"],
+                                        pipeline_shared_group=g.embedding)
+    ok = torch.equal(e.detach(), e_full)
+    ref_e, ref_w = torch.nn.Parameter(e_full.clone()), torch.nn.Parameter(w_full.clone())
+    ref_opt = torch.optim.SGD([ref_e, ref_w], lr=0.1)
+    loss0 = lambda x, e_: (x @ e_).pow(2).sum()                       # noqa: E731
+    loss1 = lambda x, e_, w_: ((x @ e_) @ w_).tanh().sum()            # noqa: E731
+    for step in range(4):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        opt.backward(loss0(x, e) if g.pp_rank == 0 else loss1(x, e, w))
+        opt.step()
+        ref_opt.zero_grad()
+        (loss0(x, ref_e) + loss1(x, ref_e, ref_w)).backward()
+        norm = torch.nn.utils.clip_grad_norm_([ref_e, ref_w], 0.5)
+        ref_opt.step()
+        ok &= abs(opt.last_step().grad_norm - norm.item()) <= 1e-5 * norm.item()
+    ok &= torch.allclose(e.detach(), ref_e.detach(), atol=1e-6)
+    if g.pp_rank == 1:
+        ok &= torch.allclose(w.detach(), ref_w.detach(), atol=1e-6)
+    assert all_ranks_ok(comm, bool(ok))

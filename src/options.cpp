@@ -42,10 +42,6 @@ void ZeroOptions::validate() const {
                  "options: pipeline_shared names {} parameter(s) but pipeline_group or "
                  "pipeline_shared_group is null (ParallelGroups::pp and ::embedding)",
                  pipeline_shared.size());
-  SHARDOPT_CHECK(pipeline_shared.empty() || shard_group_size == 0, InvalidArgument,
-                 "options: pipeline_shared with shard_group_size = {} (hybrid sharding) is not "
-                 "supported; shard over the whole data-parallel group (0)",
-                 shard_group_size);
   SHARDOPT_CHECK(reuse_distance >= 0, InvalidArgument,
                  "options: reuse_distance must be >= 0 (unit uses ahead), got {}", reuse_distance);
   SHARDOPT_CHECK(shard_group_size >= 0, InvalidArgument,

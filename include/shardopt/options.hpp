@@ -109,7 +109,7 @@ struct ZeroOptions {
   // (the tied word embedding): the copies start as the first stage's, their gradients are summed
   // over `pipeline_shared_group` (ParallelGroups::embedding) before the update, so both take the
   // same step, and the norm counts them once (Note [Parameters shared by two stages] in
-  // src/engine/grid_norm.cpp). Null: no pipeline. Not with shard_group_size (hybrid sharding).
+  // src/engine/grid_norm.cpp). Null: no pipeline.
   CommunicatorPtr pipeline_group;
   std::vector<std::string> pipeline_shared;
   CommunicatorPtr pipeline_shared_group;

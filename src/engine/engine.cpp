@@ -232,7 +232,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   }
   if (options_.pipeline_group) {
     update_->grid().set_pipeline(options_.pipeline_group, options_.pipeline_shared_group,
-                                 slots_named(options_.pipeline_shared, "pipeline_shared"));
+                                 slots_named(options_.pipeline_shared, "pipeline_shared"),
+                                 ranks_.replica == 0 && (plan_.sharded() || comm_->rank() == 0));
   }
   // Note [The non-finite check during backward] in local_update.cpp.
   reducer_->set_on_reduced([this](int bucket) {

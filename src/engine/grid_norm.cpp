@@ -22,12 +22,14 @@ void GridNorm::set_tensor_group(CommunicatorPtr group, std::vector<char> replica
 // The sum happens here, after the reduction over the data-parallel group and the unscale: with
 // ZeRO the stages' shards of the parameter cover different ranges (their layouts differ), so each
 // rank of the 2d-rank group writes its pieces at their offsets in a zeroed buffer of the whole
-// parameter (replicated plans: data-parallel rank 0 alone, every rank holding all of it), one
+// parameter (replicated plans: data-parallel rank 0 alone, every rank holding all of it; hybrid
+// sharding: the first replica's shard group alone, the others holding the same shards), one
 // all-reduce sums them, and each rank reads its pieces back. Cost: a buffer of the shared
 // parameters' size during step() and one all-reduce of it. The norm counts the sum on the first
 // stage only.
 void GridNorm::set_pipeline(CommunicatorPtr pipeline, CommunicatorPtr shared_group,
-                            std::vector<char> shared) {
+                            std::vector<char> shared, bool contributes) {
+  contributes_ = contributes;
   pipeline_group_ = std::move(pipeline);
   shared_group_ = std::move(shared_group);
   shared_ = std::move(shared);
@@ -75,7 +77,6 @@ double GridNorm::replicated_sum_sq() const {
 FiniteScan GridNorm::sum_shared(bool norm) {
   auto& segments = flat_.segments();
   at::Tensor sum = at::zeros({shared_numel_}, segments.front().grad.options());
-  const bool contributes = flat_.plan().sharded() || comm_->rank() == 0;
   FiniteScan before, after;
   const auto each_piece = [&](auto&& fn) {
     for (auto& s : segments) {
@@ -89,7 +90,7 @@ FiniteScan GridNorm::sum_shared(bool norm) {
   };
   each_piece([&](const at::Tensor& grad, const at::Tensor& into) {
     add_scan(before, scan_local(grad, 1.0, norm));
-    if (contributes) into.copy_(grad);
+    if (contributes_) into.copy_(grad);
   });
   shared_group_->all_reduce(sum, ReduceOp::Sum, true)->wait(timeout_);
   each_piece([&](const at::Tensor& grad, const at::Tensor& from) {

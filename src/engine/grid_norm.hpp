@@ -22,8 +22,10 @@ class GridNorm {
   // Pipeline parallelism: `shared[slot]` is held by the first and the last stage, whose
   // data-parallel ranks form `shared_group` (first stage first); both name the same sizes
   // (Engine::copy_shared_from_first_stage checked).
+  // `contributes`: this rank writes its pieces into the sum (one copy of each reduced element
+  // over the data-parallel group: Note [Parameters shared by two stages]).
   void set_pipeline(CommunicatorPtr pipeline, CommunicatorPtr shared_group,
-                    std::vector<char> shared);
+                    std::vector<char> shared, bool contributes);
 
   // `local`: this rank's scan of its unscaled gradients (scan_local, in segment order). Sums the
   // shared parameters' gradients between the stages (in place, before anything reads them), and
@@ -46,6 +48,7 @@ class GridNorm {
   std::vector<char> shared_;        // per slot
   std::vector<int64_t> shared_at_;  // per slot: its offset in the summed buffer
   int64_t shared_numel_ = 0;
+  bool contributes_ = false;
 };
 
 }  // namespace shardopt::detail

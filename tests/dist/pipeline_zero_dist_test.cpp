@@ -1,5 +1,5 @@
 // Pipeline parallelism composed with ZeRO over the data-parallel group (ZeroOptions::pipeline_*):
-// a (p, d) grid, each stage's optimizer at stages 0-3 over its d ranks, trains as torch's AdamW on
+// a (p, d) grid, each stage's optimizer at stages 0-3 (and hybrid at d = 2) over its d ranks, trains as torch's AdamW on
 // the whole model over the global batch (float64: <= 1e-10 after 3 steps), for every schedule, with
 // a word embedding tied between the first stage (the lookup) and the last (the decoder), and
 // clipping whose norm (reported by every stage) is torch's clip_grad_norm_ of the whole model.
@@ -136,9 +136,13 @@ TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
       const Reference ref = reference_run(rule, rows);
       const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
       const int stages = schedule.stages(), per_stage = kLayers / stages;
-      for (int zero_stage = 0; zero_stage <= 3; ++zero_stage) {
-        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {}", p, d, to_string(c.kind),
-                                 c.m, c.v, zero_stage));
+      // ZeRO stages 0-3 and, with two data-parallel ranks, stage 2 sharded within groups of one
+      // rank (hybrid: the shared gradient's pieces come from the first replica alone).
+      std::vector<std::pair<int, int>> zero_runs{{0, 0}, {1, 0}, {2, 0}, {3, 0}};
+      if (d == 2) zero_runs.push_back({2, 1});
+      for (const auto [zero_stage, shard_group_size] : zero_runs) {
+        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {} shard group {}", p, d,
+                                 to_string(c.kind), c.m, c.v, zero_stage, shard_group_size));
         const Model init = initial_model();
         // This rank's chunks' layers and, on the first and the last stage, a copy of the tied
         // embedding (the last stage's starts as zeros: the optimizer copies the first stage's).
@@ -183,6 +187,7 @@ TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         }
         ZeroOptions zo;
         zo.stage = stage_from_int(zero_stage);
+        zo.shard_group_size = shard_group_size;
         zo.bucket_bytes = 512;
         zo.unit_policy.persist_below = 0;  // stage 3: gathered on use
         zo.timeout = std::chrono::seconds(60);

@@ -60,7 +60,9 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             ``datetime.timedelta`` or seconds), ``max_nonfinite_steps``, and for tensor
             parallelism ``tensor_group`` (``make_parallel_groups(world, tp=t).tp``; pass
             ``comm=`` the ``.dp`` group) with ``tensor_replicated`` (the names of the parameters
-            every tensor rank holds whole).
+            every tensor rank holds whole), and for pipelines ``pipeline_group`` (``.pp``) with
+            ``pipeline_shared`` (the names of the parameters the first and the last stage both
+            hold, e.g. a tied embedding) and ``pipeline_shared_group`` (``.embedding``).
         units: stage 3: the modules whose parameters are gathered together, usually one per
             layer: a list of modules (or ``(name, module)`` pairs, or a dict), or a policy applied
             to the model given as ``params``: a module class, a tuple of classes, or a callable

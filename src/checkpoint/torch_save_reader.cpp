@@ -50,6 +50,29 @@ bool central_directory(const char* data, size_t size, uint64_t& offset, uint64_t
   return false;
 }
 
+// A central directory entry's sizes where the 32-bit fields say 0xFFFFFFFF: from its zip64 extra
+// field (id 1: the uncompressed, then the compressed size, each present only when its field is
+// saturated), as miniz reads them; left as they are when there is none.
+void zip64_sizes(const char* extra, uint64_t length, uint64_t& uncompressed, uint64_t& compressed) {
+  constexpr uint64_t kSaturated = 0xFFFFFFFF;
+  if (uncompressed != kSaturated && compressed != kSaturated) return;
+  for (uint64_t at = 0; at + 4 <= length;) {
+    const uint64_t id = le(extra + at, 2), field = le(extra + at + 2, 2);
+    if (at + 4 + field > length) return;
+    if (id == 1) {
+      uint64_t in = at + 4;
+      for (uint64_t* value : {&uncompressed, &compressed}) {
+        if (*value != kSaturated) continue;
+        if (in + 8 > at + 4 + field) return;
+        *value = le(extra + in, 8);
+        in += 8;
+      }
+      return;
+    }
+    at += 4 + field;
+  }
+}
+
 void check_entries_stored(const char* data, size_t size, const std::string& what) {
   uint64_t at = 0, count = 0;
   if (!central_directory(data, size, at, count)) return;
@@ -64,6 +87,16 @@ void check_entries_stored(const char* data, size_t size, const std::string& what
                    "{}: zip entry '{}' is compressed (method {}); torch.save stores every entry "
                    "uncompressed, and a compressed one may claim any size",
                    what, name, method);
+    // torch allocates the size an entry states before reading it: a stored entry holds as many
+    // bytes as it states, which the file must hold (a 4 GiB claim in a 4 kB file was the fuzzer's).
+    uint64_t stored = le(data + at + 20, 4), stated = le(data + at + 24, 4);
+    zip64_sizes(data + at + kHeader + name_len,
+                std::min<uint64_t>(le(data + at + 30, 2), size - std::min(size, at + kHeader + name_len)),
+                stated, stored);
+    SHARDOPT_CHECK(stated == stored && stated <= size, Checkpoint,
+                   "{}: zip entry '{}' states {} bytes and stores {} in a file of {}; the file is "
+                   "corrupt",
+                   what, name, stated, stored, size);
     at = next;
   }
 }

@@ -197,5 +197,26 @@ TEST(TorchSaveFile, CompressedEntriesAreRefused) {
                {"model.pt", "is compressed (method 8)"});
 }
 
+// torch allocates the size an entry states before reading it: a stored entry claiming 4 GiB in a
+// small file (the fuzzer's out-of-memory input, kept as
+// tests/fuzz/corpus/state_dict_file/regress-entry-states-4-gib.hex) is refused, and so is one
+// whose stated and stored sizes differ.
+TEST(TorchSaveFile, EntrySizesPastTheFileAreRefused) {
+  c10::Dict<std::string, at::Tensor> dict;
+  dict.insert("w", at::ones({2}));
+  const std::vector<char> good = detail::torch_save_bytes(c10::IValue(dict));
+  const char signature[] = {'P', 'K', 1, 2};
+  const fuzz::ScratchDir dir;
+  for (const uint32_t stated : {0xFFFFFFFFu, 1u << 20}) {
+    std::vector<char> bytes = good;
+    const auto cd = std::search(bytes.begin(), bytes.end(), signature, signature + 4);
+    ASSERT_NE(cd, bytes.end());
+    for (int i = 0; i < 4; ++i) cd[24 + i] = static_cast<char>(stated >> (8 * i));
+    write_file(dir / "model.pt", bytes);
+    expect_error([&] { read_state_dict(dir / "model.pt"); }, ErrorKind::Checkpoint,
+                 {"model.pt", "states " + std::to_string(stated) + " bytes", "corrupt"});
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

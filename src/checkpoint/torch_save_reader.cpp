@@ -279,6 +279,7 @@ c10::IValue read_torch_save(const char* data, size_t size, const std::string& wh
   size_t read = 0;
   auto reader = [&](char* buf, size_t n) -> size_t {
     n = std::min(n, pickle_size - read);
+    if (n == 0) return n;  // an empty data.pkl has no bytes at all (a null pointer)
     std::memcpy(buf, pickle_bytes + read, n);
     read += n;
     return n;

@@ -157,6 +157,13 @@ TEST(TorchSaveFile, AbsurdPickleLengthsAndMemoIdsAreRefused) {
 // torch 1.13's unpickler pops from an empty stack (a SEGV the state_dict_file fuzzer found:
 // regress-pickle-stack-underflow-*.hex) and reads past the stack for a dict of odd length; the
 // reader runs the opcodes on a model of the stack first, and refuses opcodes torch cannot read.
+// An empty data.pkl (the fuzzer's; torch hands back no buffer for it) is a clear error.
+TEST(TorchSaveFile, EmptyPickleIsRefused) {
+  const fuzz::ScratchDir dir;
+  write_file(dir / "empty.pt", torch_save_file("", ""));
+  expect_error([&] { read_state_dict(dir / "empty.pt"); }, ErrorKind::Checkpoint, {"empty.pt"});
+}
+
 TEST(TorchSaveFile, PickleThatBreaksTheStackIsRefused) {
   using namespace std::string_literals;
   const fuzz::ScratchDir dir;

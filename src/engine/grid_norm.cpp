@@ -46,7 +46,7 @@ FiniteScan GridNorm::combine(FiniteScan local, bool norm) {
   if (shared_group_ && shared_numel_ > 0) {
     const FiniteScan change = sum_shared(norm);
     local.non_finite = local.non_finite || change.non_finite;
-    local.sum_sq += change.sum_sq;
+    local.sum_sq = std::max(0.0, local.sum_sq + change.sum_sq);  // clamped as below
   }
   // Tensor parallelism: each tensor rank holds the replicated parameters' gradients whole, so
   // they count 1/t on each (clamped: the two sums round differently).
@@ -54,7 +54,6 @@ FiniteScan GridNorm::combine(FiniteScan local, bool norm) {
     const double t = tensor_group_->size();
     local.sum_sq = std::max(0.0, local.sum_sq - (1.0 - 1.0 / t) * replicated_sum_sq());
   }
-  if (norm) local.sum_sq = std::max(0.0, local.sum_sq);
   // Replicated plans hold the same reduced gradients on every rank: the answers agree already.
   auto scan = agree_on(local, norm, flat_.plan().sharded() ? comm_.get() : nullptr, timeout_);
   if (tensor_group_) scan = agree_on(scan, norm, tensor_group_.get(), timeout_);

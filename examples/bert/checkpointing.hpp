@@ -40,7 +40,8 @@ inline void set_cpu_rng_state(const at::Tensor& state) {
 }
 
 // `schedule`: the options the LR schedule and the data order depend on, compared on resume.
-// `layout`: the tensor-parallel layout and each split parameter's split (tp_resume.hpp), or null.
+// `layout`: the tensor- and pipeline-parallel layout and each split parameter's split
+// (layout_resume.hpp), or null.
 inline shardopt::TrainerState make_trainer_state(const RunState& s,
                                                  const nlohmann::json& schedule,
                                                  const nlohmann::json& layout = nullptr) {
@@ -53,9 +54,11 @@ inline shardopt::TrainerState make_trainer_state(const RunState& s,
 }
 
 // Restores the run state and this rank's generator; returns notes for the log (e.g. schedule
-// options that differ from the checkpoint's).
+// options that differ from the checkpoint's). `same_layout` false: a checkpoint of another
+// tensor/pipeline layout, whose ranks' generators do not map onto this run's.
 inline std::vector<std::string> restore_run_state(const shardopt::TrainerState& t,
-                                                  const nlohmann::json& schedule, RunState* s) {
+                                                  const nlohmann::json& schedule, RunState* s,
+                                                  bool same_layout = true) {
   const auto j = nlohmann::json::parse(t.json);
   std::vector<std::string> notes;
   s->step = j.at("step").get<int64_t>();
@@ -85,6 +88,8 @@ inline std::vector<std::string> restore_run_state(const shardopt::TrainerState& 
   auto rng = t.tensors.find("torch_cpu_rng");
   if (rng != t.tensors.end()) {
     set_cpu_rng_state(rng->second);
+  } else if (!same_layout) {
+    notes.push_back("written at another tensor/pipeline layout: the dropout generators start fresh");
   } else {
     notes.push_back("the checkpoint holds no generator state for this rank (was it in the "
                     "checkpointed run?): its dropout RNG starts fresh");

@@ -325,7 +325,6 @@ static std::string check_pipeline_args(const Args& a) {
                        m, a.pp);
   }
   const std::pair<bool, const char*> unsupported[] = {
-      {a.checkpoint_every > 0, "--checkpoint-every"}, {a.resume_requested, "--resume"},
       {a.save_model, "--save-model"}, {!a.export_hf.empty(), "--export-hf"},
       {a.eval_only, "--eval-only"}, {!a.eval_data.empty(), "--eval-data"},
       {a.eval_every > 0, "--eval-every"}, {a.sequence_parallel, "--sequence-parallel"},

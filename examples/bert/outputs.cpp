@@ -18,7 +18,7 @@
 #include "pretrained.hpp"
 #include "progress.hpp"
 #include "report.hpp"
-#include "tp_resume.hpp"
+#include "layout_resume.hpp"
 
 namespace bert {
 
@@ -31,6 +31,11 @@ void save(Run& r, int64_t done) {
   RunState s = r.state;
   s.step = done;
   shardopt::SaveOptions save_options = model_save_options(r.model);
+  if (r.pipeline) {  // a stage's folder names only the parameters it holds
+    for (auto it = save_options.aliases.begin(); it != save_options.aliases.end();) {
+      it = r.pipeline->holds(it->second) ? std::next(it) : save_options.aliases.erase(it);
+    }
+  }
   save_options.after_shard_written = [&](int rank) {
     if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
   };
@@ -73,10 +78,6 @@ void export_model(Run& r, const std::string& checkpoint) {
 void finish(Run& r) {
   const int64_t step = r.state.step;
   if (step == r.start_step) return;
-  if (r.pp() > 1) {  // one checkpoint per stage is not written yet (README)
-    if (r.lead) fmt::print("[bert] --pp: checkpoints are not written with pipelines yet\n");
-    return;
-  }
   if (r.last_saved != step) save(r, step);
   if (r.a.save_model) {
     shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {

@@ -39,7 +39,7 @@
 #include "shardopt/shardopt.hpp"
 #include "test_fault.hpp"
 #include "tokenizer.hpp"
-#include "tp_resume.hpp"
+#include "layout_resume.hpp"
 
 namespace fs = std::filesystem;
 using bert::Args;
@@ -77,7 +77,8 @@ void set_up(Run& r) {
   }
   r.dp = r.groups.dp;
   r.loader.rank = r.groups.dp_rank;
-  r.checkpoint_dir = bert::checkpoint_path(fs::path(r.a.out) / "checkpoint", r.groups.tp_rank, r.tp());
+  r.checkpoint_dir = bert::checkpoint_path(fs::path(r.a.out) / "checkpoint", r.groups.tp_rank, r.tp(),
+                                           r.groups.pp_rank, r.pp());
   r.metrics_path = fs::path(r.a.out) / "metrics.jsonl";
 }
 
@@ -302,8 +303,10 @@ void build_model(Run& r) {
 void restore(Run& r) {
   const Args& a = r.a;
   r.schedule = {{"steps", a.steps}, {"warmup-steps", a.warmup_steps}, {"lr", a.lr},
-                {"seed", a.seed}, {"batch-size", a.batch_size}, {"grad-accum", a.grad_accum},
-                {"ranks", r.world}, {"optimizer", a.optimizer}, {"lr-schedule", a.lr_schedule}};
+                {"seed", a.seed}, {"batch-size", a.batch_size},
+                // rows per step (batch x data-parallel ranks x micro-batches): a layout may change
+                // its factors and continue the same trajectory, not the product
+                {"global-batch", r.global_batch}, {"optimizer", a.optimizer}, {"lr-schedule", a.lr_schedule}};
   shardopt::agree_on_errors(*r.comm, "opening the metrics log", [&] {
     if (!r.lead || a.eval_only) return;
     r.metrics.open(r.metrics_path, a.resume_requested ? std::ios::app : std::ios::trunc);
@@ -311,21 +314,20 @@ void restore(Run& r) {
   });
   if (a.resume_requested) {
     const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
-    const int saved_tp = bert::saved_tensor_parallel(base);
+    const bert::SavedLayout saved = bert::saved_layout(base), now = bert::layout_of(r);
     std::error_code ec;
-    if (saved_tp != r.tp() && fs::equivalent(base, fs::path(a.out) / "checkpoint", ec)) {
+    if (!saved.same_folders(now) && fs::equivalent(base, fs::path(a.out) / "checkpoint", ec)) {
       throw UsageError(fmt::format(
-          "--resume: the checkpoint in {} was written at --tp {}; this run's (--tp {}) is laid out "
-          "differently: resume into a new folder (--out NEW --resume {})", a.out, saved_tp,
-          r.tp(), base.string()));
+          "--resume: the checkpoint in {} was written at {}; this run's ({}) is laid out "
+          "differently: resume into a new folder (--out NEW --resume {})", a.out, saved.describe(),
+          now.describe(), base.string()));
     }
-    const std::string from = saved_tp == r.tp() ? bert::checkpoint_path(base, r.groups.tp_rank, r.tp()).string()
-                                                : fmt::format("{} (written at --tp {})", base.string(), saved_tp);
+    const std::string own = bert::checkpoint_path(base, r.groups.tp_rank, r.tp(), r.groups.pp_rank, r.pp()).string();
+    const std::string from = saved == now ? own : fmt::format("{} (written at {})", base.string(), saved.describe());
     const auto t0 = Clock::now();
-    const auto saved = saved_tp == r.tp()
-                           ? shardopt::load_checkpoint(*r.opt, bert::checkpoint_path(base, r.groups.tp_rank, r.tp()).string())
-                           : bert::load_checkpoint_any_layout(r, base, saved_tp);
-    const auto notes = bert::restore_run_state(saved, r.schedule, &r.state);
+    const auto saved_state = saved == now ? shardopt::load_checkpoint(*r.opt, own)
+                                          : bert::load_checkpoint_any_layout(r, base, saved);
+    const auto notes = bert::restore_run_state(saved_state, r.schedule, &r.state, saved == now);
     shardopt::agree_on_errors(*r.comm, "resuming the metrics log", [&] {
       if (!r.lead) return;
       fmt::print("[bert] resumed from {} at step {} ({:.1f} s)\n", from, r.state.step,
@@ -517,7 +519,8 @@ void train_loop(Run& r) {
 bool already_finished(const Args& a, int rank) {
   if (!a.resume_requested || a.eval_only) return false;
   const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
-  const std::string from = bert::checkpoint_path(base, 0, bert::saved_tensor_parallel(base)).string();
+  const bert::SavedLayout layout = bert::saved_layout(base);
+  const std::string from = bert::checkpoint_path(base, 0, layout.tp, 0, layout.pp).string();
   const auto info = shardopt::read_checkpoint_info(from);
   const auto trainer = nlohmann::json::parse(info.trainer_json, nullptr, false);
   const int64_t saved = trainer.is_object() ? trainer.value("step", int64_t{-1}) : -1;

@@ -6,11 +6,17 @@
 #   1f1b, interleaved at v = 2, zb-h1), ZeRO stages 0-3 (3: automatic units), --micro-batches 4,
 #   equal those of the (1, 1, d) run with --grad-accum 4 on the same data within 1e-4 (--golden).
 #   Bad combinations are refused with one line naming the flag (exit 2).
-# Usage: bert_pp_test.sh reference|gpipe|1f1b|interleaved|zb-h1 BERT_PRETRAIN MPIEXEC WORKDIR
+#   resume: checkpoints across layouts (examples/bert/layout_resume.hpp), on real data (CORPUS):
+#   a run at (2, 2, 1) stage 1 stopped at step 10 resumes at (1, 1, 4) stage 3 and at (1, 4, 1)
+#   stage 0, and runs stopped there resume at (2, 2, 1) stage 1; each continues with the
+#   uninterrupted (2, 2, 1) run's losses within 1e-4 (the same rows a step, in the same groups of
+#   4). In its own folder it continues within 1e-6. Another layout into the same folder, and a
+#   checkpoint whose stage folders are at different steps, are refused.
+# Usage: bert_pp_test.sh reference|gpipe|1f1b|interleaved|zb-h1|resume BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS [PYTHON]]
 #   reference: the (1, 1, d) runs' golden files in WORKDIR, and the refusals; a schedule: its 12
 #   runs against them (in WORKDIR/SCHEDULE).
 set -euo pipefail
-MODE="$1" EXE="$2" MPIEXEC="$3" BASE="$4"
+MODE="$1" EXE="$2" MPIEXEC="$3" BASE="$4" CORPUS="${5:-}" PY="${6:-/usr/bin/python3}"
 WORK="$BASE/$MODE"
 rm -rf "$WORK" && mkdir -p "$WORK"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -32,7 +38,7 @@ train() {  # RANKS NAME FLAGS...
 refused() {  # RANKS NAME EXPECTED-TEXT FLAGS...
   local n="$1" name="$2" text="$3"; shift 3
   set +e
-  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" "${COMMON[@]}" "$@" --out "$WORK/$name" \
+  "$MPIEXEC" --oversubscribe --bind-to none -np "$n" "$EXE" "${COMMON[@]}" "$@" --out "${OUT:-$WORK/$name}" \
     >"$WORK/$name.log" 2>&1
   local rc=$?
   set -e
@@ -40,11 +46,60 @@ refused() {  # RANKS NAME EXPECTED-TEXT FLAGS...
   grep -q -- "$text" "$WORK/$name.log" || { cat "$WORK/$name.log"; fail "$name: the error does not say '$text'"; }
 }
 
+if [ "$MODE" = resume ]; then
+  [ -d "$CORPUS" ] || fail "resume needs the corpus folder as its 5th argument"
+  sed -i 's/"vocab_size": 1000/"vocab_size": 2000/' "$WORK/config.json"
+  # Real data instead of --synthetic (whose rows depend on the rank count).
+  real=()
+  for f in "${COMMON[@]}"; do [ "$f" = --synthetic ] || real+=("$f"); done
+  COMMON=("${real[@]}" --corpus "$CORPUS" --vocab-size 2000 --dupe-factor 2)
+  T2P2=(--tp 2 --pp 2 --schedule 1f1b --micro-batches 4 --stage 1)
+  D4=(--stage 3)                    # 4 rows on each of 4 data-parallel ranks = 4 micro-batches of 4
+  P4=(--pp 4 --schedule zb-h1 --micro-batches 4 --stage 0)
+  train 4 full "${T2P2[@]}"
+  train 4 part "${T2P2[@]}" --stop-after 10
+  ls -d "$WORK"/part/checkpoint/pp{0,1}-of-2/tp{0,1}-of-2 >/dev/null || fail "no folder per (pipeline, tensor) rank"
+  train 4 d4_from_part "${D4[@]}" --resume "$WORK/part/checkpoint"
+  train 4 p4_from_part "${P4[@]}" --resume "$WORK/part/checkpoint"
+  train 4 d4_part "${D4[@]}" --stop-after 10
+  train 4 p4_part "${P4[@]}" --stop-after 10
+  train 4 from_d4 "${T2P2[@]}" --resume "$WORK/d4_part/checkpoint"
+  train 4 from_p4 "${T2P2[@]}" --resume "$WORK/p4_part/checkpoint"
+  OUT="$WORK/part" refused 4 same_folder "was written at --tp 2 --pp 2" "${D4[@]}" --resume "$WORK/part/checkpoint"
+  # A save cut off between the stages: stage 0's folder at step 10, stage 1's at step 20.
+  cp -r "$WORK/part/checkpoint" "$WORK/mixed" && rm -rf "$WORK/mixed/pp1-of-2"
+  cp -r "$WORK/full/checkpoint/pp1-of-2" "$WORK/mixed/"
+  refused 4 mixed_steps "at step 10 but .* at step 20: a save was cut off" "${D4[@]}" --resume "$WORK/mixed"
+  train 4 part "${T2P2[@]}" --resume
+  grep -q "resumed from $WORK/part/checkpoint (written at --tp 2 --pp 2)" "$WORK/d4_from_part.log" ||
+    fail "the resume does not name the layout it read"
+  "$PY" - "$WORK" <<'PY' || fail "a resume across layouts left the uninterrupted run's losses"
+import json, sys
+work = sys.argv[1]
+def losses(name):
+    return {m["step"]: m["loss"] for m in map(json.loads, open(f"{work}/{name}/metrics.jsonl"))}
+full = losses("full")
+assert sorted(full) == list(range(1, 21)), sorted(full)
+def gap(name, tol, steps=range(11, 21)):
+    other = losses(name)
+    assert all(s in other for s in steps), (name, sorted(other))
+    g = max(abs(full[s] - other[s]) for s in steps)
+    print(f"{name}: steps {steps[0]}-{steps[-1]}, largest |loss - uninterrupted (2,2,1)| = {g:.2e} (tolerance {tol:g})")
+    assert g <= tol, (name, g)
+gap("part", 1e-6)
+for name in ("d4_from_part", "p4_from_part", "from_d4", "from_p4"):
+    gap(name, 1e-4)
+for name in ("d4_part", "p4_part"):  # the runs the last two resumed, against (2, 2, 1) up to step 10
+    gap(name, 1e-4, range(1, 11))
+PY
+  echo "resume: (2,2,1) stage 1 <-> (1,1,4) stage 3 and (1,4,1) stage 0 within 1e-4; bad checkpoints refused"
+  exit 0
+fi
 if [ "$MODE" = reference ]; then
   train 1 d1 --stage 0 --grad-accum 4 --write-golden "$BASE/d1.txt"
   train 2 d2 --stage 0 --grad-accum 4 --write-golden "$BASE/d2.txt"
   refused 2 bad_layers "each stage needs at least one" --pp 2 --schedule interleaved --virtual-stages 8 --micro-batches 4
-  refused 2 bad_ckpt "--checkpoint-every is not supported with pipeline parallelism" --pp 2 --checkpoint-every 5
+  refused 2 bad_export "--export-hf is not supported with pipeline parallelism" --pp 2 --export-hf "$WORK/hf"
   refused 2 bad_v "--virtual-stages" --pp 2 --virtual-stages 2
   refused 1 bad_mb "--micro-batches: needs --pp" --micro-batches 2
   refused 2 bad_units "use --units auto" --pp 2 --stage 3

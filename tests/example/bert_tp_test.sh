@@ -13,7 +13,7 @@
 #           (2, 2) stopped at step 5 and resumed from its checkpoints (one per tensor rank)
 #           continues with the uninterrupted run's losses, and so do runs resumed from it at
 #           (4, 1) stage 3 and (1, 2) stage 1 (within 1e-4; checkpoints across layouts,
-#           examples/bert/tp_resume.hpp); resuming at another --tp into the same folder is refused.
+#           examples/bert/layout_resume.hpp); resuming at another --tp into the same folder is refused.
 #           Its Hugging Face export is the unsplit model (the vocabulary's padding rows dropped).
 # Usage: bert_tp_test.sh golden|clip BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS] [PYTHON]
 set -euo pipefail

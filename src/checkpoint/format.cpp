@@ -90,6 +90,13 @@ int64_t checked_mul(int64_t a, int64_t b, const std::string& where) {
   return out;
 }
 
+int64_t checked_step_count(int64_t step, const std::string& where) {
+  constexpr int64_t kMaxStepCount = int64_t{1} << 53;
+  SHARDOPT_CHECK(step >= 0 && step <= kMaxStepCount, Checkpoint,
+                 "checkpoint: {}: step count {} is outside 0..2^53", where, step);
+  return step;
+}
+
 int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& where) {
   int64_t n = 1;
   for (int64_t s : shape) {

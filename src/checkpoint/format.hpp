@@ -57,5 +57,8 @@ int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& wher
 // a + b and a * b of non-negative counts, Error{Checkpoint} naming `where` past int64.
 int64_t checked_add(int64_t a, int64_t b, const std::string& where);
 int64_t checked_mul(int64_t a, int64_t b, const std::string& where);
+// The optimizer's step count from a file: 0 (no step taken) to 2^53 (each step adds one, and Adam's
+// bias correction takes it as a double), Error{Checkpoint} naming `where` otherwise.
+int64_t checked_step_count(int64_t step, const std::string& where);
 
 }  // namespace shardopt::detail

@@ -168,6 +168,7 @@ std::vector<std::string> load_full_state(DistributedOptimizer& optimizer, const 
         "no rank changed its optimizer", [&] {
           std::vector<std::string> names;
           if (with_state) {
+            checked_step_count(state.step, "the full state's step");
             check_checkpointable(a);
             names = optimizer_state_names(a);
             SHARDOPT_CHECK(state.rule == rule_name(a.group_rule(0)), Mismatch,
@@ -266,7 +267,7 @@ std::vector<std::string> load_full_state_dict(DistributedOptimizer& optimizer,
                                top.at("format").toStringRef() == kOptimizerFormat,
                            Checkpoint, "checkpoint: {} is not a shardopt optimizer state file",
                            optimizer_file);
-            state.step = top.at("step").toInt();
+            state.step = top.at("step").toInt();  // checked by load_full_state
             state.rule = top.at("rule").toStringRef();
             for (const auto& entry : top.at("state").toGenericDict()) {
               const std::string param = entry.key().toStringRef();

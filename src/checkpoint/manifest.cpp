@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "checkpoint/files.hpp"
+#include "checkpoint/format.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/version.hpp"
@@ -205,7 +206,7 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
     m.world = integer<int>(m.j.at("world_size"));
     m.stage = integer<int>(m.j.at("stage"));
     m.dtype = dtype_from_name(m.j.at("dtype").get<std::string>(), m.path.string());
-    m.step = integer<int64_t>(m.j.at("step"));
+    m.step = checked_step_count(integer<int64_t>(m.j.at("step")), m.path.string() + ": \"step\"");
     const json& opt = m.j.at("optimizer");
     m.rule = opt.at("rule").get<std::string>();
     m.state_names = opt.at("state").get<std::vector<std::string>>();

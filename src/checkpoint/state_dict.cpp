@@ -124,6 +124,7 @@ void DistributedOptimizer::load_state_dict(const OptimizerStateDict& state) {
       *a.world_comm(), a.zero_options().timeout, "loading an optimizer state dict",
       "no rank changed its optimizer", [&] {
         detail::check_has_torch_state(a, "load_state_dict");
+        detail::checked_step_count(state.step, "the optimizer state dict's step");
         names = detail::optimizer_state_names(a);
         SHARDOPT_CHECK(state.groups.size() == given_.size(), Mismatch,
                        "optimizer: the state dict has {} parameter groups, this optimizer {}",

@@ -26,6 +26,16 @@ namespace shardopt {
 //     blocks (isend; its Work is waited for before the step ends), a Recv blocks until its message
 //     has arrived. Under these rules validate_schedule() proves the lists deadlock-free by running
 //     them (simulate_schedule), so no timing can hang an executor that follows them.
+//
+// Note [Paired exchanges]: where a lone send and a lone receive queue on one stream (NCCL), two
+// ranks sending to each other at once wait on each other. A Send followed directly by a Recv from
+// the same peer (1F1B's steady state: send the activation on, receive its gradient back) is then
+// issued as one batch, Megatron's send_forward_recv_backward (pairs_with_next); the batch ends
+// when both have, so such a Send waits until the peer has posted the matching Recv.
+// simulate_schedule(s, costs, /*paired=*/true) runs the lists under these semantics: GPipe, 1F1B
+// and ZB-H1 finish; interleaved 1F1B with m > p deadlocks (rank r waits for r+1 to post a
+// receive that comes after r+1's own pair, around the ring), so run_pipeline refuses to pair it
+// (paired_deadlock) rather than hang; Megatron batches all four messages of a step there.
 enum class PipelineScheduleKind { GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1 };
 const char* to_string(PipelineScheduleKind kind);
 // "gpipe", "1f1b", "interleaved", "zb-h1" (the BERT example's --schedule); throws
@@ -98,10 +108,17 @@ struct SimulatedRun {
 // more, see the simulator).
 double bubble_formula(PipelineScheduleKind kind, int ranks, int microbatches, int chunks = 1);
 
+// Whether action i of a rank's list is a Send that Note [Paired exchanges] issues together with
+// action i + 1, a Recv from the same peer.
+bool pairs_with_next(const std::vector<Action>& list, size_t i);
+
 // Runs every rank's list with `costs`: a compute action starts when its rank is free, a Recv when
-// its message was sent, a Send takes no time. Throws Error{InvalidArgument} naming each rank's
-// blocked action when no rank can progress (a deadlock, or a Recv that no Send matches).
-SimulatedRun simulate_schedule(const PipelineSchedule& schedule, const ActionCosts& costs = {});
+// its message was sent, a Send takes no time. `paired`: a Send that pairs_with_next also waits
+// until the peer has posted its matching Recv (Note [Paired exchanges]). Throws
+// Error{InvalidArgument} naming each rank's blocked action when no rank can progress (a deadlock,
+// or a Recv that no Send matches).
+SimulatedRun simulate_schedule(const PipelineSchedule& schedule, const ActionCosts& costs = {},
+                               bool paired = false);
 
 // Checks the lists against the rules of Note [Pipeline action lists]: each (stage, micro-batch)
 // has one Forward and one backward (Backward, or BackwardInput then BackwardWeight) on the rank
@@ -110,5 +127,9 @@ SimulatedRun simulate_schedule(const PipelineSchedule& schedule, const ActionCos
 // ordered pair of ranks; and the simulation finishes (no deadlock). Throws Error{InvalidArgument}
 // naming the first violation (rank, position, action).
 void validate_schedule(const PipelineSchedule& schedule);
+
+// Empty when the lists run without deadlock with paired exchanges (Note [Paired exchanges]), else
+// the simulator's message naming each rank's blocked action.
+std::string paired_deadlock(const PipelineSchedule& schedule);
 
 }  // namespace shardopt

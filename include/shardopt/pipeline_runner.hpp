@@ -50,6 +50,11 @@ struct PipelineRunOptions {
   // node, which an optimizer counting backward passes must count as one, e.g.
   // [&](const auto& pass) { opt.as_one_backward(pass); } (DistributedOptimizer). Empty: run it.
   std::function<void(const std::function<void()>& pass)> weight_pass;
+  // Note [Paired exchanges] (shardopt/pipeline.hpp): a Send followed directly by a Recv from the
+  // same peer goes as one batch_isend_irecv. Auto: where the engine needs it (NCCL); Always:
+  // also elsewhere (tests run the paired path on MPI and Gloo).
+  enum class Pairing { Auto, Never, Always };
+  Pairing pair_exchanges = Pairing::Auto;
 };
 
 // Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). `chunks` holds
@@ -63,12 +68,11 @@ struct PipelineRunOptions {
 // every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters' own
 // branches of the graph, from the gradients its input pass kept where they leave the chain to the
 // input (src/pipeline/split_backward.hpp); a parameter used at several places of a chunk, or
-// stage 0 data that is not floating point, falls back to re-traversing the graph. Tested on
-// MPI and Gloo; on NCCL a lone send and a lone receive queue on one stream, so two ranks sending
-// to each other at once would wait on each other there: pairing them in one batch_isend_irecv
-// (Megatron's send_forward_recv_backward) is still to do. Sent tensors are released once their
-// sends report completion; c10d's Gloo sends report it only when waited for, so there they live
-// to the end of the call.
+// stage 0 data that is not floating point, falls back to re-traversing the graph. On NCCL a Send
+// and the Recv right after it from the same peer go as one batch (Note [Paired exchanges]);
+// tested on MPI and Gloo both ways (NCCL's pairing path needs a GPU per rank). Sent tensors are
+// released once their sends report completion; c10d's Gloo sends report it only when waited
+// for, so there they live to the end of the call.
 std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communicator& comm,
                                      const std::vector<PipelineChunk>& chunks,
                                      const std::function<at::Tensor(int microbatch)>& data,

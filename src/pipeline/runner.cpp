@@ -1,7 +1,8 @@
 // run_pipeline(): one loop over this rank's action list (Note [Pipeline action lists]). Sends are
 // isend (waited for at the end), receives block, which are the semantics the validator proved
-// deadlock-free. Activations and their graphs live from a chunk's Forward to its last backward
-// pass for that micro-batch.
+// deadlock-free; on NCCL a Send and the Recv right after it from the same peer go as one batch
+// (Note [Paired exchanges], proved likewise). Activations and their graphs live from a chunk's
+// Forward to its last backward pass for that micro-batch.
 #include "shardopt/pipeline_runner.hpp"
 
 #include <ATen/ATen.h>
@@ -84,6 +85,43 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                    c10::toString(options.activation_dtype));
   };
 
+  // Where a received tensor goes: the input of a Forward (a leaf requiring grad), or the
+  // gradient of an output.
+  const auto store = [&](const Action& a, const at::Tensor& received) {
+    InFlight& g = live[{a.chunk, a.microbatch}];
+    if (a.type == ActionType::RecvActivation) {
+      g.input = received;
+      g.input.requires_grad_(true);
+    } else {
+      g.grad = received;
+    }
+  };
+  const bool pair =
+      options.pair_exchanges == PipelineRunOptions::Pairing::Always ||
+      (options.pair_exchanges == PipelineRunOptions::Pairing::Auto &&
+       comm.backend().find("nccl") != std::string::npos);
+  if (pair) {
+    const std::string deadlock = paired_deadlock(schedule);
+    SHARDOPT_CHECK(deadlock.empty(), Unsupported,
+                   "pipeline: {} pairs each send with the receive after it (Note [Paired "
+                   "exchanges]: NCCL's way), under which this schedule would hang: {}",
+                   comm.backend(), deadlock);
+  }
+  // Sends this rank's message and, where it pairs with the next action, that Recv in one batch
+  // (Note [Paired exchanges]); returns whether it did the latter.
+  const auto send = [&](const std::vector<Action>& list, size_t i, const at::Tensor& t) {
+    if (!pair || !pairs_with_next(list, i)) {
+      isend(t, list[i].peer);
+      return false;
+    }
+    const at::Tensor received = activation();
+    comm.batch_isend_irecv({P2pOp{P2pOp::Kind::Send, t.contiguous(), list[i].peer},
+                            P2pOp{P2pOp::Kind::Recv, received, list[i].peer}})
+        ->wait();
+    store(list[i + 1], received);
+    return true;
+  };
+
   // A (chunk, micro-batch)'s tensors and graph are dropped after its last action here.
   const std::vector<Action>& list = schedule.actions.at(rank);
   std::map<std::pair<int, int>, int> uses;
@@ -98,6 +136,7 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
     trace->actions.assign(list.size(), PipelineActionTiming{});
     trace->live_bytes_before = MemoryTracker::cpu().live_bytes();
   }
+  size_t received_with_send = list.size();  // the Recv that a paired Send received already
   for (size_t i = 0; i < list.size(); ++i) {
     const Action& a = list[i];
     const int64_t start_ns = trace ? steady_ns() : 0;
@@ -106,9 +145,12 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
     const PipelineChunk& chunk = chunks.at(a.chunk);
     switch (a.type) {
       case ActionType::RecvActivation:
-        f.input = activation();
-        comm.recv(f.input, a.peer);
-        f.input.requires_grad_(true);
+      case ActionType::RecvGrad:
+        if (i != received_with_send) {
+          const at::Tensor received = activation();
+          comm.recv(received, a.peer);
+          store(a, received);
+        }
         break;
       case ActionType::Forward: {
         if (a.stage == 0) {
@@ -132,11 +174,7 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
       }
       case ActionType::SendActivation:
         check_shape(f.output, a, "output");
-        isend(f.output.detach(), a.peer);
-        break;
-      case ActionType::RecvGrad:
-        f.grad = activation();
-        comm.recv(f.grad, a.peer);
+        if (send(list, i, f.output.detach())) received_with_send = i + 1;
         break;
       case ActionType::Backward:
         // Accumulates into the parameters' .grad and, off stage 0, into input.grad.
@@ -164,7 +202,7 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
       case ActionType::SendGrad:
         SHARDOPT_CHECK(f.input.grad().defined(), Internal,
                        "pipeline: no input gradient for {} on rank {}", to_string(a), rank);
-        isend(f.input.grad(), a.peer);
+        if (send(list, i, f.input.grad())) received_with_send = i + 1;
         break;
     }
     if (--uses[{a.chunk, a.microbatch}] == 0) live.erase({a.chunk, a.microbatch});

@@ -133,7 +133,12 @@ void check_local_order(const PipelineSchedule& s) {
 
 }  // namespace
 
-SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& costs) {
+bool pairs_with_next(const std::vector<Action>& list, size_t i) {
+  return i + 1 < list.size() && is_send(list[i].type) && is_recv(list[i + 1].type) &&
+         list[i].peer == list[i + 1].peer;
+}
+
+SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& costs, bool paired) {
   check_shape(s);
   const int p = s.ranks;
   SimulatedRun run;
@@ -148,6 +153,40 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
   std::map<std::pair<int, int>, std::deque<std::pair<Action, int64_t>>> wire;
   size_t left = 0;
   for (const auto& list : s.actions) left += list.size();
+  // Note [Paired exchanges]: each Send's place among the messages to its peer, the positions of
+  // each rank's Recvs per sender, and whether a rank's pair has put its Send on the wire yet.
+  std::vector<std::vector<size_t>> send_index(p);
+  std::vector<std::map<int, std::vector<size_t>>> recv_at(p);
+  for (int r = 0; r < p; ++r) {
+    std::map<int, size_t> sent_to;
+    send_index[r].assign(s.actions[r].size(), 0);
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const Action& a = s.actions[r][i];
+      if (is_send(a.type)) send_index[r][i] = sent_to[a.peer]++;
+      if (is_recv(a.type)) recv_at[r][a.peer].push_back(i);
+    }
+  }
+  std::vector<bool> pair_sent(p, false);
+  // Rank q has posted its Recv at position j: it is done with it, blocked at it, or waiting in
+  // the pair whose Recv it is.
+  const auto posted = [&](int q, size_t j) {
+    const auto& list = s.actions[q];
+    return j <= (next[q] < list.size() && pairs_with_next(list, next[q]) ? next[q] + 1 : next[q]);
+  };
+  // Takes Recv `a` of rank r off the wire; false while its message has not been sent.
+  const auto receive = [&](int r, size_t i, int64_t* start) {
+    const Action& a = s.actions[r][i];
+    auto& queue = wire[{a.peer, r}];
+    if (queue.empty()) return false;
+    const auto& [send, sent_at] = queue.front();
+    SHARDOPT_CHECK(matches(send, a), InvalidArgument,
+                   "pipeline: rank {} action {} ({}) would receive rank {}'s {}: the sends and "
+                   "receives between the two ranks are not in the same order",
+                   r, i, to_string(a), a.peer, to_string(send));
+    *start = std::max(*start, sent_at);
+    queue.pop_front();
+    return true;
+  };
   while (left > 0) {
     bool progressed = false;
     for (int r = 0; r < p; ++r) {
@@ -155,16 +194,25 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
       while (next[r] < list.size()) {
         const Action& a = list[next[r]];
         int64_t start = clock[r];
+        if (paired && pairs_with_next(list, next[r])) {
+          if (!pair_sent[r]) wire[{r, a.peer}].emplace_back(a, start);
+          pair_sent[r] = true;
+          const auto& peer_recvs = recv_at[a.peer][r];
+          const size_t k = send_index[r][next[r]];
+          if (k >= peer_recvs.size() || !posted(a.peer, peer_recvs[k])) break;
+          int64_t received = start;
+          if (!receive(r, next[r] + 1, &received)) break;
+          pair_sent[r] = false;
+          run.start[r].push_back(start);
+          run.start[r].push_back(received);
+          clock[r] = received;
+          next[r] += 2;
+          left -= 2;
+          progressed = true;
+          continue;
+        }
         if (is_recv(a.type)) {
-          auto& queue = wire[{a.peer, r}];
-          if (queue.empty()) break;  // blocked until the peer sends
-          const auto& [send, sent_at] = queue.front();
-          SHARDOPT_CHECK(matches(send, a), InvalidArgument,
-                         "pipeline: rank {} action {} ({}) would receive rank {}'s {}: the "
-                         "sends and receives between the two ranks are not in the same order",
-                         r, next[r], to_string(a), a.peer, to_string(send));
-          start = std::max(start, sent_at);
-          queue.pop_front();
+          if (!receive(r, next[r], &start)) break;  // blocked until the peer sends
         } else if (is_send(a.type)) {
           wire[{r, a.peer}].emplace_back(a, start);
         }
@@ -190,9 +238,11 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
         }
       }
       SHARDOPT_FAIL(InvalidArgument,
-                    "pipeline: the {} schedule (p = {}, m = {}, v = {}) deadlocks: every rank "
-                    "left waits for a message never sent: {}",
-                    to_string(s.kind), s.ranks, s.microbatches, s.chunks, blocked);
+                    "pipeline: the {} schedule (p = {}, m = {}, v = {}) deadlocks{}: every rank "
+                    "left waits for a message never sent{}: {}",
+                    to_string(s.kind), s.ranks, s.microbatches, s.chunks,
+                    paired ? " with paired exchanges" : "",
+                    paired ? " or a receive never posted" : "", blocked);
     }
   }
   for (const auto& [pair, queue] : wire) {
@@ -217,6 +267,15 @@ double bubble_formula(PipelineScheduleKind kind, int p, int m, int v) {
     case PipelineScheduleKind::ZeroBubbleH1: return double(p - 1) / (3 * m);
   }
   return -1;
+}
+
+std::string paired_deadlock(const PipelineSchedule& schedule) {
+  try {
+    simulate_schedule(schedule, {}, /*paired=*/true);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 void validate_schedule(const PipelineSchedule& schedule) {

@@ -193,6 +193,41 @@ TEST(PipelineSchedule, ValidatorNamesViolations) {
   }
 }
 
+// Note [Paired exchanges]: 1F1B's steady state pairs Megatron's send_forward_recv_backward and
+// send_backward_recv_forward on a middle rank, and runs without deadlock when each pair waits for
+// the peer's posted receive (validate_schedule checks every schedule so: ValidAndDeadlockFree).
+TEST(PipelineSchedule, PairedExchangesAreMegatrons) {
+  const PipelineSchedule s = compile_schedule(Kind::OneFOneB, 4, 8);
+  const auto& list = s.actions[1];
+  int forward_pairs = 0, backward_pairs = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (!pairs_with_next(list, i)) continue;
+    EXPECT_EQ(list[i].peer, list[i + 1].peer);
+    forward_pairs += list[i].type == ActionType::SendActivation &&
+                     list[i + 1].type == ActionType::RecvGrad && list[i].peer == 2;
+    backward_pairs += list[i].type == ActionType::SendGrad &&
+                      list[i + 1].type == ActionType::RecvActivation && list[i].peer == 0;
+  }
+  EXPECT_GT(forward_pairs, 0);
+  EXPECT_GT(backward_pairs, 0);
+  EXPECT_FALSE(pairs_with_next(list, list.size() - 1));
+  const SimulatedRun paired = simulate_schedule(s, {}, /*paired=*/true);
+  EXPECT_EQ(paired.start[1].size(), list.size());
+}
+
+// Which schedules run paired: all but interleaved 1F1B with a steady state (m > p), whose ranks
+// would wait for each other's later receives around the ring (run_pipeline refuses it on NCCL
+// rather than hang).
+TEST_P(Schedules, PairedExchangesRunWithoutDeadlockButInterleavedSteadyState) {
+  const Case c = GetParam();
+  const std::string deadlock = paired_deadlock(compile_schedule(c.kind, c.p, c.m, c.v));
+  if (c.kind == Kind::Interleaved1F1B && c.m > c.p) {
+    EXPECT_NE(deadlock.find("deadlocks with paired exchanges"), std::string::npos) << deadlock;
+  } else {
+    EXPECT_EQ(deadlock, "");
+  }
+}
+
 TEST(PipelineSchedule, SimulatorReportsDeadlock) {
   PipelineSchedule s = compile_schedule(Kind::GPipe, 2, 1);
   // Both ranks receive first: each waits for the other.

@@ -283,6 +283,9 @@ void bind_options(py::module_& m) {
       .def_readwrite("bucket_bytes", &ZeroOptions::bucket_bytes)
       .def_readwrite("overlap_comm", &ZeroOptions::overlap_comm)
       .def_readwrite("grad_accumulation_steps", &ZeroOptions::grad_accumulation_steps)
+      .def_readwrite("defer_reduction", &ZeroOptions::defer_reduction,
+                     "bucketed gradients reduced once per step, summed in their buckets until "
+                     "then (Note [Deferred reduction])")
       .def_readwrite("max_grad_norm", &ZeroOptions::max_grad_norm)
       .def_property(
           "precision", [](const ZeroOptions& o) { return std::string(to_string(o.precision)); },

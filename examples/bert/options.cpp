@@ -255,6 +255,9 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
                  "per pipeline rank (V >= 2)")->check(integer_at_least(1));
   app.add_option("--reduce-dtype", a.reduce_dtype, "dtype gradients are reduced in: fp32 | bf16 | "
                  "fp16 (half the bytes on the wire)")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_flag("--defer-reduction", a.defer_reduction, "stages 2-3 (and bf16): sum gradients over "
+               "the micro-batches in full-size buckets and reduce them once per step instead of "
+               "every micro-batch (Megatron's way with --pp)");
   app.add_flag("--no-overlap", a.no_overlap, "reduce gradients after backward instead of from its "
                "hooks (ZeroOptions::overlap_comm = false)");
   app.add_flag("--recompute", a.recompute, "recompute every encoder layer's activations in "

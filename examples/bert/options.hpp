@@ -79,6 +79,7 @@ struct Args {
   int64_t timing_warmup = 5;          // first steps left out of the timing medians
   double block_cache_mb = 1024;       // freed blocks >= 32 MiB kept for reuse; 0: off
   bool no_overlap = false;
+  bool defer_reduction = false;        // bucketed gradients reduced once per step (ZeroOptions)
   bool recompute = false;  // every encoder layer recomputed in backward
   int shard_group_size = 0;            // hybrid sharding; 0: over all ranks
   int tp = 1;                          // tensor-parallel ranks (world = tp x data-parallel)

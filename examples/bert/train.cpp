@@ -269,6 +269,7 @@ void build_model(Run& r) {
   zo.precision = shardopt::parse_precision(a.precision);
   if (a.bucket_mb > 0) zo.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   zo.overlap_comm = !a.no_overlap;
+  zo.defer_reduction = a.defer_reduction;
   zo.shard_group_size = a.shard_group_size;  // hybrid sharding: shard within, replicate across
   zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
   if (r.tp() > 1) {  // the clipping norm and the non-finite check over the whole grid

@@ -137,6 +137,9 @@ struct Options {
   Optimizer optimizer = Optimizer::AdamW;
   int state_bytes = -1;  // overrides K when >= 0 (master copy included)
   int64_t bucket_bytes = 0;  // 0: sized from the model (Note [Default bucket size])
+  // ZeroOptions::defer_reduction: bucketed gradients kept in every bucket for the step (the pool
+  // grows to Ψ in the reduce dtype, Note [Deferred reduction]).
+  bool defer_reduction = false;
   // Shard boundaries aligned to this many bytes (ZeroOptions::align_bytes); Ψ is padded to a
   // multiple of N·align/P elements. 0: no padding (the DESIGN.md formulas verbatim).
   int64_t align_bytes = 0;
@@ -231,7 +234,10 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
   if (plan.bucketed()) {
     on_master.grads = master * update;  // reduced gradients
     const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, given);
-    dev.buffers = reduce * std::min(detail::kBucketPoolBuffers * bucket, psi);  // the bucket pool
+    // The bucket pool; deferred, every bucket (padded like the flat layout: Ψ).
+    dev.buffers = reduce * (plan.accumulates_in_buckets()
+                                ? psi
+                                : std::min(detail::kBucketPoolBuffers * bucket, psi));
     if (place.pinned) host.buffers = reduce * std::min(bucket, psi);  // offload's staging
   } else {
     dev.grads = reduce * psi;  // the flat gradient buffer, reduced in place
@@ -257,8 +263,9 @@ inline Estimate model_states(const Options& o) {
   using shardopt::detail::Placement;
   using shardopt::detail::StagePlan;
   const bool paper = o.accounting == Accounting::ZeroPaper;
-  const StagePlan plan = StagePlan::make(static_cast<Stage>(o.stage), o.precision, o.offload,
-                                         o.params_on_host, o.reduce_dtype != Precision::FP32);
+  StagePlan plan = StagePlan::make(static_cast<Stage>(o.stage), o.precision, o.offload,
+                                   o.params_on_host, o.reduce_dtype != Precision::FP32);
+  plan.defer_reduction = o.defer_reduction;
   const Placement place =
       Placement::make(plan, o.precision, o.reduce_dtype, o.reduce_in_fp32, o.params_on_host);
   const int given = 4;  // the engine's layout counts in the parameters' own (fp32) elements

@@ -34,8 +34,13 @@ struct ZeroOptions {
   // fp32 without offload keep full gradients between micro-steps and communicate once per step.
   // Stages 2-3, and every stage under fp16/bf16 or offload, copy gradients out of autograd per
   // bucket and reduce every micro-step into the fp32 (host) gradient shard: k reductions per step
-  // for 1/N gradient memory (shardopt/detail/plan.hpp decides this).
+  // for 1/N gradient memory (shardopt/detail/plan.hpp decides this), unless defer_reduction.
   int grad_accumulation_steps = 1;
+  // Those bucketed gradients summed in their buckets over the micro-steps and reduced once per
+  // step instead (Note [Deferred reduction] in shardopt/detail/plan.hpp; Megatron's way with
+  // pipelines): one reduction per step for the full gradients held until the last micro-step.
+  // No effect where gradients are reduced once per step already.
+  bool defer_reduction = false;
   // Global gradient-norm clipping across all shards; 0 disables it.
   double max_grad_norm = 0.0;
   // fp16 / bf16: parameters in that dtype, fp32 master weights (see shardopt/precision.hpp).

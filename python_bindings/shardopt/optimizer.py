@@ -53,8 +53,9 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
         comm: a :class:`shardopt.Communicator`; default :func:`shardopt.default_communicator`.
         options: a :class:`shardopt.ZeroOptions` (or dict) to start from. Every field of
             ``ZeroOptions`` is also a keyword argument overriding it: ``stage``,
-            ``bucket_bytes``, ``overlap_comm``, ``grad_accumulation_steps``, ``max_grad_norm``,
-            ``precision``, ``reduce_in_fp32``, ``loss_scale`` (a ``LossScaleOptions`` or a dict),
+            ``bucket_bytes``, ``overlap_comm``, ``grad_accumulation_steps``, ``defer_reduction``,
+            ``max_grad_norm``, ``precision``, ``reduce_in_fp32``, ``loss_scale`` (a
+            ``LossScaleOptions`` or a dict),
             ``fused_update``, ``offload``, ``broadcast_initial_params``, ``align_bytes``,
             ``shard_group_size``, ``reduce_dtype``, ``prefetch``, ``reuse_distance``, ``timeout`` (a
             ``datetime.timedelta`` or seconds), ``max_nonfinite_steps``, and for tensor

@@ -287,7 +287,7 @@ def test_param_groups_look_like_torch(comm):
 
 # A non-default value for every ZeroOptions field (a field missing here fails the test below).
 NON_DEFAULT = dict(stage=1, bucket_bytes=4096, overlap_comm=False, grad_accumulation_steps=2,
-                   max_grad_norm=2.5, precision="bf16", reduce_in_fp32=False,
+                   defer_reduction=True, max_grad_norm=2.5, precision="bf16", reduce_in_fp32=False,
                    reduce_dtype="bf16", shard_group_size=1, fused_update=False, offload="cpu",
                    broadcast_initial_params=False, align_bytes=128, prefetch=3, reuse_distance=7,
                    timeout=datetime.timedelta(seconds=42), max_nonfinite_steps=0,

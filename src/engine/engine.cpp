@@ -125,6 +125,7 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   plan_ = StagePlan::make(options_.stage, options_.precision, options_.offload,
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
+  plan_.defer_reduction = options_.defer_reduction;
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
   if (plan_.per_part()) {
     unit_plan_ = options_.units;

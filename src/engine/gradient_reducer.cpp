@@ -22,6 +22,7 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
     buckets_[b].pieces = buckets_[b].pending = static_cast<int>(layout.buckets[b].pieces.size());
     max_bucket_numel_ = std::max(max_bucket_numel_, layout.buckets[b].padded);
   }
+  own_buffer_.assign(buckets_.size(), -1);
   at::NoGradGuard no_grad;
   if (plan_.bucketed()) {
     grad_reduced_ = at::zeros({flat_.update_numel()}, flat_.master_options());
@@ -104,7 +105,9 @@ void GradientReducer::accept(int index, int micro) {
     // Last micro-step's reduction of this bucket must land before its buffer refills.
     if (b.work && b.launched_micro != micro) complete(p->bucket);
     at::Tensor dst = pool_[acquire_buffer(p->bucket, micro)].narrow(0, p->offset, p->numel);
-    if (flat.defined()) {
+    if (plan_.accumulates_in_buckets()) {  // Note [Deferred reduction]: zeroed when acquired
+      if (flat.defined()) dst.add_(flat.narrow(0, p->param_offset, p->numel));
+    } else if (flat.defined()) {
       dst.copy_(flat.narrow(0, p->param_offset, p->numel));
     } else {
       dst.zero_();
@@ -222,6 +225,16 @@ void GradientReducer::reduce_manual(int micro) {
 int GradientReducer::acquire_buffer(int bucket, int hook_micro) {
   auto& b = buckets_[bucket];
   if (b.buffer >= 0) return b.buffer;
+  if (plan_.accumulates_in_buckets()) {  // Note [Deferred reduction]: a buffer of its own size
+    const int64_t padded = flat_.layout().buckets[bucket].padded;
+    if (own_buffer_[bucket] < 0) {
+      pool_.push_back(at::empty({padded}, flat_.reduce_options()));
+      own_buffer_[bucket] = static_cast<int>(pool_.size()) - 1;
+    }
+    b.buffer = own_buffer_[bucket];
+    pool_[b.buffer].zero_();  // the step's first gradient adds into zeros
+    return b.buffer;
+  }
   int index = -1;
   if (!free_buffers_.empty()) {
     index = free_buffers_.back();
@@ -321,7 +334,7 @@ void GradientReducer::complete(int bucket) {
     into.copy_(reduced);
   }
   b.folded = true;
-  free_buffers_.push_back(b.buffer);
+  if (!plan_.accumulates_in_buckets()) free_buffers_.push_back(b.buffer);
   b.buffer = -1;
   in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), bucket));
   if (final) on_reduced_(bucket);
@@ -372,7 +385,7 @@ void GradientReducer::start_over() {
       b.work.reset();
     }
     if (b.buffer >= 0) {
-      free_buffers_.push_back(b.buffer);
+      if (!plan_.accumulates_in_buckets()) free_buffers_.push_back(b.buffer);
       b.buffer = -1;
     }
     b.launched_micro = -1;

@@ -5,7 +5,9 @@
 //             micro-step.
 //   Bucketed: each fresh .grad is copied, piece by piece, into pooled bucket buffers (Note [Bucket
 //             pool bound] in shardopt/detail/plan.hpp) and freed; a complete bucket is reduced
-//             every micro-step and folded into the reduced gradients (update coordinates).
+//             every micro-step and folded into the reduced gradients (update coordinates), or,
+//             deferred, added into its buffer until the last micro-step (Note [Deferred
+//             reduction]).
 // Reductions are sums; LocalUpdate divides by world (and the loss scale) once, on reduced values.
 //
 // Note [Bucket completion]
@@ -104,6 +106,7 @@ class GradientReducer {
   Duration timeout_;
   int rank_ = 0;
   std::vector<Bucket> buckets_;
+  std::vector<int> own_buffer_;  // deferred (Note [Deferred reduction]): each bucket's pool index
   int next_ = 0;  // first bucket not launched in this pass (layout order)
   at::Tensor grad_flat_;               // InPlace: full length, model dtype
   std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it

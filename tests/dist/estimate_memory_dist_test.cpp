@@ -90,5 +90,40 @@ TEST(StageMemory, EstimateMatchesLiveMemory) {
   }
 }
 
+// Note [Deferred reduction]: each bucket keeps a buffer of its own size, Ψ elements in all,
+// which the estimate counts instead of the pool's two buckets.
+TEST(StageMemory, EstimateCountsDeferredBuckets) {
+  auto comm = test::world();
+  for (int stage : {2, 3}) {
+    SmallNet net;
+    ZeroOptions zo;
+    zo.stage = stage_from_int(stage);
+    zo.bucket_bytes = 4096;
+    zo.units = net.units;
+    zo.grad_accumulation_steps = 2;
+    zo.defer_reduction = true;
+    zo.timeout = std::chrono::seconds(60);
+    DistributedOptimizer opt(net.named, AdamW(1e-3), comm, zo);
+    at::manual_seed(11);
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      for (int m = 0; m < 2; ++m) opt.backward(net.loss(at::randn({4, 8}), at::randn({4, 5})));
+      opt.step();
+    }
+    estimate::Options o;
+    o.params = opt.padded_numel();
+    o.world = comm->size();
+    o.stage = stage;
+    o.params_on_host = true;
+    o.bucket_bytes = zo.bucket_bytes;
+    o.defer_reduction = true;
+    const estimate::Estimate e = estimate::model_states(o);
+    const int64_t buckets = 4 * opt.padded_numel();  // fp32
+    EXPECT_EQ(e.device.buffers - (stage == 3 ? 2 * 4 * e.gathered_units_params : 0), buckets);
+    // Stage 3 gathers no unit between steps: the buckets are all its buffers then.
+    EXPECT_EQ(opt.memory().buffer_bytes, buckets) << "stage " << stage;
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

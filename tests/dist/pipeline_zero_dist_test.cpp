@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -136,13 +137,16 @@ TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
       const Reference ref = reference_run(rule, rows);
       const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
       const int stages = schedule.stages(), per_stage = kLayers / stages;
-      // ZeRO stages 0-3 and, with two data-parallel ranks, stage 2 sharded within groups of one
-      // rank (hybrid: the shared gradient's pieces come from the first replica alone).
-      std::vector<std::pair<int, int>> zero_runs{{0, 0}, {1, 0}, {2, 0}, {3, 0}};
-      if (d == 2) zero_runs.push_back({2, 1});
-      for (const auto [zero_stage, shard_group_size] : zero_runs) {
-        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {} shard group {}", p, d,
-                                 to_string(c.kind), c.m, c.v, zero_stage, shard_group_size));
+      // ZeRO stages 0-3, stages 2-3 with the reduction deferred to the last backward pass (Note
+      // [Deferred reduction]) and, with two data-parallel ranks, stage 2 sharded within groups
+      // of one rank (hybrid: the shared gradient's pieces come from the first replica alone).
+      std::vector<std::tuple<int, int, bool>> zero_runs{
+          {0, 0, false}, {1, 0, false}, {2, 0, false}, {3, 0, false}, {2, 0, true}, {3, 0, true}};
+      if (d == 2) zero_runs.push_back({2, 1, false});
+      for (const auto [zero_stage, shard_group_size, defer] : zero_runs) {
+        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {} shard group {}{}", p, d,
+                                 to_string(c.kind), c.m, c.v, zero_stage, shard_group_size,
+                                 defer ? " deferred" : ""));
         const Model init = initial_model();
         // This rank's chunks' layers and, on the first and the last stage, a copy of the tied
         // embedding (the last stage's starts as zeros: the optimizer copies the first stage's).
@@ -188,6 +192,7 @@ TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         ZeroOptions zo;
         zo.stage = stage_from_int(zero_stage);
         zo.shard_group_size = shard_group_size;
+        zo.defer_reduction = defer;
         zo.bucket_bytes = 512;
         zo.unit_policy.persist_below = 0;  // stage 3: gathered on use
         zo.timeout = std::chrono::seconds(60);

@@ -60,6 +60,8 @@ struct Case {
   // With auto_units: the small groups persist (Note [Persistent parameters] in
   // src/engine/part_store.cpp), within half of the model, instead of none.
   bool persist = false;
+  // ZeroOptions::defer_reduction (Note [Deferred reduction]).
+  bool defer = false;
 };
 
 std::string case_name(const Case& c) {
@@ -72,7 +74,7 @@ std::string case_name(const Case& c) {
                      c.reduce_in_fp32 ? "" : "_lowreduce") + (c.fused ? "" : "_unfused") +
          (c.shard_group > 0 ? fmt::format("_hybrid{}", c.shard_group) : "") +
         (c.torch_style ? "_torchstyle" : "") + (c.auto_units ? "_autounits" : "") +
-        (c.persist ? "_persist" : "");
+        (c.persist ? "_persist" : "") + (c.defer ? "_deferred" : "");
 }
 
 
@@ -209,6 +211,7 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
   net.upcast = c.precision != Precision::FP32;
   auto counting = std::make_shared<test::CountingCommunicator>(comm);
   zo.shard_group_size = c.shard_group;
+  zo.defer_reduction = c.defer;
   DistributedOptimizer opt(net.groups(c.split_groups), make_rule(c.rule), counting, zo);
   const int64_t per_rank = kBatch / comm->size();
   ShardedRun run;
@@ -320,6 +323,16 @@ std::vector<Case> parity_cases() {
     c.auto_units = c.persist = true;
     cases.push_back(c);
   }
+  // Deferred reduction: bucketed gradients summed over the micro-steps, reduced once (stages 2-3,
+  // offload, automatic units, the c10d engine; bf16: Precision.DeferredReductionTracksFp32).
+  for (Case c : {Case{2, "adamw", 4}, Case{2, "sgd", 4, 0.05, true}, Case{3, "adamw", 4},
+                 Case{3, "lamb", 2, 0.05, true}, Case{2, "sgd", 4, 0.0, false, true, 64, "gloo"},
+                 Case{2, "adamw", 2, 0.05, true, true, 64, "mpi", true},
+                 Case{3, "sgd", 4, 0.0, false, false}, Case{3, "adamw", 4}}) {
+    c.defer = true;
+    cases.push_back(c);
+  }
+  cases.back().auto_units = true;
   return cases;
 }
 
@@ -440,6 +453,29 @@ TEST(StageCommunication, MixedPrecisionAndOffloadReduceEveryMicroStep) {
       EXPECT_EQ(run.comm_per_step, (stage == 0 ? 4 * 2 * psi : 4 * psi + psi) + flag)
           << case_name(c);
     }
+  }
+}
+
+// Note [Deferred reduction]: one reduction per step whatever the accumulation, for the full
+// gradients held in the bucket buffers until then (reduce dtype: fp32 here).
+TEST(StageCommunication, DeferredReductionReducesOncePerStep) {
+  auto comm = test::world();
+  const int64_t n = comm->size();
+  for (int stage : {2, 3}) {
+    Case c{stage, "adamw", /*accumulation=*/4};
+    const ShardedRun every = train_sharded(c, comm);
+    c.defer = true;
+    const ShardedRun deferred = train_sharded(c, comm);
+    const int64_t psi = deferred.padded_numel;
+    const int64_t root = stage == 3 ? tiny_root_padded(n) : 0;
+    // Stage 3 still gathers every unit in forward and backward per micro-step.
+    const int64_t expected = stage == 3 ? 4 * 2 * (psi - root) + psi + root : psi + psi;
+    EXPECT_EQ(deferred.reported_comm, expected) << "stage " << stage;
+    EXPECT_EQ(deferred.comm_per_step, expected + test::nonfinite_flag_elements(stage, n));
+    EXPECT_EQ(every.reported_comm - deferred.reported_comm, 3 * psi) << "stage " << stage;
+    // The buckets hold every gradient element (with padding) for the step.
+    EXPECT_GE(deferred.memory.buffer_bytes, psi * 4) << "stage " << stage;
+    EXPECT_LT(every.memory.buffer_bytes, deferred.memory.buffer_bytes) << "stage " << stage;
   }
 }
 
@@ -571,6 +607,28 @@ TEST(Precision, MixedTracksFp32) {
         EXPECT_TRUE(test::all_ranks(diff <= tol && persisted));
       }
     }
+  }
+}
+
+// Under bf16 every stage buckets its gradients (the fp32 master needs them cast), so deferral
+// applies at stages 0-1 too: the sums in the buckets are fp32 (reduce_in_fp32), held to
+// MixedTracksFp32's bound.
+TEST(Precision, DeferredReductionTracksFp32) {
+  auto comm = test::world();
+  for (int stage : {0, 1, 2, 3}) {
+    Case c{stage, "adamw", 4, 0.05};
+    c.precision = Precision::BF16;
+    c.defer = true;
+    const auto reference = train_reference(c);
+    const ShardedRun run = train_sharded(c, comm);
+    std::string worst;
+    const double diff = max_abs_diff(run.params, reference, &worst);
+    EXPECT_LE(diff, 1.5e-2) << case_name(c) << ", worst " << worst;
+    EXPECT_EQ(run.dtype, at::kBFloat16);
+    // Once per step: stage 0 all-reduces (counted 2 * padded), stages 1-2 reduce-scatter and
+    // all-gather (stage 3 also gathers per micro-step).
+    if (stage < 3) EXPECT_EQ(run.reported_comm, 2 * run.padded_numel) << case_name(c);
+    EXPECT_TRUE(test::all_ranks(diff <= 1.5e-2));
   }
 }
 

@@ -45,6 +45,9 @@ struct StagePlan {
   bool master_on_host = false;  // offload: master weights, state and reduced gradients on the host
   bool mixed = false;           // fp16/bf16 compute dtype with fp32 master weights
   bool loss_scaling = false;    // fp16: dynamic loss scaling, overflow skips the step
+  // Bucketed gradients summed in their buckets over the micro-steps and reduced on the last one
+  // (Note [Deferred reduction]); in-place gradients are reduced so anyway.
+  bool defer_reduction = false;
 
   // params_on_host: the model's parameters live in host memory (then offload moves nothing).
   // reduce_in_other_dtype: gradients travel in another dtype than the model's (reduce_dtype).
@@ -69,8 +72,11 @@ struct StagePlan {
   bool bucketed() const { return gradients == Gradients::Bucketed; }
   bool per_part() const { return parameters == Parameters::PerPart; }
   bool separate_master() const { return master == Master::Separate; }
-  // Bucketed gradients are reduced every micro-step; in-place ones on the last micro-step only.
-  bool reduces_every_micro_step() const { return bucketed(); }
+  // Bucketed gradients are reduced every micro-step unless deferred; in-place ones on the last
+  // micro-step only.
+  bool reduces_every_micro_step() const { return bucketed() && !defer_reduction; }
+  // Deferred bucketed gradients: each bucket keeps its buffer over the step's micro-steps.
+  bool accumulates_in_buckets() const { return bucketed() && defer_reduction; }
   // Sharded whole parameters are all-gathered after the update (per-part ones on use).
   bool gathers_after_update() const { return sharded() && !per_part(); }
 };
@@ -127,6 +133,17 @@ struct Placement {
 // estimator (shardopt/estimate.hpp), bench/memory_scaling and the tests read this constant; the
 // documents quote this Note.
 inline constexpr int kBucketPoolBuffers = 2;
+
+// Note [Deferred reduction]
+// Bucketed gradients (stages 2-3, mixed precision, offload) are reduce-scattered every micro-step:
+// k reductions per step for 1/N of the gradients held. ZeroOptions::defer_reduction trades that the
+// other way, as Megatron and torchtitan do with pipelines: each bucket keeps its buffer from its
+// first gradient of the step to the last micro-step, gradients are added into it, and it is
+// reduced once. Each bucket has a buffer of its own size, kept between steps: Ψ elements in the
+// reduce dtype (what stage 1 holds in fp32) instead of the pool's two buckets; the reduced
+// gradients and everything else keep their stage.
+// Interleaved pipelines gain most: a pass covers one chunk, and per-micro-step reduction sends
+// the other chunk's buckets as zeros (v times the reductions of a plain schedule).
 
 // Note [Default bucket size]
 // Stage 2 frees (N-1)/N of the gradients but holds the bucket pool (two buffers of one bucket each:

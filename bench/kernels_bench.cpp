@@ -115,6 +115,20 @@ void BM_Triad(benchmark::State& state) {
   set_counters(state, kTriadBytes);
 }
 
+// The same four streams moved with no arithmetic (bench/triad.hpp): the bound in the kernel's
+// own units. Works on copies, so the benchmarks' optimizer state stays as it was.
+void BM_AdamStreams(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  Data& d = data();
+  at::Tensor p = d.p.clone(), m = d.m.clone(), v = d.v.clone();
+  for (auto _ : state) {
+    shardopt::bench::adam_streams(p.data_ptr<float>(), d.g.data_ptr<float>(), m.data_ptr<float>(),
+                                  v.data_ptr<float>(), g_numel);
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, shardopt::bench::kAdamStreamsBytes);
+}
+
 // The kernel's compute ceiling: 32K parameters (4 x 128 KiB) stay in L2, one thread.
 constexpr int64_t kInCacheNumel = 32768;
 void BM_FusedAdamWInCache(benchmark::State& state) {
@@ -147,6 +161,7 @@ void register_benchmarks() {
   if (max_threads > 1) threads.push_back(max_threads);
   for (int64_t t : threads) {
     setup(benchmark::RegisterBenchmark("triad", BM_Triad)->Arg(t)->ArgName("threads"));
+    setup(benchmark::RegisterBenchmark("adam_streams", BM_AdamStreams)->Arg(t)->ArgName("threads"));
     setup(benchmark::RegisterBenchmark("fused_adamw", BM_FusedAdamW)
               ->Args({t, 0, 0})
               ->Args({t, 0, 1})
@@ -201,18 +216,23 @@ class TableReporter : public benchmark::ConsoleReporter {
     std::printf(
         "\n| threads | fused AdamW Gparam/s | fused GB/s (28 B/param) | torch AdamW "
         "Gparam/s | fused / torch | triad GB/s (12 B/elem) | fused GB/s / triad GB/s |"
-        " fused + bf16 copy Gparam/s |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        " AdamW's streams alone GB/s (28 B) | fused time / streams time |"
+        " fused + bf16 copy Gparam/s |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int t = 1; t <= 64; ++t) {
       const std::string ts = std::to_string(t);
       const Entry* fused = find("fused_adamw/threads:" + ts + "/isa:0/bf16:0");
       const Entry* low = find("fused_adamw/threads:" + ts + "/isa:0/bf16:1");
       const Entry* torch = find("torch_adamw/threads:" + ts);
       const Entry* triad = find("triad/threads:" + ts);
+      const Entry* streams = find("adam_streams/threads:" + ts);
       if (fused == nullptr || torch == nullptr || triad == nullptr) continue;
-      std::printf("| %d | %.3f (%s) | %.1f | %.3f | %.1fx | %.1f | %.0f%% | %s |\n", t,
+      std::printf("| %d | %.3f (%s) | %.1f | %.3f | %.1fx | %.1f | %.0f%% | %s | %s | %s |\n", t,
                   fused->params / 1e9, fused->label.c_str(), fused->bytes / 1e9,
                   torch->params / 1e9, fused->params / torch->params, triad->bytes / 1e9,
-                  100 * fused->bytes / triad->bytes, low ? fmt(low->params / 1e9).c_str() : "-");
+                  100 * fused->bytes / triad->bytes,
+                  streams ? fmt(streams->bytes / 1e9).c_str() : "-",
+                  streams ? fmt(streams->bytes / fused->bytes).c_str() : "-",
+                  low ? fmt(low->params / 1e9).c_str() : "-");
     }
     std::printf(
         "\n| instruction set (1 thread) | Gparam/s | GB/s | in L2 (32K params) Gparam/s |"

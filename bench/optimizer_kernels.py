@@ -138,26 +138,41 @@ def child(numel, threads, reps, which):
              "deepspeed_cpu_adam": lambda: run_deepspeed(torch, numel),
              "torch_fused": lambda: run_torch(torch, numel, fused=True),
              "torch_foreach": lambda: run_torch(torch, numel, foreach=True)}
+    # Note [Interleaved rounds]: every implementation is built first, then each round times one
+    # step of each in an order rotated by one per round, so a drift of this shared machine's
+    # bandwidth (other tenants, frequency) lands on every row alike instead of on whichever ran
+    # during it.
+    built, failed = {}, []
     for name in which:
         try:
-            step_only, whole = impls[name]()
-            s = median_of(step_only, reps)
-            w = median_of(whole, reps)
-            del step_only, whole
-            rows.append(row(f"{name} step()", s))
-            if name == "shardopt_fused":  # the timed steps' phases (the last `reps`)
-                for i, (phase, nbytes) in enumerate((("update phase (the kernel)", ADAM_BYTES),
-                                                     ("check in step()", 4),
-                                                     ("check in backward", 4))):
-                    t = statistics.median(x[i] for x in phases[-reps:])
-                    # Under a millisecond: bookkeeping, no pass over the gradients to rate.
-                    rows.append(row(f"shardopt {phase}", t, nbytes) if t > 1e-3 else
-                                dict(impl=f"shardopt {phase}", numel=numel, threads=threads,
-                                     seconds=t, gbs=None, of_bound=None))
-            rows.append(dict(row(f"{name} zero_grad + backward + step", w), gbs=None,
-                             of_bound=None))
+            built[name] = impls[name]()
         except Exception as e:  # a peer that does not run is reported, not dropped
-            rows.append(dict(impl=name, numel=numel, threads=threads, error=f"{type(e).__name__}: {e}"))
+            failed.append(dict(impl=name, numel=numel, threads=threads,
+                               error=f"{type(e).__name__}: {e}"))
+    names = list(built)
+    times = {name: ([], []) for name in names}
+    for r in range(2 + reps):  # two untimed warm-up rounds
+        order = names[r % len(names):] + names[:r % len(names)] if names else []
+        for kind in (0, 1):  # step() alone, then the whole loop
+            for name in order:
+                t = built[name][kind]()
+                if r >= 2:
+                    times[name][kind].append(t)
+    for name in names:
+        step_times, whole_times = times[name]
+        rows.append(row(f"{name} step()", statistics.median(step_times)))
+        if name == "shardopt_fused":  # the timed steps' phases (the last `reps`)
+            for i, (phase, nbytes) in enumerate((("update phase (the kernel)", ADAM_BYTES),
+                                                 ("check in step()", 4),
+                                                 ("check in backward", 4))):
+                t = statistics.median(x[i] for x in phases[-reps:])
+                # Under a millisecond: bookkeeping, no pass over the gradients to rate.
+                rows.append(row(f"shardopt {phase}", t, nbytes) if t > 1e-3 else
+                            dict(impl=f"shardopt {phase}", numel=numel, threads=threads,
+                                 seconds=t, gbs=None, of_bound=None))
+        rows.append(dict(row(f"{name} zero_grad + backward + step",
+                             statistics.median(whole_times)), gbs=None, of_bound=None))
+    rows += failed
     print(json.dumps(rows))
 
 

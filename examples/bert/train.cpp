@@ -175,7 +175,9 @@ void print_plan(const Run& r) {
   fmt::print("[bert] training: {} ranks{} ({}) on {}, ZeRO stage {}{}, {}, global batch {} = {} rows/rank "
              "x {} {}ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, weight decay {}), "
              "lr {} (warm-up {}, then {}), {} thread(s)/rank\n",
-             r.world, layout, backend, a.device, a.stage, a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
+             r.world, layout, backend, a.device, a.stage,
+             fmt::format("{}{}", a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
+                         a.defer_reduction ? ", reduction deferred to the last micro-step" : ""),
              a.precision, r.global_batch, a.batch_size, r.dp->size(), r.tp() > 1 || r.pp() > 1 ? "data-parallel " : "",
              a.grad_accum, a.steps, epochs, a.optimizer, a.adam_betas.at(0), a.adam_betas.at(1),
              bert::adam_eps(a), a.weight_decay, a.lr, a.warmup_steps, a.lr_schedule, a.threads);

@@ -87,6 +87,10 @@ int main(int argc, char** argv) {
   app.add_option("--persistent-params", persistent_params,
                  "stage 3: elements kept gathered for good (UnitPolicy's persistent groups: "
                  "memory().persistent_param_bytes / P)");
+  bool defer_reduction = false;
+  app.add_flag("--defer-reduction", defer_reduction,
+               "stages 2-3: gradients summed in every bucket over the micro-steps, reduced once "
+               "(ZeroOptions::defer_reduction: the pool holds all buckets)");
   app.add_flag("--json", json, "machine-readable output");
   CLI11_PARSE(app, argc, argv);
 
@@ -123,6 +127,7 @@ int main(int argc, char** argv) {
     base.gathered_units_params = units;
     base.persistent_params = static_cast<int64_t>(std::llround(persistent_params));
     base.largest_param = largest;
+    base.defer_reduction = defer_reduction;
 
     std::vector<est::Estimate> rows;
     for (int stage : stages) {
@@ -138,9 +143,9 @@ int main(int argc, char** argv) {
     if (json) {
       fmt::print("{{\"model\": \"{}\", \"params\": {}, \"precision\": \"{}\", \"optimizer\": \"{}\", "
                  "\"offload\": \"{}\", \"bucket_bytes\": {}, \"align_bytes\": {}, "
-                 "\"rows\": [\n",
+                 "\"defer_reduction\": {}, \"rows\": [\n",
                  preset.empty() ? "custom" : "bert-" + preset, psi, precision_arg, optimizer_arg,
-                 offload_arg, base.bucket_bytes, base.align_bytes);
+                 offload_arg, base.bucket_bytes, base.align_bytes, defer_reduction);
       for (size_t i = 0; i < rows.size(); ++i) {
         const auto& e = rows[i];
         fmt::print("  {{\"stage\": {}, \"ranks\": {}, \"padded_params\": {}, \"P\": {}, \"G\": {}, "
@@ -157,7 +162,7 @@ int main(int argc, char** argv) {
 
     const est::Estimate& first = rows.front();
     fmt::print("Model: {} — Ψ = {} parameters ({:.1f}M); precision {} (P={} G={} B), optimizer {} "
-               "(K={} B), offload {}, buckets {}{}\n\n",
+               "(K={} B), offload {}, buckets {}{}{}\n\n",
                preset.empty() ? "custom" : "BERT-" + preset, psi, psi / 1e6, precision_arg, first.p,
                first.g, optimizer_arg, first.k, offload_arg,
                bucket_mib > 0 ? fmt::format("{:g} MiB", bucket_mib) : "sized from the model",
@@ -165,7 +170,8 @@ int main(int argc, char** argv) {
                    ? fmt::format(", stage-3 gathered units {:.2f}M params{}",
                                  rows.back().gathered_units_params / 1e6,
                                  units == 0 ? " (two buckets)" : "")
-                   : std::string());
+                   : std::string(),
+               defer_reduction ? ", reduction deferred (every bucket kept for the step)" : "");
     fmt::print("Per rank, MB = 10^6 bytes{}.\n\n", offload ? "; device + host (offloaded)" : "");
     if (offload) {
       fmt::print("| stage | ranks | params | grads | optim state | buffers | device total | host "

@@ -91,9 +91,14 @@ inline void stage_out(T* dst, const T* buf, int64_t r) {
 // segment's end cost nothing but a wasted request (they are usually the next chunk's).
 constexpr int64_t kLineFloats = 16;        // one 64-byte line of floats
 constexpr int64_t kPrefetchFloats = 512;  // 2 KiB ahead of each stream
+// The address is formed as an integer: near a segment's end it lies past the array, where
+// pointer arithmetic would be undefined.
 template <class... P>
 inline void prefetch_ahead(int64_t i, const P*... streams) {
-  (__builtin_prefetch(streams + i + kPrefetchFloats, 0, 3), ...);
+  (__builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(streams + i) +
+                                                    kPrefetchFloats * sizeof(float)),
+                      0, 3),
+   ...);
 }
 
 // ---- Adam / AdamW ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Markdown for scripts/gpu-check.sh from the JSON its benchmarks wrote into a folder: the fused
-AdamW against device-to-device copy bandwidth and torch's fused AdamW, the BERT-base step against
+AdamW against device-to-device copy bandwidth, every GPU test with its result (the thread-rank
+ones at N = 2 and 4 among them), and torch's fused AdamW, the BERT-base step against
 PyTorch DDP + fused AdamW, each with issue 18's goal and whether it is met."""
 import json
 import os
@@ -27,6 +28,12 @@ def main():
         skipped = [f"{n}.{c['name']}" for n, c in cases if c.get("result") == "SKIPPED"]
         print(f"GPU tests: {tests.get('tests', '?')} run, {tests.get('failures', '?')} failed, "
               f"{len(skipped)} skipped{': ' + ', '.join(skipped) if skipped else ''}.")
+        print("| test | result | s |")
+        print("|---|---|---|")
+        for name, c in cases:
+            result = "FAILED" if c.get("failures") else c.get("result", "?")
+            print(f"| {name}.{c['name']} | {result} | {c.get('time', '?')} |")
+        print()
         for suite in tests.get("testsuites", []):
             for case in suite.get("testsuite", []):
                 if case.get("failures"):

@@ -134,6 +134,20 @@ void bind_comm(py::module_& m) {
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT -> 'gloo'; otherwise 'single'. SHARDOPT_BACKEND or "
       "backend= override the choice.");
   m.def("make_single_communicator", [] { return make_single_communicator(); });
+  // The thread engine (shardopt/threads.hpp): each rank thread holds the GIL only while it runs
+  // Python; the communicator's waits release it (detail::BlockingRegion).
+  m.def(
+      "_run_ranks",
+      [](int n, py::function fn, py::object timeout) {
+        ThreadRanksOptions options;
+        options.timeout = to_duration(timeout, default_timeout());
+        py::gil_scoped_release nogil;
+        run_ranks(n, [&fn](const CommunicatorPtr& comm) {
+          py::gil_scoped_acquire gil;
+          fn(comm);
+        }, options);
+      },
+      "n"_a, "fn"_a, "timeout"_a = py::none());
 
   // The rank grid of model parallelism (shardopt/parallel_layout.hpp).
   py::class_<ParallelGroups>(m, "ParallelGroups",

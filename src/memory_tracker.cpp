@@ -21,6 +21,7 @@
 
 #include "allocator_compat.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/threads.hpp"
 
 namespace shardopt {
 namespace {
@@ -281,6 +282,13 @@ int64_t MemoryTracker::limit() const {
 }
 
 void MemoryTracker::install() {
+  // Note [Ranks that are threads] (src/error.cpp): the tracker counts the process, which under
+  // the thread engine is every rank at once; a per-rank figure from it would be wrong.
+  SHARDOPT_CHECK(thread_rank() < 0, Unsupported,
+                 "memory_tracker: the tracker counts the whole process, and this is thread-rank "
+                 "{} of the thread engine (run_ranks), whose ranks share the process; measure "
+                 "memory with one process per rank (mpirun)",
+                 thread_rank());
   std::lock_guard<std::mutex> lock(install_mutex());
   auto& tracking = TrackingAllocator::get();
   if (depth_++ > 0) return;

@@ -41,6 +41,9 @@ class Error : public std::runtime_error {
 void set_error_rank(int rank, int size);
 
 namespace detail {
+// The calling thread is rank `rank` of `size` (the thread engine's rank threads); rank -1 hands
+// the thread back to the process's rank. Note [Ranks that are threads] in src/error.cpp.
+void set_thread_error_rank(int rank, int size);
 [[noreturn]] void throw_error(ErrorKind kind, const char* file, int line, const std::string& what);
 }  // namespace detail
 }  // namespace shardopt

@@ -44,6 +44,9 @@ struct PipelineRunOptions {
   // posted into tensors of this shape, as Megatron's tensor_shape.
   std::vector<int64_t> activation_shape;
   at::ScalarType activation_dtype = at::kFloat;
+  // Where they live: receives are posted on this device (a CUDA device: the engine must serve
+  // CUDA tensors, as NCCL and the thread engine do).
+  c10::Device activation_device = c10::kCPU;
   // Where to record each action's timing (overwritten on every call); null: no timing.
   PipelineTrace* trace = nullptr;
   // Runs a zero-bubble weight pass, given as a function: it takes one autograd run per split

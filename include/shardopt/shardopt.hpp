@@ -18,5 +18,6 @@
 #include "shardopt/rules.hpp"
 #include "shardopt/state_dict.hpp"
 #include "shardopt/tensor_parallel.hpp"
+#include "shardopt/threads.hpp"
 #include "shardopt/units.hpp"
 #include "shardopt/version.hpp"

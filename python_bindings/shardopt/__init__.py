@@ -26,7 +26,8 @@ from ._C import (CheckpointError, CommTimeoutError, CommunicationError, Error, I
 from ._C import (Capabilities, Communicator, Estimate, LossScaleOptions, MemoryBreakdown,
                  MemoryReport, ParallelGroups, ReduceOp, StepStats, UnitPolicy, Units, Work,
                  ZeroOptions, make_parallel_groups)
-from .comm import default_communicator, from_process_group, init_from_env, make_single_communicator
+from .comm import (default_communicator, from_process_group, init_from_env,
+                   make_single_communicator, run_ranks)
 from .estimate import bert_parameter_count, estimate, estimate_model
 from .arguments import modules_of_type
 from .checkpoint import consolidate_checkpoint, read_checkpoint_info, read_full_state

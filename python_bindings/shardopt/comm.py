@@ -38,6 +38,18 @@ def make_single_communicator():
     return _C.make_single_communicator()
 
 
+def run_ranks(n, fn, timeout=None):
+    """Runs ``fn(comm)`` on ``n`` ranks as threads of this process (the thread engine, backend
+    "threads"), rank r on thread r, and returns when every rank has returned. For tests and for
+    several ranks sharing one GPU; not a replacement for NCCL across devices.
+
+    An exception on one rank ends every rank: their pending and later collectives raise
+    CommunicationError naming it, and that first rank's exception is raised here.
+    timeout: deadline of every collective (datetime.timedelta or seconds).
+    """
+    _C._run_ranks(n, fn, timeout)
+
+
 def from_process_group(group=None):
     """A communicator over a ``torch.distributed`` process group (default: the default group,
     so call ``torch.distributed.init_process_group("gloo", ...)`` first). Collectives run on

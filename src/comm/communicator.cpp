@@ -494,6 +494,12 @@ CommunicatorPtr init_from_env(const InitOptions& options) {
     SHARDOPT_FAIL(Unsupported, "init_from_env: backend 'gloo' requested, but this build of "
                                "shardopt has no Gloo (configure with SHARDOPT_WITH_GLOO=ON)");
 #endif
+  } else if (backend.rfind("threads", 0) == 0) {
+    SHARDOPT_FAIL(InvalidArgument,
+                  "init_from_env: backend '{}' runs several ranks in this one process, which one "
+                  "communicator cannot stand for: call shardopt::run_ranks(n, body) (threads.hpp; "
+                  "Python: shardopt.run_ranks), which gives each rank thread its own",
+                  backend);
   } else {
     SHARDOPT_FAIL(InvalidArgument,
                   "init_from_env: unknown backend '{}'; expected one of single, mpi, gloo{}",

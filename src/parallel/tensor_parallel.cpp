@@ -1,6 +1,7 @@
 // Tensor parallelism: the differentiable collectives, the split layers, the vocabulary-parallel
 // cross entropy and the dropout streams (shardopt/tensor_parallel.hpp, Note [Split regions]).
 #include "shardopt/tensor_parallel.hpp"
+#include "shardopt/threads.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -381,6 +382,12 @@ int64_t padded_vocab(int64_t vocab, int tp) {
 // ---- dropout streams ----------------------------------------------------------------------------
 
 RngTracker::RngTracker(uint64_t seed, int tp_rank, c10::Device device) : device_(device) {
+  // Note [Ranks that are threads] (src/error.cpp): the streams are states of torch's default
+  // generator, which the thread engine's ranks share; one rank's fork would reseed the others'.
+  SHARDOPT_CHECK(thread_rank() < 0, Unsupported,
+                 "tp::RngTracker: the dropout streams are states of torch's default generator, "
+                 "which every thread-rank of the thread engine (run_ranks) shares; train with "
+                 "dropout under tensor parallelism with one process per rank (mpirun)");
   auto gen = at::globalContext().defaultGenerator(device_);
   std::lock_guard<std::mutex> lock(gen.mutex());
   const at::Tensor caller = gen.get_state();

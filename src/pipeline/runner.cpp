@@ -57,7 +57,9 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
   const int rank = comm.rank();
   const int last_stage = schedule.stages() - 1;
   const auto activation = [&] {
-    return at::empty(options.activation_shape, at::TensorOptions().dtype(options.activation_dtype));
+    return at::empty(options.activation_shape, at::TensorOptions()
+                                                    .dtype(options.activation_dtype)
+                                                    .device(options.activation_device));
   };
   std::map<std::pair<int, int>, InFlight> live;  // by (chunk, micro-batch)
   std::vector<at::Tensor> losses(rank == schedule.rank_of(last_stage) ? schedule.microbatches : 0);
@@ -77,12 +79,13 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
   };
   const auto check_shape = [&](const at::Tensor& t, const Action& a, const char* what) {
     SHARDOPT_CHECK(t.sizes().vec() == options.activation_shape &&
-                       t.scalar_type() == options.activation_dtype,
+                       t.scalar_type() == options.activation_dtype &&
+                       t.device() == options.activation_device,
                    InvalidArgument,
                    "pipeline: the {} of {} on rank {} is {}, but activations between stages "
-                   "must be [{}] {} (PipelineRunOptions)",
+                   "must be [{}] {} {} (PipelineRunOptions)",
                    what, to_string(a), rank, describe(t), fmt::join(options.activation_shape, ", "),
-                   c10::toString(options.activation_dtype));
+                   c10::toString(options.activation_dtype), options.activation_device.str());
   };
 
   // Where a received tensor goes: the input of a Forward (a leaf requiring grad), or the

@@ -120,7 +120,7 @@ at::Tensor rows_of(const at::Tensor& all, int dp_rank, int m, int mb) {
   return all.narrow(0, (int64_t{dp_rank} * m + mb) * kRows, kRows);
 }
 
-TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
+DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
   auto world = test::world();
   const auto grids = layouts(world->size());
   if (grids.empty()) GTEST_SKIP() << "pipelines need a world of 2 or 4 ranks here (p = 2, 4)";

@@ -243,8 +243,8 @@ ShardedRun train_sharded(const Case& c, CommunicatorPtr comm) {
 
 class StageParity : public ::testing::TestWithParam<Case> {};
 
-TEST_P(StageParity, MatchesSingleProcessTorch) {
-  const Case& c = GetParam();
+DIST_TEST_P(StageParity, MatchesSingleProcessTorch) {
+  const Case& c = param;
   auto comm = test::communicator(c.backend);
   if (!comm) GTEST_SKIP() << test::not_built(c.backend);  // the build decides: same on every rank
   if (c.shard_group > 0 && (comm->size() % c.shard_group != 0 || comm->size() == c.shard_group)) {
@@ -580,7 +580,7 @@ TEST(StageValidation, DuplicateAndEmptyNamesAreRefused) {
 // (bf16) and 7.2e-4 (fp16); the bounds are about three times that. Stage 3 runs three times: with
 // the model's units, with automatic units (no units declared) and with automatic units whose small
 // groups persist (the write-back casts into their gathered copy), held to the same bound.
-TEST(Precision, MixedTracksFp32) {
+DIST_TEST(Precision, MixedTracksFp32) {
   auto comm = test::world();
   for (Precision precision : {Precision::BF16, Precision::FP16}) {
     const double tol = precision == Precision::BF16 ? 1.5e-2 : 2.5e-3;
@@ -613,7 +613,7 @@ TEST(Precision, MixedTracksFp32) {
 // Under bf16 every stage buckets its gradients (the fp32 master needs them cast), so deferral
 // applies at stages 0-1 too: the sums in the buckets are fp32 (reduce_in_fp32), held to
 // MixedTracksFp32's bound.
-TEST(Precision, DeferredReductionTracksFp32) {
+DIST_TEST(Precision, DeferredReductionTracksFp32) {
   auto comm = test::world();
   for (int stage : {0, 1, 2, 3}) {
     Case c{stage, "adamw", 4, 0.05};

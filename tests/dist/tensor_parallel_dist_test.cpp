@@ -69,7 +69,7 @@ void for_each_layout(Body body) {
   }
 }
 
-TEST(ParallelLayoutTest, GroupsFollowMegatronsOrder) {
+DIST_TEST(ParallelLayoutTest, GroupsFollowMegatronsOrder) {
   auto world = test::world();
   const int n = world->size();
   for (int t : {1, 2, 4}) {
@@ -108,9 +108,9 @@ TEST(ParallelLayoutTest, GroupsFollowMegatronsOrder) {
                      ErrorKind::InvalidArgument, {"tp and pp must be at least 1"});
 }
 
-TEST(TensorParallelLayers, ColumnAndRowLinearMatchTheUnsplitLinear) {
+DIST_TEST(TensorParallelLayers, ColumnAndRowLinearMatchTheUnsplitLinear) {
   for_each_layout([](const ParallelGroups& g, bool sp) {
-    at::manual_seed(11);
+    auto draws = test::seeded_draws(11);
     torch::nn::Linear full_col(kHidden, kFfn), full_row(kFfn, kHidden);
     full_col->to(at::kDouble);
     full_row->to(at::kDouble);
@@ -122,6 +122,7 @@ TEST(TensorParallelLayers, ColumnAndRowLinearMatchTheUnsplitLinear) {
     row->load_full(full_row->weight.detach(), full_row->bias.detach());
     const at::Tensor x = at::randn({kBatch, kSeq, kHidden}, at::kDouble);
     const at::Tensor grad_out = at::randn({kBatch, kSeq, kHidden}, at::kDouble);
+    draws.unlock();
     // Unsplit.
     at::Tensor xr = x.clone().requires_grad_(true);
     full_row->forward(at::tanh(full_col->forward(xr))).backward(grad_out);
@@ -139,10 +140,10 @@ TEST(TensorParallelLayers, ColumnAndRowLinearMatchTheUnsplitLinear) {
   });
 }
 
-TEST(TensorParallelLayers, GatheredColumnOutputAndSplitRowInput) {
+DIST_TEST(TensorParallelLayers, GatheredColumnOutputAndSplitRowInput) {
   for_each_layout([](const ParallelGroups& g, bool sp) {
     if (sp) return;  // gather_output / !input_is_parallel are the non-sequence-parallel forms
-    at::manual_seed(12);
+    auto draws = test::seeded_draws(12);
     torch::nn::Linear full(kHidden, kFfn);
     full->to(at::kDouble);
     tp::ColumnParallelLinear col(kHidden, kFfn, options(g, false), true, /*gather_output=*/true);
@@ -153,6 +154,7 @@ TEST(TensorParallelLayers, GatheredColumnOutputAndSplitRowInput) {
     const at::Tensor w2 = at::randn({kHidden, kFfn}, at::kDouble);
     row->load_full(w2);
     const at::Tensor x = at::randn({kBatch, kSeq, kHidden}, at::kDouble);
+    draws.unlock();
     at::Tensor xr = x.clone().requires_grad_(true);
     at::Tensor ref = at::linear(full->forward(xr), w2);
     ref.sum().backward();
@@ -165,9 +167,9 @@ TEST(TensorParallelLayers, GatheredColumnOutputAndSplitRowInput) {
   });
 }
 
-TEST(TensorParallelLayers, VocabParallelEmbeddingMatchesTheLookup) {
+DIST_TEST(TensorParallelLayers, VocabParallelEmbeddingMatchesTheLookup) {
   for_each_layout([](const ParallelGroups& g, bool sp) {
-    at::manual_seed(13);
+    auto draws = test::seeded_draws(13);
     const at::Tensor table = at::randn({kVocab, kHidden}, at::kDouble);
     tp::VocabParallelEmbedding emb(kVocab, kHidden, options(g, sp));
     emb->to(at::kDouble);
@@ -175,6 +177,7 @@ TEST(TensorParallelLayers, VocabParallelEmbeddingMatchesTheLookup) {
     EXPECT_EQ(emb->vocab_begin(), g.tp->rank() * kVocab / g.tp->size());
     const at::Tensor ids = at::randint(kVocab, {kBatch, kSeq}, at::kLong);
     const at::Tensor grad_out = at::randn({kBatch, kSeq, kHidden}, at::kDouble);
+    draws.unlock();
     at::Tensor ref_table = table.clone().requires_grad_(true);
     at::Tensor ref = at::embedding(ref_table, ids);
     ref.backward(grad_out);
@@ -185,15 +188,16 @@ TEST(TensorParallelLayers, VocabParallelEmbeddingMatchesTheLookup) {
   });
 }
 
-TEST(TensorParallelLayers, VocabParallelCrossEntropyMatchesCrossEntropy) {
+DIST_TEST(TensorParallelLayers, VocabParallelCrossEntropyMatchesCrossEntropy) {
   for_each_layout([](const ParallelGroups& g, bool sp) {
     if (sp) return;  // the loss has no sequence-parallel form
-    at::manual_seed(14);
+    auto draws = test::seeded_draws(14);
     const at::Tensor logits = at::randn({kBatch, kSeq, kVocab}, at::kDouble) * 3;
     at::Tensor target = at::randint(kVocab, {kBatch, kSeq}, at::kLong);
     target.index_put_({0, 1}, -100);  // ignored positions
     target.index_put_({1, 5}, -100);
     const at::Tensor grad_loss = at::rand({kBatch, kSeq}, at::kDouble);
+    draws.unlock();
     at::Tensor ref_logits = logits.clone().requires_grad_(true);
     at::Tensor ref = at::cross_entropy_loss(ref_logits.reshape({-1, kVocab}), target.reshape(-1),
                                             {}, at::Reduction::None, -100)
@@ -214,7 +218,7 @@ struct EncoderWeights {
   at::Tensor bq, bk, bv, bo, bup, bdown;     // [out]
   at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;     // [hidden]
   EncoderWeights() {
-    at::manual_seed(21);
+    auto draws = test::seeded_draws(21);
     auto w = [](int64_t out, int64_t in) { return at::randn({out, in}, at::kDouble) * 0.3; };
     auto b = [](int64_t n) { return at::randn({n}, at::kDouble) * 0.1; };
     q = w(kHidden, kHidden), k = w(kHidden, kHidden), v = w(kHidden, kHidden);
@@ -269,7 +273,7 @@ struct SplitEncoder {
   }
 };
 
-TEST(TensorParallelLayers, BertEncoderLayerMatchesTheUnsplitLayer) {
+DIST_TEST(TensorParallelLayers, BertEncoderLayerMatchesTheUnsplitLayer) {
   for_each_layout([](const ParallelGroups& g, bool sp) {
     const EncoderWeights w;
     // Reference: every weight a leaf, the same computation unsplit.
@@ -280,9 +284,10 @@ TEST(TensorParallelLayers, BertEncoderLayerMatchesTheUnsplitLayer) {
       *t = t->clone().requires_grad_(true);
       ref_params.push_back(t);
     }
-    at::manual_seed(22);
+    auto draws = test::seeded_draws(22);
     const at::Tensor x = at::randn({kBatch, kSeq, kHidden}, at::kDouble);
     const at::Tensor grad_out = at::randn({kBatch, kSeq, kHidden}, at::kDouble);
+    draws.unlock();
     at::Tensor xr = x.clone().requires_grad_(true);
     {
       at::Tensor a = at::linear(attention(at::linear(xr, r.q, r.bq), at::linear(xr, r.k, r.bk),
@@ -293,7 +298,9 @@ TEST(TensorParallelLayers, BertEncoderLayerMatchesTheUnsplitLayer) {
                                                  r.bdown),
                                   r.ln2_w, r.ln2_b);
       out.backward(grad_out);
+      draws.lock();  // the split layers draw their initial weights (load_full replaces them)
       SplitEncoder enc(w, g, sp);
+      draws.unlock();
       at::Tensor xs = (sp ? chunk_of(x, 1, *g.tp) : x).clone().requires_grad_(true);
       at::Tensor y = enc.forward(xs);
       y.backward(sp ? chunk_of(grad_out, 1, *g.tp) : grad_out);
@@ -318,7 +325,7 @@ TEST(TensorParallelLayers, BertEncoderLayerMatchesTheUnsplitLayer) {
   });
 }
 
-TEST(TensorParallelLayers, ClearErrors) {
+DIST_TEST(TensorParallelLayers, ClearErrors) {
   auto world = test::world();
   const ParallelGroups g = make_parallel_groups(world, ParallelLayout{world->size()});
   if (world->size() > 1) {
@@ -373,14 +380,14 @@ TEST(TensorParallelRng, SplitRegionsDrawPerRankStreamsTheRestTheSame) {
 // steps), stages 0-3 (3: automatic units, gathered on use through the split layers), with and
 // without sequence parallelism. Clipping spans the grid (ZeroOptions::tensor_group): the norm each
 // step reports is torch's clip_grad_norm_ on the unsplit model's.
-TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
+DIST_TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
   auto world = test::world();
   const auto sizes = tensor_sizes(world->size());
   if (sizes.empty()) GTEST_SKIP() << "tensor parallelism needs a world of 2 or 4 ranks (t = 2, 4)";
   constexpr int64_t kRows = 8, kSteps = 5;
   constexpr double kMaxNorm = 0.05;  // below every step's norm here: every step clips
   const AdamW rule = AdamW(0.01).weight_decay(0.05);
-  at::manual_seed(31);
+  auto draws = test::seeded_draws(31);
   torch::nn::Linear ref_up(kHidden, kFfn), ref_down(kFfn, kHidden);
   ref_up->to(at::kDouble);
   ref_down->to(at::kDouble);
@@ -389,6 +396,7 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
   const at::Tensor up_w0 = ref_up->weight.detach().clone(), up_b0 = ref_up->bias.detach().clone();
   const at::Tensor down_w0 = ref_down->weight.detach().clone();
   const at::Tensor down_b0 = ref_down->bias.detach().clone();
+  draws.unlock();
   auto batch = [](int64_t step) {
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(700 + step);
     return std::pair{at::randn({kRows, kSeq, kHidden}, gen).to(at::kDouble),
@@ -421,8 +429,10 @@ TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
       const int stage = run % 4;
       const bool sp = run >= 4;
       SCOPED_TRACE(fmt::format("t={} d={} stage {}{}", t, d, stage, sp ? " sequence parallel" : ""));
+      draws.lock();  // their initial draws, replaced by load_full
       tp::ColumnParallelLinear up(kHidden, kFfn, options(g, sp));
       tp::RowParallelLinear down(kFfn, kHidden, options(g, sp));
+      draws.unlock();
       up->to(at::kDouble);
       down->to(at::kDouble);
       up->load_full(up_w0, up_b0);

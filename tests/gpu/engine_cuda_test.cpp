@@ -1,6 +1,8 @@
 // DistributedOptimizer on CUDA parameters against torch::optim::AdamW on the same GPU: every
 // stage at N=1 over NCCL and at N=2 on one GPU (two processes over Gloo with CUDA tensors), bf16/fp16 compute with real half-precision matrix products, the fp16 loss-scale skip,
 // offload to pinned host memory, and checkpoints saved on the GPU and loaded on the CPU and back.
+// Then the same at N = 2 and 4 as thread-ranks sharing the GPU (shardopt/threads.hpp), with
+// tensor parallelism at t = 2 and a p = 2 pipeline under every schedule on CUDA tensors.
 // Skips, with the reason, where this libtorch has no CUDA or no GPU is visible.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -217,9 +219,9 @@ TEST_F(EngineCuda, NonDefaultTorchStreamMatches) {
 }
 #endif
 
-// Two ranks on one GPU are two processes (this binary again, running the worker below): as
-// threads they would share torch's one autograd thread per device, where one rank's gradient
-// hook waiting for a collective blocks the other rank's backward.
+// Two ranks on one GPU as two processes (this binary again, running the worker below) over Gloo
+// with CUDA tensors; the thread-rank tests below run the same in one process, each rank's
+// backward on its own thread (Note [Thread engine]).
 TEST_F(EngineCuda, EveryStageMatchesAtTwoRanksOnOneGpu) {
 #if SHARDOPT_HAS_GLOO
   const auto want = reference();
@@ -379,6 +381,183 @@ TEST_F(EngineCuda, CheckpointSavedOnGpuLoadsOnCpuAndBack) {
   EXPECT_LE(max_diff(on_cpu, on_gpu, &worst), 1e-5) << worst;
   EXPECT_LE(max_diff(back, cpu_cont, &worst), 1e-5) << worst;
   remove_dir(dir);
+}
+
+// ---- several ranks on one GPU as threads (shardopt/threads.hpp) ------------------------------
+
+// Runs train() on n thread-ranks; returns every rank's parameters.
+std::vector<std::map<std::string, at::Tensor>> train_on_threads(int n, const RunOptions& o) {
+  std::vector<std::map<std::string, at::Tensor>> out(static_cast<size_t>(n));
+  run_ranks(n, [&](const CommunicatorPtr& comm) { out[comm->rank()] = train(comm, o); });
+  return out;
+}
+
+TEST_F(EngineCuda, EveryStageMatchesAtTwoAndFourThreadRanks) {
+  const auto want = reference();
+  for (int n : {2, 4}) {
+    for (int stage : {0, 1, 2, 3}) {
+      const auto got = train_on_threads(n, {stage});
+      for (int r = 0; r < n; ++r) {
+        std::string worst;
+        EXPECT_LE(max_diff(got[r], want, &worst), 1e-6)
+            << "N " << n << " stage " << stage << " rank " << r << ", worst " << worst;
+      }
+    }
+  }
+}
+
+TEST_F(EngineCuda, Bf16AndFp16WithLossScalingAtTwoThreadRanks) {
+  constexpr double kScale = 1024;
+  for (auto [precision, dtype, tol] : {std::tuple{Precision::BF16, at::kBFloat16, 2 * 0x1p-6},
+                                       {Precision::FP16, at::kHalf, 2 * 0x1p-9}}) {
+    const auto want = reference(dtype, precision == Precision::FP16 ? kScale : 1.0);
+    for (int stage : {1, 2, 3}) {
+      RunOptions o{stage, precision};
+      o.static_scale = kScale;
+      std::string worst;
+      for (const auto& got : train_on_threads(2, o)) {
+        EXPECT_LE(max_diff(got, want, &worst), tol)
+            << to_string(precision) << " stage " << stage << ", worst " << worst;
+      }
+    }
+  }
+}
+
+TEST_F(EngineCuda, OffloadToPinnedHostAtTwoThreadRanks) {
+  const auto want = reference();
+  for (int stage : {1, 2, 3}) {
+    std::string worst;
+    for (const auto& got : train_on_threads(2, {stage, Precision::FP32, Offload::CPU})) {
+      EXPECT_LE(max_diff(got, want, &worst), 1e-6) << "stage " << stage << ", worst " << worst;
+    }
+  }
+}
+
+// Saved by two thread-ranks from GPU parameters, loaded by four thread-ranks into CPU models: they
+// continue as one process continuing on the GPU from the same checkpoint.
+TEST_F(EngineCuda, CheckpointSavedAtTwoOnGpuLoadsAtFourOnCpu) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("shardopt_gpu_threads_ckpt_" + std::to_string(getpid()));
+  remove_dir(dir);
+  const std::string path = (dir / "n2").string();
+  auto run = [&](const CommunicatorPtr& comm, at::Device device, bool load, bool save,
+                 int first_step) {
+    Net net(device);
+    ZeroOptions zo;
+    zo.stage = Stage::Gradients;
+    DistributedOptimizer opt(net.groups(), AdamW(kLr).weight_decay(kDecay), comm, zo);
+    if (load) opt.load_checkpoint(path);
+    const int64_t per_rank = kBatch / comm->size();
+    for (int s = first_step; s < first_step + 3; ++s) {
+      opt.zero_grad();
+      auto [x, y] = batch(s, device);
+      opt.backward(net.loss(x.narrow(0, comm->rank() * per_rank, per_rank),
+                            y.narrow(0, comm->rank() * per_rank, per_rank)));
+      opt.step();
+    }
+    if (save) opt.save_checkpoint(path);
+    return net.snapshot();
+  };
+  run_ranks(2, [&](const CommunicatorPtr& comm) { run(comm, at::kCUDA, false, true, 0); });
+  std::vector<std::map<std::string, at::Tensor>> on_cpu(4);
+  run_ranks(4, [&](const CommunicatorPtr& comm) {
+    on_cpu[comm->rank()] = run(comm, at::kCPU, true, false, 3);
+  });
+  const auto on_gpu = run(make_single_communicator(), at::kCUDA, true, false, 3);
+  for (const auto& got : on_cpu) {
+    std::string worst;
+    EXPECT_LE(max_diff(got, on_gpu, &worst), 1e-5) << worst;  // CPU and GPU GEMMs round apart
+  }
+  remove_dir(dir);
+}
+
+// Column- then row-parallel linear at t = 2 on CUDA against the unsplit layers: output and every
+// gradient (the input gradient's all-reduce runs in backward, on the rank's own thread).
+TEST_F(EngineCuda, TensorParallelAtTwoThreadRanks) {
+  constexpr int64_t kB = 4, kS = 8, kH = 16, kF = 32;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(61);
+  const at::Tensor w1 = (at::randn({kF, kH}, gen) * 0.2).cuda(), b1 = (at::randn({kF}, gen) * 0.1).cuda();
+  const at::Tensor w2 = (at::randn({kH, kF}, gen) * 0.2).cuda(), b2 = (at::randn({kH}, gen) * 0.1).cuda();
+  const at::Tensor x = at::randn({kB, kS, kH}, gen).cuda(), grad_out = at::randn({kB, kS, kH}, gen).cuda();
+  std::vector<at::Tensor> ref{w1.clone().requires_grad_(), b1.clone().requires_grad_(),
+                              w2.clone().requires_grad_(), b2.clone().requires_grad_()};
+  at::Tensor xr = x.clone().requires_grad_();
+  at::Tensor y_ref = at::linear(at::tanh(at::linear(xr, ref[0], ref[1])), ref[2], ref[3]);
+  y_ref.backward(grad_out);
+  run_ranks(2, [&](const CommunicatorPtr& comm) {
+    const ParallelGroups g = make_parallel_groups(comm, ParallelLayout{2});
+    tp::ColumnParallelLinear col(kH, kF, tp::TensorParallel{g.tp, false, 1});
+    tp::RowParallelLinear row(kF, kH, tp::TensorParallel{g.tp, false, 1});
+    col->to(at::kCUDA);
+    row->to(at::kCUDA);
+    col->load_full(w1, b1);
+    row->load_full(w2, b2);
+    at::Tensor xs = x.clone().requires_grad_();
+    at::Tensor y = row->forward(at::tanh(col->forward(xs)));
+    y.backward(grad_out);
+    const int r = g.tp->rank();
+    auto diff = [](const at::Tensor& a, const at::Tensor& b) {
+      return (a - b).abs().max().item<double>();
+    };
+    EXPECT_LE(diff(y, y_ref), 1e-5);
+    EXPECT_LE(diff(xs.grad(), xr.grad()), 1e-5);
+    EXPECT_LE(diff(col->weight.grad(), ref[0].grad().chunk(2, 0)[r]), 1e-5);
+    EXPECT_LE(diff(row->weight.grad(), ref[2].grad().chunk(2, 1)[r]), 1e-5);
+    EXPECT_LE(diff(row->bias.grad(), ref[3].grad()), 1e-5);
+  });
+}
+
+// A p = 2 pipeline of four tanh layers on CUDA activations under every schedule: each layer's
+// gradient equals one process's over the same micro-batches.
+TEST_F(EngineCuda, PipelineAtTwoThreadRanksEverySchedule) {
+  constexpr int64_t kRowsPerMb = 4, kWidth = 16;
+  constexpr int kLayers = 4, kMicro = 4;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(62);
+  std::vector<at::Tensor> init;
+  for (int l = 0; l < kLayers; ++l) init.push_back((at::randn({kWidth, kWidth}, gen) * 0.4).cuda());
+  const at::Tensor data = at::randn({kMicro * kRowsPerMb, kWidth}, gen).cuda();
+  auto micro = [&](int mb) { return data.narrow(0, mb * kRowsPerMb, kRowsPerMb); };
+  std::vector<at::Tensor> ref;
+  for (const auto& w : init) ref.push_back(w.clone().requires_grad_());
+  for (int mb = 0; mb < kMicro; ++mb) {
+    at::Tensor h = micro(mb);
+    for (const auto& w : ref) h = at::tanh(at::mm(h, w));
+    (h.pow(2).mean() / kMicro).backward();
+  }
+  for (auto [kind, v] : {std::pair{PipelineScheduleKind::GPipe, 1}, {PipelineScheduleKind::OneFOneB, 1},
+                         {PipelineScheduleKind::Interleaved1F1B, 2},
+                         {PipelineScheduleKind::ZeroBubbleH1, 1}}) {
+    const PipelineSchedule schedule = compile_schedule(kind, 2, kMicro, v);
+    const int per_stage = kLayers / schedule.stages();
+    run_ranks(2, [&](const CommunicatorPtr& comm) {
+      std::vector<at::Tensor> mine(static_cast<size_t>(kLayers));  // the layers of this rank
+      std::vector<PipelineChunk> chunks;
+      for (int c = 0; c < v; ++c) {
+        const int stage = c * 2 + comm->rank();
+        PipelineChunk chunk;
+        for (int l = stage * per_stage; l < (stage + 1) * per_stage; ++l) {
+          mine[l] = init[l].clone().requires_grad_();
+          chunk.parameters.push_back(mine[l]);
+        }
+        const bool last = stage == schedule.stages() - 1;
+        chunk.forward = [&, stage, last](const at::Tensor& in, int) {
+          at::Tensor h = in;
+          for (int l = stage * per_stage; l < (stage + 1) * per_stage; ++l) h = at::tanh(at::mm(h, mine[l]));
+          return last ? h.pow(2).mean() / kMicro : h;
+        };
+        chunks.push_back(std::move(chunk));
+      }
+      PipelineRunOptions run;
+      run.activation_shape = {kRowsPerMb, kWidth};
+      run.activation_device = at::Device(at::kCUDA, 0);
+      run_pipeline(schedule, *comm, chunks, micro, run);
+      for (int l = 0; l < kLayers; ++l) {
+        if (!mine[l].defined()) continue;
+        EXPECT_LE((mine[l].grad() - ref[l].grad()).abs().max().item<double>(), 1e-5)
+            << to_string(kind) << " layer " << l;
+      }
+    });
+  }
 }
 
 }  // namespace

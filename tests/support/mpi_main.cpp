@@ -12,7 +12,6 @@
 #include "shardopt/config.hpp"
 #include "shardopt/process_group.hpp"
 #include "support/dist_env.hpp"
-#include "support/first_ranks.hpp"
 
 namespace shardopt::test {
 namespace {
@@ -37,6 +36,8 @@ std::string shared_store_path() {
 }  // namespace
 
 CommunicatorPtr world() { return g_world; }
+
+void each_rank(const std::function<void()>& body) { body(); }  // this process is the rank
 
 std::vector<std::string> backends() { return {"mpi", "gloo"}; }
 
@@ -67,33 +68,6 @@ CommunicatorPtr communicator(const std::string& backend) {
   auto& slot = g_engines[backend];
   if (!slot) slot = fresh_gloo(std::chrono::seconds(120));
   return slot;
-}
-
-CommunicatorPtr first_ranks(int n) {
-  static std::map<int, CommunicatorPtr> cache;
-  auto it = cache.find(n);
-  if (it != cache.end()) return it->second;
-  const int rank = g_world->rank();
-  return cache[n] = g_world->split(rank < n ? 0 : -1, rank);
-}
-
-std::string shared_dir(const std::string& tag) {
-  std::string path(256, '\0');
-  if (world()->rank() == 0) {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-" + tag + "-XXXXXX";
-    if (!mkdtemp(templ.data())) throw std::runtime_error("mkdtemp failed");
-    path.replace(0, templ.size(), templ);
-  }
-  at::Tensor bytes = at::from_blob(path.data(), {256}, at::kByte);
-  world()->broadcast(bytes, 0);
-  return std::string(path.c_str());
-}
-
-bool all_ranks(bool ok) {
-  at::Tensor flag = at::full({1}, ok ? 1 : 0, at::kInt);
-  g_world->all_reduce(flag, ReduceOp::Min);
-  return flag.item<int>() == 1;
 }
 
 }  // namespace shardopt::test

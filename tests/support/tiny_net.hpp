@@ -27,15 +27,17 @@ struct TinyNet {
   UnitsPtr units = std::make_shared<Units>();
 
   explicit TinyNet(bool wider_fc1 = false) {
-    at::manual_seed(1234);
-    add("embed.weight", at::randn({kVocab, kDim}));
-    add("fc1.weight", at::randn({kDim, kHidden + (wider_fc1 ? 1 : 0)}) * 0.5);
-    add("fc1.bias", at::randn({kHidden + (wider_fc1 ? 1 : 0)}) * 0.1);
-    add("fc2.weight", at::randn({kHidden, kDim}) * 0.5);
-    add("fc2.bias", at::randn({kDim}) * 0.1);
-    add("frozen.scale", at::randn({kDim}), /*trainable=*/false);
-    add("unused.weight", at::randn({3}));
-    add("tiny.bias", at::randn({1}));
+    // A generator of its own: thread-ranks share torch's default one (support/dist_env.hpp).
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+    auto randn = [&](at::IntArrayRef sizes) { return at::randn(sizes, gen); };
+    add("embed.weight", randn({kVocab, kDim}));
+    add("fc1.weight", randn({kDim, kHidden + (wider_fc1 ? 1 : 0)}) * 0.5);
+    add("fc1.bias", randn({kHidden + (wider_fc1 ? 1 : 0)}) * 0.1);
+    add("fc2.weight", randn({kHidden, kDim}) * 0.5);
+    add("fc2.bias", randn({kDim}) * 0.1);
+    add("frozen.scale", randn({kDim}), /*trainable=*/false);
+    add("unused.weight", randn({3}));
+    add("tiny.bias", randn({1}));
     named.emplace_back("decoder.weight", by_name["embed.weight"]);  // tied
     units->add("fc1", {by_name["fc1.weight"], by_name["fc1.bias"]});
     units->add("fc2", {by_name["fc2.weight"], by_name["fc2.bias"]});

@@ -31,7 +31,7 @@ constexpr double kAdamBytes = 28;     // read p, g, m, v; write p, m, v (fp32)
 constexpr double kAdamLowBytes = 30;  // + the bf16 copy
 using shardopt::bench::kTriadBytes;
 
-// One set of pre-faulted buffers shared by every benchmark (first touch is slow, DESIGN.md).
+// One set of pre-faulted buffers shared by every benchmark (first touch is slow, docs/design.md).
 struct Data {
   at::Tensor p, g, m, v, low, triad_a;
   std::unique_ptr<torch::optim::AdamW> torch_opt;

@@ -167,7 +167,7 @@ def finish_args(a):
 class CommCounter:
     """Bytes each rank hands to torch.distributed's collectives, by wrapping the module's functions
     (peers look them up at call time). All-reduce counts twice its size (reduce-scatter +
-    all-gather, the DESIGN.md convention: stages 0-2 move 2 Psi), reduce-scatter its input,
+    all-gather, the docs/design.md convention: stages 0-2 move 2 Psi), reduce-scatter its input,
     all-gather its output. Collectives issued from C++ (DDP's reducer) are not seen."""
 
     NAMES = {"all_reduce": 2, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,

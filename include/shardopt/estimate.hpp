@@ -1,4 +1,4 @@
-// Analytic memory/communication model of ZeRO stages 0-3 (DESIGN.md "Memory model"), in the spirit
+// Analytic memory/communication model of ZeRO stages 0-3 (docs/stages.md), in the spirit
 // of DeepSpeed's estimate_zero2_model_states_mem_needs. Torch-free and header-only: the
 // `shardopt-estimate` tool compiles it without libtorch.
 //
@@ -23,8 +23,8 @@
 // (stages 0-1 in fp32) a full flat gradient buffer. Offload puts the master, the state and the
 // reduced gradients on the host.
 //
-// Accounting::ZeroPaper: DESIGN.md's table, the ZeRO paper's and DeepSpeed's estimator's model,
-// with gradients in the compute dtype (K includes the master copy under mixed precision):
+// Accounting::ZeroPaper: docs/stages.md's table, the ZeRO paper's and DeepSpeed's estimator's
+// model, with gradients in the compute dtype (K includes the master copy under mixed precision):
 //
 //   stage 0  (P + G + K)·Ψ      stage 1  (P + G)·Ψ + K·Ψ/N
 //   stage 2  P·Ψ + (G + K)·Ψ/N  stage 3  (P + G + K)·Ψ/N
@@ -141,7 +141,7 @@ struct Options {
   // grows to Ψ in the reduce dtype, Note [Deferred reduction]).
   bool defer_reduction = false;
   // Shard boundaries aligned to this many bytes (ZeroOptions::align_bytes); Ψ is padded to a
-  // multiple of N·align/P elements. 0: no padding (the DESIGN.md formulas verbatim).
+  // multiple of N·align/P elements. 0: no padding (the formulas of docs/stages.md verbatim).
   int64_t align_bytes = 0;
   // Stage 3: elements of the two largest units gathered at once (the current one and the
   // prefetched one). 0: two units of one bucket each.
@@ -185,7 +185,7 @@ namespace detail_estimate {
 // Elements of an n-way shard of `numel` (the largest rank's when uneven).
 inline int64_t shard_of(int64_t numel, int64_t n) { return (numel + n - 1) / n; }
 
-// DESIGN.md's table (Accounting::ZeroPaper).
+// docs/stages.md's table (Accounting::ZeroPaper).
 inline void zero_paper(const Options& o, Estimate& e, int64_t psi, int64_t shard) {
   const int64_t p = e.p, g = e.g, k = e.k;
   Breakdown dev, host;

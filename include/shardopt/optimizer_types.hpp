@@ -66,7 +66,7 @@ struct StepStats {
                                  // of the non-finite check, clipping and LAMB not counted)
 };
 
-// Bytes this rank holds for the model state, by category (the DESIGN.md memory model).
+// Bytes this rank holds for the model state, by category (the memory model, docs/stages.md).
 struct MemoryReport {
   int64_t param_bytes = 0;            // model parameters (full or sharded, compute dtype)
   int64_t grad_bytes = 0;             // gradients kept between backward and step

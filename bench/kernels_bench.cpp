@@ -1,7 +1,7 @@
 // Fused CPU AdamW (src/kernels) against torch::optim::AdamW over the same tensors and against a
 // STREAM triad measured in the same binary, on 100M fp32 parameters by default. After the
 // Google Benchmark output it prints a markdown table with the ratios from this run (medians
-// when --benchmark_repetitions > 1), the one bench/RESULTS.md records.
+// when --benchmark_repetitions > 1), the one bench/README.md records.
 //
 //   build/bench/kernels_bench --benchmark_repetitions=5 [--numel=100000000]
 #include <ATen/ATen.h>

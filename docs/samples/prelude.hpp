@@ -42,7 +42,8 @@ inline void write_summary() {}
       std::vector<std::pair<at::Tensor, at::Tensor>> &batches, shardopt::CommunicatorPtr comm,    \
       shardopt::CommunicatorPtr world, shardopt::ZeroOptions zo, shardopt::DistributedOptimizer &opt, \
       std::vector<shardopt::ParamGroup> groups, at::Tensor x, at::Tensor mask, at::Tensor rng_state, \
-      std::string dir, std::vector<shardopt_samples::Layer> layers, shardopt_samples::Layer layer,   \
+      std::string dir, std::vector<std::shared_ptr<shardopt_samples::LayerImpl>> layers,                         \
+      std::shared_ptr<shardopt_samples::LayerImpl> layer,                                         \
       std::shared_ptr<shardopt::Units> units, int i, int p, int m, int64_t batch, int64_t hidden,  \
       int64_t ffn, bool stage_is_last, std::function<at::Tensor(const at::Tensor&, int)> loss,     \
       std::function<at::Tensor(int)> micro_batch

@@ -24,7 +24,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "figure.dpi": 100})
+plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "shardopt", "font.size": 9,
+                     "figure.dpi": 100})
 
 
 def table_rows(path, header_start):

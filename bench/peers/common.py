@@ -1,7 +1,7 @@
 """What every peer in bench/peers/ shares: the peer BERT, its data, the launch, the timed loop,
 the parity check against single-process torch.optim.AdamW, and the one-line JSON report.
 
-The model and data are those of ../shared/peers/torch_zero_bert.py (same module tree, same
+The model and data are those of baseline/torch_zero_bert.py (same module tree, same
 initialisation order, so one seed gives the same weights; bench/peers/check_common.py verifies it
 when that file is present). Each peer supplies a `Peer` (how to build it, one forward+backward, one
 optimizer step, its full parameters and its model-state accounting); `main()` does the rest.

@@ -52,9 +52,9 @@
 /// (`wire_bytes`).
 ///
 /// Units: every quantity is in bytes; "MB" in the tool and in the tests is 10^6 bytes, the
-/// convention of DeepSpeed's estimator and of ../shared/peers/torch_zero_bert.py (its 134/112/90
-/// MB for the 11.2M-parameter peer BERT at N = 2 are 12Ψ, 10Ψ, 8Ψ over 10^6; over 2^20 they would
-/// be 128/107/85).
+/// convention of DeepSpeed's estimator and of bench/peers/baseline/torch_zero_bert.py (its
+/// 134/112/90 MB for the 11.2M-parameter peer BERT at N = 2 are 12Ψ, 10Ψ, 8Ψ over 10^6; over 2^20
+/// they would be 128/107/85).
 #pragma once
 
 #include <algorithm>

@@ -2,7 +2,10 @@
 """The code samples of README.md and docs/*.md, extracted so that CTest compiles or runs them.
 
   samples.py cpp OUT.cpp [ROOT]   every ```cpp block into one translation unit (OUT.cpp)
-  samples.py python [ROOT]        every ```python block byte-compiled, every ```sh block `bash -n`
+  samples.py python [--no-run] [ROOT]
+                                  every ```python block byte-compiled, and run when marked
+                                  `<!-- sample: run -->` (with this interpreter: it must import
+                                  torch and shardopt), every ```sh block `bash -n`
   samples.py list [ROOT]          where each block is
 
 A ```cpp block is a fragment: it becomes the body of a function whose parameters are the names
@@ -85,8 +88,8 @@ def cpp(out_path, root):
     return 0
 
 
-def python(root):
-    failures, counts = 0, {"python": 0, "sh": 0}
+def python(root, run=True):
+    failures, counts, ran = 0, {"python": 0, "sh": 0}, 0
     with tempfile.TemporaryDirectory() as tmp:
         for md in markdown_files(root):
             rel = os.path.relpath(md, root)
@@ -103,13 +106,23 @@ def python(root):
                     except py_compile.PyCompileError as e:
                         failures += 1
                         print(f"{rel}:{start}: python sample does not compile:\n{e.msg.replace(src, rel)}")
+                        continue
+                    if mode == "run" and run:
+                        ran += 1
+                        r = subprocess.run([sys.executable, src], capture_output=True, text=True,
+                                           timeout=600, cwd=tmp)
+                        if r.returncode:
+                            failures += 1
+                            print(f"{rel}:{start}: python sample failed ({r.returncode}):\n"
+                                  + (r.stdout + r.stderr).replace(src, rel)[-3000:])
                 else:
                     r = subprocess.run(["bash", "-n", src], capture_output=True, text=True)
                     if r.returncode:
                         failures += 1
                         print(f"{rel}:{start}: sh sample has a syntax error:\n{r.stderr.replace(src, rel)}")
-    print(f"samples.py: {counts['python']} Python samples byte-compiled, {counts['sh']} sh samples "
-          f"checked by bash -n, {failures} failed")
+    print(f"samples.py: {counts['python']} Python samples byte-compiled, {ran} of them run"
+          f"{'' if run else ' (--no-run: this build has no Python bindings)'}, {counts['sh']} sh "
+          f"samples checked by bash -n, {failures} failed")
     return 1 if failures else 0
 
 
@@ -127,8 +140,10 @@ def main(argv):
         return 2
     if argv[0] == "cpp":
         return cpp(argv[1], argv[2] if len(argv) > 2 else here)
-    root = argv[1] if len(argv) > 1 else here
-    return python(root) if argv[0] == "python" else listing(root)
+    run = "--no-run" not in argv
+    rest = [a for a in argv[1:] if a != "--no-run"]
+    root = rest[0] if rest else here
+    return python(root, run) if argv[0] == "python" else listing(root)
 
 
 if __name__ == "__main__":

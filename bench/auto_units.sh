@@ -5,7 +5,7 @@
 # elements per step (StepStats::comm_elements, the most of any rank, and as a multiple of the
 # parameter count), model state after the step (opt.memory(), the most of any rank) and the peak of
 # tracked tensor bytes during a step (the most of any rank). Each run is the session-end command of
-# bench/RESULTS.md plus --stage/--units:
+# bench/log/2026-11-25-session-end-a45b314.md plus --stage/--units:
 #   OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -np 2 bert_pretrain --preset peer --synthetic
 #     --steps 8 --batch-size 8 --max-seq-length 128 --threads 1 --timing-warmup 2
 #

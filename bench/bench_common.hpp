@@ -1,5 +1,5 @@
 // Shared state of the benchmark binaries: the communicators set up by bench_main.cpp and one set of
-// pre-faulted buffers reused by every benchmark (first touch costs ~1.2 GB/s here, DESIGN.md).
+// pre-faulted buffers reused by every benchmark (first touch costs ~1.2 GB/s here, docs/design.md).
 #pragma once
 
 #include <ATen/ATen.h>

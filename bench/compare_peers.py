@@ -380,7 +380,7 @@ def table(args, runs, parities, psi):
         else:
             bd = (f"fwd {r['fwd_s']:.3f}, bwd {r['bwd_s']:.3f}, step {r['opt_s']:.3f} (comm wait "
                   f"{r['comm_wait_s']:.3f}, update {r['update_s']:.3f}, gather {r['gather_s']:.3f})")
-            # not counted by the trainer: DESIGN.md's volume (2 Psi fp32, stage 3 at most 3 Psi)
+            # not counted by the trainer: docs/design.md's volume (2 Psi fp32, stage 3 <= 3 Psi)
             comm = f"{(3 if level == 3 else 2) * 4 * psi / MB:.1f} (design{', at most' if level == 3 else ''})"
             live = "n/a"
         wall_cpu = r["step_s"] / r["cpu_s"] if r["cpu_s"] > 0 else float("nan")

@@ -1,7 +1,7 @@
 // Fused CPU AdamW (src/kernels) against torch::optim::AdamW over the same tensors and against a
 // STREAM triad measured in the same binary, on 100M fp32 parameters by default. After the
 // Google Benchmark output it prints a markdown table with the ratios from this run (medians
-// when --benchmark_repetitions > 1), the one bench/RESULTS.md records.
+// when --benchmark_repetitions > 1), the one bench/README.md records.
 //
 //   build/bench/kernels_bench --benchmark_repetitions=5 [--numel=100000000]
 #include <ATen/ATen.h>
@@ -31,7 +31,7 @@ constexpr double kAdamBytes = 28;     // read p, g, m, v; write p, m, v (fp32)
 constexpr double kAdamLowBytes = 30;  // + the bf16 copy
 using shardopt::bench::kTriadBytes;
 
-// One set of pre-faulted buffers shared by every benchmark (first touch is slow, DESIGN.md).
+// One set of pre-faulted buffers shared by every benchmark (first touch is slow, docs/design.md).
 struct Data {
   at::Tensor p, g, m, v, low, triad_a;
   std::unique_ptr<torch::optim::AdamW> torch_opt;

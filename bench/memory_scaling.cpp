@@ -1,7 +1,7 @@
 // memory_scaling: per-rank bytes of parameters, gradients and optimizer state of the BERT example's
 // model (BERT-base or -large shape) after one optimizer step under ZeRO stage S on N ranks, measured
 // by shardopt::MemoryTracker (live tensor storage) and by DistributedOptimizer::memory(), next to
-// DESIGN.md's formula, the documented bounded buffers and the estimator (shardopt/estimate.hpp).
+// docs/stages.md's formula, the documented bounded buffers and the estimator (estimate.hpp).
 // bench/memory_scaling.sh runs it over stages and N (one mpirun each) and draws the table and plot.
 // It also reports the peak during construction (the model built, then the optimizer) and during
 // the step, each next to its bound (Note [Peak bounds]), and can run under a per-rank memory cap
@@ -104,7 +104,7 @@ shardopt::detail::FlatLayout layout_of(const std::vector<int64_t>& numels_in_ord
       shardopt::detail::bucket_numel(zo.bucket_bytes, psi, world, kP));
 }
 
-// DESIGN.md's table with P = G = 4, K = 8: bytes of model state per rank, by category.
+// docs/stages.md's table with P = G = 4, K = 8: bytes of model state per rank, by category.
 est::Breakdown design_formula(int stage, int64_t psi, int64_t n) {
   est::Breakdown b;
   const int64_t shard = (psi + n - 1) / n;
@@ -163,7 +163,7 @@ Buffers documented_buffers(const Config& c, const shardopt::detail::FlatLayout& 
 // Construction (the model built, then the optimizer around it): the model once (P * Psi) plus what
 // is in flight while its parameters move into the optimizer's storage, or the model state once
 // built, whichever is larger; plus the engine's scratch. The model state once built is counted over
-// the padded layout the engine allocates (built_state), not DESIGN.md's unpadded Psi: at N = 1
+// the padded layout the engine allocates (built_state), not docs/stages.md's unpadded Psi: at N = 1
 // nothing is in flight beyond it and there is no engine scratch, so the construction peak is
 // exactly that state, and the unpadded formula fell short by the padding (BERT-base: 4 elements, 64
 // bytes, which made every N = 1 row "PEAK OVER BOUND"). In flight: at stage 3 the rank's initial
@@ -529,7 +529,7 @@ int measure(const Config& c, const std::string& json_path, const std::string& ca
 
 int main(int argc, char** argv) {
   CLI::App app{"Per-rank model-state bytes of BERT under ZeRO stage S on N ranks, measured vs "
-               "DESIGN.md's formula and the estimator (run under mpirun -np N)"};
+               "docs/stages.md's formula and the estimator (run under mpirun -np N)"};
   Config c;
   bool plan_only = false;
   std::string json_path, ranks = "1,2,4,8", stages = "0,1,2,3", cap_mb;

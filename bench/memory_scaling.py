@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Memory scaling of ZeRO stages 0-3 with N ranks: measured vs DESIGN.md's formula.
+"""Memory scaling of ZeRO stages 0-3 with N ranks: measured vs docs/stages.md's formula.
 
 For each model shape (BERT-base, BERT-large: the example's model), stage and N in --ranks, runs
 `mpirun -np N memory_scaling --model M --stage S` (one optimizer step on one tiny batch) unless the
 run would exceed --budget-gib across its ranks (printed as skipped, with the reason), then prints
 a markdown table of per-rank bytes -- measured by shardopt's MemoryTracker (live tensor storage
-after the step) and by DistributedOptimizer::memory() -- next to DESIGN.md's formula, the
+after the step) and by DistributedOptimizer::memory() -- next to docs/stages.md's formula, the
 documented bounded buffers and the estimator, checks that the measurement is within 5% of the
 formula plus those buffers, and draws a PNG. Exit status 1 when a measured configuration misses
 the 5% or fails. Stage 3 reports "pending" while the library refuses it.
@@ -139,7 +139,7 @@ def plot(results, path):
         psi = next((r["psi"] for r in rs if "psi" in r), None)
         ns = sorted({r["ranks"] for r in rs})
         for s in sorted({r["stage"] for r in rs}):
-            if psi:  # DESIGN.md's formula for every N, measured or not
+            if psi:  # docs/stages.md's formula for every N, measured or not
                 k = {0: lambda n: 16, 1: lambda n: 8 + 8 / n, 2: lambda n: 4 + 12 / n,
                      3: lambda n: 16 / n}[s]
                 ax.plot(ns, [k(n) * psi / MB for n in ns], "--", color=colors[s], lw=1, alpha=0.7)
@@ -159,7 +159,7 @@ def plot(results, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("points: measured (tracker: live tensor storage after one step, bounded buffers "
-                 "included); dashed: DESIGN.md formula", fontsize=9)
+                 "included); dashed: docs/stages.md formula", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 
@@ -221,7 +221,7 @@ def main():
     print()
     print(md)
     print()
-    print("formula = DESIGN.md's table with P = G = 4, K = 8 (fp32 AdamW) and Psi the model's "
+    print("formula = docs/stages.md's table with P = G = 4, K = 8 (fp32 AdamW) and Psi the model's "
           "parameters (tied decoder once); documented buffers = stages 2-3's two bucket buffers of "
           "the largest bucket (at most bucket_bytes: buckets split parameters; stage 3 keeps no unit "
           "gathered after a step) + the MPI engine's reduction scratch (one piece of the largest bucket "

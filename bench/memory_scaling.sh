@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Per-rank memory of ZeRO stages 0-3 at N = 1, 2, 4, 8 ranks for BERT-base and BERT-large shapes,
-# measured (memory tracker + memory()) vs DESIGN.md's formula; markdown table, verdict, PNG.
+# measured (memory tracker + memory()) vs docs/stages.md's formula; markdown table, verdict, PNG.
 # Needs the project built (scripts/test.sh, or scripts/build.sh --target memory_scaling).
 #
 #   bench/memory_scaling.sh                                  # all, 12 GiB budget per run

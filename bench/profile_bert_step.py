@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One BERT step's forward and backward, phase by phase and op by op: the PyTorch peer
-(../shared/peers/torch_zero_bert.py, imported unchanged) against shardopt's example model
+(bench/peers/baseline/torch_zero_bert.py, imported unchanged) against shardopt's example model
 (bench/profile_bert_step, C++), same shapes (8 sequences x 128, all MLM logits), one process,
 one thread each, no optimizer and no communication: the model's own work only.
 
@@ -231,7 +231,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--cpp", default=os.path.join(here, "..", "build", "bench", "profile_bert_step"))
-    ap.add_argument("--peer", default=os.path.join(here, "..", "..", "shared", "peers", "torch_zero_bert.py"))
+    ap.add_argument("--peer", default=os.path.join(here, "peers", "baseline", "torch_zero_bert.py"))
     ap.add_argument("--workdir", default="/tmp")
     ap.add_argument("--vocab", type=int, default=30522)
     ap.add_argument("--batch", type=int, default=8)

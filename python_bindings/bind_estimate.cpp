@@ -65,7 +65,7 @@ void bind_estimate(py::module_& m) {
       "optimizer"_a = "adamw", "state_bytes"_a = -1, "bucket_bytes"_a = 0,
       "align_bytes"_a = 0, "gathered_units_params"_a = 0,
       "Bytes of model state per rank for `params` trainable parameters on `world` ranks "
-      "(DESIGN.md memory model). Raises ValueError on invalid arguments.");
+      "(docs/stages.md). Raises ValueError on invalid arguments.");
   m.def(
       "bert_parameter_count",
       [](const std::string& preset) { return est::bert_parameter_count(preset); }, "preset"_a,

@@ -10,6 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev python3-pytest pybind11-dev
   python3-matplotlib                                 # loss-curve and benchmark plots
   libutf8proc-dev                                    # the BERT tokenizer's Unicode tables
+  doxygen                                            # the API reference (CTest docs_api)
   manpages-dev manpages-fr-dev manpages-de-dev manpages-es-dev  # the BERT example's default corpus
 )
 # Installed where the release has them: python3-safetensors (Debian 13; Debian 12 has none, and

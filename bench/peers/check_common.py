@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Checks that bench/peers/common.py's BERT and data are those of the original peer script
-(../shared/peers/torch_zero_bert.py, or the path given): the same parameter names, shapes and
+(bench/peers/baseline/torch_zero_bert.py, or the path given): the same parameter names, shapes and
 initial values for one seed, and the same batches for each rank.
 
     python bench/peers/check_common.py [path/to/torch_zero_bert.py]
@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main():
-    default = os.path.join(HERE, "..", "..", "..", "shared", "peers", "torch_zero_bert.py")
+    default = os.path.join(HERE, "baseline", "torch_zero_bert.py")
     path = sys.argv[1] if len(sys.argv) > 1 else default
     if not os.path.isfile(path):
         sys.exit(f"[check] {path} does not exist: pass the original peer script's path")

@@ -1,7 +1,7 @@
 """What every peer in bench/peers/ shares: the peer BERT, its data, the launch, the timed loop,
 the parity check against single-process torch.optim.AdamW, and the one-line JSON report.
 
-The model and data are those of ../shared/peers/torch_zero_bert.py (same module tree, same
+The model and data are those of baseline/torch_zero_bert.py (same module tree, same
 initialisation order, so one seed gives the same weights; bench/peers/check_common.py verifies it
 when that file is present). Each peer supplies a `Peer` (how to build it, one forward+backward, one
 optimizer step, its full parameters and its model-state accounting); `main()` does the rest.
@@ -167,7 +167,7 @@ def finish_args(a):
 class CommCounter:
     """Bytes each rank hands to torch.distributed's collectives, by wrapping the module's functions
     (peers look them up at call time). All-reduce counts twice its size (reduce-scatter +
-    all-gather, the DESIGN.md convention: stages 0-2 move 2 Psi), reduce-scatter its input,
+    all-gather, the docs/design.md convention: stages 0-2 move 2 Psi), reduce-scatter its input,
     all-gather its output. Collectives issued from C++ (DDP's reducer) are not seen."""
 
     NAMES = {"all_reduce": 2, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,

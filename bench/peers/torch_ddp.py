@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch's own data parallelism on the peer BERT over Gloo: DDP + torch.optim.AdamW (`ddp`) and
-DDP + ZeroRedundancyOptimizer(AdamW) (`zero`), as ../shared/peers/torch_zero_bert.py runs them, in
+DDP + ZeroRedundancyOptimizer(AdamW) (`zero`), as baseline/torch_zero_bert.py runs them, in
 bench/peers/'s harness (parity, byte counts, one JSON report).
 
     mpirun -np 2 python bench/peers/torch_ddp.py --variant zero [--parity]

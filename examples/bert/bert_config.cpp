@@ -31,8 +31,8 @@ BertConfig BertConfig::preset(const std::string& name) {
   c.max_position_embeddings = shape.max_positions;
   c.type_vocab_size = shape.type_vocab;
   c.nsp = shape.nsp_head;
-  // The PyTorch peer baseline (../shared/peers/torch_zero_bert.py) computes MLM logits at every
-  // position; every other preset at the masked ones, as Google's BERT.
+  // The PyTorch peer baseline (bench/peers/baseline/torch_zero_bert.py) computes MLM logits at
+  // every position; every other preset at the masked ones, as Google's BERT.
   c.mlm_all_positions = name == "peer";
   return c;
 }

@@ -4,7 +4,8 @@
 //
 // Note [Why the trainer caches blocks]
 // glibc serves blocks above its mmap threshold (at most 32 MiB) with fresh mmap()s and returns
-// them on free(); the first touch of every 4 KiB page then costs a fault (~1.2 GB/s here, DESIGN.md).
+// them on free(); the first touch of every 4 KiB page then costs a fault (~1.2 GB/s,
+// docs/design.md).
 // BERT with MLM logits at all positions allocates four 125 MB [tokens x vocab] tensors per step:
 // 1M faults and ~20% of the step's CPU time. Freed blocks of at least min_bytes wait in the cache
 // for the next allocation of their size class (sizes round up to 1/16 of their power of two, so

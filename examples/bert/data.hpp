@@ -185,7 +185,7 @@ class BatchLoader {
 };
 
 // A batch of uniformly random tokens in [0, vocab_size) for benchmarks, as the peer baseline
-// (../shared/peers/torch_zero_bert.py) makes them: every row full length, one segment, each
+// (bench/peers/baseline/torch_zero_bert.py) makes them: every row full length, one segment, each
 // position masked with probability mask_prob (input := mask_id, label := the original token), no
 // next-sentence task (labels 0). Deterministic in (seed, index, rank).
 Batch synthetic_batch(int64_t rows, int64_t seq_length, int64_t vocab_size, double mask_prob,

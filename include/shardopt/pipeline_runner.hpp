@@ -1,6 +1,7 @@
-// Runs a compiled pipeline schedule (shardopt/pipeline.hpp) on this rank: its chunks' forward
-// functions, autograd for the backward passes, the communicator's send/recv between stages, and
-// gradient accumulation over the micro-batches into the parameters' .grad.
+/// \file
+/// Runs a compiled pipeline schedule (shardopt/pipeline.hpp) on this rank: its chunks' forward
+/// functions, autograd for the backward passes, the communicator's send/recv between stages, and
+/// gradient accumulation over the micro-batches into the parameters' .grad.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,69 +14,71 @@
 
 namespace shardopt {
 
-// One chunk (model stage) on this rank: a function of tensors, e.g. a lambda over a
-// torch::nn::Module's forward. Its parameters are needed only by split backwards (ZB-H1).
+/// One chunk (model stage) on this rank: a function of tensors, e.g. a lambda over a
+/// torch::nn::Module's forward. Its parameters are needed only by split backwards (ZB-H1).
 struct PipelineChunk {
-  // forward(input, microbatch): input is the micro-batch's data on stage 0 and the previous
-  // stage's activation (a leaf that requires grad) elsewhere. The last stage returns the
-  // micro-batch's loss, a scalar whose backward is what a single process would call.
+  /// forward(input, microbatch): input is the micro-batch's data on stage 0 and the previous
+  /// stage's activation (a leaf that requires grad) elsewhere. The last stage returns the
+  /// micro-batch's loss, a scalar whose backward is what a single process would call.
   std::function<at::Tensor(const at::Tensor& input, int microbatch)> forward;
-  std::vector<at::Tensor> parameters;
+  std::vector<at::Tensor> parameters;  ///< the chunk's parameters (for ZB-H1's split backward)
 };
 
-// When and how long one action of this rank's list ran (PipelineRunOptions::trace).
+/// When and how long one action of this rank's list ran (PipelineRunOptions::trace).
 struct PipelineActionTiming {
-  int64_t start_ns = 0;    // steady clock (CLOCK_MONOTONIC on Linux: one clock for every
-  int64_t end_ns = 0;      // process of a host), nanoseconds since its epoch
-  int64_t cpu_ns = 0;      // this thread's CPU time in the action (CLOCK_THREAD_CPUTIME_ID)
-  int64_t live_bytes = 0;  // MemoryTracker::cpu().live_bytes() after the action and the release
-                           // of what it was the last use of (0 growth while not installed)
+  int64_t start_ns = 0;    ///< steady clock (CLOCK_MONOTONIC on Linux: one clock for every
+  int64_t end_ns = 0;      ///< process of a host), nanoseconds since its epoch
+  int64_t cpu_ns = 0;      ///< this thread's CPU time in the action (CLOCK_THREAD_CPUTIME_ID)
+  int64_t live_bytes = 0;  ///< MemoryTracker::cpu().live_bytes() after the action and the release
+                           ///< of what it was the last use of (0 growth while not installed)
 };
 
-// The timings of one run_pipeline() call: actions[i] is this rank's schedule.actions[rank][i].
-// Costs two clock reads of each kind and an atomic load per action; nothing when not asked for.
+/// The timings of one run_pipeline() call: actions[i] is this rank's schedule.actions[rank][i].
+/// Costs two clock reads of each kind and an atomic load per action; nothing when not asked for.
 struct PipelineTrace {
-  std::vector<PipelineActionTiming> actions;
-  int64_t live_bytes_before = 0;  // MemoryTracker::cpu().live_bytes() when the call began
+  std::vector<PipelineActionTiming> actions;  ///< per action of this rank's list, in order
+  int64_t live_bytes_before = 0;  ///< MemoryTracker::cpu().live_bytes() when the call began
 };
 
+/// How run_pipeline() runs a rank's list.
 struct PipelineRunOptions {
-  // Shape and dtype of every activation between stages (and of its gradient): receives are
-  // posted into tensors of this shape, as Megatron's tensor_shape.
+  /// Shape and dtype of every activation between stages (and of its gradient): receives are
+  /// posted into tensors of this shape, as Megatron's tensor_shape.
   std::vector<int64_t> activation_shape;
-  at::ScalarType activation_dtype = at::kFloat;
-  // Where they live: receives are posted on this device (a CUDA device: the engine must serve
-  // CUDA tensors, as NCCL and the thread engine do).
+  at::ScalarType activation_dtype = at::kFloat;  ///< dtype of the activations and their gradients
+  /// Where they live: receives are posted on this device (a CUDA device: the engine must serve
+  /// CUDA tensors, as NCCL and the thread engine do).
   c10::Device activation_device = c10::kCPU;
-  // Where to record each action's timing (overwritten on every call); null: no timing.
+  /// Where to record each action's timing (overwritten on every call); null: no timing.
   PipelineTrace* trace = nullptr;
-  // Runs a zero-bubble weight pass, given as a function: it takes one autograd run per split
-  // node, which an optimizer counting backward passes must count as one, e.g.
-  // [&](const auto& pass) { opt.as_one_backward(pass); } (DistributedOptimizer). Empty: run it.
+  /// Runs a zero-bubble weight pass, given as a function: it takes one autograd run per split
+  /// node, which an optimizer counting backward passes must count as one, e.g.
+  /// [&](const auto& pass) { opt.as_one_backward(pass); } (DistributedOptimizer). Empty: run it.
   std::function<void(const std::function<void()>& pass)> weight_pass;
   // Note [Paired exchanges] (shardopt/pipeline.hpp): a Send followed directly by a Recv from the
   // same peer goes as one batch_isend_irecv. Auto: where the engine needs it (NCCL); Always:
   // also elsewhere (tests run the paired path on MPI and Gloo).
+  /// When a Send and the next Recv from the same peer go as one batch (Note [Paired exchanges]).
   enum class Pairing { Auto, Never, Always };
-  Pairing pair_exchanges = Pairing::Auto;
+  Pairing pair_exchanges = Pairing::Auto;  ///< Auto: where the engine needs it (NCCL)
 };
 
-// Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). `chunks` holds
-// this rank's v chunks in chunk order; `data(microbatch)` gives stage 0's inputs (called on the
-// rank that holds stage 0 only). Gradients accumulate into the parameters' .grad as the
-// micro-batches' backward passes run, in micro-batch order on every stage, so fp32 results are
-// bitwise those of one process running the m micro-batches one after the other. An optimizer that
-// counts backward passes (DistributedOptimizer) sees one per chunk and micro-batch: its
-// grad_accumulation_steps is v*m (README "Pipeline parallelism" composes it with ZeRO). Returns the m
-// losses (detached) on the rank that holds the last stage, an empty vector elsewhere. Call on
-// every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters' own
-// branches of the graph, from the gradients its input pass kept where they leave the chain to the
-// input (src/pipeline/split_backward.hpp); a parameter used at several places of a chunk, or
-// stage 0 data that is not floating point, falls back to re-traversing the graph. On NCCL a Send
-// and the Recv right after it from the same peer go as one batch (Note [Paired exchanges]);
-// tested on MPI and Gloo both ways (NCCL's pairing path needs a GPU per rank). Sent tensors are
-// released once their sends report completion; c10d's Gloo sends report it only when waited
-// for, so there they live to the end of the call.
+/// Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). `chunks` holds
+/// this rank's v chunks in chunk order; `data(microbatch)` gives stage 0's inputs (called on the
+/// rank that holds stage 0 only). Gradients accumulate into the parameters' .grad as the
+/// micro-batches' backward passes run, in micro-batch order on every stage, so fp32 results are
+/// bitwise those of one process running the m micro-batches one after the other. An optimizer that
+/// counts backward passes (DistributedOptimizer) sees one per chunk and micro-batch: its
+/// grad_accumulation_steps is v*m (README "Pipeline parallelism" composes it with ZeRO). Returns
+/// the m losses (detached) on the rank that holds the last stage, an empty vector elsewhere. Call
+/// on every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters'
+/// own branches of the graph, from the gradients its input pass kept where they leave the chain to
+/// the input (src/pipeline/split_backward.hpp); a parameter used at several places of a chunk, or
+/// stage 0 data that is not floating point, falls back to re-traversing the graph. On NCCL a Send
+/// and the Recv right after it from the same peer go as one batch (Note [Paired exchanges]);
+/// tested on MPI and Gloo both ways (NCCL's pairing path needs a GPU per rank). Sent tensors are
+/// released once their sends report completion; c10d's Gloo sends report it only when waited
+/// for, so there they live to the end of the call.
 std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communicator& comm,
                                      const std::vector<PipelineChunk>& chunks,
                                      const std::function<at::Tensor(int microbatch)>& data,

@@ -1,16 +1,17 @@
-// Hyper-parameters of the optimizers DistributedOptimizer runs natively over its shard. Light
-// structs (no torch/optim headers); fluent like torch's options: AdamW(1e-4).weight_decay(0.01).
-// Defaults equal torch's.
-//
-// Note [One place per rule]
-// Each rule says here, and only here, what the rest of the library needs to know about it:
-//   kName          its name ("adamw"): checkpoints, Python, error messages;
-//   fields(r, v)   every hyper-parameter in torch's order, as v(Field{name, lowest value}, member)
-//                  with member a double or a bool: the checkpoint JSON codec and the Python
-//                  dict codec are written once over it (detail/rule_traits.hpp);
-//   state_names()  the state buffers it keeps, with torch::optim's names, in the engine's order:
-//                  their number is what the engine allocates, the names key checkpoints.
-// A new rule is its struct here, an entry in `Rule`, and its update code in the engine.
+/// \file
+/// Hyper-parameters of the optimizers DistributedOptimizer runs natively over its shard. Light
+/// structs (no torch/optim headers); fluent like torch's options: AdamW(1e-4).weight_decay(0.01).
+/// Defaults equal torch's.
+///
+/// Note [One place per rule]
+/// Each rule says here, and only here, what the rest of the library needs to know about it:
+///   kName          its name ("adamw"): checkpoints, Python, error messages;
+///   fields(r, v)   every hyper-parameter in torch's order, as v(Field{name, lowest value}, member)
+///                  with member a double or a bool: the checkpoint JSON codec and the Python
+///                  dict codec are written once over it (detail/rule_traits.hpp);
+///   state_names()  the state buffers it keeps, with torch::optim's names, in the engine's order:
+///                  their number is what the engine allocates, the names key checkpoints.
+/// A new rule is its struct here, an entry in `Rule`, and its update code in the engine.
 #pragma once
 
 #include <limits>
@@ -18,6 +19,8 @@
 #include <variant>
 #include <vector>
 
+/// One hyper-parameter of a rule: a fluent setter `name(value)`, a getter `name()` and the
+/// member `name_` with torch's default (undefined at the end of this header).
 #define SHARDOPT_ARG(T, name, init)                 \
  public:                                            \
   auto& name(const T& value) {                      \
@@ -32,8 +35,8 @@
 namespace shardopt {
 namespace detail {
 
-// One hyper-parameter as the codecs see it: torch's name, and the lowest value torch accepts
-// (doubles; checked where values come from users, i.e. Python).
+/// One hyper-parameter as the codecs see it: torch's name, and the lowest value torch accepts
+/// (doubles; checked where values come from users, i.e. Python).
 struct Field {
   constexpr Field(const char* name, double lowest = 0.0) : name(name), lowest(lowest) {}
   const char* name;
@@ -48,49 +51,61 @@ inline std::vector<std::string> adam_state_names(bool amsgrad) {
 
 }  // namespace detail
 
+/// torch::optim::Adam's rule: hyper-parameters `lr` (1e-3), `beta1` (0.9), `beta2` (0.999),
+/// `eps` (1e-8), `weight_decay` (0: L2 added to the gradient) and `amsgrad` (false), each set
+/// fluently (`Adam(1e-4).beta2(0.98)`) and read by its name (`rule.lr()`).
 struct Adam {
-  explicit Adam(double lr = 1e-3) : lr_(lr) {}
-  static constexpr const char* kName = "adam";
+  explicit Adam(double lr = 1e-3) : lr_(lr) {}  ///< With this learning rate.
+  static constexpr const char* kName = "adam";  ///< The rule's name: checkpoints, Python, errors.
   SHARDOPT_ARG(double, lr, 1e-3);
   SHARDOPT_ARG(double, beta1, 0.9);
   SHARDOPT_ARG(double, beta2, 0.999);
   SHARDOPT_ARG(double, eps, 1e-8);
-  SHARDOPT_ARG(double, weight_decay, 0.0);  // L2 added to the gradient
+  SHARDOPT_ARG(double, weight_decay, 0.0);  ///< L2 added to the gradient
   SHARDOPT_ARG(bool, amsgrad, false);
 
  public:
+  /// Visits every hyper-parameter in torch's order (Note [One place per rule]).
   template <class Self, class Visit>
   static void fields(Self& r, Visit&& v) {
     v("lr", r.lr_); v("beta1", r.beta1_); v("beta2", r.beta2_); v("eps", r.eps_);
     v("weight_decay", r.weight_decay_); v("amsgrad", r.amsgrad_);
   }
+  /// The state buffers the rule keeps, by torch::optim's names, in the engine's order.
   std::vector<std::string> state_names() const { return detail::adam_state_names(amsgrad_); }
 };
 
+/// torch::optim::AdamW's rule: hyper-parameters `lr` (1e-3), `beta1` (0.9), `beta2` (0.999),
+/// `eps` (1e-8), `weight_decay` (0.01, decoupled) and `amsgrad` (false), each set fluently
+/// (`AdamW(1e-4).weight_decay(0.01)`) and read by its name.
 struct AdamW {
-  explicit AdamW(double lr = 1e-3) : lr_(lr) {}
-  static constexpr const char* kName = "adamw";
+  explicit AdamW(double lr = 1e-3) : lr_(lr) {}  ///< With this learning rate.
+  static constexpr const char* kName = "adamw";  ///< The rule's name: checkpoints, Python, errors.
   SHARDOPT_ARG(double, lr, 1e-3);
   SHARDOPT_ARG(double, beta1, 0.9);
   SHARDOPT_ARG(double, beta2, 0.999);
   SHARDOPT_ARG(double, eps, 1e-8);
-  SHARDOPT_ARG(double, weight_decay, 1e-2);  // decoupled
+  SHARDOPT_ARG(double, weight_decay, 1e-2);  ///< decoupled
   SHARDOPT_ARG(bool, amsgrad, false);
 
  public:
+  /// Visits every hyper-parameter in torch's order (Note [One place per rule]).
   template <class Self, class Visit>
   static void fields(Self& r, Visit&& v) {
     Adam::fields(r, v);  // the same names; only the decay differs
   }
+  /// The state buffers the rule keeps, by torch::optim's names, in the engine's order.
   std::vector<std::string> state_names() const { return detail::adam_state_names(amsgrad_); }
 
  private:
   friend struct Adam;
 };
 
+/// torch::optim::SGD's rule: `lr` (required), `momentum` (0), `dampening` (0), `weight_decay`
+/// (0) and `nesterov` (false), each set fluently and read by its name.
 struct SGD {
-  explicit SGD(double lr) : lr_(lr) {}
-  static constexpr const char* kName = "sgd";
+  explicit SGD(double lr) : lr_(lr) {}  ///< SGD has no default rate, as torch.
+  static constexpr const char* kName = "sgd";  ///< The rule's name: checkpoints, Python, errors.
   SHARDOPT_ARG(double, lr, 0.0);
   SHARDOPT_ARG(double, momentum, 0.0);
   SHARDOPT_ARG(double, dampening, 0.0);
@@ -98,24 +113,29 @@ struct SGD {
   SHARDOPT_ARG(bool, nesterov, false);
 
  public:
+  /// Visits every hyper-parameter in torch's order (Note [One place per rule]).
   template <class Self, class Visit>
   static void fields(Self& r, Visit&& v) {
     v("lr", r.lr_); v("momentum", r.momentum_); v({"dampening", kAnyValue}, r.dampening_);
     v("weight_decay", r.weight_decay_); v("nesterov", r.nesterov_);
   }
+  /// The state buffers the rule keeps, by torch::optim's names, in the engine's order.
   std::vector<std::string> state_names() const {
     if (momentum_ == 0.0) return {};
     return {"momentum_buffer"};
   }
-  // torch.optim.SGD's constraint, checked where rules come from users (Python): empty when met.
+  /// torch.optim.SGD's constraint, checked where rules come from users (Python): empty when met.
   std::string problem() const;
 
  private:
   static constexpr double kAnyValue = -std::numeric_limits<double>::infinity();
 };
 
+/// torch::optim::Adagrad's rule: `lr` (0.01), `lr_decay` (0), `weight_decay` (0),
+/// `initial_accumulator_value` (0) and `eps` (1e-10), each set fluently and read by its name.
 struct Adagrad {
-  explicit Adagrad(double lr = 1e-2) : lr_(lr) {}
+  explicit Adagrad(double lr = 1e-2) : lr_(lr) {}  ///< With this learning rate.
+  /// The rule's name: checkpoints, Python, errors.
   static constexpr const char* kName = "adagrad";
   SHARDOPT_ARG(double, lr, 1e-2);
   SHARDOPT_ARG(double, lr_decay, 0.0);
@@ -124,16 +144,21 @@ struct Adagrad {
   SHARDOPT_ARG(double, eps, 1e-10);
 
  public:
+  /// Visits every hyper-parameter in torch's order (Note [One place per rule]).
   template <class Self, class Visit>
   static void fields(Self& r, Visit&& v) {
     v("lr", r.lr_); v("lr_decay", r.lr_decay_); v("weight_decay", r.weight_decay_);
     v("initial_accumulator_value", r.initial_accumulator_value_); v("eps", r.eps_);
   }
+  /// The state buffers the rule keeps, by torch::optim's names, in the engine's order.
   std::vector<std::string> state_names() const { return {"sum"}; }
 };
 
+/// torch::optim::RMSprop's rule: `lr` (0.01), `alpha` (0.99), `eps` (1e-8), `weight_decay`
+/// (0), `momentum` (0) and `centered` (false), each set fluently and read by its name.
 struct RMSprop {
-  explicit RMSprop(double lr = 1e-2) : lr_(lr) {}
+  explicit RMSprop(double lr = 1e-2) : lr_(lr) {}  ///< With this learning rate.
+  /// The rule's name: checkpoints, Python, errors.
   static constexpr const char* kName = "rmsprop";
   SHARDOPT_ARG(double, lr, 1e-2);
   SHARDOPT_ARG(double, alpha, 0.99);
@@ -143,11 +168,13 @@ struct RMSprop {
   SHARDOPT_ARG(bool, centered, false);
 
  public:
+  /// Visits every hyper-parameter in torch's order (Note [One place per rule]).
   template <class Self, class Visit>
   static void fields(Self& r, Visit&& v) {
     v("lr", r.lr_); v("alpha", r.alpha_); v("eps", r.eps_); v("weight_decay", r.weight_decay_);
     v("momentum", r.momentum_); v("centered", r.centered_);
   }
+  /// The state buffers the rule keeps, by torch::optim's names, in the engine's order.
   std::vector<std::string> state_names() const {
     std::vector<std::string> names{"square_avg"};
     if (momentum_ > 0.0) names.push_back("momentum_buffer");
@@ -156,11 +183,12 @@ struct RMSprop {
   }
 };
 
-// LAMB (You et al. 2019): Adam's update scaled per tensor by ||w|| / ||update||. The norms span
-// whole tensors, which shards split: partial sums are all-reduced, so sharded LAMB equals LAMB.
+/// LAMB (You et al. 2019): Adam's update scaled per tensor by ||w|| / ||update||. The norms span
+/// whole tensors, which shards split: partial sums are all-reduced, so sharded LAMB equals LAMB.
+/// Hyper-parameters `lr` (1e-3), `beta1` (0.9), `beta2` (0.999), `eps` (1e-6), `weight_decay` (0).
 struct Lamb {
-  explicit Lamb(double lr = 1e-3) : lr_(lr) {}
-  static constexpr const char* kName = "lamb";
+  explicit Lamb(double lr = 1e-3) : lr_(lr) {}  ///< With this learning rate.
+  static constexpr const char* kName = "lamb";  ///< The rule's name: checkpoints, Python, errors.
   SHARDOPT_ARG(double, lr, 1e-3);
   SHARDOPT_ARG(double, beta1, 0.9);
   SHARDOPT_ARG(double, beta2, 0.999);
@@ -168,21 +196,26 @@ struct Lamb {
   SHARDOPT_ARG(double, weight_decay, 0.0);
 
  public:
+  /// Visits every hyper-parameter in torch's order (Note [One place per rule]).
   template <class Self, class Visit>
   static void fields(Self& r, Visit&& v) {
     v("lr", r.lr_); v("beta1", r.beta1_); v("beta2", r.beta2_); v("eps", r.eps_);
     v("weight_decay", r.weight_decay_);
   }
+  /// The state buffers the rule keeps, by torch::optim's names, in the engine's order.
   std::vector<std::string> state_names() const { return detail::adam_state_names(false); }
 };
 
-// The order is the one error messages list the rules in.
+/// The order is the one error messages list the rules in.
 using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb>;
 
-// "adamw", "sgd", ... of whichever rule `rule` holds.
+/// "adamw", "sgd", ... of whichever rule `rule` holds.
 const char* rule_name(const Rule& rule);
+/// The learning rate of whichever rule `rule` holds.
 double rule_lr(const Rule& rule);
+/// Sets the learning rate of whichever rule `rule` holds (what LR schedulers change).
 void set_rule_lr(Rule& rule, double lr);
+/// Sets the weight decay of whichever rule `rule` holds.
 void set_rule_weight_decay(Rule& rule, double weight_decay);
 
 }  // namespace shardopt

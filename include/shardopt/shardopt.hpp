@@ -1,6 +1,7 @@
-// Umbrella header: everything a trainer needs, nothing heavier than <ATen/core/Tensor.h>,
-// <torch/optim/optimizer.h> and fmt. Engine-specific factories live in mpi.hpp,
-// process_group.hpp and nccl.hpp.
+/// \file
+/// Umbrella header: everything a trainer needs, nothing heavier than <ATen/core/Tensor.h>,
+/// <torch/optim/optimizer.h> and fmt. Engine-specific factories live in mpi.hpp,
+/// process_group.hpp and nccl.hpp.
 #pragma once
 
 #include "shardopt/checkpoint.hpp"

@@ -1,29 +1,30 @@
-// Tensor parallelism (Megatron-LM's split layers, Shoeybi et al. 2019) for libtorch: linear layers
-// and an embedding whose weights are split over a tensor-parallel group, the collectives between
-// them as autograd functions (ours: libtorch 1.13 has none, 2.x no differentiable all-reduce),
-// the cross entropy over a vocabulary split across ranks, optional sequence parallelism
-// (Korthikanti et al. 2022) and the dropout streams of split regions.
-//
-// Note [Split regions]
-// A transformer layer is two pairs: a ColumnParallelLinear (QKV; the first MLP matrix), whose
-// output features are split, so each rank holds a/t whole heads or f/t intermediate features, and
-// a RowParallelLinear (attention output; second MLP matrix), whose input features are split and
-// whose partial sums are all-reduced. Between them everything is local. At the region's entry the
-// replicated input's gradient is all-reduced in backward (copy_to_region), at its exit the output
-// is all-reduced in forward (reduce_from_region): 2 all-reduces of b*s*h per layer forward, 2 in
-// backward. With sequence parallelism the replicated parts (LayerNorm, dropout, residuals) are
-// split along the sequence instead; the entry becomes an all-gather along the sequence (its
-// backward a reduce-scatter) and the exit a reduce-scatter (its backward an all-gather): the same
-// bytes, and activations outside the regions cut by t. A parameter used on sequence shards (a
-// LayerNorm's, a RowParallelLinear's bias) then gets only its shard's gradient: mark it with
-// mark_sequence_parallel, which sums its gradient over the group as autograd produces it (before
-// DistributedOptimizer's hooks reduce it over the data-parallel group).
-//
-// Every layer's weight is drawn whole on every rank (the same generator state gives the same
-// numbers: torch::nn's own initialisation) and the rank keeps its slice, so a model built at any
-// t starts from the unsplit model's values; load_full() copies the slice of given unsplit values.
-// Layouts are [batch, sequence, features] (sequence_dim 1); the vocabulary and the split feature
-// dimensions must divide by t.
+/// \file
+/// Tensor parallelism (Megatron-LM's split layers, Shoeybi et al. 2019) for libtorch: linear layers
+/// and an embedding whose weights are split over a tensor-parallel group, the collectives between
+/// them as autograd functions (ours: libtorch 1.13 has none, 2.x no differentiable all-reduce),
+/// the cross entropy over a vocabulary split across ranks, optional sequence parallelism
+/// (Korthikanti et al. 2022) and the dropout streams of split regions.
+///
+/// Note [Split regions]
+/// A transformer layer is two pairs: a ColumnParallelLinear (QKV; the first MLP matrix), whose
+/// output features are split, so each rank holds a/t whole heads or f/t intermediate features, and
+/// a RowParallelLinear (attention output; second MLP matrix), whose input features are split and
+/// whose partial sums are all-reduced. Between them everything is local. At the region's entry the
+/// replicated input's gradient is all-reduced in backward (copy_to_region), at its exit the output
+/// is all-reduced in forward (reduce_from_region): 2 all-reduces of b*s*h per layer forward, 2 in
+/// backward. With sequence parallelism the replicated parts (LayerNorm, dropout, residuals) are
+/// split along the sequence instead; the entry becomes an all-gather along the sequence (its
+/// backward a reduce-scatter) and the exit a reduce-scatter (its backward an all-gather): the same
+/// bytes, and activations outside the regions cut by t. A parameter used on sequence shards (a
+/// LayerNorm's, a RowParallelLinear's bias) then gets only its shard's gradient: mark it with
+/// mark_sequence_parallel, which sums its gradient over the group as autograd produces it (before
+/// DistributedOptimizer's hooks reduce it over the data-parallel group).
+///
+/// Every layer's weight is drawn whole on every rank (the same generator state gives the same
+/// numbers: torch::nn's own initialisation) and the rank keeps its slice, so a model built at any
+/// t starts from the unsplit model's values; load_full() copies the slice of given unsplit values.
+/// Layouts are [batch, sequence, features] (sequence_dim 1); the vocabulary and the split feature
+/// dimensions must divide by t.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -37,43 +38,48 @@
 
 namespace shardopt::tp {
 
-// ---- Collectives autograd differentiates (Megatron's mappings) --------------------------------
-// Forward identity, backward all-reduce: a replicated input enters a split region.
+/// ---- Collectives autograd differentiates (Megatron's mappings) --------------------------------
+/// Forward identity, backward all-reduce: a replicated input enters a split region.
 at::Tensor copy_to_region(const at::Tensor& x, const CommunicatorPtr& group);
-// Forward all-reduce (sum), backward identity: partial sums leave a split region.
+/// Forward all-reduce (sum), backward identity: partial sums leave a split region.
 at::Tensor reduce_from_region(const at::Tensor& x, const CommunicatorPtr& group);
-// Forward: this rank's chunk of `dim`; backward: the gradient all-gathered along `dim`.
+/// Forward: this rank's chunk of `dim`; backward: the gradient all-gathered along `dim`.
 at::Tensor scatter_to_region(const at::Tensor& x, int64_t dim, const CommunicatorPtr& group);
-// Forward: all-gathered along `dim`; backward: this rank's chunk of the gradient.
+/// Forward: all-gathered along `dim`; backward: this rank's chunk of the gradient.
 at::Tensor gather_from_region(const at::Tensor& x, int64_t dim, const CommunicatorPtr& group);
-// Sequence parallelism. Forward all-gather along `dim`, backward reduce-scatter along `dim`.
+/// Sequence parallelism. Forward all-gather along `dim`, backward reduce-scatter along `dim`.
 at::Tensor gather_from_sequence_region(const at::Tensor& x, int64_t dim,
                                        const CommunicatorPtr& group);
-// Forward reduce-scatter along `dim` (sum), backward all-gather along `dim`.
+/// Forward reduce-scatter along `dim` (sum), backward all-gather along `dim`.
 at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& x, int64_t dim,
                                              const CommunicatorPtr& group);
 
-// Sums `param`'s gradient over `group` as autograd produces it (Note [Split regions]).
+/// Sums `param`'s gradient over `group` as autograd produces it (Note [Split regions]).
 void mark_sequence_parallel(const at::Tensor& param, const CommunicatorPtr& group);
 
-// What every split layer is given.
+/// What every split layer is given.
 struct TensorParallel {
-  CommunicatorPtr group;           // the tensor-parallel group (ParallelGroups::tp)
-  bool sequence_parallel = false;  // Note [Split regions]
-  int64_t sequence_dim = 1;        // of [batch, sequence, features]
+  CommunicatorPtr group;           ///< the tensor-parallel group (ParallelGroups::tp)
+  bool sequence_parallel = false;  ///< Note [Split regions]
+  int64_t sequence_dim = 1;        ///< of [batch, sequence, features]
 };
 
-// y = x A^T + b with A's rows (output features) split: weight [out/t, in], bias [out/t]. The
-// output stays split unless gather_output.
+/// y = x A^T + b with A's rows (output features) split: weight [out/t, in], bias [out/t]. The
+/// output stays split unless gather_output.
 class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
+  /// Splits `out_features` over the group's t ranks (it must divide by t).
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallel tp,
                            bool bias = true, bool gather_output = false);
+  /// X [..., in] -> [..., out/t], or [..., out] with gather_output.
   at::Tensor forward(const at::Tensor& x);
-  // Copies this rank's rows of the unsplit weight [out, in] and bias [out] (undefined: none).
+  /// Copies this rank's rows of the unsplit weight [out, in] and bias [out] (undefined: none).
   void load_full(const at::Tensor& weight, const at::Tensor& bias = {});
 
+  ///@{
+  /// Weight [out/t, in], bias [out/t] (undefined without bias).
   at::Tensor weight, bias;
+  ///@}
 
  private:
   TensorParallel tp_;
@@ -81,16 +87,23 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(ColumnParallelLinear);
 
-// y = x A^T + b with A's columns (input features) split: weight [out, in/t]; bias [out] is
-// replicated and added after the reduction. The input is split already unless !input_is_parallel.
+/// y = x A^T + b with A's columns (input features) split: weight [out, in/t]; bias [out] is
+/// replicated and added after the reduction. The input is split already unless !input_is_parallel.
 class RowParallelLinearImpl : public torch::nn::Module {
  public:
+  /// Splits `in_features` over the group's t ranks (it must divide by t).
   RowParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallel tp,
                         bool bias = true, bool input_is_parallel = true);
+  /// X [..., in/t] (or [..., in] unless input_is_parallel) -> [..., out], summed over the group.
   at::Tensor forward(const at::Tensor& x);
+  /// Copies this rank's columns of the unsplit weight [out, in], and the bias [out] (undefined:
+  /// none).
   void load_full(const at::Tensor& weight, const at::Tensor& bias = {});
 
+  ///@{
+  /// Weight [out, in/t], bias [out] (replicated; undefined without bias).
   at::Tensor weight, bias;
+  ///@}
 
  private:
   TensorParallel tp_;
@@ -98,18 +111,22 @@ class RowParallelLinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RowParallelLinear);
 
-// An embedding whose rows (the vocabulary) are split: weight [vocab/t, dim]; ids outside this
-// rank's rows give zeros, and the sum over the group is the full lookup (under sequence
-// parallelism, reduce-scattered along the sequence). Its weight doubles as the tied decoder:
-// a ColumnParallelLinear's matrix (logits split over the vocabulary, vocab_parallel_cross_entropy).
+/// An embedding whose rows (the vocabulary) are split: weight [vocab/t, dim]; ids outside this
+/// rank's rows give zeros, and the sum over the group is the full lookup (under sequence
+/// parallelism, reduce-scattered along the sequence). Its weight doubles as the tied decoder:
+/// a ColumnParallelLinear's matrix (logits split over the vocabulary,
+/// vocab_parallel_cross_entropy).
 class VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
+  /// Splits `vocab` rows over the group's t ranks (pad it with padded_vocab()).
   VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, TensorParallel tp);
+  /// Ids [...] -> [..., dim], the full lookup (zeros summed in from other ranks' rows).
   at::Tensor forward(const at::Tensor& ids);
+  /// Copies this rank's rows of the unsplit weight [vocab, dim].
   void load_full(const at::Tensor& weight);
-  int64_t vocab_begin() const { return begin_; }  // this rank's first row
+  int64_t vocab_begin() const { return begin_; }  ///< this rank's first row
 
-  at::Tensor weight;
+  at::Tensor weight;  ///< weight [vocab/t, dim]
 
  private:
   TensorParallel tp_;
@@ -117,32 +134,35 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
-// The names (as module.named_parameters() gives them) of the parameters every tensor rank holds
-// whole: all but the split layers' weights and ColumnParallelLinear's bias. What
-// ZeroOptions::tensor_replicated wants, so that the clipping norm counts them once.
+/// The names (as module.named_parameters() gives them) of the parameters every tensor rank holds
+/// whole: all but the split layers' weights and ColumnParallelLinear's bias. What
+/// ZeroOptions::tensor_replicated wants, so that the clipping norm counts them once.
 std::vector<std::string> replicated_parameter_names(const torch::nn::Module& module);
 
-// Cross entropy per position from logits split over the vocabulary (logits [..., vocab/t], this
-// rank's columns vocab_begin = rank * vocab/t onward; target [...]): three small all-reduces (max,
-// sum of exponentials, the target's logit), so no rank holds full-vocabulary logits. Positions
-// whose target is ignore_index give 0 and no gradient. Differentiable in the logits.
+/// Cross entropy per position from logits split over the vocabulary (logits [..., vocab/t], this
+/// rank's columns vocab_begin = rank * vocab/t onward; target [...]): three small all-reduces (max,
+/// sum of exponentials, the target's logit), so no rank holds full-vocabulary logits. Positions
+/// whose target is ignore_index give 0 and no gradient. Differentiable in the logits.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
                                         const CommunicatorPtr& group,
                                         int64_t ignore_index = -100);
 
-// The smallest multiple of 128 * t at least `vocab` (Megatron's padding: 30522 -> 30720 at t=2).
+/// The smallest multiple of 128 * t at least `vocab` (Megatron's padding: 30522 -> 30720 at t=2).
 int64_t padded_vocab(int64_t vocab, int tp);
 
-// Dropout streams (Megatron's RNG tracker). Outside split regions every tensor rank must draw the
-// same numbers (the activations are replicated); inside (this rank's heads) each its own. The
-// default generator serves the first; fork() switches it to this rank's stream, seeded with seed +
-// 2718 + tp_rank, for the lifetime of the returned guard, and the stream continues at the next
-// fork. Per device: CPU, or CUDA's current device.
+/// Dropout streams (Megatron's RNG tracker). Outside split regions every tensor rank must draw the
+/// same numbers (the activations are replicated); inside (this rank's heads) each its own. The
+/// default generator serves the first; fork() switches it to this rank's stream, seeded with seed +
+/// 2718 + tp_rank, for the lifetime of the returned guard, and the stream continues at the next
+/// fork. Per device: CPU, or CUDA's current device.
 class RngTracker {
  public:
+  /// This rank's stream is seeded with seed + 2718 + tp_rank on `device`.
   RngTracker(uint64_t seed, int tp_rank, c10::Device device = c10::kCPU);
+  /// A scope on this rank's stream: the default generator's state is swapped in for its lifetime.
   class Fork {
    public:
+    /// Switches the default generator to the tracker's stream.
     explicit Fork(RngTracker& tracker);
     ~Fork();
     Fork(const Fork&) = delete;
@@ -150,13 +170,14 @@ class RngTracker {
 
    private:
     RngTracker& tracker_;
-    at::Tensor caller_;  // the default stream's state, put back on exit
+    at::Tensor caller_;  ///< the default stream's state, put back on exit
   };
+  /// Switches to this rank's stream until the returned guard is destroyed.
   Fork fork() { return Fork(*this); }
 
  private:
   c10::Device device_;
-  at::Tensor state_;  // this rank's stream between forks
+  at::Tensor state_;  ///< this rank's stream between forks
 };
 
 }  // namespace shardopt::tp

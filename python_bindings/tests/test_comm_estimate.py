@@ -40,7 +40,7 @@ def test_init_from_env_single(monkeypatch):
 @pytest.mark.parametrize("stage,per_param", [(0, 16.0), (1, 8 + 8 / 4), (2, 4 + 12 / 4),
                                              (3, 16 / 4)])
 def test_estimate_matches_the_memory_model(stage, per_param):
-    # DESIGN.md: fp32 AdamW, P = G = 4, K = 8; N = 4.
+    # docs/stages.md: fp32 AdamW, P = G = 4, K = 8; N = 4.
     psi = 1_000_000
     e = shardopt.estimate(psi, world=4, stage=stage)
     assert e.device.model_state == per_param * psi

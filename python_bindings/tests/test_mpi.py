@@ -66,7 +66,7 @@ def test_ranks_agree_and_memory_is_sharded(comm):
     assert mem.param_bytes == 4 * psi
     assert mem.optimizer_state_bytes == 8 * psi // 2      # each rank: m and v of half
     assert mem.grad_bytes == 4 * psi // 2                 # stage 2: only the gradient shard
-    assert opt.last_step().comm_elements == 2 * psi       # DESIGN.md: 2Ψ per step, stages 0-2
+    assert opt.last_step().comm_elements == 2 * psi       # docs/design.md: 2Ψ per step, stages 0-2
 
 
 def test_model_mismatch_raises_on_every_rank(comm):

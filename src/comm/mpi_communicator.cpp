@@ -1,7 +1,7 @@
 // The MPI engine. Collectives run in submission order on one worker thread, so async calls overlap
 // the caller's compute. Reductions are our own (pairwise Sendrecv into a persistent scratch buffer
 // plus an ATen add): OpenMPI 4.1's MPI_Reduce_scatter_block allocates per call and reached ~1 GB/s
-// here, the pairwise exchange ~4 GB/s (DESIGN.md). Each chunk is reduced by exactly one rank and
+// here, the pairwise exchange ~4 GB/s (docs/design.md). Each chunk is reduced by exactly one rank and
 // then gathered, so all_reduce gives bitwise-identical results on every rank.
 #include "shardopt/mpi.hpp"
 

@@ -15,7 +15,7 @@
 // trace (Note [Reuse distance]); the trace (Note [Use trace]) also drives prefetch, of the parts
 // the last pass used next in forward, and in backward of those before the part in this forward.
 // Unlike declared units, which release each unit when its run ends, parts whose backward use is
-// near stay gathered into backward, saving their backward gathers (bench/RESULTS.md: BERT peer,
+// near stay gathered into backward, saving their backward gathers (bench/log/2026-11-25-auto-units-issue-28-quiet.md: BERT peer,
 // 2.92 Psi per step vs 3.70 with its explicit units, peak +0.1%).
 //
 // Note [Reuse distance]
@@ -30,7 +30,7 @@
 // gather, so the decision uses only the cross-rank-checked trace and positions. Without a usable
 // trace (the first pass, ranks that disagreed, a forward that left the trace) the kKeep most
 // recently used parts stay gathered.
-// Cost: one boxed fallback per operation on a parameter (bench/RESULTS.md). What bypasses the
+// Cost: one boxed fallback per operation on a parameter (bench/log/2026-11-25-auto-units-issue-28-quiet.md). What bypasses the
 // dispatcher bypasses this too: code reading a parameter's data_ptr(), or a TorchScript fuser
 // kernel taking one, sees no bytes while its part is released: gather_full_parameters() first, or
 // disable the fuser (README "Stage 3"). Gathers are collectives issued by whichever operation needs

@@ -15,7 +15,7 @@
 // (Note [One owner of releases]); the engine reports the moments, the store executes.
 // Communication per micro-step (padded elements): each part is all-gathered once per forward run
 // that needs it and once in backward, and reduce-scattered once; the root part once per step. With
-// each unit run once and no sharing that is 3 * Psi, as DESIGN.md states; BERT's tied word
+// each unit run once and no sharing that is 3 * Psi, as docs/stages.md states; BERT's tied word
 // embeddings add one all-gather of their part.
 #include "engine/engine.hpp"
 

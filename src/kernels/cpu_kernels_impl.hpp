@@ -86,7 +86,7 @@ inline void stage_out(T* dst, const T* buf, int64_t r) {
 // core's own hardware prefetchers keep too few lines in flight (they restart at each 4 KiB page)
 // to reach the memory's bandwidth. Asking for each read stream's line kPrefetchBytes ahead, once
 // per 64-byte line, keeps more in flight: AdamW at 110M parameters, one thread, AVX-512, AMD EPYC
-// (Zen 5) went from 53.5 to 48.8 ms (bench/RESULTS.md "Prefetching the streams"); 1 KiB and
+// (Zen 5) went from 53.5 to 48.8 ms (bench/log/2026-11-27-kernels-prefetching-the-streams.md); 1 KiB and
 // 4 KiB ahead were no better than none there. Prefetches never fault, so the lines past a
 // segment's end cost nothing but a wasted request (they are usually the next chunk's).
 constexpr int64_t kLineFloats = 16;        // one 64-byte line of floats

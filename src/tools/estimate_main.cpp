@@ -47,7 +47,7 @@ std::string json_breakdown(const est::Breakdown& b) {
 int main(int argc, char** argv) {
   CLI::App app{
       "shardopt-estimate: per-rank bytes of parameters, gradients, optimizer state and buffers, "
-      "and communication per step, for ZeRO stages 0-3 (DESIGN.md memory model). MB = 10^6 bytes."};
+      "and communication per step, for ZeRO stages 0-3 (docs/stages.md, the memory model). MB = 10^6 bytes."};
   std::string preset;
   double params = 0;
   std::string ranks_arg = "1,2,4,8";

@@ -473,7 +473,7 @@ PeakRun peak_with_defaults(const std::function<LossModel()>& make_model, int sta
   return run;
 }
 
-// The promise of DESIGN.md's memory model with default options: on 12 small layers and a tied
+// The promise of docs/stages.md's memory model with default options: on 12 small layers and a tied
 // decoder (TorchScript with its graph optimizer on, and libtorch's own modules), stage 3's step
 // peak is below stage 2's by at least a quarter of the parameters' bytes x (N-1)/N; persistence
 // (its share of the model) holds whole copies only, and the peak attribution shows them.

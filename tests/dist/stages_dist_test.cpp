@@ -378,7 +378,7 @@ TEST(StageFactory, TorchAdamWOverTheShardMatches) {
 // 16 * N elements (embed.weight spans several), only the last padded.
 int64_t tiny_root_padded(int64_t n) { return detail::round_up(4 + kVocab * kDim, 16 * n); }
 
-// memory() is the DESIGN.md model with padding: K = 8 bytes of AdamW state per element.
+// memory() is docs/stages.md's model with padding: K = 8 bytes of AdamW state per element.
 TEST(StageMemory, MatchesTheModel) {
   auto comm = test::world();
   const int64_t n = comm->size();

@@ -1,5 +1,5 @@
 // The analytic memory/communication model (shardopt/estimate.hpp): Accounting::ZeroPaper against
-// DESIGN.md's table, the ZeRO paper's worked example and the peer baseline's numbers;
+// docs/stages.md's table, the ZeRO paper's worked example and the peer baseline's numbers;
 // Accounting::Engine by hand here and against the live optimizer in
 // tests/dist/estimate_memory_dist_test.cpp; BERT parameter counts.
 #include <gtest/gtest.h>
@@ -26,7 +26,7 @@ Estimate run(int64_t psi, int n, int stage, Precision p = Precision::FP32,
   return model_states(o);
 }
 
-// DESIGN.md: stage 0 (P+G+K)Ψ, 1 (P+G)Ψ + KΨ/N, 2 PΨ + (G+K)Ψ/N, 3 (P+G+K)Ψ/N.
+// docs/stages.md: stage 0 (P+G+K)Ψ, 1 (P+G)Ψ + KΨ/N, 2 PΨ + (G+K)Ψ/N, 3 (P+G+K)Ψ/N.
 int64_t design_table(int stage, int64_t psi, int64_t n, int64_t p, int64_t g, int64_t k) {
   switch (stage) {
     case 0: return (p + g + k) * psi;
@@ -181,7 +181,7 @@ TEST(Estimate, CpuOffloadMovesStateAndGradShardToHost) {
 }
 
 // What the engine allocates (StagePlan): under bf16 even stage 1 keeps its gradients as an fp32
-// shard (Ψ bytes at N = 4, where DESIGN.md's table says 2Ψ), plus the bucket pool.
+// shard (Ψ bytes at N = 4, where docs/stages.md's table says 2Ψ), plus the bucket pool.
 TEST(Estimate, EngineAccountingFollowsThePlan) {
   Options o;
   o.params = 1 << 20;
@@ -247,7 +247,7 @@ TEST(EstimateBert, PresetCounts) {
   EXPECT_EQ(base.two_largest_units(12), base.embeddings + base.layer);
 }
 
-// /work/shared/peers/README.md: the peer MLM BERT (vocab 30522, hidden 256, 4 layers, 4 heads,
+// bench/peers/baseline/README.md: the peer MLM BERT (vocab 30522, hidden 256, 4 layers, 4 heads,
 // intermediate 1024, max positions 512, 2 types, tied decoder, no pooler, no NSP head) has 11.2M
 // parameters; an even flat shard at N = 2 with fp32 AdamW holds 134 / 112 / 90 MB per rank for
 // stages 1 / 2 / 3. Those are MB = 10^6 bytes (torch_zero_bert.py prints bytes / 1e6): 12Ψ, 10Ψ
@@ -280,7 +280,7 @@ TEST(EstimateBert, ReproducesThePeerBaseline) {
 // than a lower one, bucket buffers included, on the peer model at N = 2 and BERT-base at N = 2, 4,
 // 8, in both accountings. Stage 3 is counted with two gathered units of one bucket each (the
 // estimator's default; after a step it holds none). Fixed 16 MiB buckets broke it on the peer
-// model: stage 2 held 145.6 MB against stage 1's 134.4 (bench/RESULTS.md, memory scaling).
+// model: stage 2 held 145.6 MB against stage 1's 134.4 (bench/log/2026-11-25-bucket-pool-bound-issue-38.md).
 TEST(EstimateBert, DefaultBucketsKeepHigherStagesSmaller) {
   const std::pair<const char*, std::vector<int>> models[] = {{"peer", {2}}, {"base", {2, 4, 8}}};
   for (Accounting accounting : {Accounting::Engine, Accounting::ZeroPaper}) {

@@ -46,6 +46,9 @@ import sys
 import time
 
 MB = 1e6  # the peer's unit
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+import gemm_probe  # noqa: E402  (Note [Compute fraction]: FLOPs per step and the GEMM probe)
 
 
 def sh(cmd):
@@ -297,6 +300,41 @@ def run_ours(args, stage, variant, outdir, rnd):
     }
 
 
+# ---- how close to the machine's compute (Note [Compute fraction] in bench/gemm_probe.py) ---------
+
+def run_probe(python, args, outdir, tag):
+    """The GEMM probe of the model's own shapes with `python`'s torch at one thread; None if it
+    cannot run there."""
+    cmd = [python, os.path.join(BENCH_DIR, "gemm_probe.py"), "--batch", str(args.batch),
+           "--threads", "1", "--reps", "5"]
+    rc, out, load, _, _ = run(cmd, os.path.join(outdir, f"gemm_probe_{tag}.log"), 600)
+    for line in reversed(out.splitlines()):
+        if rc == 0 and line.startswith("{"):
+            r = json.loads(line)
+            r["load"] = load
+            return r
+    return None
+
+
+def trainer_python(args):
+    """The Python whose torch the C++ trainer links: the venv's when the trainer links its
+    libtorch (the pip platform's build), else Debian's /usr/bin/python3 (python3-torch)."""
+    venv_torch = sh(f"{args.python} -c 'import torch, os; print(os.path.dirname(torch.__file__))'")
+    linked = sh(f"ldd {args.trainer} | grep libtorch_cpu")
+    return args.python if venv_torch and venv_torch in linked else "/usr/bin/python3"
+
+
+def compute_used(key, r, probes, args):
+    """(fraction of the probe's rate, GFLOP/s) of a row's median step."""
+    positions = key[1][1] if key[0] == "shardopt" else "all"
+    probe = probes.get("trainer" if key[0] == "shardopt" else "peers")
+    if not probe or r.get("status") != "ok":
+        return None
+    flops = gemm_probe.flops_per_step(gemm_probe.SHAPES["peer"], args.batch, positions)
+    rate = flops / r["step_s"]
+    return rate / (probe["gflops"] * 1e9), rate / 1e9
+
+
 # ---- report --------------------------------------------------------------------------------------
 
 def combine(results):
@@ -354,20 +392,21 @@ def fastest_exact_peer(runs, parities, level):
     return best
 
 
-def table(args, runs, parities, psi):
+def table(args, runs, parities, psi, probes):
     head = ("| run | level | parity: max abs param diff after "
             f"{args.parity_steps} steps / step-1 grad diff | median step (s) | samples/s | "
-            "vs fastest exact peer at its level | CPU s/step | wall / CPU | sys s per run | "
+            "vs fastest exact peer at its level | compute used: of the GEMM probe (GFLOP/s) | "
+            "CPU s/step | wall / CPU | sys s per run | "
             "peak RSS per rank (MB) | model state r0 (MB) | buffers r0 (MB) | live tensors r0 (MB) | "
             "comm per step r0 (MB) | breakdown (s) | load |")
-    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     gb = args.ranks * args.batch
     for key, r in runs.items():
         name, level = row_name(key)
         par = parities.get(key[1]) if key[0] == "peer" else None
         if r["status"] != "ok":
             lines.append(f"| {name} | {level} | {parity_text(par)} | {r['status']} | | | | | | | "
-                         f"| | | | {r['reason']} | {r['load']:.1f} |")
+                         f"| | | | | {r['reason']} | {r['load']:.1f} |")
             continue
         best = fastest_exact_peer(runs, parities, level)
         vs = f"{r['step_s'] / best[1]['step_s']:.2f}x" if best else "no exact peer"
@@ -388,8 +427,10 @@ def table(args, runs, parities, psi):
         # a core another job holds) shows wall time its CPU time lacks; such a row measures the
         # machine more than the code.
         flag = " **wall > 1.1x CPU**" if wall_cpu > 1.1 else ""
+        used = compute_used(key, r, probes, args)
+        used = f"{used[0]:.2f} ({used[1]:.0f})" if used else "no probe"
         lines.append(f"| {name} | {level} | {parity_text(par)} | {r['step_s']:.3f} | "
-                     f"{gb / r['step_s']:.2f} | {vs} | {r['cpu_s']:.3f} | {wall_cpu:.2f}{flag} | "
+                     f"{gb / r['step_s']:.2f} | {vs} | {used} | {r['cpu_s']:.3f} | {wall_cpu:.2f}{flag} | "
                      f"{r['sys_s']:.1f} | {fmt_rss(r['rss'])} | {r['model_state'] / MB:.1f} | "
                      f"{r['buffers'] / MB:.1f} | "
                      f"{live} | {comm} | {bd} | {r['load']:.1f} |")
@@ -486,6 +527,18 @@ def main():
           f"{args.steps} timed steps, 1 thread per rank, {args.rounds} round(s); logs in {outdir}")
     sys.stdout.flush()
 
+    # Note [Compute fraction] (bench/gemm_probe.py): the model's products timed alone at one thread
+    # with the peers' torch and with the trainer's, before the runs (the machine as the runs find it).
+    probes = {"peers": run_probe(args.python, args, outdir, "peers")}
+    tp = trainer_python(args)
+    probes["trainer"] = probes["peers"] if tp == args.python else run_probe(tp, args, outdir, "trainer")
+    for tag, p in probes.items():
+        print(f"[compare] GEMM probe, {'the peers' if tag == 'peers' else 'the C++ trainer'}'s torch: " + (
+            f"{p['gflops']:.1f} GFLOP/s at 1 thread on the model's products "
+            f"({p['flops_per_step'] / 1e9:.1f} GFLOP per rank and step; torch {p['torch']}, "
+            f"load {p['load']:.1f})" if p else "did not run (see gemm_probe_*.log)"))
+    sys.stdout.flush()
+
     # shardopt's Python rows come right after its C++ rows
     keys = ([("peer", p) for p in peers if p not in OURS]
             + [("shardopt", (s, v)) for v in variants for s in stages]
@@ -526,7 +579,7 @@ def main():
 
     runs = {k: combine(v) for k, v in results.items()}
     psi = next((r["parameters"] for r in runs.values() if r.get("parameters")), 0)
-    md = table(args, runs, parities, psi)
+    md = table(args, runs, parities, psi, probes)
     notes = verdicts(args, runs, parities)
     print()
     print(md)
@@ -549,9 +602,13 @@ def main():
           "counted twice; shardopt's Python rows: StepStats.comm_elements x 4 bytes, its own count "
           "of what it sent over MPI); sys s per run = the run's system CPU seconds per rank; MB = "
           "10^6 bytes; load = 1-minute load average when the run started (2 cores: above ~2 means other work "
-          "shared them).")
+          "shared them); compute used = the model's matrix-product FLOPs per rank and step over the "
+          "median step time, as a fraction of the GEMM probe's rate on the same products at one "
+          "thread with the row's torch (Note [Compute fraction], bench/gemm_probe.py; probes: "
+          + "; ".join(f"{t} {p['gflops']:.1f} GFLOP/s, torch {p['torch']}" for t, p in probes.items() if p)
+          + ").")
     with open(os.path.join(outdir, "results.json"), "w") as f:
-        json.dump({"machine": info, "args": vars(args), "parity": parities,
+        json.dump({"machine": info, "args": vars(args), "parity": parities, "probes": probes,
                    "runs": [{"key": list(map(str, k)), "rounds": v} for k, v in results.items()],
                    "table": md, "verdicts": notes}, f, indent=1)
     with open(os.path.join(outdir, "table.md"), "w") as f:

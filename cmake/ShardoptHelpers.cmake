@@ -63,3 +63,14 @@ function(shardopt_add_mpi_test)
                        RESOURCE_LOCK mpi LABELS "dist;${T_LABELS}"
                        ENVIRONMENT "OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;OMPI_MCA_btl=self,vader;OMPI_MCA_rmaps_base_oversubscribe=1")
 endfunction()
+
+# shardopt_split_entry(ENTRY N FIELDS_VAR FILTER_VAR): a test table's "f1:...:fN:Suite.*:Other*"
+# entry -> its first N fields as a list in FIELDS_VAR, the rest (a gtest filter) in FILTER_VAR.
+function(shardopt_split_entry entry n fields_var filter_var)
+  string(REPLACE ":" ";" _parts "${entry}")
+  list(SUBLIST _parts 0 ${n} _fields)
+  list(SUBLIST _parts ${n} -1 _rest)
+  string(REPLACE ";" ":" _filter "${_rest}")
+  set(${fields_var} "${_fields}" PARENT_SCOPE)
+  set(${filter_var} "${_filter}" PARENT_SCOPE)
+endfunction()

@@ -16,10 +16,10 @@ case ",$sanitizers," in
 esac
 if [ $thread = 1 ]; then
   export SHARDOPT_BUILD_DIR="${SHARDOPT_SANITIZE_BUILD_DIR:-$ROOT/build-tsan}"
-  targets="dist_tests pipeline_tests"
+  targets="dist_tests pipeline_tests thread_tests"
 else
   export SHARDOPT_BUILD_DIR="${SHARDOPT_SANITIZE_BUILD_DIR:-$ROOT/build-sanitize}"
-  targets="unit_tests dist_tests bert_tests pipeline_tests"
+  targets="unit_tests dist_tests bert_tests pipeline_tests thread_tests"
 fi
 # -O1: the sanitizers' usual level (readable stacks, a third of -O3's compile time here).
 export SHARDOPT_CMAKE_ARGS="-DSHARDOPT_SANITIZE=$sanitizers -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -41,10 +41,10 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # the paths that parse and move bytes (checkpoints, buffers), the four stages, non-finite handling,
 # the communicators' collectives and point-to-point, and the pipeline executor, at two ranks
 # (tests/sanitizers/README.md gives the cost of more).
-default_tests='^(unit|unit_kernels_env_scalar|bert_unit|pipeline_schedules|checkpoint_np2|checkpoint_buffers_np2|stages_np2|nonfinite_np2|comm_np2|p2p_np2|pipeline_np2)$'
+default_tests='^(unit|unit_kernels_env_scalar|bert_unit|pipeline_schedules|checkpoint_np2|checkpoint_buffers_np2|stages_np2|nonfinite_np2|comm_np2|p2p_np2|pipeline_np2|threads_stages_n3|threads_tensor_parallel_n2)$'
 # ThreadSanitizer: the engine's multi-rank tests where a worker thread runs beside the caller.
 if [ $thread = 1 ]; then
-  default_tests='^(comm_np2|stages_np2|nonfinite_np2|contract_np2|p2p_np2|pipeline_np2|checkpoint_np2)$'
+  default_tests='^(comm_np2|stages_np2|nonfinite_np2|contract_np2|p2p_np2|pipeline_np2|checkpoint_np2|threads_stages_n3|threads_tensor_parallel_n2)$'
 fi
 cd "$SHARDOPT_BUILD_DIR"
 LOG="$SHARDOPT_BUILD_DIR/last-sanitize.log"

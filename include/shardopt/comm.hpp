@@ -250,8 +250,9 @@ class BlockingRegion {
   void* token_ = nullptr;
 };
 
-/// Whether a Work::wait of this process has timed out. Teardown (the optimizer's destructors) then
-/// stops waiting for collectives that can no longer complete; engines keep their tensors alive.
+/// Whether a Work::wait of this process (on a thread-rank of run_ranks: of this rank) has timed
+/// out. Teardown (the optimizer's destructors) then stops waiting for collectives that can no
+/// longer complete; engines keep their tensors alive.
 bool collective_timed_out();
 }  // namespace detail
 

@@ -14,6 +14,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/threads.hpp"
 
 namespace shardopt {
 
@@ -35,9 +36,14 @@ std::string describe(const at::Tensor& t) {
 
 namespace {
 std::atomic<bool> g_timed_out{false};
+// A thread-rank's timeouts are its own (Note [Ranks that are threads] in src/error.cpp): its job
+// ends with run_ranks, and the process's next job must not skip its teardown waits.
+thread_local bool t_timed_out = false;
 }  // namespace
 
-bool detail::collective_timed_out() { return g_timed_out.load(); }
+bool detail::collective_timed_out() {
+  return thread_rank() >= 0 ? t_timed_out : g_timed_out.load();
+}
 
 namespace detail {
 namespace {
@@ -74,7 +80,11 @@ void Work::wait(Duration timeout) {
   if (done_) return;
   const Duration deadline = timeout > Duration::zero() ? timeout : default_timeout_;
   const bool completed = wait_for(deadline);
-  if (!completed) g_timed_out = true;
+  if (!completed && thread_rank() >= 0) {
+    t_timed_out = true;
+  } else if (!completed) {
+    g_timed_out = true;
+  }
   SHARDOPT_CHECK(completed, Timeout,
                  "comm: {} did not complete within {} ms; a rank may have died, hung, or not made "
                  "the same call",

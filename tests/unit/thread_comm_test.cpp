@@ -215,9 +215,12 @@ TEST(ThreadEngineFailure, ARankThatNeverArrivesTimesOut) {
     test::expect_error([&] { comm->all_reduce(at::ones({7}), ReduceOp::Max); },
                        ErrorKind::Timeout, {"all_reduce([7] ", ", max) on threads",
                                             "did not complete within 300 ms"});
+    EXPECT_TRUE(detail::collective_timed_out());  // this rank's teardown stops waiting
     timed_out = true;
   }, options);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+  // The next job's ranks start afresh: the timeout was that rank's, not the process's.
+  run_ranks(1, [](const CommunicatorPtr&) { EXPECT_FALSE(detail::collective_timed_out()); });
 }
 
 // Rank 1 issues a broadcast, then rank 0 an all-reduce as the same collective: rank 0 is told

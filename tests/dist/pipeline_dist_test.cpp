@@ -277,7 +277,10 @@ TEST_P(PipelineParity, SeveralTensorsPerBoundary) {
   const int p = comm->size(), r = comm->rank();
   bool ok = true;
   using Pairing = PipelineRunOptions::Pairing;
-  for (const auto& [c, pairing] : with_both_pairings(cases_for(p))) {
+  std::vector<Case> cases = cases_for(p);
+  // Interleaved with m = p pairs a chunk's first receive (its boundary header) with a send.
+  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, p, 2});
+  for (const auto& [c, pairing] : with_both_pairings(cases)) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}{}", to_string(c.kind), p, c.m, c.v,
                              pairing == Pairing::Always ? " paired" : ""));
     auto reference = make_model();

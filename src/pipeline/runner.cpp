@@ -143,7 +143,7 @@ void agree_on_call(const PipelineSchedule& schedule, Communicator& comm, c10::De
     std::string groups;
     for (const auto& [w, ranks] : by_schedule) {
       groups += fmt::format(
-          "{}rank{} {} {} (p = {}, m = {}, v = {}, fingerprint {:08x}{:08x})",
+          "{}rank{} {}: {} (p = {}, m = {}, v = {}, fingerprint {:08x}{:08x})",
           groups.empty() ? "" : "; ", ranks.size() > 1 ? "s" : "", fmt::join(ranks, ", "),
           shardopt::to_string(static_cast<PipelineScheduleKind>(static_cast<int>(w[0]))),
           static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]),

@@ -194,15 +194,16 @@ TEST_P(PipelineParity, DifferentSchedulesAreAMismatchOnEveryRank) {
   bool ok = true;
   using Kind = PipelineScheduleKind;
   for (const auto& [kind, m, needle] :
-       {std::tuple{Kind::OneFOneB, r == 0 ? 4 : 5, std::string("rank 0 1f1b (p = ") +
+       {std::tuple{Kind::OneFOneB, r == 0 ? 4 : 5, std::string("rank 0: 1f1b (p = ") +
                                                       std::to_string(p) + ", m = 4"},
         std::tuple{r == 1 ? Kind::ZeroBubbleH1 : Kind::OneFOneB, 4,
-                   std::string("rank 1 zb-h1 (p = ") + std::to_string(p) + ", m = 4"}}) {
+                   std::string("rank 1: zb-h1 (p = ") + std::to_string(p) + ", m = 4"}}) {
     const PipelineSchedule schedule = compile_schedule(kind, p, m);
     const auto chunks = chunks_of(model, schedule, r);
     const std::string what = test::expect_error(
         [&] { run_pipeline(schedule, *comm, chunks, data, options); }, ErrorKind::Mismatch,
         {"were handed different schedules", needle});
+    if (r == 0) std::printf("[ message  ] %s\n", what.c_str());
     ok = ok && !what.empty();
   }
   // Rank 1 passes no chunk: it names its error, the others name rank 1.

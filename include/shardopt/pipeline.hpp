@@ -142,6 +142,11 @@ SimulatedRun simulate_schedule(const PipelineSchedule& schedule, const ActionCos
 /// naming the first violation (rank, position, action).
 void validate_schedule(const PipelineSchedule& schedule);
 
+/// A 64-bit hash (FNV-1a) of the whole schedule: kind, p, m, v and every rank's list. run_pipeline
+/// all-gathers it so that ranks handed different schedules stop with Error{Mismatch} rather than
+/// exchange messages the others never expect.
+uint64_t fingerprint(const PipelineSchedule& schedule);
+
 /// Empty when the lists run without deadlock with paired exchanges (Note [Paired exchanges]), else
 /// the simulator's message naming each rank's blocked action.
 std::string paired_deadlock(const PipelineSchedule& schedule);

@@ -15,13 +15,25 @@
 namespace shardopt {
 
 /// One chunk (model stage) on this rank: a function of tensors, e.g. a lambda over a
-/// torch::nn::Module's forward. Its parameters are needed only by split backwards (ZB-H1).
+/// torch::nn::Module's forward. Set `forward` (one tensor in, one out) or `forward_tensors`
+/// (several tensors per boundary: hidden states, a mask, ...).
 struct PipelineChunk {
   /// forward(input, microbatch): input is the micro-batch's data on stage 0 and the previous
   /// stage's activation (a leaf that requires grad) elsewhere. The last stage returns the
   /// micro-batch's loss, a scalar whose backward is what a single process would call.
   std::function<at::Tensor(const at::Tensor& input, int microbatch)> forward;
-  std::vector<at::Tensor> parameters;  ///< the chunk's parameters (for ZB-H1's split backward)
+  /// The chunk's parameters. ZB-H1's weight pass computes their gradients and those of every other
+  /// leaf of the chunk's graph that requires grad (Note [Owed gradients] in
+  /// src/pipeline/split_backward.hpp), so a parameter missing here still gets its gradient; listing
+  /// them fixes the order in which the weight pass produces theirs.
+  std::vector<at::Tensor> parameters;
+  /// Used instead of `forward` when set: forward_tensors(inputs, microbatch) gets {data} on stage 0
+  /// and every tensor the previous stage returned elsewhere (floating ones as leaves requiring
+  /// grad), and returns the tensors for the next stage ({loss} on the last). Their number, shapes
+  /// and dtypes are agreed on the first micro-batch (PipelineRunOptions::activation_shape empty)
+  /// and must not change afterwards; only floating tensors carry a gradient back.
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& inputs, int microbatch)>
+      forward_tensors;
 };
 
 /// When and how long one action of this rank's list ran (PipelineRunOptions::trace).
@@ -42,12 +54,16 @@ struct PipelineTrace {
 
 /// How run_pipeline() runs a rank's list.
 struct PipelineRunOptions {
-  /// Shape and dtype of every activation between stages (and of its gradient): receives are
-  /// posted into tensors of this shape, as Megatron's tensor_shape.
+  /// Shape of the one activation between stages (and of its gradient), as Megatron's
+  /// tensor_shape: receives are posted into tensors of this shape and activation_dtype, and a
+  /// stage returning anything else is an error. Empty: each boundary's tensors (several with
+  /// forward_tensors) are agreed on its first micro-batch, the sender sending their number, dtypes
+  /// and shapes ahead of them (Note [Boundary headers] in src/pipeline/runner.cpp; torch
+  /// pipelining's shape inference), and activation_dtype is not used.
   std::vector<int64_t> activation_shape;
   at::ScalarType activation_dtype = at::kFloat;  ///< dtype of the activations and their gradients
-  /// Where they live: receives are posted on this device (a CUDA device: the engine must serve
-  /// CUDA tensors, as NCCL and the thread engine do).
+  /// Where they live: receives are posted on this device and stages must return tensors on it (a
+  /// CUDA device: the engine must serve CUDA tensors, as NCCL and the thread engine do).
   c10::Device activation_device = c10::kCPU;
   /// Where to record each action's timing (overwritten on every call); null: no timing.
   PipelineTrace* trace = nullptr;
@@ -63,7 +79,11 @@ struct PipelineRunOptions {
   Pairing pair_exchanges = Pairing::Auto;  ///< Auto: where the engine needs it (NCCL)
 };
 
-/// Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). `chunks` holds
+/// Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). Before any
+/// message, each rank validates the schedule (validate_schedule) and its own arguments, and the
+/// ranks all-gather the schedule's fingerprint() and the outcome: ranks handed different
+/// schedules stop with Error{Mismatch} naming which rank got which, an invalid schedule or call
+/// with its Error on every rank, never a hang (one small all-gather per call). `chunks` holds
 /// this rank's v chunks in chunk order; `data(microbatch)` gives stage 0's inputs (called on the
 /// rank that holds stage 0 only). Gradients accumulate into the parameters' .grad as the
 /// micro-batches' backward passes run, in micro-batch order on every stage, so fp32 results are

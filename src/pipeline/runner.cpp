@@ -2,7 +2,8 @@
 // isend (waited for at the end), receives block, which are the semantics the validator proved
 // deadlock-free; on NCCL a Send and the Recv right after it from the same peer go as one batch
 // (Note [Paired exchanges], proved likewise). Activations and their graphs live from a chunk's
-// Forward to its last backward pass for that micro-batch.
+// Forward to its last backward pass for that micro-batch. Nothing is sent before every rank of the
+// group has checked the call and agreed on the schedule.
 #include "shardopt/pipeline_runner.hpp"
 
 #include <ATen/ATen.h>
@@ -12,7 +13,9 @@
 #include <time.h>
 
 #include <chrono>
+#include <exception>
 #include <map>
+#include <optional>
 #include <utility>
 
 #include "pipeline/split_backward.hpp"
@@ -24,11 +27,141 @@ namespace {
 
 // What one (chunk, micro-batch) keeps between its passes on this rank.
 struct InFlight {
-  at::Tensor input;   // the received activation (a leaf requiring grad); stage 0: the data
-  at::Tensor output;  // the chunk's output (the loss on the last stage)
-  at::Tensor grad;    // the gradient of `output` received from the next stage
-  detail::SplitBackward split;  // zero-bubble schedules: what B keeps for W
+  std::vector<at::Tensor> inputs;   // received activations (floating ones leaves requiring
+                                    // grad); stage 0: the data
+  std::vector<at::Tensor> outputs;  // the chunk's outputs (the loss on the last stage)
+  std::vector<at::Tensor> grads;    // per output, the gradient received from the next stage
+  detail::SplitBackward split;      // zero-bubble schedules: what B keeps for W
 };
+
+// The dtype and shape of each tensor crossing one boundary.
+struct TensorSpec {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  bool operator==(const TensorSpec& o) const { return dtype == o.dtype && shape == o.shape; }
+};
+using BoundarySpec = std::vector<TensorSpec>;
+
+std::string to_string(const BoundarySpec& spec) {
+  std::string out;
+  for (const TensorSpec& t : spec) {
+    out += fmt::format("{}[{}] {}", out.empty() ? "" : ", ", fmt::join(t.shape, ", "),
+                       c10::toString(t.dtype));
+  }
+  return "(" + out + ")";
+}
+
+BoundarySpec spec_of(const std::vector<at::Tensor>& tensors) {
+  BoundarySpec spec;
+  for (const at::Tensor& t : tensors) spec.push_back({t.scalar_type(), t.sizes().vec()});
+  return spec;
+}
+
+// Note [Boundary headers]: with no fixed activation_shape, the first message of each boundary
+// (sender stage s -> s+1) is a header of kHeaderInts int64: a magic number, the number of tensors
+// n, then per tensor its dtype, its rank and its sizes. The receiver's first Recv of that boundary
+// takes the header, then the tensors; later micro-batches send the tensors alone, checked by the
+// sender against the header (torch.distributed.pipelining infers shapes once, likewise). The
+// header has a fixed size so that a paired exchange can post its receive before knowing what
+// follows. Gradients need none: the sender of the activations knows their shapes.
+constexpr int64_t kHeaderInts = 64;
+constexpr int64_t kHeaderMagic = 0x5348504950;  // "SHPIP"
+
+at::Tensor encode(const BoundarySpec& spec, c10::Device device, const std::string& where) {
+  std::vector<int64_t> words{kHeaderMagic, static_cast<int64_t>(spec.size())};
+  for (const TensorSpec& t : spec) {
+    words.push_back(static_cast<int64_t>(t.dtype));
+    words.push_back(static_cast<int64_t>(t.shape.size()));
+    words.insert(words.end(), t.shape.begin(), t.shape.end());
+  }
+  SHARDOPT_CHECK(static_cast<int64_t>(words.size()) <= kHeaderInts, InvalidArgument,
+                 "pipeline: {} returns {}, which takes {} header words, expected at most {} "
+                 "(fewer tensors or dimensions per boundary)",
+                 where, to_string(spec), words.size(), kHeaderInts);
+  words.resize(kHeaderInts, 0);
+  return at::tensor(words, at::kLong).to(device);
+}
+
+BoundarySpec decode(const at::Tensor& header, const std::string& where) {
+  const at::Tensor h = header.to(at::kCPU);
+  const int64_t* w = h.data_ptr<int64_t>();
+  SHARDOPT_CHECK(w[0] == kHeaderMagic && w[1] >= 0, InvalidArgument,
+                 "pipeline: {} expected a boundary header (magic {:#x}), got {:#x}: do all ranks "
+                 "leave PipelineRunOptions::activation_shape empty?",
+                 where, kHeaderMagic, w[0]);
+  BoundarySpec spec;
+  int64_t at_word = 2;
+  for (int64_t i = 0; i < w[1]; ++i) {
+    SHARDOPT_INTERNAL_ASSERT(at_word + 2 <= kHeaderInts && at_word + 2 + w[at_word + 1] <= kHeaderInts,
+                             "pipeline: boundary header overflows");
+    TensorSpec t{static_cast<at::ScalarType>(w[at_word]), {}};
+    t.shape.assign(w + at_word + 2, w + at_word + 2 + w[at_word + 1]);
+    at_word += 2 + w[at_word + 1];
+    spec.push_back(std::move(t));
+  }
+  return spec;
+}
+
+// What goes on the wire for `t`: booleans (masks) as bytes of the same storage, which every
+// engine carries; the rest as they are.
+at::Tensor on_wire(const at::Tensor& t) {
+  return t.scalar_type() == at::kBool ? t.view(at::kByte) : t;
+}
+
+// Every rank's view of the call, all-gathered before any message: the schedule's summary and
+// fingerprint and whether the rank's own checks passed. Mismatches and local errors then stop
+// every rank, named, where a lone throw would leave the others waiting in a receive.
+void agree_on_call(const PipelineSchedule& schedule, Communicator& comm, c10::Device device,
+                   const std::exception_ptr& local_error) {
+  const uint64_t h = fingerprint(schedule);
+  constexpr int64_t kWords = 7;
+  // doubles hold the 32-bit halves exactly, and every engine gathers them.
+  const at::Tensor mine =
+      at::tensor({static_cast<double>(schedule.kind), static_cast<double>(schedule.ranks),
+                  static_cast<double>(schedule.microbatches), static_cast<double>(schedule.chunks),
+                  static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffu),
+                  local_error ? 1.0 : 0.0},
+                 at::kDouble)
+          .to(device);
+  at::Tensor all = at::empty({kWords * comm.size()}, mine.options());
+  comm.all_gather(mine, all, /*async=*/true)->wait();
+  all = all.to(at::kCPU).view({comm.size(), kWords});
+  const auto row = [&](int r) {
+    const double* w = all[r].data_ptr<double>();
+    return std::vector<double>(w, w + kWords);
+  };
+  // Group the ranks by schedule; name each group by what a reader can compare.
+  std::map<std::vector<double>, std::vector<int>> by_schedule;
+  std::vector<int> refused;
+  for (int r = 0; r < comm.size(); ++r) {
+    std::vector<double> w = row(r);
+    if (w[6] != 0) refused.push_back(r);
+    w.pop_back();
+    by_schedule[w].push_back(r);
+  }
+  if (by_schedule.size() > 1) {
+    std::string groups;
+    for (const auto& [w, ranks] : by_schedule) {
+      groups += fmt::format(
+          "{}rank{} {}: {} (p = {}, m = {}, v = {}, fingerprint {:08x}{:08x})",
+          groups.empty() ? "" : "; ", ranks.size() > 1 ? "s" : "", fmt::join(ranks, ", "),
+          shardopt::to_string(static_cast<PipelineScheduleKind>(static_cast<int>(w[0]))),
+          static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]),
+          static_cast<uint32_t>(w[4]), static_cast<uint32_t>(w[5]));
+    }
+    SHARDOPT_FAIL(Mismatch,
+                  "pipeline: the ranks of the pipeline group were handed different schedules, "
+                  "expected the same one on every rank (same kind, p, m, v and action lists), "
+                  "got: {}",
+                  groups);
+  }
+  if (local_error) std::rethrow_exception(local_error);
+  SHARDOPT_CHECK(refused.empty(), InvalidArgument,
+                 "pipeline: rank{} {} refused this run_pipeline call (its error names why), "
+                 "expected every rank of the pipeline group to accept it; stopping here rather "
+                 "than wait for messages that will not come",
+                 refused.size() > 1 ? "s" : "", fmt::join(refused, ", "));
+}
 
 int64_t steady_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -48,18 +181,45 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                                      const std::vector<PipelineChunk>& chunks,
                                      const std::function<at::Tensor(int microbatch)>& data,
                                      const PipelineRunOptions& options) {
-  SHARDOPT_CHECK(schedule.ranks == comm.size(), InvalidArgument,
-                 "pipeline: the schedule is for p = {} ranks, but the communicator has {}",
-                 schedule.ranks, comm.size());
-  SHARDOPT_CHECK(static_cast<int>(chunks.size()) == schedule.chunks, InvalidArgument,
-                 "pipeline: the {} schedule places v = {} chunks on each rank, got {} chunks",
-                 to_string(schedule.kind), schedule.chunks, chunks.size());
   const int rank = comm.rank();
+  const c10::Device device = options.activation_device;
+  {
+    std::exception_ptr local_error;
+    try {
+      SHARDOPT_CHECK(schedule.ranks == comm.size(), InvalidArgument,
+                     "pipeline: the schedule is for p = {} ranks, but the communicator has {}",
+                     schedule.ranks, comm.size());
+      SHARDOPT_CHECK(static_cast<int>(chunks.size()) == schedule.chunks, InvalidArgument,
+                     "pipeline: the {} schedule places v = {} chunks on each rank, got {} chunks",
+                     to_string(schedule.kind), schedule.chunks, chunks.size());
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        SHARDOPT_CHECK(chunks[c].forward || chunks[c].forward_tensors, InvalidArgument,
+                       "pipeline: chunk {} on rank {} has no function, expected "
+                       "PipelineChunk::forward or forward_tensors to be set",
+                       c, rank);
+      }
+      validate_schedule(schedule);  // the same outcome on every rank handed the same schedule
+    } catch (const Error&) {
+      local_error = std::current_exception();
+    }
+    if (comm.size() > 1) {
+      agree_on_call(schedule, comm, device, local_error);
+    } else if (local_error) {
+      std::rethrow_exception(local_error);
+    }
+  }
   const int last_stage = schedule.stages() - 1;
-  const auto activation = [&] {
-    return at::empty(options.activation_shape, at::TensorOptions()
-                                                    .dtype(options.activation_dtype)
-                                                    .device(options.activation_device));
+  const bool fixed = !options.activation_shape.empty();
+  // Per local chunk: what crosses its input and output boundaries, once known (Note [Boundary
+  // headers]); with a fixed activation_shape, known from the start.
+  std::vector<std::optional<BoundarySpec>> in_spec(chunks.size()), out_spec(chunks.size());
+  if (fixed) {
+    const BoundarySpec one{{options.activation_dtype, options.activation_shape}};
+    in_spec.assign(chunks.size(), one);
+    out_spec.assign(chunks.size(), one);
+  }
+  const auto where = [&](const Action& a) {
+    return fmt::format("{} on rank {} (stage {})", to_string(a), rank, a.stage);
   };
   std::map<std::pair<int, int>, InFlight> live;  // by (chunk, micro-batch)
   std::vector<at::Tensor> losses(rank == schedule.rank_of(last_stage) ? schedule.microbatches : 0);
@@ -74,31 +234,89 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         sent.erase(sent.begin() + static_cast<std::ptrdiff_t>(i));
       }
     }
-    sent.push_back(t.contiguous());
+    sent.push_back(t);
     sends.push_back(comm.isend(sent.back(), peer));
   };
-  const auto check_shape = [&](const at::Tensor& t, const Action& a, const char* what) {
-    SHARDOPT_CHECK(t.sizes().vec() == options.activation_shape &&
-                       t.scalar_type() == options.activation_dtype &&
-                       t.device() == options.activation_device,
-                   InvalidArgument,
-                   "pipeline: the {} of {} on rank {} is {}, but activations between stages "
-                   "must be [{}] {} {} (PipelineRunOptions)",
-                   what, to_string(a), rank, describe(t), fmt::join(options.activation_shape, ", "),
-                   c10::toString(options.activation_dtype), options.activation_device.str());
+  const auto buffers = [&](const BoundarySpec& spec, bool grads_only) {
+    std::vector<at::Tensor> out;
+    for (const TensorSpec& t : spec) {
+      if (grads_only && !at::isFloatingType(t.dtype)) continue;
+      out.push_back(at::empty(t.shape, at::TensorOptions().dtype(t.dtype).device(device)));
+    }
+    return out;
   };
 
-  // Where a received tensor goes: the input of a Forward (a leaf requiring grad), or the
-  // gradient of an output.
-  const auto store = [&](const Action& a, const at::Tensor& received) {
+  // The messages of one Send action, in order: a header the first time a boundary is crossed
+  // (Note [Boundary headers]), then the tensors (gradients: one per floating activation).
+  const auto outgoing = [&](const Action& a, InFlight& f) {
+    std::vector<at::Tensor> msgs;
+    if (a.type == ActionType::SendActivation) {
+      const BoundarySpec spec = spec_of(f.outputs);
+      auto& agreed = out_spec[a.chunk];
+      if (!agreed) {
+        msgs.push_back(encode(spec, device, where(a)));
+        agreed = spec;
+      }
+      SHARDOPT_CHECK(spec == *agreed, InvalidArgument,
+                     "pipeline: {} returns {}, but this boundary carries {} ({}), expected the "
+                     "same on every micro-batch",
+                     where(a), to_string(spec), to_string(*agreed),
+                     fixed ? "PipelineRunOptions::activation_shape and activation_dtype"
+                           : "agreed on its first micro-batch");
+      for (const at::Tensor& t : f.outputs) {
+        SHARDOPT_CHECK(t.device() == device, InvalidArgument,
+                       "pipeline: {} returns a tensor on {}, expected {} "
+                       "(PipelineRunOptions::activation_device)",
+                       where(a), t.device().str(), device.str());
+        msgs.push_back(on_wire(t.detach().contiguous()));
+      }
+    } else {
+      for (const at::Tensor& in : f.inputs) {
+        if (!at::isFloatingType(in.scalar_type())) continue;
+        // An input the chunk did not differentiate through sends zeros: the peer waits for it.
+        msgs.push_back(in.grad().defined() ? in.grad().contiguous() : at::zeros_like(in));
+      }
+    }
+    return msgs;
+  };
+  // Where received tensors go: the inputs of a Forward (floating ones leaves requiring grad), or
+  // the gradients of the floating outputs.
+  const auto store = [&](const Action& a, std::vector<at::Tensor> received) {
     InFlight& g = live[{a.chunk, a.microbatch}];
     if (a.type == ActionType::RecvActivation) {
-      g.input = received;
-      g.input.requires_grad_(true);
-    } else {
-      g.grad = received;
+      for (at::Tensor& t : received) {
+        if (at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
+      }
+      g.inputs = std::move(received);
+      return;
+    }
+    g.grads.assign(g.outputs.size(), at::Tensor());
+    size_t k = 0;
+    for (size_t i = 0; i < g.outputs.size(); ++i) {
+      if (at::isFloatingType(g.outputs[i].scalar_type())) g.grads[i] = received.at(k++);
     }
   };
+  // A Recv's buffers; empty while its boundary's header has not arrived.
+  const auto incoming = [&](const Action& a) {
+    if (a.type == ActionType::RecvGrad) return buffers(*out_spec[a.chunk], /*grads_only=*/true);
+    if (!in_spec[a.chunk]) return std::vector<at::Tensor>{};
+    return buffers(*in_spec[a.chunk], false);
+  };
+  const auto receive_header = [&](const Action& a, const at::Tensor& header) {
+    in_spec[a.chunk] = decode(header, where(a));
+  };
+  const auto recv = [&](const Action& a) {
+    std::vector<at::Tensor> into = incoming(a);
+    if (a.type == ActionType::RecvActivation && !in_spec[a.chunk]) {
+      const at::Tensor header = at::empty({kHeaderInts}, at::TensorOptions(at::kLong).device(device));
+      comm.recv(header, a.peer);
+      receive_header(a, header);
+      into = incoming(a);
+    }
+    for (const at::Tensor& t : into) comm.recv(on_wire(t), a.peer);
+    store(a, std::move(into));
+  };
+
   const bool pair =
       options.pair_exchanges == PipelineRunOptions::Pairing::Always ||
       (options.pair_exchanges == PipelineRunOptions::Pairing::Auto &&
@@ -110,18 +328,30 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
                    "exchanges]: NCCL's way), under which this schedule would hang: {}",
                    comm.backend(), deadlock);
   }
-  // Sends this rank's message and, where it pairs with the next action, that Recv in one batch
-  // (Note [Paired exchanges]); returns whether it did the latter.
-  const auto send = [&](const std::vector<Action>& list, size_t i, const at::Tensor& t) {
+  // Sends this rank's messages and, where they pair with the next action, that Recv's in one
+  // batch (Note [Paired exchanges]); returns whether it did the latter. A Recv whose boundary
+  // header is still to come takes only the header in the batch, then the tensors it announces.
+  const auto send = [&](const std::vector<Action>& list, size_t i, InFlight& f) {
+    const std::vector<at::Tensor> msgs = outgoing(list[i], f);
     if (!pair || !pairs_with_next(list, i)) {
-      isend(t, list[i].peer);
+      for (const at::Tensor& t : msgs) isend(t, list[i].peer);
       return false;
     }
-    const at::Tensor received = activation();
-    comm.batch_isend_irecv({P2pOp{P2pOp::Kind::Send, t.contiguous(), list[i].peer},
-                            P2pOp{P2pOp::Kind::Recv, received, list[i].peer}})
-        ->wait();
-    store(list[i + 1], received);
+    const Action& next = list[i + 1];
+    std::vector<at::Tensor> into = incoming(next);
+    const bool header = into.empty() && next.type == ActionType::RecvActivation &&
+                        !in_spec[next.chunk];
+    if (header) into = {at::empty({kHeaderInts}, at::TensorOptions(at::kLong).device(device))};
+    std::vector<P2pOp> ops;
+    for (const at::Tensor& t : msgs) ops.push_back({P2pOp::Kind::Send, t, list[i].peer});
+    for (const at::Tensor& t : into) ops.push_back({P2pOp::Kind::Recv, on_wire(t), next.peer});
+    comm.batch_isend_irecv(ops)->wait();
+    if (header) {
+      receive_header(next, into[0]);
+      into = incoming(next);
+      for (const at::Tensor& t : into) comm.recv(on_wire(t), next.peer);
+    }
+    store(next, std::move(into));
     return true;
   };
 
@@ -149,64 +379,82 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
     switch (a.type) {
       case ActionType::RecvActivation:
       case ActionType::RecvGrad:
-        if (i != received_with_send) {
-          const at::Tensor received = activation();
-          comm.recv(received, a.peer);
-          store(a, received);
-        }
+        if (i != received_with_send) recv(a);
         break;
       case ActionType::Forward: {
         if (a.stage == 0) {
-          f.input = data(a.microbatch);
+          at::Tensor input = data(a.microbatch);
           // A split backward needs a trunk to the input (Note [Cheap weight pass]); stage 0's
           // floating data gets one for the price of its unused gradient.
-          if (split_backward && at::isFloatingType(f.input.scalar_type()) &&
-              !f.input.requires_grad()) {
-            f.input = f.input.detach().requires_grad_(true);
+          if (split_backward && at::isFloatingType(input.scalar_type()) &&
+              !input.requires_grad()) {
+            input = input.detach().requires_grad_(true);
           }
+          f.inputs = {input};
         }
-        f.output = chunk.forward(f.input, a.microbatch);
+        if (chunk.forward_tensors) {
+          f.outputs = chunk.forward_tensors(f.inputs, a.microbatch);
+        } else {
+          SHARDOPT_CHECK(f.inputs.size() == 1, InvalidArgument,
+                         "pipeline: {} receives {} tensors, but chunk {} takes one "
+                         "(PipelineChunk::forward), expected forward_tensors to be set",
+                         where(a), f.inputs.size(), a.chunk);
+          f.outputs = {chunk.forward(f.inputs[0], a.microbatch)};
+        }
         if (a.stage == last_stage) {
-          SHARDOPT_CHECK(f.output.numel() == 1, InvalidArgument,
-                         "pipeline: the last stage must return the micro-batch's loss, a "
-                         "scalar, got {} for micro-batch {}",
-                         describe(f.output), a.microbatch);
-          losses[a.microbatch] = f.output.detach();
+          SHARDOPT_CHECK(f.outputs.size() == 1 && f.outputs[0].numel() == 1, InvalidArgument,
+                         "pipeline: the last stage must return the micro-batch's loss, one "
+                         "scalar, got {} tensors ({}) for micro-batch {}",
+                         f.outputs.size(), f.outputs.empty() ? "" : describe(f.outputs[0]),
+                         a.microbatch);
+          losses[a.microbatch] = f.outputs[0].detach();
+          f.grads = {at::Tensor()};  // an implicit one
         }
         break;
       }
       case ActionType::SendActivation:
-        check_shape(f.output, a, "output");
-        if (send(list, i, f.output.detach())) received_with_send = i + 1;
-        break;
-      case ActionType::Backward:
-        // Accumulates into the parameters' .grad and, off stage 0, into input.grad.
-        torch::autograd::backward({f.output}, {f.grad});
-        break;
-      case ActionType::BackwardInput:
-        // Only the input's gradient now; the graph stays for the weight pass, which will run
-        // only the parameters' own branches (Note [Cheap weight pass]).
-        if (f.input.requires_grad()) {
-          f.input.mutable_grad() = f.split.backward_input(f.output, f.grad, f.input,
-                                                          chunk.parameters);
-        }
-        break;
-      case ActionType::BackwardWeight:
-        SHARDOPT_CHECK(!chunk.parameters.empty(), InvalidArgument,
-                       "pipeline: schedule {} splits the backward pass, which needs the "
-                       "parameters of chunk {} (PipelineChunk::parameters)",
-                       to_string(schedule.kind), a.chunk);
-        if (options.weight_pass) {
-          options.weight_pass([&] { f.split.backward_weight(f.output, f.grad, chunk.parameters); });
-        } else {
-          f.split.backward_weight(f.output, f.grad, chunk.parameters);
-        }
-        break;
       case ActionType::SendGrad:
-        SHARDOPT_CHECK(f.input.grad().defined(), Internal,
-                       "pipeline: no input gradient for {} on rank {}", to_string(a), rank);
-        if (send(list, i, f.input.grad())) received_with_send = i + 1;
+        if (send(list, i, f)) received_with_send = i + 1;
         break;
+      case ActionType::Backward: {
+        // Accumulates into the parameters' .grad and, off stage 0, into the inputs' .grad.
+        std::vector<at::Tensor> outs, grads;
+        for (size_t k = 0; k < f.outputs.size(); ++k) {
+          if (!f.outputs[k].requires_grad()) continue;
+          outs.push_back(f.outputs[k]);
+          grads.push_back(k < f.grads.size() ? f.grads[k] : at::Tensor());
+        }
+        if (!outs.empty()) torch::autograd::backward(outs, grads);
+        break;
+      }
+      case ActionType::BackwardInput: {
+        // Only the inputs' gradients now; the graph stays for the weight pass, which will run
+        // only the parameters' own branches (Note [Cheap weight pass]).
+        std::vector<at::Tensor> differentiable;
+        for (const at::Tensor& in : f.inputs) {
+          if (in.requires_grad()) differentiable.push_back(in);
+        }
+        if (!differentiable.empty()) {
+          const auto grads =
+              f.split.backward_input(f.outputs, f.grads, differentiable, chunk.parameters);
+          for (size_t k = 0; k < differentiable.size(); ++k) {
+            differentiable[k].mutable_grad() = grads[k];
+          }
+        }
+        break;
+      }
+      case ActionType::BackwardWeight: {
+        // Every leaf the chunk's graph reaches, declared or not (Note [Owed gradients]).
+        const auto pass = [&] {
+          f.split.backward_weight(f.outputs, f.grads, f.inputs, chunk.parameters);
+        };
+        if (options.weight_pass) {
+          options.weight_pass(pass);
+        } else {
+          pass();
+        }
+        break;
+      }
     }
     if (--uses[{a.chunk, a.microbatch}] == 0) live.erase({a.chunk, a.microbatch});
     if (trace) {

@@ -278,6 +278,31 @@ std::string paired_deadlock(const PipelineSchedule& schedule) {
   return "";
 }
 
+uint64_t fingerprint(const PipelineSchedule& s) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a offset basis
+  const auto mix = [&h](int64_t x) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= static_cast<uint64_t>(x >> (8 * byte)) & 0xff;
+      h *= 1099511628211ull;  // FNV prime
+    }
+  };
+  mix(static_cast<int64_t>(s.kind));
+  mix(s.ranks);
+  mix(s.microbatches);
+  mix(s.chunks);
+  for (const auto& list : s.actions) {
+    mix(static_cast<int64_t>(list.size()));  // so that no action moves between two lists unseen
+    for (const Action& a : list) {
+      mix(static_cast<int64_t>(a.type));
+      mix(a.microbatch);
+      mix(a.chunk);
+      mix(a.stage);
+      mix(a.peer);
+    }
+  }
+  return h;
+}
+
 void validate_schedule(const PipelineSchedule& schedule) {
   check_shape(schedule);
   check_local_order(schedule);

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -46,11 +47,16 @@ struct Graph {
   std::unordered_map<Node*, NodePtr> owner;
 };
 
-Graph graph_under(const NodePtr& root) {
+// The graph under every output's node, walked depth-first in next_edges order.
+Graph graph_under(const std::vector<NodePtr>& roots) {
   Graph g;
-  g.parents[root.get()];
-  g.owner[root.get()] = root;
-  std::vector<Node*> stack{root.get()};
+  std::vector<Node*> stack;
+  for (const NodePtr& root : roots) {
+    if (g.owner.count(root.get())) continue;
+    g.parents[root.get()];
+    g.owner[root.get()] = root;
+    stack.push_back(root.get());
+  }
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
@@ -68,22 +74,82 @@ Graph graph_under(const NodePtr& root) {
   return g;
 }
 
+std::vector<NodePtr> roots_of(const std::vector<at::Tensor>& outputs) {
+  std::vector<NodePtr> roots;
+  for (const at::Tensor& out : outputs) {
+    if (out.defined() && out.grad_fn()) roots.push_back(out.grad_fn());
+  }
+  return roots;
+}
+
+// The outputs a backward pass starts from (those requiring grad) and their gradients.
+std::pair<variable_list, variable_list> differentiable(const std::vector<at::Tensor>& outputs,
+                                                       const std::vector<at::Tensor>& grads) {
+  std::pair<variable_list, variable_list> out;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (!outputs[i].defined() || !outputs[i].requires_grad()) continue;
+    out.first.push_back(outputs[i]);
+    out.second.push_back(i < grads.size() ? grads[i] : at::Tensor());
+  }
+  return out;
+}
+
 }  // namespace
 
-at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Tensor& grad_output,
-                                         const at::Tensor& input,
-                                         const std::vector<at::Tensor>& parameters) {
+std::vector<at::Tensor> owed_parameters(const std::vector<at::Tensor>& outputs,
+                                        const std::vector<at::Tensor>& declared,
+                                        const std::vector<at::Tensor>& inputs) {
+  std::unordered_set<const void*> known;
+  for (const at::Tensor& t : declared) known.insert(t.unsafeGetTensorImpl());
+  for (const at::Tensor& t : inputs) known.insert(t.unsafeGetTensorImpl());
+  std::vector<at::Tensor> owed = declared;
+  // Depth-first in next_edges order, not over the graph's hash maps: the order must not depend
+  // on addresses (Note [Weight passes in a fixed order]).
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (const NodePtr& root : roots_of(outputs)) stack.push_back(root.get());
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    if (!seen.insert(n).second) continue;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n)) {
+      const at::Tensor& leaf = acc->variable;
+      if (leaf.defined() && leaf.requires_grad() && known.insert(leaf.unsafeGetTensorImpl()).second) {
+        owed.push_back(leaf);
+      }
+      continue;
+    }
+    const auto& edges = n->next_edges();
+    for (auto it = edges.rbegin(); it != edges.rend(); ++it) {
+      if (it->is_valid()) stack.push_back(it->function.get());
+    }
+  }
+  return owed;
+}
+
+std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tensor>& outputs,
+                                                      const std::vector<at::Tensor>& grad_outputs,
+                                                      const std::vector<at::Tensor>& inputs,
+                                                      const std::vector<at::Tensor>& parameters) {
   groups_.clear();
   split_ = false;
-  const NodePtr root = output.grad_fn();
-  const NodePtr input_node = torch::autograd::impl::try_get_grad_accumulator(input);
-  if (root && input_node) {
-    const Graph graph = graph_under(root);
+  const std::vector<NodePtr> roots = roots_of(outputs);
+  std::vector<NodePtr> input_nodes;
+  for (const at::Tensor& input : inputs) {
+    if (NodePtr n = torch::autograd::impl::try_get_grad_accumulator(input)) {
+      input_nodes.push_back(std::move(n));
+    }
+  }
+  if (!roots.empty() && !input_nodes.empty()) {
+    const Graph graph = graph_under(roots);
     const auto& parents = graph.parents;
-    // The trunk: the nodes from which the input's accumulator is reached.
+    // The trunk: the nodes from which an input's accumulator is reached.
     std::unordered_set<Node*> trunk;
-    std::vector<Node*> stack{input_node.get()};
-    while (!stack.empty() && parents.count(input_node.get())) {
+    std::vector<Node*> stack;
+    for (const NodePtr& n : input_nodes) {
+      if (parents.count(n.get())) stack.push_back(n.get());
+    }
+    while (!stack.empty()) {
       Node* n = stack.back();
       stack.pop_back();
       if (!trunk.insert(n).second) continue;
@@ -92,7 +158,7 @@ at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Ten
     std::unordered_map<Node*, std::shared_ptr<Group>> by_node;
     std::vector<std::shared_ptr<Group>> in_order;  // by their first parameter's position
     split_ = !trunk.empty();
-    for (const at::Tensor& param : parameters) {
+    for (const at::Tensor& param : owed_parameters(outputs, parameters, inputs)) {
       const NodePtr acc = torch::autograd::impl::try_get_grad_accumulator(param);
       if (!split_ || !acc || !parents.count(acc.get())) continue;  // not used by this graph
       // Walk up the parameter's own branch to the trunk.
@@ -131,25 +197,35 @@ at::Tensor SplitBackward::backward_input(const at::Tensor& output, const at::Ten
         (*it)->node->add_pre_hook(std::make_unique<Capture>(*it));
         groups_.push_back(*it);
       }
+    } else {
+      groups_.clear();
     }
   }
-  at::Tensor grad;
+  const auto [outs, grads] = differentiable(outputs, grad_outputs);
+  variable_list result;
   try {
-    grad = torch::autograd::grad({output}, {input}, {grad_output}, /*retain_graph=*/true)[0];
+    result = torch::autograd::grad(outs, inputs, grads, /*retain_graph=*/true,
+                                   /*create_graph=*/false, /*allow_unused=*/true);
   } catch (...) {
     for (auto& g : groups_) g->node->pre_hooks().pop_back();
     throw;
   }
   // Our hooks are the last ones added to each split node.
   for (auto& g : groups_) g->node->pre_hooks().pop_back();
-  return grad;
+  return result;
 }
 
-void SplitBackward::backward_weight(const at::Tensor& output, const at::Tensor& grad_output,
+void SplitBackward::backward_weight(const std::vector<at::Tensor>& outputs,
+                                    const std::vector<at::Tensor>& grad_outputs,
+                                    const std::vector<at::Tensor>& inputs,
                                     const std::vector<at::Tensor>& parameters) {
   if (!split_) {
-    torch::autograd::backward({output}, {grad_output}, /*retain_graph=*/false,
-                              /*create_graph=*/false, parameters);
+    const auto [outs, grads] = differentiable(outputs, grad_outputs);
+    const std::vector<at::Tensor> owed = owed_parameters(outputs, parameters, inputs);
+    if (!outs.empty() && !owed.empty()) {
+      torch::autograd::backward(outs, grads, /*retain_graph=*/false, /*create_graph=*/false,
+                                owed);
+    }
     return;
   }
   // One engine run per split node: with the parameters of other nodes among the outputs, the

@@ -21,14 +21,29 @@ namespace shardopt::detail {
 // nodes run on the same gradients. Where this cannot hold it falls back to re-traversing the
 // graph for the parameters (correct, as costly as a full backward): a parameter whose branch
 // meets the trunk at more than one node (used twice) or an input that is not differentiable.
+// A chunk may have several outputs and inputs (several tensors per boundary): the graph is the
+// union under every output, the trunk reaches any input.
+//
+// Note [Owed gradients]: the weight pass owes a gradient to every leaf of the chunk's graph that
+// requires grad, not only to PipelineChunk::parameters: a one-pass backward (1F1B's B) fills
+// them all, so a split backward that ran only the declared ones would silently leave a forgotten
+// parameter without gradient. owed_parameters() walks the graph from the outputs to its
+// AccumulateGrad nodes and appends each undeclared leaf (the chunk's inputs excepted) to the
+// declared list, in the walk's order, which depends only on the graph and so is the same on
+// every rank (Note [Weight passes in a fixed order]).
 class SplitBackward {
  public:
-  // The input-gradient pass: returns d(output)/d(input) for grad_output, and keeps what the
-  // weight pass needs. `input` must be a leaf requiring grad.
-  at::Tensor backward_input(const at::Tensor& output, const at::Tensor& grad_output,
-                            const at::Tensor& input, const std::vector<at::Tensor>& parameters);
-  // The weight pass: accumulates the parameters' gradients into their .grad.
-  void backward_weight(const at::Tensor& output, const at::Tensor& grad_output,
+  // The input-gradient pass: returns d(outputs)/d(inputs[i]) for grad_outputs (undefined for an
+  // input the outputs do not depend on), and keeps what the weight pass needs. Each input is a
+  // leaf requiring grad; an output's undefined gradient is an implicit one (a scalar loss).
+  std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& outputs,
+                                         const std::vector<at::Tensor>& grad_outputs,
+                                         const std::vector<at::Tensor>& inputs,
+                                         const std::vector<at::Tensor>& parameters);
+  // The weight pass: accumulates the gradients owed (Note [Owed gradients]) into their .grad.
+  void backward_weight(const std::vector<at::Tensor>& outputs,
+                       const std::vector<at::Tensor>& grad_outputs,
+                       const std::vector<at::Tensor>& inputs,
                        const std::vector<at::Tensor>& parameters);
   // Whether backward_input found split nodes for every parameter (false: W re-traverses).
   bool split() const { return split_; }
@@ -39,5 +54,11 @@ class SplitBackward {
   std::vector<std::shared_ptr<Group>> groups_;
   bool split_ = false;
 };
+
+// `declared` followed by every other leaf requiring grad under `outputs`, `inputs` excepted
+// (Note [Owed gradients]).
+std::vector<at::Tensor> owed_parameters(const std::vector<at::Tensor>& outputs,
+                                        const std::vector<at::Tensor>& declared,
+                                        const std::vector<at::Tensor>& inputs);
 
 }  // namespace shardopt::detail

@@ -1,6 +1,8 @@
 // run_pipeline() over the world (p = world size) against one process running the same m
 // micro-batches of gradient accumulation on the whole model: fp32 gradients and losses bitwise
-// equal, for every schedule (interleaved at v = 2), on every engine; and its trace complete.
+// equal, for every schedule (interleaved at v = 2), on every engine, with one tensor or several
+// per boundary and with parameters left undeclared; bad or disagreeing schedules refused on every
+// rank; and its trace complete.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -159,6 +161,178 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
       ok = ok && same;
     }
     EXPECT_EQ(losses.size(), r == schedule.rank_of(stages - 1) ? size_t(c.m) : size_t{0});
+  }
+  EXPECT_TRUE(test::all_ranks(ok));
+}
+
+// run_pipeline checks the schedule before any message: an invalid one is the validator's
+// InvalidArgument on every rank (all were handed it), never a run that hangs half-way.
+TEST_P(PipelineParity, InvalidScheduleRefusedByNameOnEveryRank) {
+  auto comm = test::communicator(GetParam());
+  const int p = comm->size(), r = comm->rank();
+  auto model = make_model();
+  PipelineSchedule schedule = compile_schedule(PipelineScheduleKind::OneFOneB, p, 4);
+  schedule.actions[0].pop_back();  // rank 0 never runs micro-batch 3's backward
+  const auto chunks = chunks_of(model, schedule, r);
+  PipelineRunOptions options;
+  options.activation_shape = {kBatch, kHidden};
+  const std::string what =
+      test::expect_error([&] { run_pipeline(schedule, *comm, chunks, data, options); },
+                         ErrorKind::InvalidArgument, {"rank 0 must run either", "B3c0"});
+  EXPECT_TRUE(test::all_ranks(!what.empty()));
+}
+
+// Ranks handed different schedules (another m, another kind) stop with Mismatch on every rank,
+// naming which rank got which, before any message; so does a call one rank alone refuses.
+TEST_P(PipelineParity, DifferentSchedulesAreAMismatchOnEveryRank) {
+  auto comm = test::communicator(GetParam());
+  const int p = comm->size(), r = comm->rank();
+  if (p < 2) GTEST_SKIP() << "needs two ranks to disagree";
+  auto model = make_model();
+  PipelineRunOptions options;
+  options.activation_shape = {kBatch, kHidden};
+  bool ok = true;
+  using Kind = PipelineScheduleKind;
+  for (const auto& [kind, m, needle] :
+       {std::tuple{Kind::OneFOneB, r == 0 ? 4 : 5, std::string("rank 0: 1f1b (p = ") +
+                                                      std::to_string(p) + ", m = 4"},
+        std::tuple{r == 1 ? Kind::ZeroBubbleH1 : Kind::OneFOneB, 4,
+                   std::string("rank 1: zb-h1 (p = ") + std::to_string(p) + ", m = 4"}}) {
+    const PipelineSchedule schedule = compile_schedule(kind, p, m);
+    const auto chunks = chunks_of(model, schedule, r);
+    const std::string what = test::expect_error(
+        [&] { run_pipeline(schedule, *comm, chunks, data, options); }, ErrorKind::Mismatch,
+        {"were handed different schedules", needle});
+    if (r == 0) std::printf("[ message  ] %s\n", what.c_str());
+    ok = ok && !what.empty();
+  }
+  // Rank 1 passes no chunk: it names its error, the others name rank 1.
+  const PipelineSchedule schedule = compile_schedule(Kind::OneFOneB, p, 4);
+  auto chunks = chunks_of(model, schedule, r);
+  if (r == 1) chunks.clear();
+  const std::string what = test::expect_error(
+      [&] { run_pipeline(schedule, *comm, chunks, data, options); }, ErrorKind::InvalidArgument,
+      {r == 1 ? "places v = 1 chunks on each rank, got 0" : "rank 1 refused this run_pipeline"});
+  ok = ok && !what.empty();
+  EXPECT_TRUE(test::all_ranks(ok));
+}
+
+// Note [Owed gradients]: a chunk that forgets parameters in PipelineChunk::parameters (here the
+// biases, or all of them) still gets every gradient from ZB-H1's weight pass, bitwise those of
+// one process, as 1F1B's one-pass backward gives them.
+TEST_P(PipelineParity, ZeroBubbleOwesForgottenParameters) {
+  auto comm = test::communicator(GetParam());
+  const int p = comm->size(), r = comm->rank();
+  const int m = 2 * p;
+  bool ok = true;
+  for (const bool forget_all : {false, true}) {
+    SCOPED_TRACE(forget_all ? "no parameters declared" : "biases not declared");
+    auto reference = make_model();
+    for (int mb = 0; mb < m; ++mb) loss_of(run_layers(reference, 0, kLayers, data(mb)), mb).backward();
+    auto model = make_model();
+    const PipelineSchedule schedule = compile_schedule(PipelineScheduleKind::ZeroBubbleH1, p, m);
+    std::vector<int> mine;
+    std::vector<PipelineChunk> chunks = chunks_of(model, schedule, r, &mine);
+    for (auto& chunk : chunks) {
+      std::vector<at::Tensor> declared;
+      for (size_t i = 0; i < chunk.parameters.size() && !forget_all; i += 2) {
+        declared.push_back(chunk.parameters[i]);  // weights only
+      }
+      chunk.parameters = declared;
+    }
+    PipelineRunOptions options;
+    options.activation_shape = {kBatch, kHidden};
+    run_pipeline(schedule, *comm, chunks, data, options);
+    for (int l : mine) {
+      for (auto [got, want] : {std::pair{model[l].weight, reference[l].weight},
+                               std::pair{model[l].bias, reference[l].bias}}) {
+        const bool same = got.grad().defined() && at::equal(got.grad(), want.grad());
+        EXPECT_TRUE(same) << "layer " << l << (got.grad().defined() ? "" : ": no gradient");
+        ok = ok && same;
+      }
+    }
+  }
+  EXPECT_TRUE(test::all_ranks(ok));
+}
+
+// Several tensors per boundary: each stage passes (hidden [b, h] float, running sum [b] float,
+// mask [b] bool), shapes agreed on the first micro-batch (no activation_shape). Gradients flow
+// back through both floating tensors; the mask carries none. Every schedule, both pairings,
+// bitwise against one process.
+struct Carry {
+  at::Tensor hidden, sum, mask;
+};
+Carry carry_layers(const std::vector<Layer>& model, int first, int last, Carry c) {
+  for (int l = first; l < last; ++l) {
+    c.hidden = at::tanh(at::addmm(model[l].bias, c.hidden, model[l].weight.t())) *
+               at::where(c.mask, 1.0, 0.5).to(at::kFloat).unsqueeze(1);
+    c.sum = c.sum + c.hidden.sum(1) * 0.01;
+  }
+  return c;
+}
+Carry carry_in(const at::Tensor& x) { return {x, x.sum(1), x.select(1, 0) > 0}; }
+at::Tensor carry_loss(const Carry& c, int mb) { return loss_of(c.hidden, mb) + c.sum.mean() * 0.1; }
+
+TEST_P(PipelineParity, SeveralTensorsPerBoundary) {
+  auto comm = test::communicator(GetParam());
+  const int p = comm->size(), r = comm->rank();
+  bool ok = true;
+  using Pairing = PipelineRunOptions::Pairing;
+  std::vector<Case> cases = cases_for(p);
+  // Interleaved with m = p pairs a chunk's first receive (its boundary header) with a send.
+  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, p, 2});
+  for (const auto& [c, pairing] : with_both_pairings(cases)) {
+    SCOPED_TRACE(fmt::format("{} p={} m={} v={}{}", to_string(c.kind), p, c.m, c.v,
+                             pairing == Pairing::Always ? " paired" : ""));
+    auto reference = make_model();
+    std::vector<at::Tensor> reference_losses;
+    for (int mb = 0; mb < c.m; ++mb) {
+      at::Tensor loss = carry_loss(carry_layers(reference, 0, kLayers, carry_in(data(mb))), mb);
+      loss.backward();
+      reference_losses.push_back(loss.detach());
+    }
+    auto model = make_model();
+    const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
+    if (pairing == Pairing::Always && !paired_deadlock(schedule).empty()) continue;
+    const int stages = schedule.stages(), per_stage = kLayers / stages;
+    std::vector<PipelineChunk> chunks;
+    std::vector<int> mine;
+    for (int chunk = 0; chunk < schedule.chunks; ++chunk) {
+      const int stage = chunk * p + r, first = stage * per_stage, last = first + per_stage;
+      PipelineChunk pc;
+      pc.forward_tensors = [&model, first, last, stage, stages](const std::vector<at::Tensor>& in,
+                                                                int mb) {
+        const Carry out = carry_layers(model, first, last,
+                                       stage == 0 ? carry_in(in.at(0)) : Carry{in[0], in[1], in[2]});
+        if (stage == stages - 1) return std::vector<at::Tensor>{carry_loss(out, mb)};
+        return std::vector<at::Tensor>{out.hidden, out.sum, out.mask};
+      };
+      for (int l = first; l < last; ++l) {
+        pc.parameters.push_back(model[l].weight);
+        pc.parameters.push_back(model[l].bias);
+        mine.push_back(l);
+      }
+      chunks.push_back(std::move(pc));
+    }
+    PipelineRunOptions options;
+    options.pair_exchanges = pairing;
+    const auto losses = run_pipeline(schedule, *comm, chunks, data, options);
+    for (int l : mine) {
+      for (auto [got, want] : {std::pair{model[l].weight, reference[l].weight},
+                               std::pair{model[l].bias, reference[l].bias}}) {
+        const bool same = got.grad().defined() && at::equal(got.grad(), want.grad());
+        EXPECT_TRUE(same) << "layer " << l << " max diff "
+                          << (got.grad().defined()
+                                  ? (got.grad() - want.grad()).abs().max().item<float>()
+                                  : -1.f);
+        ok = ok && same;
+      }
+    }
+    for (size_t mb = 0; mb < losses.size(); ++mb) {
+      const bool same = at::equal(losses[mb], reference_losses[mb]);
+      EXPECT_TRUE(same) << "loss of micro-batch " << mb;
+      ok = ok && same;
+    }
   }
   EXPECT_TRUE(test::all_ranks(ok));
 }

@@ -79,18 +79,28 @@ TEST_P(Schedules, BubbleMatchesFormula) {
               to_string(c.kind), c.p, c.m, c.v, run.bubble, want);
 }
 
-TEST_P(Schedules, FirstStageMemory) {
+// Micro-batch-chunks in flight (Forward run, weight gradients not yet) per rank: exact, from each
+// schedule's definition, so a schedule that holds more (or fewer) than its design fails here. The
+// peak depends only on the lists' order, not on the costs.
+int expected_peak(const Case& c, int r) {
+  switch (c.kind) {
+    case Kind::GPipe: return c.m;  // every forward before any backward
+    case Kind::OneFOneB: return std::min(c.p - r, c.m);  // p-1-r warm-up forwards, then one more
+    case Kind::ZeroBubbleH1:  // 1F1B's warm-up, W deferred by r: p - r + r on every rank
+      return std::min(c.p, c.m);
+    case Kind::Interleaved1F1B:  // Megatron's warm-up 2(p-1-r) + (v-1)p forwards, then one more
+      return c.m == c.p ? c.m * c.v
+                        : std::min(2 * (c.p - 1 - r) + (c.v - 1) * c.p + 1, c.m * c.v);
+  }
+  return -1;
+}
+
+TEST_P(Schedules, PeakInFlightPerRank) {
   const Case c = GetParam();
   const SimulatedRun run = simulate_schedule(compile_schedule(c.kind, c.p, c.m, c.v));
-  const int peak = run.peak_in_flight[0];
-  switch (c.kind) {
-    case Kind::GPipe: EXPECT_EQ(peak, c.m); break;
-    case Kind::OneFOneB: EXPECT_LE(peak, c.p); break;
-    case Kind::ZeroBubbleH1:  // W deferred by r micro-batches on rank r: every rank holds <= p
-      for (int held : run.peak_in_flight) EXPECT_LE(held, c.p);
-      break;
-    case Kind::Interleaved1F1B: EXPECT_LE(peak, c.m * c.v); break;
-  }
+  for (int r = 0; r < c.p; ++r) EXPECT_EQ(run.peak_in_flight[r], expected_peak(c, r)) << "rank " << r;
+  // What interleaving buys: with a steady state (m > p) the first rank holds fewer than all m*v.
+  if (c.kind == Kind::Interleaved1F1B && c.m > c.p) EXPECT_LT(run.peak_in_flight[0], c.m * c.v);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, Schedules, ::testing::ValuesIn(cases()), name);
@@ -124,12 +134,29 @@ TEST(PipelineSchedule, ZeroBubbleSplitsBackward) {
   for (const auto& list : s.actions) {
     for (const Action& a : list) EXPECT_NE(a.type, ActionType::Backward) << to_string(a);
   }
-  // Unequal costs too: still deadlock-free (order does not depend on timing).
+}
+
+// Unequal costs (F 3, B 2, W 1): ZB-H1 idles (p-1)(F + B - W) per rank where 1F1B idles
+// (p-1)(F + B + W) (Qi et al. 2023, section 3.1: W fills what 1F1B's cooldown leaves idle), so
+// its bubble is strictly below 1F1B's with the same costs, and its idle time is the paper's.
+TEST(PipelineSchedule, ZeroBubbleBeatsOneFOneBAtUnequalCosts) {
   ActionCosts costs;
   costs.forward = 3;
   costs.backward_input = 2;
-  costs.backward_weight = 5;
-  EXPECT_NO_THROW(simulate_schedule(s, costs));
+  costs.backward_weight = 1;
+  for (int p : {2, 4}) {
+    for (int m : {4, 8}) {
+      SCOPED_TRACE(fmt::format("p={} m={}", p, m));
+      const SimulatedRun zb = simulate_schedule(compile_schedule(Kind::ZeroBubbleH1, p, m), costs);
+      const SimulatedRun one = simulate_schedule(compile_schedule(Kind::OneFOneB, p, m), costs);
+      const int64_t per_rank = m * (costs.forward + costs.backward_input + costs.backward_weight);
+      EXPECT_EQ(one.makespan - per_rank,
+                (p - 1) * (costs.forward + costs.backward_input + costs.backward_weight));
+      EXPECT_EQ(zb.makespan - per_rank,
+                (p - 1) * (costs.forward + costs.backward_input - costs.backward_weight));
+      EXPECT_LT(zb.bubble, one.bubble);
+    }
+  }
 }
 
 TEST(PipelineSchedule, BadCombinationsAreNamedErrors) {
@@ -226,6 +253,25 @@ TEST_P(Schedules, PairedExchangesRunWithoutDeadlockButInterleavedSteadyState) {
   } else {
     EXPECT_EQ(deadlock, "");
   }
+}
+
+// run_pipeline agrees on fingerprint() across the pipeline group: equal for equal schedules,
+// different for another kind, m, v, or one action moved.
+TEST(PipelineSchedule, FingerprintSeesEveryDifference) {
+  const PipelineSchedule s = compile_schedule(Kind::OneFOneB, 4, 8);
+  EXPECT_EQ(fingerprint(s), fingerprint(compile_schedule(Kind::OneFOneB, 4, 8)));
+  EXPECT_NE(fingerprint(s), fingerprint(compile_schedule(Kind::OneFOneB, 4, 9)));
+  EXPECT_NE(fingerprint(s), fingerprint(compile_schedule(Kind::GPipe, 4, 8)));
+  EXPECT_NE(fingerprint(s), fingerprint(compile_schedule(Kind::OneFOneB, 2, 8)));
+  EXPECT_NE(fingerprint(compile_schedule(Kind::Interleaved1F1B, 2, 4, 2)),
+            fingerprint(compile_schedule(Kind::Interleaved1F1B, 2, 4, 3)));
+  PipelineSchedule moved = s;
+  std::swap(moved.actions[2][3], moved.actions[2][4]);
+  EXPECT_NE(fingerprint(s), fingerprint(moved));
+  PipelineSchedule shifted = s;  // the same actions, one moved from rank 1's list to rank 2's
+  shifted.actions[2].insert(shifted.actions[2].begin(), shifted.actions[1].back());
+  shifted.actions[1].pop_back();
+  EXPECT_NE(fingerprint(s), fingerprint(shifted));
 }
 
 TEST(PipelineSchedule, SimulatorReportsDeadlock) {

@@ -86,7 +86,8 @@ struct Split {
 struct SplitRecord {
   CommunicatorPtr group;       ///< its tensor-parallel group
   std::optional<Split> split;  ///< none: every rank of the group holds it whole (replicated)
-  bool sequence_parallel = false;  ///< its gradient is summed over the group (mark_sequence_parallel)
+  /// Its gradient is summed over the group as autograd produces it (mark_sequence_parallel).
+  bool sequence_parallel = false;
 };
 
 /// Records that `param` is this rank's slice of an unsplit tensor split along `dim` over `group`:

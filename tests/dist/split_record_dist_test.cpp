@@ -108,7 +108,9 @@ DIST_TEST(TensorParallelRecords, LayersMarkTheirParametersAndHandMadeOnesBehaveA
   // The grid's norm by hand, from unmarked copies: split gradients summed over the tensor ranks,
   // the replicated bias's counted once.
   std::vector<at::Tensor> ref;
-  for (const at::Tensor* p : {&w1, &b1, &w2, &b2}) ref.push_back(p->detach().clone().requires_grad_(true));
+  for (const at::Tensor* p : {&w1, &b1, &w2, &b2}) {
+    ref.push_back(p->detach().clone().requires_grad_(true));
+  }
   mlp_loss(ref[0], ref[1], ref[2], ref[3]).backward();
   at::Tensor split_sq = at::zeros({1}, at::kDouble);
   for (int i = 0; i < 3; ++i) split_sq += ref[i].grad().pow(2).sum();
@@ -161,7 +163,9 @@ DIST_TEST(TensorParallelRecords, CheckpointsCarryTheSplit) {
   const ParallelGroups g = make_parallel_groups(world, ParallelLayout{t});
   Block block(tp::TensorParallel{g.tp, false, 1});
   ParamGroup group;
-  for (const auto& item : block.named_parameters()) group.params.push_back({item.key(), item.value()});
+  for (const auto& item : block.named_parameters()) {
+    group.params.push_back({item.key(), item.value()});
+  }
   ZeroOptions zo;
   zo.timeout = std::chrono::seconds(60);
   DistributedOptimizer opt({group}, SGD(0.1), g.dp, zo);

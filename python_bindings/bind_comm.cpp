@@ -173,6 +173,23 @@ void bind_comm(py::module_& m) {
       "world"_a, "tp"_a = 1, "pp"_a = 1, "dp"_a = 0,
       "Cuts `world` into tensor-parallel (innermost), data-parallel and pipeline groups: world "
       "rank = tp_rank + tp * (dp_rank + dp * pp_rank); dp = 0: world.size / (tp * pp). Collective.");
+  // Note [Split records] (shardopt/tensor_parallel.hpp): what the optimizer and checkpoints read
+  // instead of names.
+  m.def("mark_split", &tp::mark_split, "param"_a, "group"_a, "dim"_a, "full_size"_a,
+        "padded_size"_a,
+        "Records that `param` is this rank's slice of a tensor split along `dim` over `group` "
+        "(padded_size = param.size(dim) * group.size, full_size <= padded_size without padding).");
+  m.def("mark_replicated", &tp::mark_replicated, "param"_a, "group"_a,
+        "Records that every rank of `group` holds `param` whole (counted once in the clipping "
+        "norm; unmarked parameters are taken as replicated).");
+  m.def(
+      "split_of",
+      [](const at::Tensor& param) -> py::object {
+        const auto s = tp::split_of(param);
+        if (!s) return py::none();
+        return py::make_tuple(s->dim, s->full_size, s->padded_size);
+      },
+      "param"_a, "The (dim, full_size, padded_size) `param` is split by, or None.");
 #if SHARDOPT_HAS_C10D
   m.def(
       "_make_process_group_communicator",

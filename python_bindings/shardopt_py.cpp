@@ -332,10 +332,9 @@ void bind_options(py::module_& m) {
       .def_readwrite("tensor_group", &ZeroOptions::tensor_group,
                      "tensor parallelism: the tensor-parallel group (make_parallel_groups(...).tp) "
                      "of the split parameters this optimizer (given the data-parallel group) "
-                     "holds; clipping and the non-finite check then span the grid")
-      .def_readwrite("tensor_replicated", &ZeroOptions::tensor_replicated,
-                     "with tensor_group: the names of the parameters every tensor rank holds "
-                     "whole (counted once in the clipping norm)")
+                     "holds; clipping and the non-finite check then span the grid (parameters "
+                     "marked with mark_split are split, the others held whole). None: the group "
+                     "of the parameters' mark_split records")
       .def_readwrite("pipeline_group", &ZeroOptions::pipeline_group,
                      "pipeline parallelism: make_parallel_groups(...).pp; clipping and the "
                      "non-finite check then span every stage")
@@ -550,7 +549,7 @@ void bind_optimizer(py::module_& m) {
         py::list params;
         for (const auto& p : info.params) {
           params.append(py::dict("name"_a = p.name, "shape"_a = p.shape, "dtype"_a = p.dtype,
-                                 "group"_a = p.group));
+                                 "group"_a = p.group, "split"_a = p.split));
         }
         return py::dict("dir"_a = info.dir, "format_version"_a = info.format_version,
                         "world_size"_a = info.world_size, "stage"_a = info.stage,

@@ -34,9 +34,6 @@ void ZeroOptions::validate() const {
                  "options: align_bytes must be a positive power of two, got {}", align_bytes);
   SHARDOPT_CHECK(prefetch >= 0, InvalidArgument, "options: prefetch must be >= 0, got {}",
                  prefetch);
-  SHARDOPT_CHECK(tensor_replicated.empty() || tensor_group, InvalidArgument,
-                 "options: tensor_replicated names {} parameter(s) but tensor_group is null",
-                 tensor_replicated.size());
   SHARDOPT_CHECK(pipeline_shared.empty() || (pipeline_group && pipeline_shared_group),
                  InvalidArgument,
                  "options: pipeline_shared names {} parameter(s) but pipeline_group or "

@@ -295,33 +295,20 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare
     init_weights();
     return;
   }
-  // Which parameters are split, and how: the split layers' and the decoder bias.
-  for (const auto& m : named_modules("", /*include_self=*/false)) {
-    const std::string prefix = m.key() + ".";
-    if (dynamic_cast<const tp::ColumnParallelLinearImpl*>(m.value().get())) {
-      for (const char* n : {"weight", "bias"}) {
-        const int64_t rows = m.value()->named_parameters(false)[n].size(0);
-        splits_[prefix + n] = {0, rows * t, rows * t};
-      }
-    } else if (const auto* row = dynamic_cast<const tp::RowParallelLinearImpl*>(m.value().get())) {
-      splits_[prefix + "weight"] = {1, row->weight.size(1) * t, row->weight.size(1) * t};
+  // The split layers recorded their parameters' splits (Note [Split records] in
+  // shardopt/tensor_parallel.hpp); the vocabulary's padding and the decoder bias are the model's.
+  tp::mark_split(word_embedding_, mp_.tp.group, 0, c.vocab_size, vocab);
+  tp::mark_split(decoder_bias_, mp_.tp.group, 0, c.vocab_size, vocab);
+  for (const auto& p : named_parameters()) {
+    if (const auto s = tp::split_of(p.value())) {
+      splits_[p.key()] = {s->dim, s->full_size, s->padded_size};
     }
   }
-  splits_["bert.embeddings.word_embeddings.weight"] = {0, c.vocab_size, vocab};
-  splits_["cls.predictions.bias"] = {0, c.vocab_size, vocab};
   // Start from the unsplit model's values: the one a T = 1 run builds from the same generator
   // state, leaving the generator where that run leaves it.
   set_cpu_generator_state(generator_at_start);
   BertForPreTraining unsplit(c, /*declare_units=*/false);
   load_unsplit(unsplit->named_parameters());
-}
-
-std::vector<std::string> BertForPreTrainingImpl::replicated_parameter_names() const {
-  std::vector<std::string> names;
-  for (const auto& p : named_parameters()) {
-    if (!splits_.count(p.key())) names.push_back(p.key());
-  }
-  return names;
 }
 
 void BertForPreTrainingImpl::load_unsplit(const torch::OrderedDict<std::string, at::Tensor>& unsplit) {

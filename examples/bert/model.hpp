@@ -118,10 +118,9 @@ class BertForPreTrainingImpl : public torch::nn::Module {
                                   ModelParallel mp = {});
   const BertConfig& config() const { return config_; }
   const ModelParallel& model_parallel() const { return mp_; }
-  // The split parameters by name (empty without tensor parallelism).
+  // The split parameters by name (empty without tensor parallelism), as their split records
+  // say (Note [Split records] in shardopt/tensor_parallel.hpp).
   const std::map<std::string, Split>& splits() const { return splits_; }
-  // The names of the parameters every tensor rank holds whole (ZeroOptions::tensor_replicated).
-  std::vector<std::string> replicated_parameter_names() const;
   // Copies this rank's part of each unsplit parameter (an unsplit model's named_parameters(),
   // every name of this model present, unsplit shapes): how a split model starts from the unsplit
   // model's initial values or from pretrained weights.

@@ -274,12 +274,9 @@ void build_model(Run& r) {
   zo.defer_reduction = a.defer_reduction;
   zo.shard_group_size = a.shard_group_size;  // hybrid sharding: shard within, replicate across
   zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
-  if (r.tp() > 1) {  // the clipping norm and the non-finite check over the whole grid
-    zo.tensor_group = r.groups.tp;
-    for (const auto& n : r.model->replicated_parameter_names()) {
-      if (held(n)) zo.tensor_replicated.push_back(n);
-    }
-  }
+  // The clipping norm and the non-finite check over the whole grid: the parameters' split
+  // records say which are split (Note [Split records] in shardopt/tensor_parallel.hpp).
+  if (r.tp() > 1) zo.tensor_group = r.groups.tp;
   if (r.pp() > 1) {  // the grid-wide norm; the tied word embedding lives on the first and the last
     zo.pipeline_group = r.groups.pp;
     if (r.groups.embedding) {

@@ -97,7 +97,9 @@ void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
 /// Collective. On any rank's failure every rank throws (see Note [Agreement before state
 /// changes]): Error{Checkpoint} for a missing manifest or shard file, a checksum mismatch or an
 /// unknown format version; Error{Mismatch} when the checkpoint is of another model (parameter
-/// names or shapes, stored buffers) or optimizer (rule, state buffers, parameter groups).
+/// names or shapes, stored buffers) or optimizer (rule, state buffers, parameter groups);
+/// Error{Checkpoint} when a parameter's tensor-parallel split (its split record, Note [Split
+/// records] in shardopt/tensor_parallel.hpp) differs from the one the checkpoint recorded.
 TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
                              const LoadOptions& options = {});
 
@@ -107,6 +109,9 @@ struct CheckpointParam {
   std::vector<int64_t> shape;  ///< its full (unsharded) shape
   std::string dtype;  ///< "float32", ...
   int group = 0;  ///< its parameter group
+  /// Tensor parallelism: {dim, full_size, padded_size} of its split (tp::Split, Note [Split
+  /// records]); empty where it is not split.
+  std::vector<int64_t> split;
 };
 /// A checkpoint's manifest, read by read_checkpoint_info().
 struct CheckpointInfo {

@@ -107,11 +107,11 @@ struct ZeroOptions {
   /// Tensor parallelism (shardopt/tensor_parallel.hpp): the optimizer is given the data-parallel
   /// group and holds slices of split layers; `tensor_group` is their tensor-parallel group
   /// (ParallelGroups::tp). The clipping norm and the non-finite check then span the whole grid,
-  /// the parameters every tensor rank holds whole, named in `tensor_replicated`
-  /// (tp::replicated_parameter_names), counted once. Null: no tensor parallelism.
+  /// and the parameters every tensor rank holds whole (those whose split record, Note [Split
+  /// records], carries no split, or that have no record) count once. Null: the group of the
+  /// parameters' split records, if any is split over more than one rank; else no tensor
+  /// parallelism.
   CommunicatorPtr tensor_group;
-  /// With tensor_group: the names of the parameters every tensor rank holds whole.
-  std::vector<std::string> tensor_replicated;
   /// Pipeline parallelism (shardopt/pipeline_runner.hpp): the optimizer holds one stage's
   /// parameters and is given that stage's data-parallel group; `pipeline_group` is the pipeline
   /// group (ParallelGroups::pp): the clipping norm and the non-finite check then span every stage.

@@ -20,6 +20,19 @@
 /// mark_sequence_parallel, which sums its gradient over the group as autograd produces it (before
 /// DistributedOptimizer's hooks reduce it over the data-parallel group).
 ///
+/// Note [Split records]
+/// Each parameter under tensor parallelism carries a record of how it is split, kept by the library
+/// and looked up from the tensor itself (Megatron's tensor_model_parallel / partition_dim
+/// attributes; at::Tensor has no attribute slot, so a registry keyed by the tensor, which does
+/// not keep it alive). The split layers mark their parameters when they are built; a parameter
+/// made elsewhere is marked with mark_split (a slice of an unsplit tensor), mark_replicated (every
+/// tensor rank holds it whole) or mark_sequence_parallel. Everything downstream reads the record
+/// instead of a list of names: DistributedOptimizer (which parameters the clipping norm counts
+/// once over the tensor group: those with no split, marked or not, as Megatron counts every
+/// parameter without tensor_model_parallel) and checkpoints (each split parameter's split is in
+/// the manifest and checked against the model's when loading). A record follows the tensor
+/// through module.to() (which keeps the TensorImpl), not through detach() or clone().
+///
 /// Every layer's weight is drawn whole on every rank (the same generator state gives the same
 /// numbers: torch::nn's own initialisation) and the rank keeps its slice, so a model built at any
 /// t starts from the unsplit model's values; load_full() copies the slice of given unsplit values.
@@ -31,6 +44,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,8 +68,45 @@ at::Tensor gather_from_sequence_region(const at::Tensor& x, int64_t dim,
 at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& x, int64_t dim,
                                              const CommunicatorPtr& group);
 
-/// Sums `param`'s gradient over `group` as autograd produces it (Note [Split regions]).
+/// ---- What a parameter knows about its split (Note [Split records]) ---------------------------
+/// How a parameter is split over its tensor group: this rank holds rows
+/// [rank * padded_size / t, (rank + 1) * padded_size / t) of the unsplit tensor along `dim`, of
+/// which those at full_size and beyond are padding (a vocabulary padded with padded_vocab()).
+struct Split {
+  int64_t dim = 0;          ///< the split dimension of the parameter
+  int64_t full_size = 0;    ///< the unsplit size along dim, without padding
+  int64_t padded_size = 0;  ///< the unsplit size along dim with padding: t x this rank's size
+  bool operator==(const Split& o) const {
+    return dim == o.dim && full_size == o.full_size && padded_size == o.padded_size;
+  }
+  bool operator!=(const Split& o) const { return !(*this == o); }
+};
+
+/// What the library knows about one parameter under tensor parallelism.
+struct SplitRecord {
+  CommunicatorPtr group;       ///< its tensor-parallel group
+  std::optional<Split> split;  ///< none: every rank of the group holds it whole (replicated)
+  /// Its gradient is summed over the group as autograd produces it (mark_sequence_parallel).
+  bool sequence_parallel = false;
+};
+
+/// Records that `param` is this rank's slice of an unsplit tensor split along `dim` over `group`:
+/// param.size(dim) * t must equal padded_size, and 0 < full_size <= padded_size. Marking again
+/// replaces the record (a model that pads a split layer's rows marks its true full_size). Throws
+/// Error{InvalidArgument} naming what does not fit. Local: no communication.
+void mark_split(const at::Tensor& param, const CommunicatorPtr& group, int64_t dim,
+                int64_t full_size, int64_t padded_size);
+/// Records that every rank of `group` holds `param` whole with the same gradient (the clipping
+/// norm counts it once). Parameters without a record are taken as replicated already; marking
+/// says so explicitly and names the group. Local.
+void mark_replicated(const at::Tensor& param, const CommunicatorPtr& group);
+/// Records `param` as replicated and used on sequence shards, and sums its gradient over `group`
+/// as autograd produces it (Note [Split regions]).
 void mark_sequence_parallel(const at::Tensor& param, const CommunicatorPtr& group);
+/// The record of `param`, if it has one. Thread-safe, as are the mark functions.
+std::optional<SplitRecord> record_of(const at::Tensor& param);
+/// The split of `param`, if it is split.
+std::optional<Split> split_of(const at::Tensor& param);
 
 /// What every split layer is given.
 struct TensorParallel {
@@ -68,7 +119,8 @@ struct TensorParallel {
 /// output stays split unless gather_output.
 class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
-  /// Splits `out_features` over the group's t ranks (it must divide by t).
+  /// Splits `out_features` over the group's t ranks (it must divide by t); the weight and the bias
+  /// are recorded as split along dim 0 (Note [Split records]).
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallel tp,
                            bool bias = true, bool gather_output = false);
   /// X [..., in] -> [..., out/t], or [..., out] with gather_output.
@@ -91,7 +143,8 @@ TORCH_MODULE(ColumnParallelLinear);
 /// replicated and added after the reduction. The input is split already unless !input_is_parallel.
 class RowParallelLinearImpl : public torch::nn::Module {
  public:
-  /// Splits `in_features` over the group's t ranks (it must divide by t).
+  /// Splits `in_features` over the group's t ranks (it must divide by t); the weight is recorded as
+  /// split along dim 1, the bias as replicated (or sequence parallel).
   RowParallelLinearImpl(int64_t in_features, int64_t out_features, TensorParallel tp,
                         bool bias = true, bool input_is_parallel = true);
   /// X [..., in/t] (or [..., in] unless input_is_parallel) -> [..., out], summed over the group.
@@ -118,7 +171,9 @@ TORCH_MODULE(RowParallelLinear);
 /// vocab_parallel_cross_entropy).
 class VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
-  /// Splits `vocab` rows over the group's t ranks (pad it with padded_vocab()).
+  /// Splits `vocab` rows over the group's t ranks (pad it with padded_vocab()); the weight is
+  /// recorded as split along dim 0 with full_size `vocab` (a model that padded marks its own
+  /// vocabulary size with mark_split).
   VocabParallelEmbeddingImpl(int64_t vocab, int64_t dim, TensorParallel tp);
   /// Ids [...] -> [..., dim], the full lookup (zeros summed in from other ranks' rows).
   at::Tensor forward(const at::Tensor& ids);
@@ -133,11 +188,6 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   int64_t begin_ = 0;
 };
 TORCH_MODULE(VocabParallelEmbedding);
-
-/// The names (as module.named_parameters() gives them) of the parameters every tensor rank holds
-/// whole: all but the split layers' weights and ColumnParallelLinear's bias. What
-/// ZeroOptions::tensor_replicated wants, so that the clipping norm counts them once.
-std::vector<std::string> replicated_parameter_names(const torch::nn::Module& module);
 
 /// Cross entropy per position from logits split over the vocabulary (logits [..., vocab/t], this
 /// rank's columns vocab_begin = rank * vocab/t onward; target [...]): three small all-reduces (max,

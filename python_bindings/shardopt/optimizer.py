@@ -60,8 +60,8 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             ``shard_group_size``, ``reduce_dtype``, ``prefetch``, ``reuse_distance``, ``timeout`` (a
             ``datetime.timedelta`` or seconds), ``max_nonfinite_steps``, and for tensor
             parallelism ``tensor_group`` (``make_parallel_groups(world, tp=t).tp``; pass
-            ``comm=`` the ``.dp`` group) with ``tensor_replicated`` (the names of the parameters
-            every tensor rank holds whole), and for pipelines ``pipeline_group`` (``.pp``) with
+            ``comm=`` the ``.dp`` group; the parameters split over it are those marked with
+            ``shardopt.mark_split``, the others held whole), and for pipelines ``pipeline_group`` (``.pp``) with
             ``pipeline_shared`` (the names of the parameters the first and the last stage both
             hold, e.g. a tied embedding) and ``pipeline_shared_group`` (``.embedding``).
         units: stage 3: the modules whose parameters are gathered together, usually one per

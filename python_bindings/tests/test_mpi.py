@@ -301,7 +301,7 @@ def test_load_checkpoint_module_takes_rank0s_buffers(comm):
 
 
 def test_tensor_parallel_grid_clipping(comm):
-    """make_parallel_groups(tp=2) and ZeroOptions.tensor_group / tensor_replicated: rank r holds
+    """make_parallel_groups(tp=2), ZeroOptions.tensor_group and mark_split: rank r holds
     rows [3r, 3r+3) of W (split) and all of v (replicated); the loss is the unsplit model's (the
     other rank's rows enter as constants), so each rank's gradients are its slice of the unsplit
     ones. The clipping norm must span both ranks and count v once: SGD with max_grad_norm then
@@ -314,9 +314,10 @@ def test_tensor_parallel_grid_clipping(comm):
     w = torch.nn.Parameter(w_full[3 * r:3 * r + 3].clone())
     v = torch.nn.Parameter(v_full.clone())
     ref_w, ref_v = torch.nn.Parameter(w_full.clone()), torch.nn.Parameter(v_full.clone())
+    shardopt.mark_split(w, g.tp, 0, 6, 6)  # v, unmarked, is held whole
+    assert shardopt.split_of(w) == (0, 6, 6) and shardopt.split_of(v) is None
     opt = shardopt.DistributedOptimizer([("w", w), ("v", v)], "sgd", comm=g.dp, lr=0.1,
-                                        max_grad_norm=0.5, tensor_group=g.tp,
-                                        tensor_replicated=["v"])
+                                        max_grad_norm=0.5, tensor_group=g.tp)
     ref_opt = torch.optim.SGD([ref_w, ref_v], lr=0.1)
     ok = True
     for step in range(4):

@@ -40,7 +40,7 @@ CheckpointInfo read_checkpoint_info(const std::string& dir) {
   info.rule = m.rule;
   info.state_names = m.state_names;
   for (const auto& p : m.params)
-    info.params.push_back({p.name, p.shape, dtype_name(m.dtype), p.group});
+    info.params.push_back({p.name, p.shape, dtype_name(m.dtype), p.group, p.split});
   info.trainer_json = dump(m.j.at("trainer"));
   info.manifest_json = dump(m.j, 1);
   return info;

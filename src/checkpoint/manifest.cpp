@@ -15,6 +15,7 @@
 #include "checkpoint/format.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/tensor_parallel.hpp"
 #include "shardopt/version.hpp"
 
 namespace shardopt::detail {
@@ -302,6 +303,23 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
       mp.numel = checked_numel(
           mp.shape, fmt::format("{}: parameter '{}'", m.path.string(), mp.name));
       mp.group = integer<int>(p.at("group"));
+      // Absent in manifests written before splits were recorded; null: not split.
+      if (p.contains("split")) {
+        mp.split_recorded = true;
+        const json& split = p.at("split");
+        if (!split.is_null()) {
+          mp.split = {integer<int64_t>(split.at("dim")), integer<int64_t>(split.at("full_size")),
+                      integer<int64_t>(split.at("padded_size"))};
+          SHARDOPT_CHECK(mp.split[0] >= 0 && mp.split[0] < static_cast<int64_t>(mp.shape.size()) &&
+                             mp.split[1] > 0 && mp.split[1] <= mp.split[2] &&
+                             mp.split[2] % mp.shape[mp.split[0]] == 0,
+                         Checkpoint,
+                         "checkpoint: {}: parameter '{}' of shape {} records the split (dim {}, "
+                         "full size {}, padded size {}), which does not fit it",
+                         m.path.string(), mp.name, shape_text(mp.shape), mp.split[0],
+                         mp.split[1], mp.split[2]);
+        }
+      }
       for (const auto& piece : p.at("pieces")) {
         SavedPiece sp{integer<int>(piece.at(0)), integer<int64_t>(piece.at(1)),
                       integer<int64_t>(piece.at(2)), integer<int64_t>(piece.at(3))};
@@ -399,6 +417,14 @@ LoadedShard load_shard(const Manifest& m, int rank) {
   return s;
 }
 
+std::vector<int64_t> split_of_param(const ShardAccess& a, int index) {
+  const auto split = tp::split_of(a.param_tensor(index));
+  if (!split) return {};
+  const int64_t local = a.param_shape(index)[split->dim];
+  if (local == split->full_size && local == split->padded_size) return {};
+  return {split->dim, split->full_size, split->padded_size};
+}
+
 json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,
                     const std::vector<json>& files, const json& module) {
   const auto& layout = a.layout();
@@ -449,8 +475,14 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
     for (const auto& p : detail::saved_pieces(layout, i, world)) {
       pieces.push_back({p.rank, p.shard_begin, p.param_begin, p.numel});
     }
+    const auto split = split_of_param(a, i);
+    json split_json = nullptr;
+    if (!split.empty()) {
+      split_json = {{"dim", split[0]}, {"full_size", split[1]}, {"padded_size", split[2]}};
+    }
     params.push_back({{"name", a.param_name(i)},
                       {"shape", a.param_shape(i)},
+                      {"split", split_json},
                       {"dtype", dtype_name(a.master_dtype())},
                       {"numel", slot.numel},
                       {"group", layout.buckets[slot.bucket].group},

@@ -40,7 +40,15 @@ struct ManifestParam {
   int64_t numel = 0;
   int group = 0;
   std::vector<SavedPiece> pieces;
+  // Its tensor-parallel split {dim, full_size, padded_size} (Note [Split records]); empty: not
+  // split. `split_recorded` is false for manifests written before splits were recorded.
+  std::vector<int64_t> split;
+  bool split_recorded = false;
 };
+
+// The split of parameter `index` as a manifest records it: {dim, full_size, padded_size}, or
+// empty where it is not split (or split trivially: one rank holding all of it, no padding).
+std::vector<int64_t> split_of_param(const ShardAccess& a, int index);
 
 struct Manifest {
   std::filesystem::path dir;

@@ -60,6 +60,14 @@ void commit(ShardAccess& a, const Staging& s) {
   }
 }
 
+namespace {
+std::string split_text(const std::vector<int64_t>& split) {
+  if (split.empty()) return "not split";
+  return fmt::format("split along dim {} (full size {}, padded size {})", split[0], split[1],
+                     split[2]);
+}
+}  // namespace
+
 void check_same_model(ShardAccess& a, const Manifest& m) {
   const int n = static_cast<int>(a.layout().slots.size());
   std::set<std::string> mine;
@@ -76,6 +84,13 @@ void check_same_model(ShardAccess& a, const Manifest& m) {
                    "checkpoint: {} is of another model: parameter '{}' has shape {} in the model "
                    "but {} in the checkpoint",
                    m.dir.string(), name, shape_text(a.param_shape(i)), shape_text(saved));
+    // Note [Split records]: the same local shape may be another slice (another t, dimension or
+    // padding); older manifests record no splits and are not checked.
+    const auto& saved_split = m.params[it->second].split;
+    const auto split = split_of_param(a, i);
+    SHARDOPT_CHECK(!m.params[it->second].split_recorded || saved_split == split, Checkpoint,
+                   "checkpoint: {}: parameter '{}' is {} in the model but {} in the checkpoint",
+                   m.dir.string(), name, split_text(split), split_text(saved_split));
   }
   for (const auto& p : m.params) {
     SHARDOPT_CHECK(mine.count(p.name) > 0, Mismatch,

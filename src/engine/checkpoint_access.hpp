@@ -50,6 +50,7 @@ class CheckpointAccess final : public ShardAccess {
   std::vector<int64_t> param_shape(int index) const override {
     return model_.params[index].tensor.sizes().vec();
   }
+  const at::Tensor& param_tensor(int index) const override { return model_.params[index].tensor; }
   at::ScalarType master_dtype() const override {
     return flat_.master_options().dtype().toScalarType();
   }

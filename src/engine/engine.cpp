@@ -227,9 +227,10 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
       options_.fused_update);
-  if (options_.tensor_group) {
-    update_->grid().set_tensor_group(options_.tensor_group,
-                                     slots_named(options_.tensor_replicated, "tensor_replicated"));
+  // Note [Split records] (shardopt/tensor_parallel.hpp): the parameters say how they are split.
+  if (auto grid = tensor_grid_of(params(), options_.tensor_group); grid.group) {
+    options_.tensor_group = grid.group;
+    update_->grid().set_tensor_group(std::move(grid.group), std::move(grid.replicated));
   }
   if (options_.pipeline_group) {
     update_->grid().set_pipeline(options_.pipeline_group, options_.pipeline_shared_group,

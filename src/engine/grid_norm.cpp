@@ -4,10 +4,44 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <optional>
+
+#include "engine/model_check.hpp"
+#include "shardopt/tensor_parallel.hpp"
 
 #include "shardopt/error.hpp"
 
 namespace shardopt::detail {
+
+// Note [Split records]: as Megatron counts every parameter without tensor_model_parallel once,
+// a parameter with no split (marked replicated, sequence parallel, or never marked) is held whole
+// by every tensor rank.
+TensorGrid tensor_grid_of(const std::vector<ModelParam>& params, CommunicatorPtr given) {
+  TensorGrid grid{std::move(given), std::vector<char>(params.size(), 1)};
+  std::vector<std::optional<tp::SplitRecord>> records;
+  for (const auto& p : params) records.push_back(tp::record_of(p.tensor));
+  if (!grid.group) {
+    for (const auto& r : records) {
+      if (r && r->split && r->group->size() > 1) {
+        grid.group = r->group;
+        break;
+      }
+    }
+  }
+  if (!grid.group) return {};
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& r = records[i];
+    if (!r) continue;
+    SHARDOPT_CHECK(r->group->size() == grid.group->size(), InvalidArgument,
+                   "optimizer: parameter '{}' is marked {} over a tensor group of {} rank(s), "
+                   "expected the optimizer's tensor group of {} (ZeroOptions::tensor_group, or "
+                   "that of the other split parameters)",
+                   params[i].name, r->split ? "split" : "replicated", r->group->size(),
+                   grid.group->size());
+    grid.replicated[i] = r->split ? 0 : 1;
+  }
+  return grid;
+}
 
 void GridNorm::set_tensor_group(CommunicatorPtr group, std::vector<char> replicated) {
   tensor_group_ = std::move(group);

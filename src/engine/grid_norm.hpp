@@ -4,6 +4,7 @@
 // and the last pipeline stage both hold, whose gradients it sums between the two.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "engine/finite_check.hpp"
@@ -11,6 +12,19 @@
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
+
+struct ModelParam;
+
+// The tensor group of an optimizer's parameters and which of them every tensor rank holds whole,
+// read from their split records (Note [Split records] in shardopt/tensor_parallel.hpp).
+struct TensorGrid {
+  CommunicatorPtr group;          // null: no tensor parallelism
+  std::vector<char> replicated;   // per slot (the parameters' order)
+};
+// `given`: ZeroOptions::tensor_group; null takes the records' group when one is split over more
+// than one rank. Every record must name a group of the same size as the one used (Error
+// InvalidArgument naming the parameter otherwise).
+TensorGrid tensor_grid_of(const std::vector<ModelParam>& params, CommunicatorPtr given);
 
 class GridNorm {
  public:

@@ -13,7 +13,6 @@
 
 #include <cmath>
 #include <mutex>
-#include <unordered_set>
 #include <utility>
 
 #include "shardopt/error.hpp"
@@ -198,12 +197,6 @@ at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& x, int64_t dim,
   return map(x, kReduceScatter, kAllGather, dim, group);
 }
 
-void mark_sequence_parallel(const at::Tensor& param, const CommunicatorPtr& group) {
-  SHARDOPT_CHECK(group != nullptr, InvalidArgument, "tensor parallel: the group is null");
-  if (group->size() == 1) return;
-  param.register_hook([group](const at::Tensor& grad) { return all_reduce(grad, *group); });
-}
-
 // ---- layers -----------------------------------------------------------------------------------
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t out_features,
@@ -217,7 +210,11 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t 
                  "parallelism");
   auto [w, b] = linear_init(in_features, out_features, with_bias);
   weight = register_parameter("weight", chunk(w, 0, group));
-  if (with_bias) bias = register_parameter("bias", chunk(b, 0, group));
+  mark_split(weight, tp_.group, 0, out_features, out_features);
+  if (with_bias) {
+    bias = register_parameter("bias", chunk(b, 0, group));
+    mark_split(bias, tp_.group, 0, out_features, out_features);
+  }
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -244,9 +241,14 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_fe
                  "parallelism");
   auto [w, b] = linear_init(in_features, out_features, with_bias);
   weight = register_parameter("weight", chunk(w, 1, group));
+  mark_split(weight, tp_.group, 1, in_features, in_features);
   if (with_bias) {
     bias = register_parameter("bias", b);
-    if (tp_.sequence_parallel) mark_sequence_parallel(bias, tp_.group);
+    if (tp_.sequence_parallel) {
+      mark_sequence_parallel(bias, tp_.group);
+    } else {
+      mark_replicated(bias, tp_.group);
+    }
   }
 }
 
@@ -275,6 +277,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t di
     w = at::empty({vocab, dim}).normal_();  // torch::nn::Embedding's initialisation
   }
   weight = register_parameter("weight", chunk(w, 0, group));
+  mark_split(weight, tp_.group, 0, vocab, vocab);  // the model marks its unpadded vocabulary
   begin_ = group.rank() * (vocab / group.size());
 }
 
@@ -290,30 +293,6 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
 
 void VocabParallelEmbeddingImpl::load_full(const at::Tensor& w) {
   copy_slice(weight, w, 0, *tp_.group, "weight");
-}
-
-std::vector<std::string> replicated_parameter_names(const torch::nn::Module& module) {
-  std::unordered_set<const c10::TensorImpl*> split;
-  // The module itself, then its descendants (include_self would need it in a shared_ptr).
-  std::vector<const torch::nn::Module*> modules{&module};
-  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
-    modules.push_back(item.value().get());
-  }
-  for (const torch::nn::Module* m : modules) {
-    if (const auto* c = dynamic_cast<const ColumnParallelLinearImpl*>(m)) {
-      split.insert(c->weight.unsafeGetTensorImpl());
-      if (c->bias.defined()) split.insert(c->bias.unsafeGetTensorImpl());
-    } else if (const auto* r = dynamic_cast<const RowParallelLinearImpl*>(m)) {
-      split.insert(r->weight.unsafeGetTensorImpl());
-    } else if (const auto* e = dynamic_cast<const VocabParallelEmbeddingImpl*>(m)) {
-      split.insert(e->weight.unsafeGetTensorImpl());
-    }
-  }
-  std::vector<std::string> names;
-  for (const auto& item : module.named_parameters()) {
-    if (!split.count(item.value().unsafeGetTensorImpl())) names.push_back(item.key());
-  }
-  return names;
 }
 
 // ---- cross entropy over a split vocabulary ------------------------------------------------------

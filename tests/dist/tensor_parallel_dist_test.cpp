@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardopt/checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
 #include "shardopt/tensor_parallel.hpp"
@@ -452,8 +453,9 @@ DIST_TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) 
       zo.unit_policy.persist_below = 0;  // stage 3: every module a unit, gathered on use
       zo.timeout = std::chrono::seconds(60);
       zo.max_grad_norm = kMaxNorm;
-      zo.tensor_group = g.tp;
-      zo.tensor_replicated = {"down.bias", "ln.weight", "ln.bias"};
+      // Note [Split records]: the split layers marked their parameters; the LayerNorm's, never
+      // marked, are replicated. Odd runs leave the tensor group to the records.
+      if (run % 2 == 0) zo.tensor_group = g.tp;
       DistributedOptimizer opt({group}, rule, g.dp, zo);
       double norm_error = 0.0;
       const int64_t rows = kRows / d;  // this data-parallel rank's rows; every tensor rank the same
@@ -490,33 +492,5 @@ DIST_TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) 
   }
 }
 
-TEST(TensorParallelZero, ReplicatedNamesAndClearErrors) {
-  auto world = test::world();
-  const ParallelGroups g = make_parallel_groups(world, ParallelLayout{world->size()});
-  struct Block : torch::nn::Module {
-    explicit Block(const tp::TensorParallel& tp)
-        : up(register_module("up", tp::ColumnParallelLinear(4, 4 * tp.group->size(), tp))),
-          down(register_module("down", tp::RowParallelLinear(4 * tp.group->size(), 4, tp))),
-          norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})))),
-          emb(register_module("emb", tp::VocabParallelEmbedding(8 * tp.group->size(), 4, tp))) {}
-    tp::ColumnParallelLinear up;
-    tp::RowParallelLinear down;
-    torch::nn::LayerNorm norm;
-    tp::VocabParallelEmbedding emb;
-  };
-  Block block(options(g, false));
-  EXPECT_EQ(tp::replicated_parameter_names(block),
-            (std::vector<std::string>{"down.bias", "norm.weight", "norm.bias"}));
-  ZeroOptions zo;
-  zo.tensor_replicated = {"down.bias"};
-  test::expect_error([&] { zo.validate(); }, ErrorKind::InvalidArgument,
-                     {"tensor_replicated names 1 parameter(s) but tensor_group is null"});
-  zo.tensor_group = g.tp;
-  zo.tensor_replicated = {"down.bais"};
-  ParamGroup group;
-  for (const auto& item : block.named_parameters()) group.params.push_back({item.key(), item.value()});
-  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
-                     ErrorKind::InvalidArgument, {"tensor_replicated names 'down.bais'"});
-}
 }  // namespace
 }  // namespace shardopt

@@ -39,6 +39,8 @@ class ShardAccess {
   // Parameter i of the layout (layout().slots[i]): its named_parameters() name and shape.
   virtual const std::string& param_name(int index) const = 0;
   virtual std::vector<int64_t> param_shape(int index) const = 0;
+  // The model's tensor itself (its split record: Note [Split records], tensor_parallel.hpp).
+  virtual const at::Tensor& param_tensor(int index) const = 0;
   // Its position in the parameter lists the optimizer was given (manifests list that order).
   virtual int64_t param_order(int index) const = 0;
   // dtype of the master parameters and of the optimizer state.

@@ -1,0 +1,122 @@
+// The split records of tensor-parallel parameters (Note [Split records] in
+// shardopt/tensor_parallel.hpp): a process-wide registry keyed by the TensorImpl, shared by every
+// rank of the thread engine (hence the mutex), that never keeps a parameter's memory alive.
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <fmt/format.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+#include "shardopt/error.hpp"
+#include "shardopt/tensor_parallel.hpp"
+
+namespace shardopt::tp {
+namespace {
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// A weak reference keeps the TensorImpl object (not its storage) allocated, so its address cannot
+// be reused by a new tensor while the entry exists: a lookup by address finds only its own tensor.
+struct Entry {
+  WeakImpl impl;
+  SplitRecord record;
+};
+
+class Registry {
+ public:
+  void put(const at::Tensor& t, SplitRecord record) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Entries of freed tensors are dropped whenever the map has doubled since the last sweep, so
+    // it stays within twice the live parameters' count.
+    if (entries_.size() >= 2 * live_after_sweep_ + 64) {
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        it = it->second.impl.expired() ? entries_.erase(it) : std::next(it);
+      }
+      live_after_sweep_ = entries_.size();
+    }
+    entries_.insert_or_assign(t.unsafeGetTensorImpl(),
+                              Entry{WeakImpl(t.getIntrusivePtr()), std::move(record)});
+  }
+
+  std::optional<SplitRecord> get(const at::Tensor& t) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = entries_.find(t.unsafeGetTensorImpl());
+    if (it == entries_.end() || it->second.impl.expired()) return std::nullopt;
+    return it->second.record;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::unordered_map<const c10::TensorImpl*, Entry> entries_;
+  size_t live_after_sweep_ = 0;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: parameters may outlive static teardown
+  return *r;
+}
+
+void check_marked(const at::Tensor& param, const CommunicatorPtr& group, const char* what) {
+  SHARDOPT_CHECK(param.defined(), InvalidArgument, "tensor parallel: {}: the tensor is undefined",
+                 what);
+  SHARDOPT_CHECK(group != nullptr, InvalidArgument,
+                 "tensor parallel: {}: the group is null (ParallelGroups::tp)", what);
+}
+
+}  // namespace
+
+void mark_split(const at::Tensor& param, const CommunicatorPtr& group, int64_t dim,
+                int64_t full_size, int64_t padded_size) {
+  check_marked(param, group, "mark_split");
+  SHARDOPT_CHECK(dim >= 0 && dim < param.dim(), InvalidArgument,
+                 "tensor parallel: mark_split: dim must be in [0, {}) for a tensor of shape {}, "
+                 "got {}",
+                 param.dim(), describe(param), dim);
+  const int64_t t = group->size();
+  SHARDOPT_CHECK(param.size(dim) * t == padded_size, InvalidArgument,
+                 "tensor parallel: mark_split: padded_size must be the tensor's size along dim {} "
+                 "times the group's {} ranks, expected {}, got {}",
+                 dim, t, param.size(dim) * t, padded_size);
+  SHARDOPT_CHECK(full_size > 0 && full_size <= padded_size, InvalidArgument,
+                 "tensor parallel: mark_split: full_size must be in [1, padded_size = {}], got {}",
+                 padded_size, full_size);
+  registry().put(param, SplitRecord{group, Split{dim, full_size, padded_size}, false});
+}
+
+void mark_replicated(const at::Tensor& param, const CommunicatorPtr& group) {
+  check_marked(param, group, "mark_replicated");
+  registry().put(param, SplitRecord{group, std::nullopt, false});
+}
+
+void mark_sequence_parallel(const at::Tensor& param, const CommunicatorPtr& group) {
+  check_marked(param, group, "mark_sequence_parallel");
+  const auto before = registry().get(param);
+  SHARDOPT_CHECK(!before || !before->split, InvalidArgument,
+                 "tensor parallel: mark_sequence_parallel: the tensor {} is split along dim {}; "
+                 "only a replicated parameter is used on sequence shards",
+                 describe(param), before ? before->split->dim : 0);
+  // Twice would sum the gradient twice.
+  if (before && before->sequence_parallel) return;
+  registry().put(param, SplitRecord{group, std::nullopt, true});
+  if (group->size() == 1) return;
+  param.register_hook([group](const at::Tensor& grad) {
+    at::Tensor out = grad.contiguous().clone();
+    group->all_reduce(out);
+    return out;
+  });
+}
+
+std::optional<SplitRecord> record_of(const at::Tensor& param) {
+  if (!param.defined()) return std::nullopt;
+  return registry().get(param);
+}
+
+std::optional<Split> split_of(const at::Tensor& param) {
+  auto r = record_of(param);
+  return r ? r->split : std::nullopt;
+}
+
+}  // namespace shardopt::tp

@@ -52,14 +52,14 @@ TEST(SplitBackward, BitwiseFullBackwardAndWeightPassSkipsTheTrunk) {
     const at::Tensor x = data.clone().requires_grad_();
     const at::Tensor out = forward(split, x);
     detail::SplitBackward pass;
-    const at::Tensor dx = pass.backward_input(out, grad_out, x, split.params);
+    const at::Tensor dx = pass.backward_input({out}, {grad_out}, {x}, split.params).at(0);
     ASSERT_TRUE(pass.split());
     EXPECT_TRUE(at::equal(dx, x_full.grad()));
     for (const auto& p : split.params) EXPECT_FALSE(p.grad().defined() && mb == 0);
     // The output's node (GELU's backward) is on the trunk: W must not run it again.
     int runs = 0;
     out.grad_fn()->add_pre_hook(std::make_unique<Count>(&runs));
-    pass.backward_weight(out, grad_out, split.params);
+    pass.backward_weight({out}, {grad_out}, {x}, split.params);
     EXPECT_EQ(runs, 0);
     for (size_t i = 0; i < split.params.size(); ++i) {
       EXPECT_TRUE(at::equal(split.params[i].grad(), full.params[i].grad())) << "parameter " << i;
@@ -77,9 +77,9 @@ TEST(SplitBackward, ParameterUsedTwiceFallsBackToAFullTraversal) {
   const at::Tensor x = data.clone().requires_grad_();
   const at::Tensor out = twice(n, x);
   detail::SplitBackward pass;
-  pass.backward_input(out, grad_out, x, n.params);
+  pass.backward_input({out}, {grad_out}, {x}, n.params);
   EXPECT_FALSE(pass.split());
-  pass.backward_weight(out, grad_out, n.params);
+  pass.backward_weight({out}, {grad_out}, {x}, n.params);
   for (size_t i = 0; i < n.params.size(); ++i) {
     EXPECT_TRUE(at::allclose(n.params[i].grad(), reference.params[i].grad(), 0, 1e-6));
   }

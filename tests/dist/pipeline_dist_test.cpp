@@ -104,6 +104,32 @@ std::vector<std::pair<Case, PipelineRunOptions::Pairing>> with_both_pairings(
   return out;
 }
 
+// Whether this rank's layers got bitwise the one-process gradients (and the last stage the same
+// losses); each difference is reported, named.
+bool matches_one_process(const std::vector<Layer>& model, const std::vector<Layer>& reference,
+                         const std::vector<int>& mine, const std::vector<at::Tensor>& losses = {},
+                         const std::vector<at::Tensor>& reference_losses = {}) {
+  bool ok = true;
+  for (int l : mine) {
+    for (auto [got, want] : {std::pair{model[l].weight, reference[l].weight},
+                             std::pair{model[l].bias, reference[l].bias}}) {
+      const bool same = got.grad().defined() && at::equal(got.grad(), want.grad());
+      EXPECT_TRUE(same) << "layer " << l
+                        << (got.grad().defined()
+                                ? fmt::format(" max diff {}",
+                                              (got.grad() - want.grad()).abs().max().item<float>())
+                                : std::string(": no gradient"));
+      ok = ok && same;
+    }
+  }
+  for (size_t mb = 0; mb < losses.size(); ++mb) {
+    const bool same = at::equal(losses[mb], reference_losses[mb]);
+    EXPECT_TRUE(same) << "loss of micro-batch " << mb;
+    ok = ok && same;
+  }
+  return ok;
+}
+
 class PipelineParity : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -143,23 +169,7 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
       continue;
     }
     const auto losses = run_pipeline(schedule, *comm, chunks, data, options);
-
-    for (int l : mine) {
-      for (auto [got, want] : {std::pair{model[l].weight, reference[l].weight},
-                               std::pair{model[l].bias, reference[l].bias}}) {
-        const bool same = got.grad().defined() && at::equal(got.grad(), want.grad());
-        EXPECT_TRUE(same) << "layer " << l << " max diff "
-                          << (got.grad().defined()
-                                  ? (got.grad() - want.grad()).abs().max().item<float>()
-                                  : -1.f);
-        ok = ok && same;
-      }
-    }
-    for (size_t mb = 0; mb < losses.size(); ++mb) {
-      const bool same = at::equal(losses[mb], reference_losses[mb]);
-      EXPECT_TRUE(same) << "loss of micro-batch " << mb;
-      ok = ok && same;
-    }
+    ok = matches_one_process(model, reference, mine, losses, reference_losses) && ok;
     EXPECT_EQ(losses.size(), r == schedule.rank_of(stages - 1) ? size_t(c.m) : size_t{0});
   }
   EXPECT_TRUE(test::all_ranks(ok));
@@ -243,14 +253,7 @@ TEST_P(PipelineParity, ZeroBubbleOwesForgottenParameters) {
     PipelineRunOptions options;
     options.activation_shape = {kBatch, kHidden};
     run_pipeline(schedule, *comm, chunks, data, options);
-    for (int l : mine) {
-      for (auto [got, want] : {std::pair{model[l].weight, reference[l].weight},
-                               std::pair{model[l].bias, reference[l].bias}}) {
-        const bool same = got.grad().defined() && at::equal(got.grad(), want.grad());
-        EXPECT_TRUE(same) << "layer " << l << (got.grad().defined() ? "" : ": no gradient");
-        ok = ok && same;
-      }
-    }
+    ok = matches_one_process(model, reference, mine) && ok;
   }
   EXPECT_TRUE(test::all_ranks(ok));
 }
@@ -317,22 +320,7 @@ TEST_P(PipelineParity, SeveralTensorsPerBoundary) {
     PipelineRunOptions options;
     options.pair_exchanges = pairing;
     const auto losses = run_pipeline(schedule, *comm, chunks, data, options);
-    for (int l : mine) {
-      for (auto [got, want] : {std::pair{model[l].weight, reference[l].weight},
-                               std::pair{model[l].bias, reference[l].bias}}) {
-        const bool same = got.grad().defined() && at::equal(got.grad(), want.grad());
-        EXPECT_TRUE(same) << "layer " << l << " max diff "
-                          << (got.grad().defined()
-                                  ? (got.grad() - want.grad()).abs().max().item<float>()
-                                  : -1.f);
-        ok = ok && same;
-      }
-    }
-    for (size_t mb = 0; mb < losses.size(); ++mb) {
-      const bool same = at::equal(losses[mb], reference_losses[mb]);
-      EXPECT_TRUE(same) << "loss of micro-batch " << mb;
-      ok = ok && same;
-    }
+    ok = matches_one_process(model, reference, mine, losses, reference_losses) && ok;
   }
   EXPECT_TRUE(test::all_ranks(ok));
 }

@@ -533,7 +533,8 @@ def main():
     tp = trainer_python(args)
     probes["trainer"] = probes["peers"] if tp == args.python else run_probe(tp, args, outdir, "trainer")
     for tag, p in probes.items():
-        print(f"[compare] GEMM probe, {'the peers' if tag == 'peers' else 'the C++ trainer'}'s torch: " + (
+        whose = "the peers' torch" if tag == "peers" else "the C++ trainer's torch"
+        print(f"[compare] GEMM probe, {whose}: " + (
             f"{p['gflops']:.1f} GFLOP/s at 1 thread on the model's products "
             f"({p['flops_per_step'] / 1e9:.1f} GFLOP per rank and step; torch {p['torch']}, "
             f"load {p['load']:.1f})" if p else "did not run (see gemm_probe_*.log)"))

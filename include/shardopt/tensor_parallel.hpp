@@ -76,9 +76,11 @@ struct Split {
   int64_t dim = 0;          ///< the split dimension of the parameter
   int64_t full_size = 0;    ///< the unsplit size along dim, without padding
   int64_t padded_size = 0;  ///< the unsplit size along dim with padding: t x this rank's size
+  /// Equal in dimension, unsplit size and padded size.
   bool operator==(const Split& o) const {
     return dim == o.dim && full_size == o.full_size && padded_size == o.padded_size;
   }
+  /// Not operator==.
   bool operator!=(const Split& o) const { return !(*this == o); }
 };
 

@@ -1,4 +1,4 @@
-// Note [Tensor-parallel GPT] and Note [Weights by name] in model.hpp.
+// The decoder (Note [Tensor-parallel GPT] and Note [Weights by name] in model.hpp).
 #include "model.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>

@@ -218,7 +218,7 @@ void report(Run& r, const StepRecord& rec, double seconds) {
   const std::string line = fmt::format("[gpt] step {} of {}: loss {:.10f} grad_norm {:.10e} lr {:.3e} "
                                        "({:.3f} s)", rec.step, r.a.steps, rec.loss, rec.grad_norm,
                                        lr, seconds);
-  fmt::print(r.tty ? "\r{}" : "{}\n", line);
+  fmt::print(r.tty ? "\r\x1b[K{}" : "{}\n", line);  // tty: the line rewritten, its tail cleared
   std::fflush(stdout);
 }
 
@@ -250,8 +250,8 @@ int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::
   return static_cast<int>(t.item<int64_t>());
 }
 
-// Note [Errors on one rank] as in bert_pretrain: what escapes on one rank ends the job at once
-// (run_or_abort); usage errors are found alike on every rank, rank 0 prints the line.
+// What escapes on one rank ends the job at once (run_or_abort) rather than leaving the others in a
+// collective; usage errors are found alike on every rank, and rank 0 prints the line.
 int run(const Args& a) {
   shardopt::InitOptions init;
   if (a.timeout_s > 0) init.timeout = shardopt::Duration(static_cast<int64_t>(a.timeout_s * 1e3));

@@ -45,7 +45,7 @@ void add_options(CLI::App& app, Args& a) {
   app.option_defaults()->always_capture_default()->multi_option_policy(
       CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--corpus", a.corpus, "folder (or file) of text to train on; its bytes are the "
-                 "tokens (vocabulary 256)");
+                 "tokens (vocabulary 256); default: the repository's tests/assets/corpus");
   app.add_option("--preset", a.preset, "model shape: tiny | mini | small (GPT-2 small's shape)")
       ->check(CLI::IsMember(GptConfig::preset_names()));
   app.add_option("--layers", a.layers, "decoder layers (default: the preset's)")
@@ -70,8 +70,8 @@ void add_options(CLI::App& app, Args& a) {
       ->check(integer_at_least(1));
   app.add_option("--weight-decay", a.weight_decay, "AdamW's decoupled weight decay (not on biases "
                  "and LayerNorms)")->check(number_at_least(0, false));
-  app.add_option("--max-grad-norm", a.max_grad_norm, "global gradient clipping (0: none; the norm "
-                 "is reported either way only when clipping)")->check(number_at_least(0, false));
+  app.add_option("--max-grad-norm", a.max_grad_norm, "global gradient clipping (0: none, and no "
+                 "gradient norm is computed or reported)")->check(number_at_least(0, false));
   app.add_option("--dtype", a.dtype, "float32 | float64: the parameters' and activations' dtype "
                  "(float64: layouts agree to rounding, for tests)")
       ->check(CLI::IsMember({"float32", "float64"}));

@@ -10,10 +10,15 @@ namespace CLI {
 class App;
 }
 
+// The build's tests/assets/corpus (the licence texts), set by examples/CMakeLists.txt.
+#ifndef GPT_DEFAULT_CORPUS
+#define GPT_DEFAULT_CORPUS ""
+#endif
+
 namespace gpt {
 
 struct Args {
-  std::string corpus;             // a folder (or file) of text; bytes are the tokens
+  std::string corpus = GPT_DEFAULT_CORPUS;  // a folder (or file) of text; bytes are the tokens
   std::string preset = "tiny";
   int64_t layers = 0, hidden = 0, heads = 0;  // 0: the preset's
   int64_t steps = 100;

@@ -20,14 +20,18 @@ std::string checkpoint_folder(const std::string& base, const shardopt::ParallelG
   const auto& l = groups.layout;
   if (l.tp == 1 && l.pp == 1) return base;
   return (fs::path(base) / fmt::format("pp{}-of-{}", groups.pp_rank, l.pp) /
-          fmt::format("tp{}-of-{}", groups.tp_rank, l.tp)).string();
+          fmt::format("tp{}-of-{}", groups.tp_rank, l.tp))
+      .string();
 }
 
 void save(shardopt::DistributedOptimizer& opt, const std::string& base,
           const shardopt::ParallelGroups& groups, const SavedRun& run, int64_t step) {
-  const nlohmann::json json = {{"step", step}, {"tp", run.tp}, {"pp", run.pp},
+  const nlohmann::json json = {{"step", step},
+                               {"tp", run.tp},
+                               {"pp", run.pp},
                                {"virtual_stages", run.virtual_stages},
-                               {"rows_per_step", run.rows_per_step}, {"seed", run.seed}};
+                               {"rows_per_step", run.rows_per_step},
+                               {"seed", run.seed}};
   shardopt::TrainerState state;
   state.json = json.dump();
   auto gen = at::globalContext().defaultGenerator(at::kCPU);
@@ -43,22 +47,25 @@ int64_t restore(shardopt::DistributedOptimizer& opt, const std::string& base,
   const std::string own = checkpoint_folder(base, groups);
   std::error_code ec;
   if (!fs::is_regular_file(fs::path(own) / "manifest.json", ec)) {
-    throw ResumeError(fmt::format("--resume: no checkpoint of this layout ({}) in {}: loading a "
-                                  "checkpoint written at another (t, p, V) is not supported yet",
-                                  now.describe(), base));
+    throw ResumeError(
+        fmt::format("--resume: no checkpoint of this layout ({}) in {}: loading a "
+                    "checkpoint written at another (t, p, V) is not supported yet",
+                    now.describe(), base));
   }
   const auto saved = nlohmann::json::parse(shardopt::read_checkpoint_info(own).trainer_json);
   SavedRun then{saved.value("tp", 0), saved.value("pp", 0), saved.value("virtual_stages", 0),
                 saved.value("rows_per_step", int64_t{0}), saved.value("seed", uint64_t{0})};
   if (then.tp != now.tp || then.pp != now.pp || then.virtual_stages != now.virtual_stages) {
-    throw ResumeError(fmt::format("--resume: {} was written at {}, this run is {}: loading across "
-                                  "layouts is not supported yet", base, then.describe(),
-                                  now.describe()));
+    throw ResumeError(
+        fmt::format("--resume: {} was written at {}, this run is {}: loading across "
+                    "layouts is not supported yet",
+                    base, then.describe(), now.describe()));
   }
   if (then.rows_per_step != now.rows_per_step || then.seed != now.seed) {
-    throw ResumeError(fmt::format("--resume: {} read {} rows a step with --seed {}, this run {} "
-                                  "with --seed {}: it would not continue the same data", base,
-                                  then.rows_per_step, then.seed, now.rows_per_step, now.seed));
+    throw ResumeError(
+        fmt::format("--resume: {} read {} rows a step with --seed {}, this run {} "
+                    "with --seed {}: it would not continue the same data",
+                    base, then.rows_per_step, then.seed, now.rows_per_step, now.seed));
   }
   const shardopt::TrainerState state = shardopt::load_checkpoint(opt, own);
   if (const auto it = state.tensors.find("rng"); it != state.tensors.end()) {

@@ -29,12 +29,16 @@ std::string GptConfig::check(int tp, int stages) const {
   }
   // Column-parallel QKV keeps whole heads on a rank; the MLP's 4h features split evenly.
   if (heads % tp != 0) {
-    return fmt::format("--tp {}: the model's {} attention heads are not divisible by the "
-                       "tensor-parallel size", tp, heads);
+    return fmt::format(
+        "--tp {}: the model's {} attention heads are not divisible by the "
+        "tensor-parallel size",
+        tp, heads);
   }
   if (layers % stages != 0) {
-    return fmt::format("--pp x --virtual-stages = {} pipeline stages do not divide the model's {} "
-                       "layers (each stage holds layers / stages of them)", stages, layers);
+    return fmt::format(
+        "--pp x --virtual-stages = {} pipeline stages do not divide the model's {} "
+        "layers (each stage holds layers / stages of them)",
+        stages, layers);
   }
   return "";
 }

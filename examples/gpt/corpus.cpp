@@ -36,12 +36,15 @@ ByteCorpus::ByteCorpus(const std::string& path, int64_t min_bytes) {
   for (const auto& p : paths) {
     std::ifstream in(p, std::ios::binary);
     if (!in) throw std::runtime_error(fmt::format("--corpus: cannot read '{}'", p.string()));
-    bytes_.insert(bytes_.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    bytes_.insert(bytes_.end(), std::istreambuf_iterator<char>(in),
+                  std::istreambuf_iterator<char>());
     ++files_;
   }
   if (size() < min_bytes) {
-    throw std::runtime_error(fmt::format("--corpus: '{}' holds {} bytes in {} files; a row needs "
-                                         "{} (--max-seq-length + 1)", path, size(), files_, min_bytes));
+    throw std::runtime_error(
+        fmt::format("--corpus: '{}' holds {} bytes in {} files; a row needs "
+                    "{} (--max-seq-length + 1)",
+                    path, size(), files_, min_bytes));
   }
 }
 
@@ -55,8 +58,7 @@ void ByteCorpus::row(uint64_t seed, int64_t n, int64_t seq, std::vector<int64_t>
   }
 }
 
-int64_t first_row(int64_t step, int micro, int micro_batches, int dp_rank, int dp,
-                  int64_t batch) {
+int64_t first_row(int64_t step, int micro, int micro_batches, int dp_rank, int dp, int64_t batch) {
   return ((step * micro_batches + micro) * dp + dp_rank) * batch;
 }
 

@@ -32,7 +32,6 @@ class ByteCorpus {
 
 // The first row number of micro-batch `micro` of data-parallel rank `dp_rank` at `step`
 // (Note [Rows by number]).
-int64_t first_row(int64_t step, int micro, int micro_batches, int dp_rank, int dp,
-                  int64_t batch);
+int64_t first_row(int64_t step, int micro, int micro_batches, int dp_rank, int dp, int64_t batch);
 
 }  // namespace gpt

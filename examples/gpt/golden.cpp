@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -23,7 +23,8 @@ void keep_worst(double gap, int64_t step, double& worst, int64_t& worst_step) {
 
 void write_golden(const std::string& path, const std::vector<StepRecord>& records) {
   std::ofstream out(path, std::ios::trunc);
-  for (const auto& r : records) out << fmt::format("{} {:.17g} {:.17g}\n", r.step, r.loss, r.grad_norm);
+  for (const auto& r : records)
+    out << fmt::format("{} {:.17g} {:.17g}\n", r.step, r.loss, r.grad_norm);
   if (!out) throw std::runtime_error(fmt::format("--write-golden: cannot write '{}'", path));
   fmt::print("[gpt] golden curve written to {}\n", path);
 }
@@ -54,17 +55,22 @@ bool matches_golden(const std::string& path, const std::vector<StepRecord>& reco
       norms_ok = false;  // asked to compare norms that were not computed (--max-grad-norm 0)
       continue;
     }
-    const double rel = std::abs(r.grad_norm - it->second.grad_norm) / std::max(it->second.grad_norm, 1e-30);
+    const double rel =
+        std::abs(r.grad_norm - it->second.grad_norm) / std::max(it->second.grad_norm, 1e-30);
     keep_worst(rel, r.step, norm_gap, norm_step);
   }
-  const bool ok = compared > 0 && loss_gap <= loss_tol && norms_ok && (norm_tol < 0 || norm_gap <= norm_tol);
+  const bool ok =
+      compared > 0 && loss_gap <= loss_tol && norms_ok && (norm_tol < 0 || norm_gap <= norm_tol);
   const std::string norms =
-      norm_tol < 0 ? "" : fmt::format(", largest |norm - golden| / golden {:.2e} at step {} "
-                                      "(tolerance {:.1e}){}", norm_gap, norm_step, norm_tol,
-                                      norms_ok ? "" : ", a norm missing");
-  fmt::print("[gpt] golden {}: {} steps compared, largest |loss - golden| {:.2e} at step {} "
-             "(tolerance {:.1e}){}: {}\n", path, compared, loss_gap, loss_step, loss_tol, norms,
-             ok ? "ok" : "MISMATCH");
+      norm_tol < 0 ? ""
+                   : fmt::format(
+                         ", largest |norm - golden| / golden {:.2e} at step {} "
+                         "(tolerance {:.1e}){}",
+                         norm_gap, norm_step, norm_tol, norms_ok ? "" : ", a norm missing");
+  fmt::print(
+      "[gpt] golden {}: {} steps compared, largest |loss - golden| {:.2e} at step {} "
+      "(tolerance {:.1e}){}: {}\n",
+      path, compared, loss_gap, loss_step, loss_tol, norms, ok ? "ok" : "MISMATCH");
   return ok;
 }
 

@@ -9,9 +9,9 @@
 namespace gpt {
 
 struct StepRecord {
-  int64_t step = 0;        // 1-based
-  double loss = 0;         // mean over the step's global batch
-  double grad_norm = -1;   // the optimizer's clipping norm; -1 when not computed
+  int64_t step = 0;       // 1-based
+  double loss = 0;        // mean over the step's global batch
+  double grad_norm = -1;  // the optimizer's clipping norm; -1 when not computed
 };
 
 // Writes one "step loss grad_norm" line per record (17 significant digits).

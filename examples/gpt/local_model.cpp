@@ -1,8 +1,8 @@
 #include "local_model.hpp"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <ATen/ATen.h>
 
 namespace gpt {
 
@@ -16,10 +16,12 @@ std::vector<Span> split_stages(int64_t layers, int stages) {
 std::string describe(const std::vector<Span>& spans) {
   std::vector<std::string> parts;
   for (const auto& s : spans) {
-    const std::string layers = s.last - s.first == 1 ? fmt::format("layer {}", s.first)
-                                                     : fmt::format("layers {}-{}", s.first, s.last - 1);
+    const std::string layers = s.last - s.first == 1
+                                   ? fmt::format("layer {}", s.first)
+                                   : fmt::format("layers {}-{}", s.first, s.last - 1);
     parts.push_back(fmt::format("stage {}: {}{}{}", s.stage, s.stage == 0 ? "embeddings + " : "",
-                                layers, s.stage + 1 == static_cast<int>(spans.size()) ? " + head" : ""));
+                                layers,
+                                s.stage + 1 == static_cast<int>(spans.size()) ? " + head" : ""));
   }
   return fmt::format("{}", fmt::join(parts, "; "));
 }
@@ -28,7 +30,10 @@ LocalModel::LocalModel(const GptConfig& c, const Parallel& par,
                        const shardopt::ParallelGroups& groups,
                        std::optional<shardopt::PipelineSchedule> schedule, uint64_t seed,
                        at::ScalarType dtype)
-    : pp_(groups.pp), schedule_(std::move(schedule)), dtype_(dtype), hidden_(c.hidden),
+    : pp_(groups.pp),
+      schedule_(std::move(schedule)),
+      dtype_(dtype),
+      hidden_(c.hidden),
       all_(split_stages(c.layers, schedule_ ? schedule_->stages() : 1)) {
   const int p = schedule_ ? schedule_->ranks : 1;
   const int last = static_cast<int>(all_.size()) - 1;
@@ -42,7 +47,9 @@ LocalModel::LocalModel(const GptConfig& c, const Parallel& par,
   if (!schedule_) return;
   for (size_t i = 0; i < chunks_.size(); ++i) {
     shardopt::PipelineChunk chunk;
-    chunk.forward = [this, i](const at::Tensor& input, int mb) { return chunk_forward(i, input, mb); };
+    chunk.forward = [this, i](const at::Tensor& input, int mb) {
+      return chunk_forward(i, input, mb);
+    };
     for (const auto& p : chunks_[i]->parameters()) chunk.parameters.push_back(p);
     pipeline_chunks_.push_back(std::move(chunk));
   }
@@ -84,8 +91,8 @@ double LocalModel::run(std::vector<MicroBatch> micro_batches, shardopt::Distribu
   run.activation_shape = {ids.size(0), ids.size(1), hidden_};
   run.activation_dtype = dtype_;
   run.weight_pass = [&](const std::function<void()>& pass) { opt.as_one_backward(pass); };
-  shardopt::run_pipeline(*schedule_, *pp_, pipeline_chunks_,
-                         [&](int mb) { return batches_.at(mb).ids; }, run);
+  shardopt::run_pipeline(
+      *schedule_, *pp_, pipeline_chunks_, [&](int mb) { return batches_.at(mb).ids; }, run);
   batches_.clear();
   return loss_sum_;
 }

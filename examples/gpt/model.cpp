@@ -44,7 +44,9 @@ bool ends_with(const std::string& s, const std::string& tail) {
 }  // namespace
 
 BlockImpl::BlockImpl(const GptConfig& c, Parallel par)
-    : par_(std::move(par)), heads_(c.heads / par_.size()), head_dim_(c.head_dim()),
+    : par_(std::move(par)),
+      heads_(c.heads / par_.size()),
+      head_dim_(c.head_dim()),
       dropout_(c.dropout) {
   const int64_t h = c.hidden;
   ln_1_ = layer_norm(*this, "ln_1", h, par_);
@@ -62,9 +64,11 @@ at::Tensor BlockImpl::attention(const at::Tensor& x) {
   // This rank's heads, each [q | k | v] (Note [Tensor-parallel GPT]): [3, B, heads, T, d].
   const at::Tensor qkv = c_attn_(x).view({b, t, heads_, 3, head_dim_}).permute({3, 0, 2, 1, 4});
   const at::Tensor q = qkv[0], k = qkv[1], v = qkv[2];
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+  at::Tensor scores =
+      at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
   const at::Tensor future = at::ones({t, t}, x.options().dtype(at::kBool)).triu(1);
-  at::Tensor probs = scores.masked_fill(future, -std::numeric_limits<double>::infinity()).softmax(-1);
+  at::Tensor probs =
+      scores.masked_fill(future, -std::numeric_limits<double>::infinity()).softmax(-1);
   if (dropout_ > 0 && is_training()) {  // inside the split region: this rank's own stream
     const auto fork = par_.rng->fork();
     probs = at::dropout(probs, dropout_, /*train=*/true);
@@ -82,7 +86,11 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 
 StageImpl::StageImpl(const GptConfig& c, Parallel par, int64_t first, int64_t last,
                      bool first_stage, bool last_stage)
-    : config_(c), par_(std::move(par)), first_(first), last_(last), first_stage_(first_stage),
+    : config_(c),
+      par_(std::move(par)),
+      first_(first),
+      last_(last),
+      first_stage_(first_stage),
       last_stage_(last_stage) {
   if (first_stage_ || last_stage_) {
     const int64_t padded = tp::padded_vocab(c.vocab, par_.size());

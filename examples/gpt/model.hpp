@@ -29,8 +29,8 @@ namespace gpt {
 
 // What every split layer of a rank is given: its tensor group and the dropout stream of its heads.
 struct Parallel {
-  shardopt::tp::TensorParallel tp;                 // tp.group: ParallelGroups::tp (size 1: unsplit)
-  std::shared_ptr<shardopt::tp::RngTracker> rng;   // this rank's stream inside split regions
+  shardopt::tp::TensorParallel tp;                // tp.group: ParallelGroups::tp (size 1: unsplit)
+  std::shared_ptr<shardopt::tp::RngTracker> rng;  // this rank's stream inside split regions
   int size() const { return tp.group->size(); }
   int rank() const { return tp.group->rank(); }
 };
@@ -58,8 +58,8 @@ class StageImpl : public torch::nn::Module {
  public:
   StageImpl(const GptConfig& c, Parallel par, int64_t first, int64_t last, bool first_stage,
             bool last_stage);
-  at::Tensor embed(const at::Tensor& ids);   // ids [B, T] int64 -> [B, T, h]
-  at::Tensor layers(at::Tensor x);           // through this stage's blocks
+  at::Tensor embed(const at::Tensor& ids);  // ids [B, T] int64 -> [B, T, h]
+  at::Tensor layers(at::Tensor x);          // through this stage's blocks
   // The mean next-token cross entropy of hidden states x [B, T, h] against targets [B, T].
   at::Tensor loss(const at::Tensor& x, const at::Tensor& targets);
   // Note [Weights by name]: every parameter becomes its slice of the unsplit tensor drawn from a

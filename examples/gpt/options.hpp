@@ -24,26 +24,26 @@ struct Args {
   int64_t steps = 100;
   double lr = 1e-3;
   int64_t warmup_steps = 10;
-  int64_t batch_size = 8;          // sequences per data-parallel rank per micro-batch
+  int64_t batch_size = 8;  // sequences per data-parallel rank per micro-batch
   int64_t max_seq_length = 64;
-  double dropout = -1;             // < 0: the preset's 0.1
+  double dropout = -1;  // < 0: the preset's 0.1
   int stage = 2;
   int grad_accum = 1;
   double weight_decay = 0.01;
   double max_grad_norm = 1.0;
-  std::string dtype = "float32";   // float32 | float64 (exact comparisons across layouts)
+  std::string dtype = "float32";  // float32 | float64 (exact comparisons across layouts)
   int tp = 1, pp = 1;
-  std::string schedule = "1f1b";   // gpipe | 1f1b | interleaved | zb-h1
+  std::string schedule = "1f1b";  // gpipe | 1f1b | interleaved | zb-h1
   int virtual_stages = 1;
-  int micro_batches = 0;           // --pp's name for --grad-accum
+  int micro_batches = 0;  // --pp's name for --grad-accum
   std::string out = "out/gpt";
-  std::string resume;              // "" with resume_requested: OUT/checkpoint
+  std::string resume;  // "" with resume_requested: OUT/checkpoint
   bool resume_requested = false;
-  int64_t stop_after = 0;          // stop (and save) after N steps of this run
+  int64_t stop_after = 0;  // stop (and save) after N steps of this run
   std::string golden, write_golden;
-  double golden_tol = 0.05;        // absolute, on the loss
-  double golden_norm_tol = -1;     // relative, on the gradient norm; < 0: not compared
-  std::string progress = "auto";   // auto | tty | lines
+  double golden_tol = 0.05;       // absolute, on the loss
+  double golden_norm_tol = -1;    // relative, on the gradient norm; < 0: not compared
+  std::string progress = "auto";  // auto | tty | lines
   uint64_t seed = 42;
   int threads = 1;
   double timeout_s = 0;

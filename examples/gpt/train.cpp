@@ -136,13 +136,17 @@ void build(Run& r) {
   const auto& c = r.config;
   const int64_t params = c.vocab * c.hidden + c.n_ctx * c.hidden +
                          c.layers * (12 * c.hidden * c.hidden + 13 * c.hidden) + 2 * c.hidden;
-  fmt::print("[gpt] model: GPT-2 architecture, {} ({}), {:.3f} M parameters, bytes as tokens, "
-             "dropout {}, {}\n", a.preset, c.describe(), params / 1e6, c.dropout, a.dtype);
-  fmt::print("[gpt] training: {} ranks = {}, ZeRO stage {}, global batch {} = {} rows x {} "
-             "data-parallel ranks x {} micro-batches of {} bytes, {} steps, AdamW lr {} (warm-up "
-             "{}), clipping {}\n", r.comm->size(), r.groups.layout.to_string(), a.stage,
-             r.saved_run.rows_per_step, a.batch_size, r.groups.dp->size(), r.micro_batches,
-             a.max_seq_length, a.steps, a.lr, a.warmup_steps, a.max_grad_norm);
+  fmt::print(
+      "[gpt] model: GPT-2 architecture, {} ({}), {:.3f} M parameters, bytes as tokens, "
+      "dropout {}, {}\n",
+      a.preset, c.describe(), params / 1e6, c.dropout, a.dtype);
+  fmt::print(
+      "[gpt] training: {} ranks = {}, ZeRO stage {}, global batch {} = {} rows x {} "
+      "data-parallel ranks x {} micro-batches of {} bytes, {} steps, AdamW lr {} (warm-up "
+      "{}), clipping {}\n",
+      r.comm->size(), r.groups.layout.to_string(), a.stage, r.saved_run.rows_per_step, a.batch_size,
+      r.groups.dp->size(), r.micro_batches, a.max_seq_length, a.steps, a.lr, a.warmup_steps,
+      a.max_grad_norm);
   if (schedule) {
     fmt::print("[gpt] pipeline: {} schedule over {} ranks{}; {}\n", a.schedule, a.pp,
                a.virtual_stages > 1 ? fmt::format(" x {} chunks", a.virtual_stages) : "",
@@ -151,7 +155,8 @@ void build(Run& r) {
   std::fflush(stdout);
 }
 
-// ---- --resume ------------------------------------------------------------------------------------
+// ---- --resume
+// ------------------------------------------------------------------------------------
 void restore(Run& r) {
   const Args& a = r.a;
   if (!a.resume_requested) return;
@@ -179,7 +184,8 @@ void restore(Run& r) {
   });
 }
 
-// ---- one step ------------------------------------------------------------------------------------
+// ---- one step
+// ------------------------------------------------------------------------------------
 std::vector<MicroBatch> micro_batches_of(const Run& r, int64_t step) {
   const Args& a = r.a;
   std::vector<MicroBatch> out;
@@ -187,9 +193,11 @@ std::vector<MicroBatch> micro_batches_of(const Run& r, int64_t step) {
   for (int j = 0; j < r.micro_batches; ++j) {
     std::vector<int64_t> ids, targets;
     const int64_t first = first_row(step, j, r.micro_batches, r.groups.dp_rank, d, a.batch_size);
-    for (int64_t i = 0; i < a.batch_size; ++i) r.corpus->row(a.seed, first + i, a.max_seq_length, ids, targets);
+    for (int64_t i = 0; i < a.batch_size; ++i)
+      r.corpus->row(a.seed, first + i, a.max_seq_length, ids, targets);
     const std::vector<int64_t> shape{a.batch_size, a.max_seq_length};
-    out.push_back({at::tensor(ids, at::kLong).view(shape), at::tensor(targets, at::kLong).view(shape)});
+    out.push_back(
+        {at::tensor(ids, at::kLong).view(shape), at::tensor(targets, at::kLong).view(shape)});
   }
   return out;
 }
@@ -211,13 +219,19 @@ StepRecord train_step(Run& r, int64_t step) {
 
 void report(Run& r, const StepRecord& rec, double seconds) {
   const double lr = lr_at(r.a, rec.step - 1);
-  r.metrics << nlohmann::json{{"step", rec.step}, {"loss", rec.loss}, {"grad_norm", rec.grad_norm},
-                              {"lr", lr}, {"step_s", seconds}}.dump() << '\n';
+  r.metrics << nlohmann::json{{"step", rec.step},
+                              {"loss", rec.loss},
+                              {"grad_norm", rec.grad_norm},
+                              {"lr", lr},
+                              {"step_s", seconds}}
+                   .dump()
+            << '\n';
   r.metrics.flush();
   // Parseable: "step N loss L grad_norm G", full precision.
-  const std::string line = fmt::format("[gpt] step {} of {}: loss {:.10f} grad_norm {:.10e} lr {:.3e} "
-                                       "({:.3f} s)", rec.step, r.a.steps, rec.loss, rec.grad_norm,
-                                       lr, seconds);
+  const std::string line = fmt::format(
+      "[gpt] step {} of {}: loss {:.10f} grad_norm {:.10e} lr {:.3e} "
+      "({:.3f} s)",
+      rec.step, r.a.steps, rec.loss, rec.grad_norm, lr, seconds);
   fmt::print(r.tty ? "\r\x1b[K{}" : "{}\n", line);  // tty: the line rewritten, its tail cleared
   std::fflush(stdout);
 }
@@ -242,7 +256,8 @@ int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::
     if (!r.lead) return;
     fmt::print("[gpt] checkpoint at step {}: {}\n", end, base);
     if (!a.write_golden.empty()) write_golden(a.write_golden, r.records);
-    if (!a.golden.empty() && !matches_golden(a.golden, r.records, a.golden_tol, a.golden_norm_tol)) rc = 4;
+    if (!a.golden.empty() && !matches_golden(a.golden, r.records, a.golden_tol, a.golden_norm_tol))
+      rc = 4;
   });
   int64_t all_rc = rc;  // rank 0's verdict is every rank's exit code
   at::Tensor t = at::full({1}, all_rc, at::kLong);
@@ -274,8 +289,9 @@ int run(const Args& a) {
 
 int main(int argc, char** argv) {
   gpt::Args a;
-  CLI::App app{"A GPT-2-architecture decoder trained with shardopt (ZeRO x TP x PP); run under "
-               "mpirun -np T*D*P"};
+  CLI::App app{
+      "A GPT-2-architecture decoder trained with shardopt (ZeRO x TP x PP); run under "
+      "mpirun -np T*D*P"};
   gpt::add_options(app, a);
   const bool speaker = gpt::launcher_rank() == 0;
   // Rank 0 alone says what is wrong; under a launcher the others wait for it, since one may end

@@ -232,7 +232,8 @@ void report(Run& r, const StepRecord& rec, double seconds) {
       "[gpt] step {} of {}: loss {:.10f} grad_norm {:.10e} lr {:.3e} "
       "({:.3f} s)",
       rec.step, r.a.steps, rec.loss, rec.grad_norm, lr, seconds);
-  fmt::print(r.tty ? "\r\x1b[K{}" : "{}\n", line);  // tty: the line rewritten, its tail cleared
+  // tty: the line rewritten, its tail cleared.
+  fmt::print("{}{}{}", r.tty ? "\r\x1b[K" : "", line, r.tty ? "" : "\n");
   std::fflush(stdout);
 }
 

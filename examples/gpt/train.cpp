@@ -59,7 +59,7 @@ struct Run {
 
 at::ScalarType dtype_of(const Args& a) { return a.dtype == "float64" ? at::kDouble : at::kFloat; }
 
-// ---- set-up: the grid, the model's shape, the data ----------------------------------------------
+// Set-up: the grid, the model's shape, the data.
 void set_up(Run& r) {
   const Args& a = r.a;
   at::set_num_threads(a.threads);
@@ -90,7 +90,7 @@ void set_up(Run& r) {
   r.tty = r.lead && (a.progress == "tty" || (a.progress == "auto" && isatty(1) && !launched));
 }
 
-// ---- the model and its optimizer: what spans the grid comes from the parameters' records ------
+// The model and its optimizer: what spans the grid comes from the parameters' records.
 void build(Run& r) {
   const Args& a = r.a;
   Parallel par;
@@ -155,8 +155,7 @@ void build(Run& r) {
   std::fflush(stdout);
 }
 
-// ---- --resume
-// ------------------------------------------------------------------------------------
+// --resume: parameters, optimizer state, step and RNG from OUT/checkpoint or the folder given.
 void restore(Run& r) {
   const Args& a = r.a;
   if (!a.resume_requested) return;
@@ -184,8 +183,7 @@ void restore(Run& r) {
   });
 }
 
-// ---- one step
-// ------------------------------------------------------------------------------------
+// One step: the rows of Note [Rows by number], the model's micro-batches, the optimizer's step.
 std::vector<MicroBatch> micro_batches_of(const Run& r, int64_t step) {
   const Args& a = r.a;
   std::vector<MicroBatch> out;

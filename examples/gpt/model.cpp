@@ -1,6 +1,8 @@
 // The decoder (Note [Tensor-parallel GPT] and Note [Weights by name] in model.hpp).
 #include "model.hpp"
 
+#include "shardopt/pipeline_runner.hpp"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
 #include <torch/nn/functional/dropout.h>
@@ -96,6 +98,9 @@ StageImpl::StageImpl(const GptConfig& c, Parallel par, int64_t first, int64_t la
     const int64_t padded = tp::padded_vocab(c.vocab, par_.size());
     wte_ = register_module("wte", tp::VocabParallelEmbedding(padded, c.hidden, par_.tp));
     tp::mark_split(wte_->weight, par_.tp.group, 0, c.vocab, padded);  // the real rows
+    // The lookup's and the head's weight: under a pipeline the first and the last stage each hold
+    // a copy, which the optimizer keeps equal by summing their gradients.
+    shardopt::mark_pipeline_shared(wte_->weight);
   }
   if (first_stage_) {
     wpe_ = register_module("wpe", torch::nn::Embedding(c.n_ctx, c.hidden));

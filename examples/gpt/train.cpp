@@ -116,13 +116,10 @@ void build(Run& r) {
   zo.timeout = r.timeout;
   // One backward pass per chunk and micro-batch under a pipeline (shardopt/pipeline_runner.hpp).
   zo.grad_accumulation_steps = r.micro_batches * (a.pp > 1 ? a.virtual_stages : 1);
-  if (a.pp > 1) {  // the norm over every stage; wte's two copies, on the first and the last
-    zo.pipeline_group = r.groups.pp;
-    if (r.groups.embedding) {
-      zo.pipeline_shared = {"wte.weight"};
-      zo.pipeline_shared_group = r.groups.embedding;
-    }
-  }
+  // What spans the grid (the clipping norm over every tensor rank and stage, wte's two copies on
+  // the first and the last stage) the optimizer reads from the groups and the parameters' own
+  // records: split, replicated, pipeline-shared.
+  zo.grid = r.groups;
   // No weight decay on biases and LayerNorms (GPT-2's, nanoGPT's: parameters of one dimension).
   shardopt::ParamGroup decay, no_decay;
   no_decay.weight_decay = 0.0;

@@ -25,7 +25,8 @@ std::string checkpoint_folder(const std::string& base, const shardopt::ParallelG
 }
 
 void save(shardopt::DistributedOptimizer& opt, const std::string& base,
-          const shardopt::ParallelGroups& groups, const SavedRun& run, int64_t step) {
+          const shardopt::ParallelGroups& groups, const SavedRun& run, int64_t step,
+          const shardopt::tp::RngTracker& rng) {
   const nlohmann::json json = {{"step", step},
                                {"tp", run.tp},
                                {"pp", run.pp},
@@ -39,11 +40,13 @@ void save(shardopt::DistributedOptimizer& opt, const std::string& base,
     std::lock_guard<std::mutex> lock(gen.mutex());
     state.tensors["rng"] = gen.get_state();  // dropout's stream outside the split regions
   }
+  state.tensors["tp_rng"] = rng.state();  // inside them: this rank's heads
   shardopt::save_checkpoint(opt, checkpoint_folder(base, groups), state);
 }
 
 int64_t restore(shardopt::DistributedOptimizer& opt, const std::string& base,
-                const shardopt::ParallelGroups& groups, const SavedRun& now) {
+                const shardopt::ParallelGroups& groups, const SavedRun& now,
+                shardopt::tp::RngTracker& rng) {
   const std::string own = checkpoint_folder(base, groups);
   std::error_code ec;
   if (!fs::is_regular_file(fs::path(own) / "manifest.json", ec)) {
@@ -68,6 +71,9 @@ int64_t restore(shardopt::DistributedOptimizer& opt, const std::string& base,
                     base, then.rows_per_step, then.seed, now.rows_per_step, now.seed));
   }
   const shardopt::TrainerState state = shardopt::load_checkpoint(opt, own);
+  if (const auto it = state.tensors.find("tp_rng"); it != state.tensors.end()) {
+    rng.set_state(it->second);
+  }
   if (const auto it = state.tensors.find("rng"); it != state.tensors.end()) {
     auto gen = at::globalContext().defaultGenerator(at::kCPU);
     std::lock_guard<std::mutex> lock(gen.mutex());

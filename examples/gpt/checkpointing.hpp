@@ -9,6 +9,7 @@
 
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
+#include "shardopt/tensor_parallel.hpp"
 
 namespace gpt {
 
@@ -28,15 +29,18 @@ struct ResumeError : std::runtime_error {
 // BASE at (1, 1); BASE/pp<j>-of-<P>/tp<k>-of-<T> otherwise (each rank's coordinates).
 std::string checkpoint_folder(const std::string& base, const shardopt::ParallelGroups& groups);
 
-// Saves `opt` with `run` and `step` into this rank's folder of `base`. Collective over opt's ranks.
+// Saves `opt` with `run`, `step` and both dropout streams (the default generator's and `rng`'s,
+// this rank's heads) into this rank's folder of `base`. Collective over opt's ranks.
 void save(shardopt::DistributedOptimizer& opt, const std::string& base,
-          const shardopt::ParallelGroups& groups, const SavedRun& run, int64_t step);
+          const shardopt::ParallelGroups& groups, const SavedRun& run, int64_t step,
+          const shardopt::tp::RngTracker& rng);
 
-// Restores this rank's folder of `base` into `opt` (parameters, optimizer state, the default
-// generator's state) and returns the step it was saved at. Throws ResumeError when the checkpoint
+// Restores this rank's folder of `base` into `opt` (parameters, optimizer state, both dropout
+// streams) and returns the step it was saved at. Throws ResumeError when the checkpoint
 // was written at another (t, p, V) (not supported yet: the library's loading across layouts is
 // still to come) or with another number of rows per step or seed. Collective over opt's ranks.
 int64_t restore(shardopt::DistributedOptimizer& opt, const std::string& base,
-                const shardopt::ParallelGroups& groups, const SavedRun& now);
+                const shardopt::ParallelGroups& groups, const SavedRun& now,
+                shardopt::tp::RngTracker& rng);
 
 }  // namespace gpt

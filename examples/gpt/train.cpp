@@ -48,6 +48,7 @@ struct Run {
   GptConfig config;
   int micro_batches = 1;
   std::unique_ptr<ByteCorpus> corpus;
+  std::shared_ptr<shardopt::tp::RngTracker> rng;  // dropout inside split regions (its heads)
   std::unique_ptr<LocalModel> model;
   std::unique_ptr<shardopt::DistributedOptimizer> opt;
   SavedRun saved_run;
@@ -95,7 +96,8 @@ void build(Run& r) {
   const Args& a = r.a;
   Parallel par;
   par.tp.group = r.groups.tp;
-  par.rng = std::make_shared<shardopt::tp::RngTracker>(a.seed, r.groups.tp_rank);
+  r.rng = std::make_shared<shardopt::tp::RngTracker>(a.seed, r.groups.tp_rank);
+  par.rng = r.rng;
   std::optional<shardopt::PipelineSchedule> schedule;
   if (a.pp > 1) {
     try {
@@ -158,7 +160,7 @@ void restore(Run& r) {
   if (!a.resume_requested) return;
   const std::string base = a.resume.empty() ? (fs::path(a.out) / "checkpoint").string() : a.resume;
   try {
-    r.start_step = gpt::restore(*r.opt, base, r.groups, r.saved_run);
+    r.start_step = gpt::restore(*r.opt, base, r.groups, r.saved_run, *r.rng);
   } catch (const ResumeError& e) {
     throw UsageError(e.what());
   }
@@ -246,7 +248,7 @@ int train(const Args& a, const shardopt::CommunicatorPtr& comm, const shardopt::
   }
   if (r.tty) fmt::print("\n");
   const std::string base = (fs::path(a.out) / "checkpoint").string();
-  save(*r.opt, base, r.groups, r.saved_run, end);
+  save(*r.opt, base, r.groups, r.saved_run, end, *r.rng);
   int rc = 0;
   shardopt::agree_on_errors(*comm, "writing the golden curve", [&] {
     if (!r.lead) return;

@@ -330,7 +330,7 @@ static std::string check_pipeline_args(const Args& a) {
   const std::pair<bool, const char*> unsupported[] = {
       {a.save_model, "--save-model"}, {!a.export_hf.empty(), "--export-hf"},
       {a.eval_only, "--eval-only"}, {!a.eval_data.empty(), "--eval-data"},
-      {a.eval_every > 0, "--eval-every"}, {a.sequence_parallel, "--sequence-parallel"},
+      {a.eval_every > 0, "--eval-every"},
       {a.recompute && a.schedule == "zb-h1", "--recompute with --schedule zb-h1 (its weight pass "
                                              "cannot reach a recomputed layer's parameters; use "
                                              "1f1b or interleaved)"},

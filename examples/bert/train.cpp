@@ -414,8 +414,10 @@ bert::StepRecord train_step(Run& r, int64_t step) {
     data_s += seconds_since(td);
     const auto tf = Clock::now();
     const auto& ids = inputs.front().input_ids;
-    sums = r.pipeline->run(std::move(inputs), opt,
-                           {ids.size(0), ids.size(1), r.config.hidden_size},
+    // Between stages travels the hidden state; with sequence parallelism each tensor rank's
+    // share of the sequence (Note [Split regions] in shardopt/tensor_parallel.hpp).
+    const int64_t seq = a.sequence_parallel ? ids.size(1) / r.tp() : ids.size(1);
+    sums = r.pipeline->run(std::move(inputs), opt, {ids.size(0), seq, r.config.hidden_size},
                            opt.param_groups().front().params().front().scalar_type());
     fwd_s += seconds_since(tf);  // forward and backward interleave: all of it counts as forward
     if (r.groups.last_stage()) sums[bert::kRows] += rows, sums[bert::kTokens] += tokens;

@@ -5,7 +5,8 @@
 #   The per-step losses of (t, p, d) = (1, 2, 2), (2, 2, 1) and (1, 4, 1), every schedule (gpipe,
 #   1f1b, interleaved at v = 2, zb-h1), ZeRO stages 0-3 (3: automatic units), --micro-batches 4,
 #   equal those of the (1, 1, d) run with --grad-accum 4 on the same data within 1e-4 (--golden),
-#   and their gradient norms within 1e-6 relative.
+#   and their gradient norms within 1e-6 relative; (2, 2, 1) with sequence parallelism at stages 1
+#   and 3.
 #   Bad combinations are refused with one line naming the flag (exit 2). 1f1b also runs stage 2
 #   with --recompute (the same losses, a lower peak of tensor memory on every rank) and with
 #   --shard-group-size 1 (hybrid sharding of each stage's data-parallel ranks).
@@ -116,7 +117,8 @@ for stage in 0 1 2 3; do
   units=(); [ "$stage" -eq 3 ] && units=(--units auto)
   P=(--schedule "$schedule" "${v[@]}" --micro-batches 4 --stage "$stage" "${units[@]}" --golden-tol 1e-4)
   train 4 "p2d2_s$stage" --pp 2 "${P[@]}" --golden "$BASE/d2.txt"
-  train 4 "t2p2_s$stage" --tp 2 --pp 2 "${P[@]}" --golden "$BASE/d1.txt"
+  sp=(); [ $((stage % 2)) -eq 1 ] && sp=(--sequence-parallel)  # stages 1 and 3
+  train 4 "t2p2_s$stage" --tp 2 --pp 2 "${P[@]}" "${sp[@]}" --golden "$BASE/d1.txt"
   train 4 "p4_s$stage" --pp 4 "${P[@]}" --golden "$BASE/d1.txt"
 done
 # The gradient norm too (a uniform scale error in the gradients leaves AdamW's losses alone): each

@@ -207,6 +207,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       scheduler_ = std::make_unique<DeclaredUnits>(*parts, model_.unit_parts, comm_,
                                                    options_.timeout, options_.prefetch);
     }
+    const bool pipelines = options_.grid.pp && options_.grid.pp->size() > 1;
+    scheduler_->hold_through_step(!options_.reshard_between_uses.value_or(!pipelines));
     store_ = std::move(parts);
   } else {
     store_ = std::make_unique<WholeParameters>(*flat_, tensors_of(params()), comm_,
@@ -514,7 +516,8 @@ void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
   reducer_->start_over();  // Note [step() consumes the gradients]
-  stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
+  stats_.gather_elements = store_->take_comm_elements();
+  stats_.comm_elements = reducer_->take_comm_elements() + stats_.gather_elements;
   stats_.step_s = seconds_since(t0);
 }
 

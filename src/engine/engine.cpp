@@ -226,7 +226,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   update_ = std::make_unique<LocalUpdate>(
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
-      options_.fused_update);
+      options_.fused_update, [&] {
+        std::vector<std::vector<int64_t>> shapes;
+        for (const auto& p : params()) shapes.push_back(p.tensor.sizes().vec());
+        return shapes;
+      }());
   // Note [Split records] (shardopt/tensor_parallel.hpp): the parameters say how they are split.
   if (auto grid = tensor_grid_of(params(), options_.tensor_group); grid.group) {
     options_.tensor_group = grid.group;

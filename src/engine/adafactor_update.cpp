@@ -1,0 +1,320 @@
+// Adafactor over this rank's segments: Note [Factored state in flat shards] (adafactor_update.hpp).
+#include "engine/adafactor_update.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+
+FactoredLayout factored_layout(const std::vector<int64_t>& shape) {
+  FactoredLayout f;
+  const size_t dims = shape.size();
+  if (dims < 2) return f;
+  f.factored = true;
+  for (size_t k = 0; k + 2 < dims; ++k) f.batches *= shape[k];
+  f.rows = shape[dims - 2];
+  f.cols = shape[dims - 1];
+  // Both factors fit when m, n >= 2; otherwise the one with a single value per batch is derived.
+  f.row_stored = f.cols == 1 || f.rows >= 2;
+  f.col_stored = f.cols >= 2;
+  return f;
+}
+
+namespace {
+
+std::vector<int64_t> with_dim(std::vector<int64_t> shape, size_t from_end, int64_t size) {
+  shape[shape.size() - from_end] = size;
+  return shape;
+}
+
+// torch's Tensor.lerp_ with a scalar weight.
+double lerp(double self, double end, double weight) {
+  return weight < 0.5 ? self + weight * (end - self) : end - (end - self) * (1 - weight);
+}
+
+// (batch, row, column) of consecutive elements of a factored parameter.
+struct Cursor {
+  Cursor(const FactoredLayout& f, int64_t element)
+      : rows(f.rows), cols(f.cols), b(element / (f.rows * f.cols)),
+        i((element % (f.rows * f.cols)) / f.cols), j(element % f.cols) {}
+  void next() {
+    if (++j < cols) return;
+    j = 0;
+    if (++i < rows) return;
+    i = 0;
+    ++b;
+  }
+  int64_t row() const { return b * rows + i; }
+  int64_t col() const { return b * cols + j; }
+  int64_t rows, cols, b, i, j;
+};
+
+// The full factors of one parameter this step, in the master dtype's values (as torch keeps them).
+struct Factors {
+  bool ready = false;
+  std::vector<double> row, col, row_mean;  // row_mean: per batch, clamped at eps1
+};
+
+// Calls fn(o, k) for the elements o of [begin, end) (parameter offsets) that fall within the
+// parameter piece starting at `first` of length `len` (k: its index within the piece).
+template <typename Fn>
+void overlap(int64_t begin, int64_t end, int64_t first, int64_t len, Fn&& fn) {
+  const int64_t lo = std::max(begin, first), hi = std::min(end, first + len);
+  for (int64_t o = lo; o < hi; ++o) fn(o, o - first);
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> adafactor_torch_state(const at::Tensor& packed) {
+  const std::vector<int64_t> shape = packed.sizes().vec();
+  const FactoredLayout f = factored_layout(shape);
+  if (!f.factored) return {{"variance", packed.clone()}};
+  const at::Tensor flat = packed.reshape({-1});
+  at::Tensor row = f.row_stored ? flat.narrow(0, 0, f.row_numel()).clone() : at::Tensor();
+  at::Tensor col = f.col_stored ? flat.narrow(0, f.col_at(), f.col_numel()).clone() : at::Tensor();
+  // A factor of one value per batch is the mean of the other (Note [Factored state in flat shards]).
+  if (!row.defined()) row = col.view({f.batches, f.cols}).mean(1);
+  if (!col.defined()) col = row.view({f.batches, f.rows}).mean(1);
+  return {{"row_var", row.reshape(with_dim(shape, 1, 1))},
+          {"col_var", col.reshape(with_dim(shape, 2, 1))}};
+}
+
+at::Tensor adafactor_packed_state(const std::map<std::string, at::Tensor>& state,
+                                  const std::vector<int64_t>& shape, const std::string& name,
+                                  const at::TensorOptions& options) {
+  const FactoredLayout f = factored_layout(shape);
+  auto get = [&](const char* key, const std::vector<int64_t>& want) {
+    auto it = state.find(key);
+    SHARDOPT_CHECK(it != state.end(), Mismatch,
+                   "optimizer: the state dict has no '{}' for parameter '{}' (adafactor keeps {} "
+                   "for a tensor of {} dimensions)",
+                   key, name, f.factored ? "row_var and col_var" : "variance", shape.size());
+    SHARDOPT_CHECK(it->second.defined() && it->second.sizes().vec() == want, Mismatch,
+                   "optimizer: the state dict's '{}' of parameter '{}' has shape [{}], expected "
+                   "[{}]",
+                   key, name,
+                   it->second.defined() ? fmt::format("{}", fmt::join(it->second.sizes(), ", "))
+                                        : std::string("undefined"),
+                   fmt::join(want, ", "));
+    return it->second;
+  };
+  for (const auto& [key, tensor] : state) {
+    const bool known = f.factored ? (key == "row_var" || key == "col_var") : key == "variance";
+    SHARDOPT_CHECK(known, Mismatch,
+                   "optimizer: the state dict holds '{}' for parameter '{}', but adafactor keeps "
+                   "[{}] for a tensor of {} dimensions",
+                   key, name, f.factored ? "row_var, col_var" : "variance", shape.size());
+  }
+  if (!f.factored) return get("variance", shape).to(options).clone();
+  const at::Tensor row = get("row_var", with_dim(shape, 1, 1));
+  const at::Tensor col = get("col_var", with_dim(shape, 2, 1));
+  at::Tensor packed = at::zeros(shape, options);
+  at::Tensor flat = packed.view({-1});
+  if (f.row_stored) flat.narrow(0, 0, f.row_numel()).copy_(row.reshape({-1}));
+  if (f.col_stored) flat.narrow(0, f.col_at(), f.col_numel()).copy_(col.reshape({-1}));
+  return packed;
+}
+
+AdafactorUpdate::AdafactorUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout,
+                                 RuleOf rule_of, const std::vector<std::vector<int64_t>>& shapes)
+    : flat_(flat), comm_(std::move(comm)), timeout_(timeout), rule_of_(std::move(rule_of)) {
+  const auto dtype = flat_.master_options().dtype().toScalarType();
+  SHARDOPT_CHECK(flat_.master_options().device().is_cpu(), Unsupported,
+                 "optimizer: adafactor steps parameters in CPU memory only for now, got the "
+                 "master weights on {}; use adamw or lamb on this device",
+                 flat_.master_options().device().str());
+  SHARDOPT_CHECK(dtype == at::kFloat || dtype == at::kDouble, Unsupported,
+                 "optimizer: adafactor steps float32 or float64 weights, got {} (mixed precision "
+                 "keeps float32 master weights)",
+                 c10::toString(dtype));
+  SHARDOPT_INTERNAL_ASSERT(shapes.size() == flat_.layout().slots.size(),
+                           "adafactor: {} shapes for {} parameters", shapes.size(),
+                           flat_.layout().slots.size());
+  for (const auto& shape : shapes) {
+    const FactoredLayout f = factored_layout(shape);
+    int64_t numel = 1;
+    for (int64_t s : shape) numel *= s;
+    layouts_.push_back(f);
+    numel_.push_back(numel);
+    stats_at_.push_back(stats_numel_);
+    // The weights' sum of squares, then (matrices) row and column sums of g², stored factors.
+    stats_numel_ += 1 + (f.factored ? 2 * (f.row_numel() + f.col_numel()) : 0);
+  }
+}
+
+void AdafactorUpdate::update(int64_t step) {
+  if (flat_.master_options().dtype() == at::kDouble) {
+    update_typed<double>(step);
+  } else {
+    update_typed<float>(step);
+  }
+}
+
+template <typename T>
+void AdafactorUpdate::update_typed(int64_t step) {
+  const FlatLayout& layout = flat_.layout();
+  const size_t params = layout.slots.size();
+  auto& segments = flat_.segments();
+  at::Tensor& state = flat_.state()[0];
+  at::Tensor stats = at::zeros({stats_numel_}, at::kDouble);
+  at::Tensor update_sq = at::zeros({static_cast<int64_t>(params)}, at::kDouble);
+  double* acc = stats.data_ptr<double>();
+  double* usq = update_sq.data_ptr<double>();
+  const bool sharded = flat_.plan().sharded();
+  const double steps = static_cast<double>(step);
+
+  // 1. Partial sums: the weights' squares, g² by row and by column, the stored factors.
+  for (auto& s : segments) {
+    const T* p = s.param.template data_ptr<T>();
+    const T* g = s.grad.template data_ptr<T>();
+    const T* st = state.template data_ptr<T>() + s.state_offset;
+    for_each_param_piece(layout, s, [&](int idx, int64_t begin, int64_t len, int64_t first) {
+      double* a = acc + stats_at_[idx];
+      double sq = 0;
+      for (int64_t k = 0; k < len; ++k) sq += static_cast<double>(p[begin + k]) * p[begin + k];
+      a[0] += sq;
+      const FactoredLayout& f = layouts_[idx];
+      if (!f.factored) return;
+      double* row_sum = a + 1;
+      double* col_sum = row_sum + f.row_numel();
+      double* row_old = col_sum + f.col_numel();
+      double* col_old = row_old + f.row_numel();
+      Cursor c(f, first);
+      for (int64_t k = 0; k < len; ++k, c.next()) {
+        const double gv = g[begin + k];
+        row_sum[c.row()] += gv * gv;
+        col_sum[c.col()] += gv * gv;
+      }
+      if (f.row_stored) {
+        overlap(0, f.row_numel(), first, len, [&](int64_t o, int64_t k) { row_old[o] = st[begin + k]; });
+      }
+      if (f.col_stored) {
+        overlap(f.col_at(), f.col_at() + f.col_numel(), first, len,
+                [&](int64_t o, int64_t k) { col_old[o - f.col_at()] = st[begin + k]; });
+      }
+    });
+  }
+  if (sharded) comm_->all_reduce(stats, ReduceOp::Sum, true)->wait(timeout_);
+
+  // 2. The full factors of every parameter this rank holds a piece of, then its pieces' update.
+  std::vector<Factors> factors(params);
+  auto factors_of = [&](int idx, const Adafactor& r, T eps1) -> const Factors& {
+    Factors& out = factors[idx];
+    if (out.ready) return out;
+    out.ready = true;
+    const FactoredLayout& f = layouts_[idx];
+    const double w = std::pow(steps, r.beta2_decay());
+    const double* a = acc + stats_at_[idx];
+    const double* row_sum = a + 1;
+    const double* col_sum = row_sum + f.row_numel();
+    const double* row_old = col_sum + f.col_numel();
+    const double* col_old = row_old + f.row_numel();
+    out.row.assign(f.row_numel(), 0.0);
+    out.col.assign(f.col_numel(), 0.0);
+    if (f.row_stored) {
+      for (int64_t x = 0; x < f.row_numel(); ++x) {
+        out.row[x] = static_cast<T>(lerp(row_old[x], static_cast<T>(row_sum[x] / f.cols), w));
+      }
+    }
+    if (f.col_stored) {
+      for (int64_t x = 0; x < f.col_numel(); ++x) {
+        out.col[x] = static_cast<T>(lerp(col_old[x], static_cast<T>(col_sum[x] / f.rows), w));
+      }
+    }
+    auto batch_mean = [](const std::vector<double>& v, int64_t b, int64_t n) {
+      double sum = 0;
+      for (int64_t x = 0; x < n; ++x) sum += v[b * n + x];
+      return static_cast<T>(sum / static_cast<double>(n));
+    };
+    out.row_mean.resize(f.batches);
+    for (int64_t b = 0; b < f.batches; ++b) {
+      if (!f.row_stored) out.row[b] = batch_mean(out.col, b, f.cols);  // rows == 1
+      if (!f.col_stored) out.col[b] = batch_mean(out.row, b, f.rows);  // cols == 1
+    }
+    for (int64_t b = 0; b < f.batches; ++b) {
+      out.row_mean[b] = std::max<T>(batch_mean(out.row, b, f.rows), eps1);
+    }
+    return out;
+  };
+  auto eps1_of = [](const Adafactor& r) {
+    return r.eps1() < 0 ? std::numeric_limits<T>::epsilon() : static_cast<T>(r.eps1());
+  };
+  // Calls emit(k, u) with the update u of each element k of the piece; `first_pass` advances the
+  // vectors' variance and writes the stored factors (the second pass reads them again).
+  auto piece_updates = [&](Segment& s, const Adafactor& r, int idx, int64_t begin, int64_t len,
+                           int64_t first, bool first_pass, auto&& emit) {
+    const T* g = s.grad.template data_ptr<T>() + begin;
+    T* st = state.template data_ptr<T>() + s.state_offset + begin;
+    const T eps1 = eps1_of(r);
+    const T floor = static_cast<T>(static_cast<double>(eps1) * static_cast<double>(eps1));
+    const T sign = r.maximize() ? T(-1) : T(1);
+    const FactoredLayout& f = layouts_[idx];
+    if (!f.factored) {
+      const double w = std::pow(steps, r.beta2_decay());
+      for (int64_t k = 0; k < len; ++k) {
+        const T gv = sign * g[k];
+        if (first_pass) st[k] = static_cast<T>(lerp(st[k], static_cast<T>(gv * gv), w));
+        emit(k, static_cast<T>(T(1) / std::sqrt(std::max(st[k], floor))) * gv);
+      }
+      return;
+    }
+    const Factors& fa = factors_of(idx, r, eps1);
+    Cursor c(f, first);
+    for (int64_t k = 0; k < len; ++k, c.next()) {
+      const T gv = sign * g[k];
+      const T prod = static_cast<T>(fa.row[c.row()]) * static_cast<T>(fa.col[c.col()]);
+      const T v = std::max(static_cast<T>(prod / static_cast<T>(fa.row_mean[c.b])), floor);
+      emit(k, static_cast<T>(T(1) / std::sqrt(v)) * gv);
+    }
+    if (!first_pass) return;
+    if (f.row_stored) {
+      overlap(0, f.row_numel(), first, len,
+              [&](int64_t o, int64_t k) { st[k] = static_cast<T>(fa.row[o]); });
+    }
+    if (f.col_stored) {
+      overlap(f.col_at(), f.col_at() + f.col_numel(), first, len,
+              [&](int64_t o, int64_t k) { st[k] = static_cast<T>(fa.col[o - f.col_at()]); });
+    }
+  };
+  for (auto& s : segments) {
+    const auto& r = std::get<Adafactor>(rule_of_(s.group));
+    for_each_param_piece(layout, s, [&](int idx, int64_t begin, int64_t len, int64_t first) {
+      double sq = 0;
+      piece_updates(s, r, idx, begin, len, first, true,
+                    [&](int64_t, T u) { sq += static_cast<double>(u) * u; });
+      usq[idx] += sq;
+    });
+  }
+  if (sharded) comm_->all_reduce(update_sq, ReduceOp::Sum, true)->wait(timeout_);
+
+  // 3. The weights: decoupled decay, then the update scaled by alpha and clipped by its RMS.
+  for (auto& s : segments) {
+    const auto& r = std::get<Adafactor>(rule_of_(s.group));
+    T* p = s.param.template data_ptr<T>();
+    const T decay = static_cast<T>(1 - r.lr() * r.weight_decay());
+    for_each_param_piece(layout, s, [&](int idx, int64_t begin, int64_t len, int64_t first) {
+      const double root_numel = std::sqrt(static_cast<double>(numel_[idx]));
+      const double rho = std::min(r.lr(), 1 / std::sqrt(steps));
+      const double alpha = std::max(r.eps2(), std::sqrt(acc[stats_at_[idx]]) / root_numel) * rho;
+      const double denom = std::max(1.0, std::sqrt(usq[idx]) / (root_numel * r.d()));
+      const T coef = static_cast<T>(-alpha / denom);
+      T* w = p + begin;
+      piece_updates(s, r, idx, begin, len, first, false, [&](int64_t k, T u) {
+        if (r.weight_decay() != 0) w[k] = w[k] * decay;
+        w[k] = w[k] + coef * u;
+      });
+    });
+  }
+}
+
+template void AdafactorUpdate::update_typed<float>(int64_t);
+template void AdafactorUpdate::update_typed<double>(int64_t);
+
+}  // namespace shardopt::detail

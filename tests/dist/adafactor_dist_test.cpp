@@ -2,7 +2,8 @@
 // (support/reference_adafactor.hpp) on float64: matrices split mid-row across ranks and buckets, a
 // batched 3-D weight, the degenerate (m, 1) and (1, n) matrices, vectors and a scalar, two
 // parameter groups; within 1e-10 after the steps. Also: a sharded checkpoint written at stage 3
-// resumes at stage 0 on the same path.
+// resumes at stage 0 on the same path. The reference itself is held to torch 2.15's
+// torch.optim.Adafactor (support/adafactor_golden.hpp).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "shardopt/optimizer.hpp"
+#include "support/adafactor_golden.hpp"
 #include "support/dist_env.hpp"
 #include "support/reference_adafactor.hpp"
 
@@ -122,6 +124,44 @@ double max_diff(const std::map<std::string, at::Tensor>& a,
     }
   }
   return d;
+}
+
+// The C++ port against torch.optim.Adafactor's own values (tests/python/make_adafactor_golden.py:
+// the same closed-form parameters and gradients, six steps, two configurations). One process.
+TEST(AdafactorReference, MatchesTorchGolden) {
+  const std::vector<std::vector<int64_t>> shapes = {{11, 3}, {2, 3, 4}, {7, 5}, {7}, {6, 1},
+                                                    {1, 9}, {}};
+  for (const char* config : {"default", "tuned"}) {
+    const Adafactor rule = std::string(config) == "tuned" ? tuned() : Adafactor();
+    std::vector<at::Tensor> params;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      int64_t n = 1;
+      for (int64_t d : shapes[i]) n *= d;
+      const at::Tensor k = at::arange(n, at::kDouble);
+      params.push_back((0.5 * at::sin(0.37 * k + static_cast<double>(i))).reshape(shapes[i]));
+    }
+    test::AdafactorStates states;
+    for (int64_t step = 0; step < 6; ++step) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        const at::Tensor k = at::arange(params[i].numel(), at::kDouble).reshape(shapes[i]);
+        params[i].mutable_grad() =
+            at::cos(0.11 * k * static_cast<double>(step + 1) + static_cast<double>(i)) *
+                (1 + 0.1 * static_cast<double>(step)) +
+            0.5 * params[i];
+      }
+      test::reference_adafactor_step(params, rule, states);
+    }
+    size_t i = 0, checked = 0;
+    for (const auto& golden : test::adafactor_golden()) {
+      if (std::string(golden.config) != config) continue;
+      const at::Tensor want = at::tensor(golden.values, at::kDouble);
+      const double diff = (params[i].reshape({-1}) - want).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-12) << config << " " << golden.param;
+      ++i;
+      ++checked;
+    }
+    EXPECT_EQ(checked, shapes.size()) << config;
+  }
 }
 
 struct Case {

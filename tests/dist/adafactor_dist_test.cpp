@@ -13,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "shardopt/estimate.hpp"
 #include "shardopt/optimizer.hpp"
+#include "shardopt/state_dict.hpp"
 #include "support/adafactor_golden.hpp"
 #include "support/dist_env.hpp"
 #include "support/reference_adafactor.hpp"
@@ -75,7 +77,10 @@ Adafactor tuned() {
 }
 
 // One process, whole tensors, the whole batch: the definition sharded Adafactor must reproduce.
-std::map<std::string, at::Tensor> reference(const Adafactor& rule, int64_t steps) {
+// `state_of`: each parameter's torch state, by name, after the steps.
+std::map<std::string, at::Tensor> reference(
+    const Adafactor& rule, int64_t steps,
+    std::map<std::string, test::AdafactorTensorState>* state_of = nullptr) {
   FactorNet net;
   auto groups = net.groups();
   test::AdafactorStates states;
@@ -90,6 +95,9 @@ std::map<std::string, at::Tensor> reference(const Adafactor& rule, int64_t steps
       for (const auto& np : g.params) ps.push_back(np.tensor);
       test::reference_adafactor_step(ps, r, states);
     }
+  }
+  if (state_of) {
+    for (auto& [name, t] : net.named) (*state_of)[name] = states.at(t.unsafeGetTensorImpl());
   }
   return net.values();
 }
@@ -221,6 +229,92 @@ DIST_TEST(AdafactorCheckpoint, ResumesAcrossStages) {
     std::error_code ec;
     std::filesystem::remove_all(dir, ec);
   }
+}
+
+// torch's state-dict contract: the consolidated state holds torch's row_var / col_var / variance
+// (as the reference keeps them), and a state dict loaded from torch's state continues the run.
+DIST_TEST(AdafactorStateDict, TorchBuffersBothWays) {
+  std::map<std::string, test::AdafactorTensorState> torch_state;
+  const auto halfway = reference(tuned(), kSteps / 2, &torch_state);
+  const auto expected = reference(tuned(), kSteps);
+  FactorNet net;
+  DistributedOptimizer opt(net.groups(), tuned(), test::world(), options(2));
+  train(net, opt, 0, kSteps / 2);
+  opt.consolidate_state_dict(0);
+  double diff = 0;
+  bool names_ok = true;
+  if (test::world()->rank() == 0) {
+    const OptimizerStateDict& sd = opt.state_dict();
+    for (const auto& group : sd.groups) {
+      for (const auto& p : group.params) {
+        const auto& want = torch_state.at(p.name);
+        const bool factored = want.row_var.defined();
+        names_ok = names_ok && p.state.size() == (factored ? 2u : 1u);
+        for (const auto& [key, t] : p.state) {
+          const at::Tensor& w = key == "row_var" ? want.row_var
+                                : key == "col_var" ? want.col_var : want.variance;
+          names_ok = names_ok && w.defined() && t.sizes() == w.sizes();
+          if (names_ok) diff = std::max(diff, (t - w).abs().max().item<double>());
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(names_ok);
+  EXPECT_LE(diff, 1e-12);
+  // torch's state of the reference, as the state dict every rank loads into a fresh optimizer.
+  OptimizerStateDict from_torch;
+  from_torch.step = kSteps / 2;
+  FactorNet shapes;
+  for (const auto& g : shapes.groups()) {
+    Adafactor r = tuned();
+    if (g.lr) r.lr(*g.lr);
+    if (g.weight_decay) r.weight_decay(*g.weight_decay);
+    OptimizerStateDict::Group group{r, {}};
+    for (const auto& np : g.params) {
+      const auto& st = torch_state.at(np.name);
+      OptimizerStateDict::Param p{np.name, {}};
+      if (st.row_var.defined()) {
+        p.state["row_var"] = st.row_var.clone();
+        p.state["col_var"] = st.col_var.clone();
+      } else {
+        p.state["variance"] = st.variance.clone();
+      }
+      group.params.push_back(p);
+    }
+    from_torch.groups.push_back(group);
+  }
+  FactorNet resumed;
+  {
+    // Start from the reference's parameters after half the steps.
+    at::NoGradGuard no_grad;
+    for (auto& [name, t] : resumed.named) t.copy_(halfway.at(name));
+  }
+  DistributedOptimizer again(resumed.groups(), tuned(), test::world(), options(3));
+  again.load_state_dict(from_torch);
+  train(resumed, again, kSteps / 2, kSteps);
+  std::string worst;
+  const double resumed_diff = max_diff(resumed.values(), expected, &worst);
+  EXPECT_LE(resumed_diff, 1e-10) << "worst parameter: " << worst;
+  EXPECT_TRUE(test::all_ranks(names_ok && diff <= 1e-12 && resumed_diff <= 1e-10));
+}
+
+// memory() and the estimator agree on Adafactor's state: K = 4 bytes per fp32 parameter.
+DIST_TEST(AdafactorMemory, StateBytesAsEstimated) {
+  FactorNet net;
+  std::vector<ParamGroup> groups = net.groups();
+  std::vector<at::Tensor> keep;
+  for (auto& g : groups) {
+    for (auto& np : g.params) {
+      keep.push_back(np.tensor.detach().to(at::kFloat).set_requires_grad(true));
+      np.tensor = keep.back();
+    }
+  }
+  DistributedOptimizer opt(groups, Adafactor(), test::world(), options(2));
+  const int64_t k = estimate::state_bytes(estimate::Optimizer::Adafactor, Precision::FP32);
+  const int64_t want = k * opt.padded_numel() / test::world()->size();
+  EXPECT_EQ(k, 4);
+  EXPECT_EQ(opt.memory().optimizer_state_bytes, want);
+  EXPECT_TRUE(test::all_ranks(opt.memory().optimizer_state_bytes == want));
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "engine/adafactor_update.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -147,6 +148,17 @@ AdafactorUpdate::AdafactorUpdate(FlatState& flat, CommunicatorPtr comm, Duration
     // The weights' sum of squares, then (matrices) row and column sums of g², stored factors.
     stats_numel_ += 1 + (f.factored ? 2 * (f.row_numel() + f.col_numel()) : 0);
   }
+  pieces_.resize(shapes.size());
+  const auto& segments = flat_.segments();
+  for (size_t k = 0; k < segments.size(); ++k) {
+    for_each_param_piece(flat_.layout(), segments[k],
+                         [&](int idx, int64_t begin, int64_t len, int64_t first) {
+                           pieces_[idx].push_back({static_cast<int>(k), begin, len, first});
+                         });
+  }
+  for (size_t idx = 0; idx < pieces_.size(); ++idx) {
+    if (!pieces_[idx].empty()) touched_.push_back(static_cast<int>(idx));
+  }
 }
 
 void AdafactorUpdate::update(int64_t step) {
@@ -159,8 +171,7 @@ void AdafactorUpdate::update(int64_t step) {
 
 template <typename T>
 void AdafactorUpdate::update_typed(int64_t step) {
-  const FlatLayout& layout = flat_.layout();
-  const size_t params = layout.slots.size();
+  const size_t params = layouts_.size();
   auto& segments = flat_.segments();
   at::Tensor& state = flat_.state()[0];
   at::Tensor stats = at::zeros({stats_numel_}, at::kDouble);
@@ -169,46 +180,58 @@ void AdafactorUpdate::update_typed(int64_t step) {
   double* usq = update_sq.data_ptr<double>();
   const bool sharded = flat_.plan().sharded();
   const double steps = static_cast<double>(step);
+  // Runs fn(idx) for every parameter this rank holds a piece of, parameters in parallel.
+  auto each_param = [&](auto&& fn) {
+    at::parallel_for(0, static_cast<int64_t>(touched_.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) fn(touched_[t]);
+    });
+  };
+  auto rule_of = [&](int idx) -> const Adafactor& {
+    return std::get<Adafactor>(rule_of_(segments[pieces_[idx].front().segment].group));
+  };
 
   // 1. Partial sums: the weights' squares, g² by row and by column, the stored factors.
-  for (auto& s : segments) {
-    const T* p = s.param.template data_ptr<T>();
-    const T* g = s.grad.template data_ptr<T>();
-    const T* st = state.template data_ptr<T>() + s.state_offset;
-    for_each_param_piece(layout, s, [&](int idx, int64_t begin, int64_t len, int64_t first) {
-      double* a = acc + stats_at_[idx];
+  each_param([&](int idx) {
+    double* a = acc + stats_at_[idx];
+    const FactoredLayout& f = layouts_[idx];
+    for (const Piece& pc : pieces_[idx]) {
+      Segment& s = segments[pc.segment];
+      const T* p = s.param.template data_ptr<T>() + pc.begin;
+      const T* g = s.grad.template data_ptr<T>() + pc.begin;
+      const T* st = state.template data_ptr<T>() + s.state_offset + pc.begin;
       double sq = 0;
-      for (int64_t k = 0; k < len; ++k) sq += static_cast<double>(p[begin + k]) * p[begin + k];
+      for (int64_t k = 0; k < pc.length; ++k) sq += static_cast<double>(p[k]) * p[k];
       a[0] += sq;
-      const FactoredLayout& f = layouts_[idx];
-      if (!f.factored) return;
+      if (!f.factored) continue;
       double* row_sum = a + 1;
       double* col_sum = row_sum + f.row_numel();
       double* row_old = col_sum + f.col_numel();
       double* col_old = row_old + f.row_numel();
-      Cursor c(f, first);
-      for (int64_t k = 0; k < len; ++k, c.next()) {
-        const double gv = g[begin + k];
+      Cursor c(f, pc.first);
+      for (int64_t k = 0; k < pc.length; ++k, c.next()) {
+        const double gv = g[k];
         row_sum[c.row()] += gv * gv;
         col_sum[c.col()] += gv * gv;
       }
       if (f.row_stored) {
-        overlap(0, f.row_numel(), first, len, [&](int64_t o, int64_t k) { row_old[o] = st[begin + k]; });
+        overlap(0, f.row_numel(), pc.first, pc.length,
+                [&](int64_t o, int64_t k) { row_old[o] = st[k]; });
       }
       if (f.col_stored) {
-        overlap(f.col_at(), f.col_at() + f.col_numel(), first, len,
-                [&](int64_t o, int64_t k) { col_old[o - f.col_at()] = st[begin + k]; });
+        overlap(f.col_at(), f.col_at() + f.col_numel(), pc.first, pc.length,
+                [&](int64_t o, int64_t k) { col_old[o - f.col_at()] = st[k]; });
       }
-    });
-  }
+    }
+  });
   if (sharded) comm_->all_reduce(stats, ReduceOp::Sum, true)->wait(timeout_);
 
   // 2. The full factors of every parameter this rank holds a piece of, then its pieces' update.
   std::vector<Factors> factors(params);
-  auto factors_of = [&](int idx, const Adafactor& r, T eps1) -> const Factors& {
+  auto eps1_of = [](const Adafactor& r) {
+    return r.eps1() < 0 ? std::numeric_limits<T>::epsilon() : static_cast<T>(r.eps1());
+  };
+  auto make_factors = [&](int idx, const Adafactor& r) {
     Factors& out = factors[idx];
-    if (out.ready) return out;
-    out.ready = true;
     const FactoredLayout& f = layouts_[idx];
     const double w = std::pow(steps, r.beta2_decay());
     const double* a = acc + stats_at_[idx];
@@ -239,35 +262,32 @@ void AdafactorUpdate::update_typed(int64_t step) {
       if (!f.col_stored) out.col[b] = batch_mean(out.row, b, f.rows);  // cols == 1
     }
     for (int64_t b = 0; b < f.batches; ++b) {
-      out.row_mean[b] = std::max<T>(batch_mean(out.row, b, f.rows), eps1);
+      out.row_mean[b] = std::max<T>(batch_mean(out.row, b, f.rows), eps1_of(r));
     }
-    return out;
-  };
-  auto eps1_of = [](const Adafactor& r) {
-    return r.eps1() < 0 ? std::numeric_limits<T>::epsilon() : static_cast<T>(r.eps1());
   };
   // Calls emit(k, u) with the update u of each element k of the piece; `first_pass` advances the
   // vectors' variance and writes the stored factors (the second pass reads them again).
-  auto piece_updates = [&](Segment& s, const Adafactor& r, int idx, int64_t begin, int64_t len,
-                           int64_t first, bool first_pass, auto&& emit) {
-    const T* g = s.grad.template data_ptr<T>() + begin;
-    T* st = state.template data_ptr<T>() + s.state_offset + begin;
+  auto piece_updates = [&](const Piece& pc, const Adafactor& r, int idx, bool first_pass,
+                           auto&& emit) {
+    Segment& s = segments[pc.segment];
+    const T* g = s.grad.template data_ptr<T>() + pc.begin;
+    T* st = state.template data_ptr<T>() + s.state_offset + pc.begin;
     const T eps1 = eps1_of(r);
     const T floor = static_cast<T>(static_cast<double>(eps1) * static_cast<double>(eps1));
     const T sign = r.maximize() ? T(-1) : T(1);
     const FactoredLayout& f = layouts_[idx];
     if (!f.factored) {
       const double w = std::pow(steps, r.beta2_decay());
-      for (int64_t k = 0; k < len; ++k) {
+      for (int64_t k = 0; k < pc.length; ++k) {
         const T gv = sign * g[k];
         if (first_pass) st[k] = static_cast<T>(lerp(st[k], static_cast<T>(gv * gv), w));
         emit(k, static_cast<T>(T(1) / std::sqrt(std::max(st[k], floor))) * gv);
       }
       return;
     }
-    const Factors& fa = factors_of(idx, r, eps1);
-    Cursor c(f, first);
-    for (int64_t k = 0; k < len; ++k, c.next()) {
+    const Factors& fa = factors[idx];
+    Cursor c(f, pc.first);
+    for (int64_t k = 0; k < pc.length; ++k, c.next()) {
       const T gv = sign * g[k];
       const T prod = static_cast<T>(fa.row[c.row()]) * static_cast<T>(fa.col[c.col()]);
       const T v = std::max(static_cast<T>(prod / static_cast<T>(fa.row_mean[c.b])), floor);
@@ -275,43 +295,42 @@ void AdafactorUpdate::update_typed(int64_t step) {
     }
     if (!first_pass) return;
     if (f.row_stored) {
-      overlap(0, f.row_numel(), first, len,
+      overlap(0, f.row_numel(), pc.first, pc.length,
               [&](int64_t o, int64_t k) { st[k] = static_cast<T>(fa.row[o]); });
     }
     if (f.col_stored) {
-      overlap(f.col_at(), f.col_at() + f.col_numel(), first, len,
+      overlap(f.col_at(), f.col_at() + f.col_numel(), pc.first, pc.length,
               [&](int64_t o, int64_t k) { st[k] = static_cast<T>(fa.col[o - f.col_at()]); });
     }
   };
-  for (auto& s : segments) {
-    const auto& r = std::get<Adafactor>(rule_of_(s.group));
-    for_each_param_piece(layout, s, [&](int idx, int64_t begin, int64_t len, int64_t first) {
-      double sq = 0;
-      piece_updates(s, r, idx, begin, len, first, true,
-                    [&](int64_t, T u) { sq += static_cast<double>(u) * u; });
-      usq[idx] += sq;
-    });
-  }
+  each_param([&](int idx) {
+    const Adafactor& r = rule_of(idx);
+    if (layouts_[idx].factored) make_factors(idx, r);
+    double sq = 0;
+    for (const Piece& pc : pieces_[idx]) {
+      piece_updates(pc, r, idx, true, [&](int64_t, T u) { sq += static_cast<double>(u) * u; });
+    }
+    usq[idx] = sq;
+  });
   if (sharded) comm_->all_reduce(update_sq, ReduceOp::Sum, true)->wait(timeout_);
 
   // 3. The weights: decoupled decay, then the update scaled by alpha and clipped by its RMS.
-  for (auto& s : segments) {
-    const auto& r = std::get<Adafactor>(rule_of_(s.group));
-    T* p = s.param.template data_ptr<T>();
+  each_param([&](int idx) {
+    const Adafactor& r = rule_of(idx);
     const T decay = static_cast<T>(1 - r.lr() * r.weight_decay());
-    for_each_param_piece(layout, s, [&](int idx, int64_t begin, int64_t len, int64_t first) {
-      const double root_numel = std::sqrt(static_cast<double>(numel_[idx]));
-      const double rho = std::min(r.lr(), 1 / std::sqrt(steps));
-      const double alpha = std::max(r.eps2(), std::sqrt(acc[stats_at_[idx]]) / root_numel) * rho;
-      const double denom = std::max(1.0, std::sqrt(usq[idx]) / (root_numel * r.d()));
-      const T coef = static_cast<T>(-alpha / denom);
-      T* w = p + begin;
-      piece_updates(s, r, idx, begin, len, first, false, [&](int64_t k, T u) {
+    const double root_numel = std::sqrt(static_cast<double>(numel_[idx]));
+    const double rho = std::min(r.lr(), 1 / std::sqrt(steps));
+    const double alpha = std::max(r.eps2(), std::sqrt(acc[stats_at_[idx]]) / root_numel) * rho;
+    const double denom = std::max(1.0, std::sqrt(usq[idx]) / (root_numel * r.d()));
+    const T coef = static_cast<T>(-alpha / denom);
+    for (const Piece& pc : pieces_[idx]) {
+      T* w = segments[pc.segment].param.template data_ptr<T>() + pc.begin;
+      piece_updates(pc, r, idx, false, [&](int64_t k, T u) {
         if (r.weight_decay() != 0) w[k] = w[k] * decay;
         w[k] = w[k] + coef * u;
       });
-    });
-  }
+    }
+  });
 }
 
 template void AdafactorUpdate::update_typed<float>(int64_t);

@@ -24,6 +24,8 @@
 //   3. the weights: decoupled weight decay, then minus alpha / max(1, RMS(u) / d) times u, with
 //      alpha = max(eps2, RMS(w)) · min(lr, 1/sqrt(step)). The update is recomputed here, not kept:
 //      Adafactor is chosen for its memory.
+// Each phase runs parameters in parallel (at::parallel_for), each parameter's pieces in order on
+// one thread, so the sums, and the result, do not depend on the number of threads.
 // Replicated plans (stage 0) hold whole tensors and skip both all-reduces.
 #pragma once
 
@@ -73,10 +75,19 @@ class AdafactorUpdate {
   template <typename T>
   void update_typed(int64_t step);
 
+  // One parameter's intersection with one segment: `begin` in the segment, `first` in the
+  // parameter (its element offset).
+  struct Piece {
+    int segment;
+    int64_t begin, length, first;
+  };
+
   FlatState& flat_;
   CommunicatorPtr comm_;
   Duration timeout_;
   RuleOf rule_of_;
+  std::vector<std::vector<Piece>> pieces_;  // per slot, this rank's pieces in segment order
+  std::vector<int> touched_;                // the slots this rank holds a piece of
   std::vector<FactoredLayout> layouts_;  // per slot
   std::vector<int64_t> numel_;           // per slot
   std::vector<int64_t> stats_at_;        // per slot: its first value in the first all-reduce

@@ -40,27 +40,26 @@ double lerp(double self, double end, double weight) {
   return weight < 0.5 ? self + weight * (end - self) : end - (end - self) * (1 - weight);
 }
 
-// (batch, row, column) of consecutive elements of a factored parameter.
-struct Cursor {
-  Cursor(const FactoredLayout& f, int64_t element)
-      : rows(f.rows), cols(f.cols), b(element / (f.rows * f.cols)),
-        i((element % (f.rows * f.cols)) / f.cols), j(element % f.cols) {}
-  void next() {
-    if (++j < cols) return;
-    j = 0;
-    if (++i < rows) return;
-    i = 0;
-    ++b;
+// Calls fn(k, row, col, count, batch) for each run of `length` consecutive elements of a factored
+// parameter, starting at element `first`, that stays within one row: k is the run's first
+// element relative to `first`, row and col its row and column factor indices (the columns of a
+// run are consecutive), batch its batch. Inner loops over a run are contiguous.
+template <typename Fn>
+void for_each_row_run(const FactoredLayout& f, int64_t first, int64_t length, Fn&& fn) {
+  int64_t k = 0;
+  while (k < length) {
+    const int64_t o = first + k;
+    const int64_t b = o / (f.rows * f.cols), i = (o / f.cols) % f.rows, j = o % f.cols;
+    const int64_t count = std::min(f.cols - j, length - k);
+    fn(k, b * f.rows + i, b * f.cols + j, count, b);
+    k += count;
   }
-  int64_t row() const { return b * rows + i; }
-  int64_t col() const { return b * cols + j; }
-  int64_t rows, cols, b, i, j;
-};
+}
 
-// The full factors of one parameter this step, in the master dtype's values (as torch keeps them).
+// The full factors of one parameter this step, in the master dtype (as torch keeps them).
+template <typename T>
 struct Factors {
-  bool ready = false;
-  std::vector<double> row, col, row_mean;  // row_mean: per batch, clamped at eps1
+  std::vector<T> row, col, row_mean;  // row_mean: per batch, clamped at eps1
 };
 
 // Calls fn(o, k) for the elements o of [begin, end) (parameter offsets) that fall within the
@@ -207,12 +206,17 @@ void AdafactorUpdate::update_typed(int64_t step) {
       double* col_sum = row_sum + f.row_numel();
       double* row_old = col_sum + f.col_numel();
       double* col_old = row_old + f.row_numel();
-      Cursor c(f, pc.first);
-      for (int64_t k = 0; k < pc.length; ++k, c.next()) {
-        const double gv = g[k];
-        row_sum[c.row()] += gv * gv;
-        col_sum[c.col()] += gv * gv;
-      }
+      for_each_row_run(f, pc.first, pc.length,
+                       [&](int64_t k0, int64_t row, int64_t col, int64_t count, int64_t) {
+                         double in_row = 0;
+                         double* cols = col_sum + col;
+                         for (int64_t t = 0; t < count; ++t) {
+                           const double gv = g[k0 + t];
+                           in_row += gv * gv;
+                           cols[t] += gv * gv;
+                         }
+                         row_sum[row] += in_row;
+                       });
       if (f.row_stored) {
         overlap(0, f.row_numel(), pc.first, pc.length,
                 [&](int64_t o, int64_t k) { row_old[o] = st[k]; });
@@ -226,12 +230,12 @@ void AdafactorUpdate::update_typed(int64_t step) {
   if (sharded) comm_->all_reduce(stats, ReduceOp::Sum, true)->wait(timeout_);
 
   // 2. The full factors of every parameter this rank holds a piece of, then its pieces' update.
-  std::vector<Factors> factors(params);
+  std::vector<Factors<T>> factors(params);
   auto eps1_of = [](const Adafactor& r) {
     return r.eps1() < 0 ? std::numeric_limits<T>::epsilon() : static_cast<T>(r.eps1());
   };
   auto make_factors = [&](int idx, const Adafactor& r) {
-    Factors& out = factors[idx];
+    Factors<T>& out = factors[idx];
     const FactoredLayout& f = layouts_[idx];
     const double w = std::pow(steps, r.beta2_decay());
     const double* a = acc + stats_at_[idx];
@@ -251,7 +255,7 @@ void AdafactorUpdate::update_typed(int64_t step) {
         out.col[x] = static_cast<T>(lerp(col_old[x], static_cast<T>(col_sum[x] / f.rows), w));
       }
     }
-    auto batch_mean = [](const std::vector<double>& v, int64_t b, int64_t n) {
+    auto batch_mean = [](const std::vector<T>& v, int64_t b, int64_t n) {
       double sum = 0;
       for (int64_t x = 0; x < n; ++x) sum += v[b * n + x];
       return static_cast<T>(sum / static_cast<double>(n));
@@ -285,14 +289,17 @@ void AdafactorUpdate::update_typed(int64_t step) {
       }
       return;
     }
-    const Factors& fa = factors[idx];
-    Cursor c(f, pc.first);
-    for (int64_t k = 0; k < pc.length; ++k, c.next()) {
-      const T gv = sign * g[k];
-      const T prod = static_cast<T>(fa.row[c.row()]) * static_cast<T>(fa.col[c.col()]);
-      const T v = std::max(static_cast<T>(prod / static_cast<T>(fa.row_mean[c.b])), floor);
-      emit(k, static_cast<T>(T(1) / std::sqrt(v)) * gv);
-    }
+    const Factors<T>& fa = factors[idx];
+    for_each_row_run(f, pc.first, pc.length,
+                     [&](int64_t k0, int64_t row, int64_t col, int64_t count, int64_t b) {
+                       const T rv = fa.row[row], mean = fa.row_mean[b];
+                       const T* cols = fa.col.data() + col;
+                       for (int64_t t = 0; t < count; ++t) {
+                         const T gv = sign * g[k0 + t];
+                         const T v = std::max(static_cast<T>(rv * cols[t] / mean), floor);
+                         emit(k0 + t, static_cast<T>(T(1) / std::sqrt(v)) * gv);
+                       }
+                     });
     if (!first_pass) return;
     if (f.row_stored) {
       overlap(0, f.row_numel(), pc.first, pc.length,

@@ -8,6 +8,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -296,6 +298,63 @@ DIST_TEST(AdafactorStateDict, TorchBuffersBothWays) {
   const double resumed_diff = max_diff(resumed.values(), expected, &worst);
   EXPECT_LE(resumed_diff, 1e-10) << "worst parameter: " << worst;
   EXPECT_TRUE(test::all_ranks(names_ok && diff <= 1e-12 && resumed_diff <= 1e-10));
+}
+
+// float32 weights, bf16 mixed precision (fp32 master weights, eps1 from float32) and hybrid
+// sharding (statistics all-reduced within each shard group) track the float64 reference.
+DIST_TEST(AdafactorVariants, Fp32Bf16AndHybridTrackTheReference) {
+  const auto expected = reference(Adafactor(), kSteps);
+  const auto start = FactorNet().values();
+  const int world = test::world()->size();
+  // float32 weights (the float kernel path: within 1e-4 of the float64 reference, relative to how
+  // far it moved) and bf16 with float32 master weights (within 0.25: Adafactor normalises each
+  // update by its RMS, so an element whose tiny gradient bf16 rounds to the other sign moves the
+  // other way by a whole step; the scalar norm.scale is that one element).
+  for (const Precision precision : {Precision::FP32, Precision::BF16}) {
+    FactorNet net;  // FactorNet's parameters as float32 (bf16 once the optimizer holds them)
+    for (auto& [name, t] : net.named) t = t.detach().to(at::kFloat).set_requires_grad(true);
+    ZeroOptions zo = options(2);
+    zo.precision = precision;
+    DistributedOptimizer opt(net.groups(), Adafactor(), test::world(), zo);
+    const int64_t per_rank = kSamples / world, rank = test::world()->rank();
+    for (int64_t s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      at::Tensor total = at::zeros({}, at::kFloat);
+      for (size_t p = 0; p < net.named.size(); ++p) {  // FactorNet::loss in the weights' dtype
+        const at::Tensor& t = net.named[p].second;
+        at::Tensor coef = at::zeros(t.sizes(), at::kDouble);
+        for (int64_t i = rank * per_rank; i < (rank + 1) * per_rank; ++i) {
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + s * 997 + i * 31 + p);
+          coef += at::randn(t.sizes(), gen, at::kDouble);
+        }
+        total = total + (coef.div(per_rank).to(t.scalar_type()) * at::tanh(t)).sum().to(at::kFloat);
+      }
+      opt.backward(total);
+      opt.step();
+    }
+    double off = 0, moved = 0;
+    for (auto& [name, t] : net.named) {
+      off += (t.detach().to(at::kDouble) - expected.at(name)).pow(2).sum().item<double>();
+      moved += (expected.at(name) - start.at(name)).pow(2).sum().item<double>();
+    }
+    const double ratio = std::sqrt(off / moved);
+    const double bound = precision == Precision::FP32 ? 1e-4 : 0.25;
+    EXPECT_LE(ratio, bound) << to_string(precision);
+    EXPECT_TRUE(test::all_ranks(ratio <= bound));
+    std::printf("[adafactor %s] |weights - reference| / |reference - start| = %.3g\n",
+                to_string(precision), ratio);
+  }
+  if (world == 4) {  // two shard groups of two ranks
+    FactorNet net;
+    ZeroOptions zo = options(2);
+    zo.shard_group_size = 2;
+    DistributedOptimizer opt(net.groups(), Adafactor(), test::world(), zo);
+    train(net, opt, 0, kSteps);
+    std::string worst;
+    const double diff = max_diff(net.values(), expected, &worst);
+    EXPECT_LE(diff, 1e-10) << "hybrid, worst parameter: " << worst;
+    EXPECT_TRUE(test::all_ranks(diff <= 1e-10));
+  }
 }
 
 // memory() and the estimator agree on Adafactor's state: K = 4 bytes per fp32 parameter.

@@ -76,6 +76,10 @@ std::map<std::string, at::Tensor> adafactor_torch_state(const at::Tensor& packed
   const std::vector<int64_t> shape = packed.sizes().vec();
   const FactoredLayout f = factored_layout(shape);
   if (!f.factored) return {{"variance", packed.clone()}};
+  if (packed.numel() == 0) {  // torch's factors of an empty matrix: zeros, possibly not empty
+    return {{"row_var", at::zeros(with_dim(shape, 1, 1), packed.options())},
+            {"col_var", at::zeros(with_dim(shape, 2, 1), packed.options())}};
+  }
   const at::Tensor flat = packed.reshape({-1});
   at::Tensor row = f.row_stored ? flat.narrow(0, 0, f.row_numel()).clone() : at::Tensor();
   at::Tensor col = f.col_stored ? flat.narrow(0, f.col_at(), f.col_numel()).clone() : at::Tensor();
@@ -116,6 +120,7 @@ at::Tensor adafactor_packed_state(const std::map<std::string, at::Tensor>& state
   const at::Tensor row = get("row_var", with_dim(shape, 1, 1));
   const at::Tensor col = get("col_var", with_dim(shape, 2, 1));
   at::Tensor packed = at::zeros(shape, options);
+  if (packed.numel() == 0) return packed;
   at::Tensor flat = packed.view({-1});
   if (f.row_stored) flat.narrow(0, 0, f.row_numel()).copy_(row.reshape({-1}));
   if (f.col_stored) flat.narrow(0, f.col_at(), f.col_numel()).copy_(col.reshape({-1}));

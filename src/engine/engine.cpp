@@ -240,6 +240,15 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   const ParallelGroups& grid = options_.grid;
   if (auto tensors = tensor_grid_of(params(), grid.tp && grid.tp->size() > 1 ? grid.tp : nullptr);
       tensors.group) {
+    for (size_t i = 0; i < tensors.replicated.size(); ++i) {
+      // Adafactor's statistics span whole tensors; over a split one they would not (yet).
+      SHARDOPT_CHECK(tensors.replicated[i] != 0 || !std::holds_alternative<Adafactor>(rule),
+                     Unsupported,
+                     "optimizer: adafactor does not step parameters split by tensor parallelism "
+                     "yet: '{}' is split over {} ranks, and its row and column statistics would "
+                     "cover only this rank's part; use adamw or lamb with tensor parallelism",
+                     params()[i].name, tensors.group->size());
+    }
     update_->grid().set_tensor_group(std::move(tensors.group), std::move(tensors.replicated));
   }
   if (grid.pp && grid.pp->size() > 1) update_->grid().set_pipeline(grid.pp);

@@ -17,9 +17,12 @@
 
 #include "shardopt/estimate.hpp"
 #include "shardopt/optimizer.hpp"
+#include "shardopt/parallel_layout.hpp"
 #include "shardopt/state_dict.hpp"
+#include "shardopt/tensor_parallel.hpp"
 #include "support/adafactor_golden.hpp"
 #include "support/dist_env.hpp"
+#include "support/expect_error.hpp"
 #include "support/reference_adafactor.hpp"
 
 namespace shardopt {
@@ -355,6 +358,21 @@ DIST_TEST(AdafactorVariants, Fp32Bf16AndHybridTrackTheReference) {
     EXPECT_LE(diff, 1e-10) << "hybrid, worst parameter: " << worst;
     EXPECT_TRUE(test::all_ranks(diff <= 1e-10));
   }
+}
+
+// A parameter split by tensor parallelism is refused by name (its statistics and RMS would be
+// partial).
+DIST_TEST(AdafactorErrors, TensorParallelSplitsAreRefused) {
+  auto world = test::world();
+  if (world->size() < 2) GTEST_SKIP() << "tensor parallelism needs two ranks";
+  const ParallelGroups g = make_parallel_groups(world, ParallelLayout{world->size()});
+  tp::ColumnParallelLinear col(8, 4 * world->size(), tp::TensorParallel{g.tp, false, 1});
+  ParamGroup group;
+  group.params = {{"col.weight", col->weight}, {"col.bias", col->bias}};
+  ZeroOptions zo = options(1);
+  zo.grid = g;
+  test::expect_error([&] { DistributedOptimizer opt({group}, Adafactor(), g.dp, zo); },
+                     ErrorKind::Unsupported, {"adafactor", "'col.", "is split over"});
 }
 
 // memory() and the estimator agree on Adafactor's state: K = 4 bytes per fp32 parameter.

@@ -39,8 +39,10 @@ void save(Run& r, int64_t done) {
   save_options.after_shard_written = [&](int rank) {
     if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
   };
-  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(),
-                            make_trainer_state(s, r.schedule, layout_json(r)), save_options);
+  auto trainer_state = make_trainer_state(s, r.schedule, layout_json(r));
+  // --tp: the split regions' dropout stream too, so a resume draws the same masks.
+  if (const auto& rng = r.model->model_parallel().rng) trainer_state.tensors["tp_dropout_rng"] = rng->state();
+  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(), trainer_state, save_options);
   r.last_saved = done;
   if (r.lead) {
     fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,

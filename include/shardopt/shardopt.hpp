@@ -5,6 +5,7 @@
 #pragma once
 
 #include "shardopt/checkpoint.hpp"
+#include "shardopt/grid_checkpoint.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"

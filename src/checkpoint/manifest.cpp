@@ -294,6 +294,24 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                          shape_text(param->second.shape));
         }
       }
+      if (const auto blocks = f.find("blocks"); blocks != f.end()) {  // Note [Block checksums]
+        sf.block_bytes = integer<int64_t>(blocks->at("bytes"));
+        const std::string text = blocks->at("crc32").get<std::string>();
+        SHARDOPT_CHECK(sf.block_bytes > 0 && text.size() % 8 == 0 &&
+                           static_cast<int64_t>(text.size() / 8) ==
+                               (sf.bytes + sf.block_bytes - 1) / sf.block_bytes,
+                       Checkpoint,
+                       "checkpoint: {}: the block checksums of {} do not fit its {} bytes "
+                       "({} checksums of {}-byte blocks)",
+                       m.path.string(), sf.path, sf.bytes, text.size() / 8, sf.block_bytes);
+        for (size_t k = 0; k < text.size(); k += 8) {
+          size_t used = 0;
+          const std::string hex = text.substr(k, 8);
+          sf.block_crcs.push_back(static_cast<uint32_t>(std::stoul(hex, &used, 16)));
+          SHARDOPT_CHECK(used == 8, Checkpoint, "checkpoint: {}: block checksum '{}' of {} is not "
+                         "hexadecimal", m.path.string(), hex, sf.path);
+        }
+      }
       m.files.push_back(std::move(sf));
     }
     for (const auto& p : m.j.at("parameters")) {
@@ -318,6 +336,18 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                          "full size {}, padded size {}), which does not fit it",
                          m.path.string(), mp.name, shape_text(mp.shape), mp.split[0],
                          mp.split[1], mp.split[2]);
+          if (split.contains("tp_size")) {  // Note [Placement in the manifest]
+            mp.split_rank = integer<int>(split.at("tp_rank"));
+            mp.split_ranks = integer<int>(split.at("tp_size"));
+            SHARDOPT_CHECK(mp.split_ranks >= 1 && mp.split_rank >= 0 &&
+                               mp.split_rank < mp.split_ranks &&
+                               mp.shape[mp.split[0]] * mp.split_ranks == mp.split[2],
+                           Checkpoint,
+                           "checkpoint: {}: parameter '{}' of shape {} records tensor rank {} of "
+                           "{} with padded size {} along dim {}, which does not fit it",
+                           m.path.string(), mp.name, shape_text(mp.shape), mp.split_rank,
+                           mp.split_ranks, mp.split[2], mp.split[0]);
+          }
         }
       }
       for (const auto& piece : p.at("pieces")) {
@@ -425,6 +455,12 @@ std::vector<int64_t> split_of_param(const ShardAccess& a, int index) {
   return {split->dim, split->full_size, split->padded_size};
 }
 
+std::pair<int, int> split_place_of_param(const ShardAccess& a, int index) {
+  const auto record = tp::record_of(a.param_tensor(index));
+  if (!record || !record->split || record->group == nullptr) return {0, 1};
+  return {record->group->rank(), record->group->size()};
+}
+
 json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,
                     const std::vector<json>& files, const json& module) {
   const auto& layout = a.layout();
@@ -478,10 +514,17 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
     const auto split = split_of_param(a, i);
     json split_json = nullptr;
     if (!split.empty()) {
-      split_json = {{"dim", split[0]}, {"full_size", split[1]}, {"padded_size", split[2]}};
+      const auto [tp_rank, tp_size] = split_place_of_param(a, i);
+      split_json = {{"dim", split[0]},       {"full_size", split[1]}, {"padded_size", split[2]},
+                    {"tp_rank", tp_rank},    {"tp_size", tp_size}};
     }
+    // The unsplit tensor's shape (Note [Placement in the manifest]): the split dimension at its
+    // full size.
+    std::vector<int64_t> global_shape = a.param_shape(i);
+    if (!split.empty()) global_shape[split[0]] = split[1];
     params.push_back({{"name", a.param_name(i)},
                       {"shape", a.param_shape(i)},
+                      {"global_shape", global_shape},
                       {"split", split_json},
                       {"dtype", dtype_name(a.master_dtype())},
                       {"numel", slot.numel},

@@ -97,8 +97,13 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
           {"path", file},
           {"bytes", w.bytes()},
           {"crc32", crc_text(w.crc())},
+          {"blocks", {{"bytes", kBlockBytes}, {"crc32", w.block_crcs_text()}}},
           {"sections", sections}};
 }
+
+}  // namespace
+
+namespace detail {
 
 // The stored values of the model's tensors that LoadOptions::module_state names (world rank 0's,
 // kept in shard file 0 as trainer tensors "module/<name>"), checked against their targets.
@@ -138,7 +143,7 @@ std::map<std::string, at::Tensor> stage_module_state(
   return staged;
 }
 
-}  // namespace
+}  // namespace detail
 
 // ---- save -----------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/grid_files.hpp"
@@ -78,21 +79,6 @@ SavedGrid read_saved_grid(const std::string& base) {
   return g;
 }
 
-// This rank's copy of parameter `index`, from its split record.
-Placement placement_of(ShardAccess& a, int index) {
-  Placement p;
-  p.shape = a.param_shape(index);
-  const auto record = tp::record_of(a.param_tensor(index));
-  if (record && record->split && record->group) {
-    p.dim = record->split->dim;
-    p.full = record->split->full_size;
-    p.padded = record->split->padded_size;
-    p.rank = record->group->rank();
-    p.ranks = record->group->size();
-  }
-  return p;
-}
-
 // The saved copies' placement of `name` in stage folder row `p` (all of its tensor folders must
 // hold it alike).
 Placement saved_placement(const SavedGrid& g, int p, const std::string& name) {
@@ -127,6 +113,41 @@ Placement saved_placement(const SavedGrid& g, int p, const std::string& name) {
   return s;
 }
 
+// Note [Element checksums]: every parameter the save holds, in one order on every rank, with its
+// saved sums (the first stage folder holding it; a split one's summed over its tensor folders).
+struct SavedSums {
+  std::vector<std::string> names;
+  std::map<std::string, int> index;
+  std::vector<std::vector<uint64_t>> sums;  // by index: values, then each state buffer
+  std::vector<int64_t> numel;               // unsplit elements
+  bool complete = true;                     // false: a manifest written before the sums
+};
+
+SavedSums saved_sums(const SavedGrid& g) {
+  SavedSums out;
+  for (int p = 0; p < g.pp; ++p) {
+    for (const ManifestParam& mp : g.at(p, 0).params) {
+      if (out.index.count(mp.name) > 0) continue;
+      const Placement from = saved_placement(g, p, mp.name);
+      std::vector<uint64_t> total;
+      for (int t = 0; t < (from.split() ? g.tp : 1); ++t) {
+        const Manifest& m = g.at(p, t);
+        const auto& sums = m.params[m.by_name.at(mp.name)].sums;
+        if (sums.empty()) out.complete = false;
+        total.resize(sums.size(), 0);
+        for (size_t k = 0; k < sums.size() && k < total.size(); ++k) total[k] += sums[k];
+      }
+      int64_t numel = 1;
+      for (const int64_t d : from.global_shape()) numel *= d;
+      out.index[mp.name] = static_cast<int>(out.names.size());
+      out.names.push_back(mp.name);
+      out.sums.push_back(total);
+      out.numel.push_back(numel);
+    }
+  }
+  return out;
+}
+
 // A copy into this rank's staged shard: `numel` elements at element `src` (shard coordinates) of
 // the saved file, to element `dst` of the staging.
 struct FileCopy {
@@ -150,6 +171,9 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
   std::vector<Rule> rules;
   std::map<std::string, at::Tensor> module_state;
   GridLoadStats stats;
+  SavedSums sums;
+  at::Tensor staged_sums;
+  std::vector<std::string> state_names;
 
   agree(world, a.zero_options().timeout, fmt::format("loading grid checkpoint {}", base),
         "no rank changed its optimizer", [&] {
@@ -157,6 +181,7 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
           g = read_saved_grid(base);
           stats.metadata_bytes = g.metadata_bytes;
           const std::vector<std::string> names = optimizer_state_names(a);
+          state_names = names;
           for (const Manifest& m : g.folders) check_same_optimizer(a, m, names);
           const Manifest& head = g.folders[0];
           for (const auto& j : head.group_rules) {
@@ -170,6 +195,7 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
           staging = stage_current(a, static_cast<int>(names.size()));
           const auto& layout = a.layout();
           const int64_t elem = static_cast<int64_t>(c10::elementSize(a.master_dtype()));
+          sums = saved_sums(g);
           // (folder, file rank) -> copies, in shard coordinates.
           std::map<std::pair<int, int>, std::vector<FileCopy>> copies;
           for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
@@ -182,7 +208,7 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
                            "checkpoint: parameter '{}' is in none of the {} folders of {}: it is "
                            "of another model",
                            name, g.folders.size(), base);
-            const Placement to = placement_of(a, i);
+            const Placement to = placement_of_param(a, i);
             const Placement from = saved_placement(g, stage, name);
             SHARDOPT_CHECK(to.global_shape() == from.global_shape() &&
                                (!to.split() || !from.split() || to.dim == from.dim),
@@ -239,8 +265,32 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
                                  dst + c.dst * elem});
               }
             }
-            stats.data_bytes += read_ranges(m, f, std::move(reads));
+            stats.data_bytes += read_ranges(m, f, std::move(reads), !sums.complete);
             ++stats.files_opened;
+          }
+          // What this rank staged adds to every parameter's element sums.
+          const size_t sections = names.size() + 1, n = sums.names.size();
+          staged_sums = at::zeros({static_cast<int64_t>(n * (sections + 1))}, at::kLong);
+          auto* acc = staged_sums.data_ptr<int64_t>();
+          for (int i = 0; sums.complete && i < static_cast<int>(layout.slots.size()); ++i) {
+            const size_t gi = static_cast<size_t>(sums.index.at(a.param_name(i)));
+            const Placement to = placement_of_param(a, i);
+            for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
+              const BucketLayout& bl = layout.buckets[lp->bucket];
+              const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
+              if (mine.empty()) continue;
+              const int64_t dst = bl.shard_offset + mine.begin - int64_t{rank} * bl.shard;
+              for (size_t k = 0; k < sections; ++k) {
+                const at::Tensor& t = k == 0 ? staging.param : staging.state[k - 1];
+                const ElementSum e =
+                    element_sum(to, mine.begin - lp->offset + lp->param_offset, mine.size(),
+                                static_cast<const char*>(t.data_ptr()) + dst * elem,
+                                static_cast<int>(elem));
+                acc[gi * sections + k] = static_cast<int64_t>(
+                    static_cast<uint64_t>(acc[gi * sections + k]) + e.sum);
+                if (k == 0) acc[n * sections + gi] += e.count;
+              }
+            }
           }
           // This rank's trainer tensors, where the save had the same grid and ranks.
           if (g.tp == groups.layout.tp && g.pp == groups.layout.pp &&
@@ -265,6 +315,36 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
           trainer.json = dump(head.j.at("trainer"));
           return json();
         });
+
+  // Note [Element checksums]: the sums over every copy the new layout holds, checked on every rank.
+  if (sums.complete) {
+    world.all_reduce(staged_sums, ReduceOp::Sum, true)->wait(a.zero_options().timeout);
+    agree(world, a.zero_options().timeout, fmt::format("loading grid checkpoint {}", base),
+          "no rank changed its optimizer", [&] {
+            const size_t sections = state_names.size() + 1, n = sums.names.size();
+            const auto* acc = staged_sums.data_ptr<int64_t>();
+            for (size_t gi = 0; gi < n; ++gi) {
+              const int64_t count = acc[n * sections + gi], numel = sums.numel[gi];
+              if (count == 0 || numel == 0) continue;  // not held by this layout
+              SHARDOPT_CHECK(count % numel == 0, Checkpoint,
+                             "checkpoint: {}: the copies of parameter '{}' this layout loaded "
+                             "cover {} elements, not a multiple of its {}",
+                             base, sums.names[gi], count, numel);
+              const uint64_t copies = static_cast<uint64_t>(count / numel);
+              for (size_t k = 0; k < sections; ++k) {
+                const uint64_t got = static_cast<uint64_t>(acc[gi * sections + k]);
+                const uint64_t want = copies * sums.sums[gi][k];
+                SHARDOPT_CHECK(got == want, Checkpoint,
+                               "checkpoint: {}: the {} of parameter '{}' as loaded do not match "
+                               "the checkpoint's element checksum ({:016x}, expected {:016x}); "
+                               "a shard file is corrupt",
+                               base, k == 0 ? std::string("values") : state_names[k - 1],
+                               sums.names[gi], got, want);
+              }
+            }
+            return json();
+          });
+  }
 
   // Every rank succeeded: replace the state.
   commit(a, staging);

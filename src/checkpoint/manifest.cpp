@@ -350,6 +350,19 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
           }
         }
       }
+      if (const auto sums = p.find("sums"); sums != p.end()) {  // Note [Element checksums]
+        for (const auto& h : *sums) {
+          size_t used = 0;
+          const std::string hex = h.get<std::string>();
+          mp.sums.push_back(std::stoull(hex, &used, 16));
+          SHARDOPT_CHECK(used == hex.size() && !hex.empty(), Checkpoint,
+                         "checkpoint: {}: element checksum '{}' of '{}' is not hexadecimal",
+                         m.path.string(), hex, mp.name);
+        }
+        SHARDOPT_CHECK(mp.sums.size() == m.state_names.size() + 1, Checkpoint,
+                       "checkpoint: {}: parameter '{}' has {} element checksums for {} sections",
+                       m.path.string(), mp.name, mp.sums.size(), m.state_names.size() + 1);
+      }
       for (const auto& piece : p.at("pieces")) {
         SavedPiece sp{integer<int>(piece.at(0)), integer<int64_t>(piece.at(1)),
                       integer<int64_t>(piece.at(2)), integer<int64_t>(piece.at(3))};
@@ -455,6 +468,20 @@ std::vector<int64_t> split_of_param(const ShardAccess& a, int index) {
   return {split->dim, split->full_size, split->padded_size};
 }
 
+Placement placement_of_param(const ShardAccess& a, int index) {
+  Placement p;
+  p.shape = a.param_shape(index);
+  const auto record = tp::record_of(a.param_tensor(index));
+  if (record && record->split && record->group) {
+    p.dim = record->split->dim;
+    p.full = record->split->full_size;
+    p.padded = record->split->padded_size;
+    p.rank = record->group->rank();
+    p.ranks = record->group->size();
+  }
+  return p;
+}
+
 std::pair<int, int> split_place_of_param(const ShardAccess& a, int index) {
   const auto record = tp::record_of(a.param_tensor(index));
   if (!record || !record->split || record->group == nullptr) return {0, 1};
@@ -504,6 +531,22 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return a.param_order(x) < a.param_order(y); });
+  // Every rank's element sums (Note [Element checksums]), added up per parameter; the file
+  // entries keep none.
+  std::vector<json> file_entries = files;
+  std::map<std::string, std::vector<uint64_t>> sums;
+  for (json& f : file_entries) {
+    const auto it = f.find("element_sums");
+    if (it == f.end()) continue;
+    for (const auto& [name, list] : it->items()) {
+      auto& total = sums[name];
+      total.resize(list.size(), 0);
+      for (size_t k = 0; k < list.size(); ++k) {
+        total[k] += std::stoull(list[k].get<std::string>(), nullptr, 16);
+      }
+    }
+    f.erase(it);
+  }
   json params = json::array();
   for (const int i : order) {
     const auto& slot = layout.slots[i];
@@ -533,9 +576,14 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
                       {"offset", slot.offset},
                       {"flat_offset", layout.buckets[slot.bucket].flat_offset + slot.offset},
                       {"pieces", pieces}});
+    if (const auto it = sums.find(a.param_name(i)); it != sums.end()) {
+      json hex = json::array();
+      for (const uint64_t v : it->second) hex.push_back(fmt::format("{:016x}", v));
+      params.back()["sums"] = hex;
+    }
   }
   m["parameters"] = params;
-  m["files"] = files;
+  m["files"] = file_entries;
   m["trainer"] = trainer;
   if (!module.is_null()) m["module"] = module;
   m[kManifestCrc] = crc_text(manifest_crc(m));

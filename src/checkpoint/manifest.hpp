@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "checkpoint/format.hpp"
+#include "checkpoint/placement.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/precision.hpp"
@@ -52,10 +53,17 @@ struct ManifestParam {
   // Where the split puts this copy (Note [Placement in the manifest], placement.hpp): its tensor
   // rank of how many; -1 in manifests written before placements were recorded.
   int split_rank = -1, split_ranks = -1;
+  // Note [Element checksums] (element_sums.hpp): this folder's sum for the values and each state
+  // buffer, in that order; empty in manifests written before they were recorded.
+  std::vector<uint64_t> sums;
 };
 
 // The tensor rank and group size of parameter `index`'s split (0 and 1 when it has none).
 std::pair<int, int> split_place_of_param(const ShardAccess& a, int index);
+
+// This rank's copy of parameter `index`: its local shape and split record (Note [Placement in the
+// manifest]).
+Placement placement_of_param(const ShardAccess& a, int index);
 
 // The split of parameter `index` as a manifest records it: {dim, full_size, padded_size}, or
 // empty where it is not split (or split trivially: one rank holding all of it, no padding).

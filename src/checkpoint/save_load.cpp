@@ -14,6 +14,7 @@
 #include <map>
 
 #include "checkpoint/files.hpp"
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
@@ -93,7 +94,40 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
                         {"shape", t.sizes().vec()}});
   }
   w.sync_and_close();
+  // Note [Element checksums]: this rank's part of every parameter's sums.
+  json element_sums = json::object();
+  std::map<int, std::vector<at::Tensor>> on_cpu;  // bucket -> its param and state slices
+  auto slices_of = [&](int b) -> const std::vector<at::Tensor>& {
+    auto it = on_cpu.find(b);
+    if (it != on_cpu.end()) return it->second;
+    std::vector<at::Tensor> s{a.owned_param_slice(b).to(at::kCPU).contiguous()};
+    for (size_t k = 0; k < names.size(); ++k) {
+      s.push_back(a.owned_state_slice(static_cast<int>(k), b).to(at::kCPU).contiguous());
+    }
+    return on_cpu.emplace(b, std::move(s)).first->second;
+  };
+  for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
+    const Placement place = placement_of_param(a, i);
+    std::vector<uint64_t> sums(names.size() + 1, 0);
+    for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
+      const BucketLayout& bl = layout.buckets[lp->bucket];
+      const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
+      if (mine.empty()) continue;
+      const auto& s = slices_of(lp->bucket);
+      const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
+      for (size_t k = 0; k < s.size(); ++k) {
+        const int elem = static_cast<int>(s[k].element_size());
+        sums[k] += element_sum(place, mine.begin - lp->offset + lp->param_offset, mine.size(),
+                               static_cast<const char*>(s[k].data_ptr()) + first * elem, elem)
+                       .sum;
+      }
+    }
+    json hex = json::array();
+    for (const uint64_t v : sums) hex.push_back(fmt::format("{:016x}", v));
+    element_sums[a.param_name(i)] = hex;
+  }
   return {{"rank", rank},
+          {"element_sums", element_sums},
           {"path", file},
           {"bytes", w.bytes()},
           {"crc32", crc_text(w.crc())},

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -113,7 +114,7 @@ struct GridModel {
       }
     }
     opt = std::make_unique<DistributedOptimizer>(std::vector<ParamGroup>{group},
-                                                 AdamW(0.01).weight_decay(0.01), g.dp, zo);
+                                                 AdamW(0.005).weight_decay(0.01), g.dp, zo);
     chunk.forward = [this](const at::Tensor& input, int mb) { return forward(input, mb); };
     for (const auto& p : group.params) chunk.parameters.push_back(p.tensor);
   }
@@ -196,7 +197,7 @@ DIST_TEST(GridCheckpoint, ResumesInAnyLayoutReadingItsShare) {
     // Whole 4 KiB checksum blocks are read around every range (Note [Block checksums]): on this
     // small model that is up to 2.03x the share where the tensor split changes (rows of a
     // row-parallel weight cut in half), 1.0-1.2x at the same layout. Never the whole model.
-    EXPECT_LE(ratio, c.layout.tp == 2 && c.layout.pp == 2 ? 1.25 : 2.25)
+    EXPECT_LE(ratio, 1.1)
         << stats.data_bytes << " bytes read for a share of " << stats.share_bytes;
     if (test::world()->rank() == 0) {
       std::printf("[grid checkpoint] %s stage %d: loss gap %.2e; rank 0 read %lld data bytes for "
@@ -259,6 +260,26 @@ DIST_TEST(GridCheckpoint, OneCommitForTheGrid) {
   EXPECT_EQ(c.step, 4);
   EXPECT_EQ(c.kept, (std::vector<std::string>{"save-000002", "save-000003"}));
   EXPECT_TRUE(test::all_ranks(!fs::exists(fs::path(dir) / "save-000001")));
+  test::world()->barrier();
+  // A flipped bit in a piece another layout reads: its element checksum names the parameter.
+  const fs::path shard = fs::path(dir) / "save-000003" / "pp0-of-2" / "tp1-of-2" /
+                         "shard-00000-of-00001.bin";
+  auto flip = [&] {
+    if (world_rank != 0) return;
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(66632);  // inside the embedding (split: every layout reads it)
+    const char c = static_cast<char>(f.get() ^ 0x10);
+    f.seekp(66632);
+    f.put(c);
+  };
+  flip();
+  test::world()->barrier();
+  {
+    GridModel other(ParallelLayout{1, 1, 4}, 2);
+    test::expect_error([&] { load_grid_checkpoint(*other.opt, other.g, dir); },
+                       ErrorKind::Checkpoint, {"element checksum", "a shard file is corrupt"});
+  }
+  flip();
   test::world()->barrier();
   // A folder of another save: refused on every rank, naming it.
   if (world_rank == 0) {

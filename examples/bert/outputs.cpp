@@ -18,7 +18,6 @@
 #include "pretrained.hpp"
 #include "progress.hpp"
 #include "report.hpp"
-#include "layout_resume.hpp"
 
 namespace bert {
 
@@ -39,8 +38,17 @@ void save(Run& r, int64_t done) {
   save_options.after_shard_written = [&](int rank) {
     if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
   };
-  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(),
-                            make_trainer_state(s, r.schedule, layout_json(r)), save_options);
+  // Every (pipeline, tensor) folder written, then the whole grid committed by world rank 0 with
+  // one record (Note [One commit for a grid] in shardopt/grid_checkpoint.hpp).
+  shardopt::GridSaveOptions grid;
+  grid.keep = r.a.keep_checkpoints;
+  grid.after_folder_written = [&](int world_rank) {
+    if (r.fault.is("kill-before-commit", world_rank, done)) std::raise(SIGKILL);
+  };
+  const nlohmann::json layout = {{"tp", r.tp()}, {"pp", r.pp()},
+                                 {"virtual_stages", r.pp() > 1 ? r.a.virtual_stages : 1}};
+  shardopt::save_grid_checkpoint(*r.opt, r.groups, r.checkpoint_dir.string(),
+                                 make_trainer_state(s, r.schedule, layout), save_options, grid);
   r.last_saved = done;
   if (r.lead) {
     fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,
@@ -83,13 +91,16 @@ void finish(Run& r) {
     shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
       if (!r.lead) return;
       const fs::path model_path = fs::path(r.a.out) / "model.pt";
-      shardopt::consolidate_checkpoint(r.checkpoint_dir.string(), model_path.string());
+      shardopt::consolidate_checkpoint(shardopt::committed_folder(r.checkpoint_dir.string()),
+                                       model_path.string());
       fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
     });
   }
   if (r.a.save_model || !r.a.export_hf.empty()) {
     // A checkpoint at --tp > 1 holds one tensor rank's slices: the export comes from the model.
-    export_model(r, r.last_saved == step && r.tp() == 1 ? r.checkpoint_dir.string() : "");
+    export_model(r, r.last_saved == step && r.tp() == 1
+                        ? shardopt::committed_folder(r.checkpoint_dir.string())
+                        : "");
   }
 }
 

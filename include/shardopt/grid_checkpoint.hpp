@@ -63,18 +63,26 @@ struct GridLoadOptions {
 
 /// What `<base>/commit.json` says (read_grid_commit).
 struct GridCommit {
-  int64_t save = 0;          ///< the save's number (save-NNNNNN)
-  int64_t step = 0;          ///< the optimizer's step count at the save
-  std::string path;          ///< the committed save's folder, under base
-  ParallelLayout layout;     ///< tp, pp, and the dp of the run that saved
-  std::vector<std::string> folders;  ///< every (pipeline, tensor) folder, under path
+  int64_t save = 0;                         ///< the save's number (save-NNNNNN)
+  int64_t step = 0;                         ///< the optimizer's step count at the save
+  std::string path;                         ///< the committed save's folder, under base
+  ParallelLayout layout;                    ///< tp, pp, and the dp of the run that saved
+  std::vector<std::string> folders;         ///< every (pipeline, tensor) folder, under path
   std::vector<std::string> manifest_crc32;  ///< each folder's manifest CRC-32 (hexadecimal)
-  std::vector<std::string> kept;     ///< committed saves kept, oldest first (path last)
+  std::vector<std::string> kept;            ///< committed saves kept, oldest first (path last)
 };
 
 /// The folder of grid position (tp_rank, pp_rank) in a save of `tp` x `pp`:
 /// "pp<pp_rank>-of-<pp>/tp<tp_rank>-of-<tp>".
 std::string grid_folder_name(int tp_rank, int tp, int pp_rank, int pp);
+
+/// The folder of grid position (tp_rank, pp_rank) in the committed save under `base` (`base`
+/// itself when it is a plain checkpoint folder), e.g. for consolidate_checkpoint or
+/// read_full_state of one position. The checkpoint functions that take one folder
+/// (load_checkpoint, read_checkpoint_info, read_full_state, consolidate_checkpoint) accept the base
+/// of a grid of one (tp = pp = 1) as that folder. One process, not collective; Error{Checkpoint}
+/// when there is no commit, or no such position in it.
+std::string committed_folder(const std::string& base, int tp_rank = 0, int pp_rank = 0);
 
 /// Reads and checks `<base>/commit.json` (one process, not collective). Throws Error{Checkpoint}
 /// when it is missing (naming an uncommitted save left by a crash, if any) or corrupt.
@@ -95,11 +103,11 @@ void save_grid_checkpoint(DistributedOptimizer& optimizer, const ParallelGroups&
 /// loads from either) and assembled from the pieces that overlap this rank's slice, read as byte
 /// ranges (Note [Placement in the manifest]). `base` may also be a plain checkpoint folder
 /// (save_checkpoint's, as a grid of one). Returns the trainer state: `json` of the first folder;
-/// `tensors` this rank saved, only when the grid and data-parallel size are the same as the
-/// save's. Collective over groups.world. Every rank throws alike (Note [Agreement before state
-/// changes]): Error{Checkpoint} for a missing commit or folder, a folder not of the committed step,
-/// a checksum mismatch; Error{Mismatch} for a parameter the checkpoint lacks or whose unsplit
-/// shape or split dim differs.
+/// `tensors` that this data-parallel rank of this position saved, only when the grid (tp, pp) is
+/// the save's (empty for ranks the saving run did not have). Collective over groups.world. Every
+/// rank throws alike (Note [Agreement before state changes]): Error{Checkpoint} for a missing
+/// commit or folder, a folder not of the committed step, a checksum mismatch; Error{Mismatch} for a
+/// parameter the checkpoint lacks or whose unsplit shape or split dim differs.
 TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const ParallelGroups& groups,
                                   const std::string& base, const GridLoadOptions& options = {});
 

@@ -37,8 +37,8 @@ struct ElementSum {
   int64_t count = 0;
 };
 
-inline ElementSum element_sum(const Placement& p, int64_t begin, int64_t numel, const void* data,
-                              int elem_bytes) {
+inline ElementSum element_sum(const TensorPlacement& p, int64_t begin, int64_t numel,
+                              const void* data, int elem_bytes) {
   ElementSum out;
   const auto* bytes = static_cast<const unsigned char*>(data);
   int64_t inner = 1, rows = 1;

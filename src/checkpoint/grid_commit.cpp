@@ -83,8 +83,7 @@ GridCommit parse_grid_commit(const std::string& text, const std::string& base) {
     }
     c.kept = j.at("kept").get<std::vector<std::string>>();
   } catch (const json::exception& e) {
-    SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed grid commit {}: {}", path.string(),
-                  e.what());
+    SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed grid commit {}: {}", path.string(), e.what());
   }
   return c;
 }
@@ -110,17 +109,31 @@ GridCommit read_grid_commit(const std::string& base) {
                                               saves.back()));
   }
   const at::Tensor bytes = read_bytes(path, "grid commit");
-  return parse_grid_commit(std::string(static_cast<const char*>(bytes.data_ptr()),
-                                       static_cast<size_t>(bytes.numel())),
-                           base);
+  return parse_grid_commit(
+      std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())),
+      base);
+}
+
+std::string committed_folder(const std::string& base, int tp_rank, int pp_rank) {
+  std::error_code ec;
+  if (fs::exists(fs::path(base) / kManifest, ec)) return base;
+  const GridCommit c = read_grid_commit(base);
+  SHARDOPT_CHECK(tp_rank >= 0 && tp_rank < c.layout.tp && pp_rank >= 0 && pp_rank < c.layout.pp,
+                 Checkpoint,
+                 "checkpoint: {} is a grid of tp={} x pp={}; it has no position (tensor rank {}, "
+                 "pipeline rank {})",
+                 base, c.layout.tp, c.layout.pp, tp_rank, pp_rank);
+  const size_t index = static_cast<size_t>(pp_rank * c.layout.tp + tp_rank);
+  return (fs::path(base) / c.path / c.folders[index]).string();
 }
 
 void save_grid_checkpoint(DistributedOptimizer& optimizer, const ParallelGroups& groups,
                           const std::string& base, const TrainerState& trainer,
                           const SaveOptions& options, const GridSaveOptions& grid) {
   ShardAccess& a = shard_access(optimizer);
-  SHARDOPT_CHECK(groups.world != nullptr, InvalidArgument,
-                 "checkpoint: save_grid_checkpoint needs ParallelGroups::world (make_parallel_groups)");
+  SHARDOPT_CHECK(
+      groups.world != nullptr, InvalidArgument,
+      "checkpoint: save_grid_checkpoint needs ParallelGroups::world (make_parallel_groups)");
   Communicator& world = *groups.world;
   const Duration timeout = a.zero_options().timeout;
   const int tp = groups.layout.tp, pp = groups.layout.pp;
@@ -131,10 +144,10 @@ void save_grid_checkpoint(DistributedOptimizer& optimizer, const ParallelGroups&
   const auto numbers = agree(world, timeout, what, nothing, [&] {
     SHARDOPT_CHECK(grid.keep >= 1, InvalidArgument,
                    "checkpoint: GridSaveOptions::keep must be at least 1, got {}", grid.keep);
-    SHARDOPT_CHECK(a.comm()->size() * tp * pp == world.size(), InvalidArgument,
+    SHARDOPT_CHECK(a.world_comm()->size() * tp * pp == world.size(), InvalidArgument,
                    "checkpoint: the optimizer's {} data-parallel ranks x tp={} x pp={} are not "
                    "the world's {} ranks",
-                   a.comm()->size(), tp, pp, world.size());
+                   a.world_comm()->size(), tp, pp, world.size());
     if (world.rank() != 0) return json();
     std::error_code ec;
     fs::create_directories(base, ec);

@@ -81,10 +81,10 @@ SavedGrid read_saved_grid(const std::string& base) {
 
 // The saved copies' placement of `name` in stage folder row `p` (all of its tensor folders must
 // hold it alike).
-Placement saved_placement(const SavedGrid& g, int p, const std::string& name) {
+TensorPlacement saved_placement(const SavedGrid& g, int p, const std::string& name) {
   const Manifest& first = g.at(p, 0);
   const ManifestParam& mp = first.params[first.by_name.at(name)];
-  Placement s;
+  TensorPlacement s;
   s.shape = mp.shape;
   if (!mp.split.empty()) {
     s.dim = mp.split[0], s.full = mp.split[1], s.padded = mp.split[2];
@@ -128,7 +128,7 @@ SavedSums saved_sums(const SavedGrid& g) {
   for (int p = 0; p < g.pp; ++p) {
     for (const ManifestParam& mp : g.at(p, 0).params) {
       if (out.index.count(mp.name) > 0) continue;
-      const Placement from = saved_placement(g, p, mp.name);
+      const TensorPlacement from = saved_placement(g, p, mp.name);
       std::vector<uint64_t> total;
       for (int t = 0; t < (from.split() ? g.tp : 1); ++t) {
         const Manifest& m = g.at(p, t);
@@ -175,146 +175,146 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
   at::Tensor staged_sums;
   std::vector<std::string> state_names;
 
-  agree(world, a.zero_options().timeout, fmt::format("loading grid checkpoint {}", base),
-        "no rank changed its optimizer", [&] {
-          check_checkpointable(a);
-          g = read_saved_grid(base);
-          stats.metadata_bytes = g.metadata_bytes;
-          const std::vector<std::string> names = optimizer_state_names(a);
-          state_names = names;
-          for (const Manifest& m : g.folders) check_same_optimizer(a, m, names);
-          const Manifest& head = g.folders[0];
-          for (const auto& j : head.group_rules) {
-            try {
-              rules.push_back(rule_from_json(j));
-            } catch (const json::exception& e) {
-              SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed param group in {}: {}",
-                            head.path.string(), e.what());
-            }
+  agree(
+      world, a.zero_options().timeout, fmt::format("loading grid checkpoint {}", base),
+      "no rank changed its optimizer", [&] {
+        check_checkpointable(a);
+        g = read_saved_grid(base);
+        stats.metadata_bytes = g.metadata_bytes;
+        const std::vector<std::string> names = optimizer_state_names(a);
+        state_names = names;
+        for (const Manifest& m : g.folders) check_same_optimizer(a, m, names);
+        const Manifest& head = g.folders[0];
+        for (const auto& j : head.group_rules) {
+          try {
+            rules.push_back(rule_from_json(j));
+          } catch (const json::exception& e) {
+            SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed param group in {}: {}",
+                          head.path.string(), e.what());
           }
-          staging = stage_current(a, static_cast<int>(names.size()));
-          const auto& layout = a.layout();
-          const int64_t elem = static_cast<int64_t>(c10::elementSize(a.master_dtype()));
-          sums = saved_sums(g);
-          // (folder, file rank) -> copies, in shard coordinates.
-          std::map<std::pair<int, int>, std::vector<FileCopy>> copies;
-          for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
-            const std::string& name = a.param_name(i);
-            int stage = -1;  // the first stage folder holding it (a tied embedding: either)
-            for (int p = 0; p < g.pp && stage < 0; ++p) {
-              if (g.at(p, 0).by_name.count(name) > 0) stage = p;
-            }
-            SHARDOPT_CHECK(stage >= 0, Mismatch,
-                           "checkpoint: parameter '{}' is in none of the {} folders of {}: it is "
-                           "of another model",
-                           name, g.folders.size(), base);
-            const Placement to = placement_of_param(a, i);
-            const Placement from = saved_placement(g, stage, name);
-            SHARDOPT_CHECK(to.global_shape() == from.global_shape() &&
-                               (!to.split() || !from.split() || to.dim == from.dim),
-                           Mismatch,
-                           "checkpoint: parameter '{}' is {} unsplit{} in {}, {} unsplit{} in "
-                           "this model",
-                           name, shape_text(from.global_shape()),
-                           from.split() ? fmt::format(" (split along dim {})", from.dim) : "",
-                           base, shape_text(to.global_shape()),
-                           to.split() ? fmt::format(" (split along dim {})", to.dim) : "");
-            // A replicated parameter is in every tensor folder: spread the reads over them.
-            const int whole = to.rank % g.tp;
-            for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
-              const BucketLayout& bl = layout.buckets[lp->bucket];
-              const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
-              if (mine.empty()) continue;
-              const int64_t to_param = lp->param_offset - lp->offset;
-              const int64_t dst_of_param0 = bl.shard_offset - to_param - int64_t{rank} * bl.shard;
-              stats.share_bytes += mine.size() * elem * (1 + static_cast<int64_t>(names.size()));
-              for (const PlacedRun& run :
-                   place(to, from, mine.begin + to_param, mine.end + to_param, whole)) {
-                const int folder = stage * g.tp + run.src_rank;
-                const Manifest& m = g.folders[static_cast<size_t>(folder)];
-                for (const SavedPiece& p : m.params[m.by_name.at(name)].pieces) {
-                  const int64_t lo = std::max(run.src, p.param_begin);
-                  const int64_t hi = std::min(run.src + run.numel, p.param_begin + p.numel);
-                  if (lo >= hi) continue;
-                  copies[{folder, p.rank}].push_back(
-                      {p.shard_begin + (lo - p.param_begin),
-                       dst_of_param0 + run.dst + (lo - run.src), hi - lo});
-                }
+        }
+        staging = stage_current(a, static_cast<int>(names.size()));
+        const auto& layout = a.layout();
+        const int64_t elem = static_cast<int64_t>(c10::elementSize(a.master_dtype()));
+        sums = saved_sums(g);
+        // (folder, file rank) -> copies, in shard coordinates.
+        std::map<std::pair<int, int>, std::vector<FileCopy>> copies;
+        for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
+          const std::string& name = a.param_name(i);
+          int stage = -1;  // the first stage folder holding it (a tied embedding: either)
+          for (int p = 0; p < g.pp && stage < 0; ++p) {
+            if (g.at(p, 0).by_name.count(name) > 0) stage = p;
+          }
+          SHARDOPT_CHECK(stage >= 0, Mismatch,
+                         "checkpoint: parameter '{}' is in none of the {} folders of {}: it is "
+                         "of another model",
+                         name, g.folders.size(), base);
+          const TensorPlacement to = placement_of_param(a, i);
+          const TensorPlacement from = saved_placement(g, stage, name);
+          SHARDOPT_CHECK(to.global_shape() == from.global_shape() &&
+                             (!to.split() || !from.split() || to.dim == from.dim),
+                         Mismatch,
+                         "checkpoint: parameter '{}' is {} unsplit{} in {}, {} unsplit{} in "
+                         "this model",
+                         name, shape_text(from.global_shape()),
+                         from.split() ? fmt::format(" (split along dim {})", from.dim) : "", base,
+                         shape_text(to.global_shape()),
+                         to.split() ? fmt::format(" (split along dim {})", to.dim) : "");
+          // A replicated parameter is in every tensor folder: spread the reads over them.
+          const int whole = to.rank % g.tp;
+          for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
+            const BucketLayout& bl = layout.buckets[lp->bucket];
+            const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
+            if (mine.empty()) continue;
+            const int64_t to_param = lp->param_offset - lp->offset;
+            const int64_t dst_of_param0 = bl.shard_offset - to_param - int64_t{rank} * bl.shard;
+            stats.share_bytes += mine.size() * elem * (1 + static_cast<int64_t>(names.size()));
+            for (const PlacedRun& run :
+                 place(to, from, mine.begin + to_param, mine.end + to_param, whole)) {
+              const int folder = stage * g.tp + run.src_rank;
+              const Manifest& m = g.folders[static_cast<size_t>(folder)];
+              for (const SavedPiece& p : m.params[m.by_name.at(name)].pieces) {
+                const int64_t lo = std::max(run.src, p.param_begin);
+                const int64_t hi = std::min(run.src + run.numel, p.param_begin + p.numel);
+                if (lo >= hi) continue;
+                copies[{folder, p.rank}].push_back({p.shard_begin + (lo - p.param_begin),
+                                                    dst_of_param0 + run.dst + (lo - run.src),
+                                                    hi - lo});
               }
             }
           }
-          // Read: every section (parameters, each state buffer) of every file, ranged.
-          for (const auto& [key, list] : copies) {
-            const Manifest& m = g.folders[static_cast<size_t>(key.first)];
-            const ShardFile& f = m.files[static_cast<size_t>(key.second)];
+        }
+        // Read: every section (parameters, each state buffer) of every file, ranged.
+        for (const auto& [key, list] : copies) {
+          const Manifest& m = g.folders[static_cast<size_t>(key.first)];
+          const ShardFile& f = m.files[static_cast<size_t>(key.second)];
+          std::vector<RangeRead> reads;
+          for (int k = -1; k < static_cast<int>(names.size()); ++k) {
+            const std::string section = k < 0 ? "param" : "state/" + names[k];
+            const auto it = f.sections.find(section);
+            SHARDOPT_CHECK(it != f.sections.end(), Checkpoint,
+                           "checkpoint: shard file {} of {} has no section '{}'", f.path,
+                           m.dir.string(), section);
+            SHARDOPT_CHECK(it->second.dtype == a.master_dtype(), Checkpoint,
+                           "checkpoint: {}/{}: section '{}' holds {}, this optimizer keeps {}",
+                           m.dir.string(), f.path, section, dtype_name(it->second.dtype),
+                           dtype_name(a.master_dtype()));
+            at::Tensor& target = k < 0 ? staging.param : staging.state[static_cast<size_t>(k)];
+            auto* dst = static_cast<char*>(target.data_ptr());
+            for (const FileCopy& c : list) {
+              reads.push_back(
+                  {it->second.offset + c.src * elem, c.numel * elem, dst + c.dst * elem});
+            }
+          }
+          stats.data_bytes += read_ranges(m, f, std::move(reads), !sums.complete);
+          ++stats.files_opened;
+        }
+        // What this rank staged adds to every parameter's element sums.
+        const size_t sections = names.size() + 1, n = sums.names.size();
+        staged_sums = at::zeros({static_cast<int64_t>(n * (sections + 1))}, at::kLong);
+        auto* acc = staged_sums.data_ptr<int64_t>();
+        for (int i = 0; sums.complete && i < static_cast<int>(layout.slots.size()); ++i) {
+          const size_t gi = static_cast<size_t>(sums.index.at(a.param_name(i)));
+          const TensorPlacement to = placement_of_param(a, i);
+          for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
+            const BucketLayout& bl = layout.buckets[lp->bucket];
+            const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
+            if (mine.empty()) continue;
+            const int64_t dst = bl.shard_offset + mine.begin - int64_t{rank} * bl.shard;
+            for (size_t k = 0; k < sections; ++k) {
+              const at::Tensor& t = k == 0 ? staging.param : staging.state[k - 1];
+              const ElementSum e = element_sum(
+                  to, mine.begin - lp->offset + lp->param_offset, mine.size(),
+                  static_cast<const char*>(t.data_ptr()) + dst * elem, static_cast<int>(elem));
+              acc[gi * sections + k] =
+                  static_cast<int64_t>(static_cast<uint64_t>(acc[gi * sections + k]) + e.sum);
+              if (k == 0) acc[n * sections + gi] += e.count;
+            }
+          }
+        }
+        // This rank's trainer tensors, where the save had the same grid (and this data-parallel
+        // rank).
+        if (g.tp == groups.layout.tp && g.pp == groups.layout.pp) {
+          const Manifest& own = g.at(groups.pp_rank, groups.tp_rank);
+          if (rank < own.world) {
+            const ShardFile& f = own.files[static_cast<size_t>(rank)];
             std::vector<RangeRead> reads;
-            for (int k = -1; k < static_cast<int>(names.size()); ++k) {
-              const std::string section = k < 0 ? "param" : "state/" + names[k];
-              const auto it = f.sections.find(section);
-              SHARDOPT_CHECK(it != f.sections.end(), Checkpoint,
-                             "checkpoint: shard file {} of {} has no section '{}'", f.path,
-                             m.dir.string(), section);
-              SHARDOPT_CHECK(it->second.dtype == a.master_dtype(), Checkpoint,
-                             "checkpoint: {}/{}: section '{}' holds {}, this optimizer keeps {}",
-                             m.dir.string(), f.path, section, dtype_name(it->second.dtype),
-                             dtype_name(a.master_dtype()));
-              at::Tensor& target = k < 0 ? staging.param : staging.state[static_cast<size_t>(k)];
-              auto* dst = static_cast<char*>(target.data_ptr());
-              for (const FileCopy& c : list) {
-                reads.push_back({it->second.offset + c.src * elem, c.numel * elem,
-                                 dst + c.dst * elem});
-              }
+            for (const auto& [section, s] : f.sections) {
+              if (section.rfind("trainer/", 0) != 0) continue;
+              at::Tensor t = at::empty(s.shape, at::TensorOptions().dtype(s.dtype));
+              reads.push_back(
+                  {s.offset, static_cast<int64_t>(t.nbytes()), static_cast<char*>(t.data_ptr())});
+              trainer.tensors[section.substr(8)] = t;
             }
-            stats.data_bytes += read_ranges(m, f, std::move(reads), !sums.complete);
-            ++stats.files_opened;
+            stats.data_bytes += read_ranges(own, f, std::move(reads));
           }
-          // What this rank staged adds to every parameter's element sums.
-          const size_t sections = names.size() + 1, n = sums.names.size();
-          staged_sums = at::zeros({static_cast<int64_t>(n * (sections + 1))}, at::kLong);
-          auto* acc = staged_sums.data_ptr<int64_t>();
-          for (int i = 0; sums.complete && i < static_cast<int>(layout.slots.size()); ++i) {
-            const size_t gi = static_cast<size_t>(sums.index.at(a.param_name(i)));
-            const Placement to = placement_of_param(a, i);
-            for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
-              const BucketLayout& bl = layout.buckets[lp->bucket];
-              const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
-              if (mine.empty()) continue;
-              const int64_t dst = bl.shard_offset + mine.begin - int64_t{rank} * bl.shard;
-              for (size_t k = 0; k < sections; ++k) {
-                const at::Tensor& t = k == 0 ? staging.param : staging.state[k - 1];
-                const ElementSum e =
-                    element_sum(to, mine.begin - lp->offset + lp->param_offset, mine.size(),
-                                static_cast<const char*>(t.data_ptr()) + dst * elem,
-                                static_cast<int>(elem));
-                acc[gi * sections + k] = static_cast<int64_t>(
-                    static_cast<uint64_t>(acc[gi * sections + k]) + e.sum);
-                if (k == 0) acc[n * sections + gi] += e.count;
-              }
-            }
-          }
-          // This rank's trainer tensors, where the save had the same grid and ranks.
-          if (g.tp == groups.layout.tp && g.pp == groups.layout.pp &&
-              g.dp == a.comm()->size()) {
-            const Manifest& own = g.at(groups.pp_rank, groups.tp_rank);
-            if (rank < own.world) {
-              const ShardFile& f = own.files[static_cast<size_t>(rank)];
-              std::vector<RangeRead> reads;
-              for (const auto& [section, s] : f.sections) {
-                if (section.rfind("trainer/", 0) != 0) continue;
-                at::Tensor t = at::empty(s.shape, at::TensorOptions().dtype(s.dtype));
-                reads.push_back({s.offset, static_cast<int64_t>(t.nbytes()),
-                                 static_cast<char*>(t.data_ptr())});
-                trainer.tensors[section.substr(8)] = t;
-              }
-              stats.data_bytes += read_ranges(own, f, std::move(reads));
-            }
-          }
-          if (!options.load.module_state.empty()) {
-            module_state = stage_module_state(head, options.load.module_state);
-          }
-          trainer.json = dump(head.j.at("trainer"));
-          return json();
-        });
+        }
+        if (!options.load.module_state.empty()) {
+          module_state = stage_module_state(head, options.load.module_state);
+        }
+        trainer.json = dump(head.j.at("trainer"));
+        return json();
+      });
 
   // Note [Element checksums]: the sums over every copy the new layout holds, checked on every rank.
   if (sums.complete) {

@@ -63,7 +63,7 @@ std::pair<int, int> split_place_of_param(const ShardAccess& a, int index);
 
 // This rank's copy of parameter `index`: its local shape and split record (Note [Placement in the
 // manifest]).
-Placement placement_of_param(const ShardAccess& a, int index);
+TensorPlacement placement_of_param(const ShardAccess& a, int index);
 
 // The split of parameter `index` as a manifest records it: {dim, full_size, padded_size}, or
 // empty where it is not split (or split trivially: one rank holding all of it, no padding).

@@ -24,7 +24,7 @@
 namespace shardopt::detail {
 
 // One copy of a parameter: its local shape and, when split, along which dim and where.
-struct Placement {
+struct TensorPlacement {
   std::vector<int64_t> shape;  // local
   int64_t dim = -1;            // split dim, -1: whole
   int64_t full = 0;            // along dim: unsplit size, without padding
@@ -51,8 +51,8 @@ struct PlacedRun {
 // same global shape and, when both are split, the same split dim (callers check). Elements of `to`
 // beyond `from`'s padded rows get no run. When neither is split every element comes from copy
 // `whole_rank` (a replicated parameter is saved by every tensor rank: any copy serves).
-inline std::vector<PlacedRun> place(const Placement& to, const Placement& from, int64_t begin,
-                                    int64_t end, int whole_rank = 0) {
+inline std::vector<PlacedRun> place(const TensorPlacement& to, const TensorPlacement& from,
+                                    int64_t begin, int64_t end, int whole_rank = 0) {
   std::vector<PlacedRun> out;
   if (begin >= end) return out;
   const int64_t dim = to.split() ? to.dim : from.dim;

@@ -32,8 +32,9 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
                     bool verify) {
   const std::filesystem::path path = m.dir / f.path;
   check_shard_size(m, f.rank);
-  reads.erase(std::remove_if(reads.begin(), reads.end(), [](const RangeRead& r) { return r.bytes <= 0; }),
-              reads.end());
+  reads.erase(
+      std::remove_if(reads.begin(), reads.end(), [](const RangeRead& r) { return r.bytes <= 0; }),
+      reads.end());
   if (reads.empty()) return 0;
   for (const RangeRead& r : reads) {
     SHARDOPT_CHECK(r.offset >= 0 && r.offset + r.bytes <= f.bytes, Checkpoint,
@@ -86,6 +87,10 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
                  path.string(), errno_text());
   const int64_t B = f.block_bytes;
   const int64_t blocks = static_cast<int64_t>(f.block_crcs.size());
+  SHARDOPT_CHECK(blocks == (f.bytes + B - 1) / B, Checkpoint,
+                 "checkpoint: {}: the {} block checksums of {} do not fit its {} bytes in {}-byte "
+                 "blocks",
+                 m.path.string(), blocks, f.path, f.bytes, B);
   int64_t read_bytes_total = 0;
   std::vector<char> buffer;
   // Reads stay sorted by offset: a read a run finishes only partly continues at the run's end,
@@ -111,9 +116,9 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
     read_bytes_total += end - begin;
     for (int64_t b = first; b <= last; ++b) {
       const int64_t lo = b * B - begin, n = std::min(B, f.bytes - b * B);
-      const uint32_t crc = static_cast<uint32_t>(
-          crc32_z(crc32_z(0L, Z_NULL, 0), reinterpret_cast<const unsigned char*>(buffer.data() + lo),
-                  static_cast<size_t>(n)));
+      const uint32_t crc = static_cast<uint32_t>(crc32_z(
+          crc32_z(0L, Z_NULL, 0), reinterpret_cast<const unsigned char*>(buffer.data() + lo),
+          static_cast<size_t>(n)));
       SHARDOPT_CHECK(crc == f.block_crcs[b], Checkpoint,
                      "checkpoint: checksum mismatch in shard file {}, bytes [{}, {}): CRC-32 is "
                      "{}, the manifest says {}; the file is corrupt",

@@ -107,7 +107,7 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
     return on_cpu.emplace(b, std::move(s)).first->second;
   };
   for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
-    const Placement place = placement_of_param(a, i);
+    const TensorPlacement place = placement_of_param(a, i);
     std::vector<uint64_t> sums(names.size() + 1, 0);
     for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
       const BucketLayout& bl = layout.buckets[lp->bucket];

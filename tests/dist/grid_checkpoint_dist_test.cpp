@@ -2,9 +2,9 @@
 // embedding tied to the decoder, column- and row-parallel layers) on pipeline stages, saved at
 // (t, p, d) = (2, 2, 1) ZeRO stage 1 and resumed at (1, 1, 4) stage 3, (1, 4, 1) stage 0 and
 // (4, 1, 1) stage 2, each continuing the uninterrupted run's losses within 1e-4, reading a bounded
-// multiple of its share of the state (plus the manifests); a crash between two folders' writes leaves the
-// previous commit the one that loads; keep-last-K; clear errors for a folder of another save, a
-// missing folder and a piece whose shape disagrees. World of 4 ranks (threads or mpirun).
+// multiple of its share of the state (plus the manifests); a crash between two folders' writes
+// leaves the previous commit the one that loads; keep-last-K; clear errors for a folder of another
+// save, a missing folder and a piece whose shape disagrees. World of 4 ranks (threads or mpirun).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -29,8 +29,8 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr int64_t kVocab = 64, kHidden = 64, kFfn = 128;
-constexpr int kLayers = 4;                  // one per stage at p = 4
-constexpr int64_t kRows = 2, kMicro = 4;    // a global batch: 4 micro-batches of 2 rows
+constexpr int kLayers = 4;                // one per stage at p = 4
+constexpr int64_t kRows = 2, kMicro = 4;  // a global batch: 4 micro-batches of 2 rows
 
 struct Whole {  // the unsplit model's initial values, alike on every rank
   at::Tensor embedding;
@@ -121,7 +121,8 @@ struct GridModel {
 
   at::Tensor forward(const at::Tensor& input, int mb) {
     at::Tensor h = g.first_stage() ? embedding->forward(input) : input;
-    for (size_t k = 0; k < layers.size(); ++k) h = h + down[k]->forward(at::tanh(up[k]->forward(h)));
+    for (size_t k = 0; k < layers.size(); ++k)
+      h = h + down[k]->forward(at::tanh(up[k]->forward(h)));
     if (!g.last_stage()) return h;
     const at::Tensor logits = at::matmul(tp::copy_to_region(h, g.tp), embedding->weight.t());
     const at::Tensor y = targets.narrow(0, (int64_t{g.dp_rank} * m + mb) * kRows, kRows);
@@ -134,7 +135,9 @@ struct GridModel {
     for (int64_t step = first; step < last; ++step) {
       auto [ids, y] = batch(step);
       targets = y;
-      auto rows = [&](int mb) { return ids.narrow(0, (int64_t{g.dp_rank} * m + mb) * kRows, kRows); };
+      auto rows = [&](int mb) {
+        return ids.narrow(0, (int64_t{g.dp_rank} * m + mb) * kRows, kRows);
+      };
       opt->zero_grad();
       double loss = 0;
       if (g.layout.pp == 1) {
@@ -147,15 +150,15 @@ struct GridModel {
         PipelineRunOptions run;
         run.activation_shape = {kRows, kHidden};
         run.activation_dtype = at::kFloat;
-        const auto out = run_pipeline(compile_schedule(PipelineScheduleKind::OneFOneB,
-                                                       g.layout.pp, m, 1),
-                                      *g.pp, {chunk}, rows, run);
+        const auto out =
+            run_pipeline(compile_schedule(PipelineScheduleKind::OneFOneB, g.layout.pp, m, 1), *g.pp,
+                         {chunk}, rows, run);
         for (const auto& l : out) loss += l.item<double>();
       }
       opt->step();
       // The global batch's loss: the last stage's tensor rank 0 of each data-parallel rank.
-      at::Tensor sum = at::tensor(
-          {g.last_stage() && g.tp->rank() == 0 ? loss / g.layout.dp : 0.0}, at::kDouble);
+      at::Tensor sum =
+          at::tensor({g.last_stage() && g.tp->rank() == 0 ? loss / g.layout.dp : 0.0}, at::kDouble);
       g.world->all_reduce(sum);
       losses.push_back(sum.item<double>());
     }
@@ -180,7 +183,9 @@ DIST_TEST(GridCheckpoint, ResumesInAnyLayoutReadingItsShare) {
     ParallelLayout layout;
     int stage;
   };
-  for (const Case& c : {Case{{1, 1, 4}, 3}, Case{{1, 4, 1}, 0}, Case{{4, 1, 1}, 2}, Case{{4, 1, 1}, 1}, Case{{2, 2, 1}, 1}, Case{{2, 1, 2}, 1}, Case{{2, 1, 2}, 0}}) {
+  for (const Case& c :
+       {Case{{1, 1, 4}, 3}, Case{{1, 4, 1}, 0}, Case{{4, 1, 1}, 2}, Case{{4, 1, 1}, 1},
+        Case{{2, 2, 1}, 1}, Case{{2, 1, 2}, 1}, Case{{2, 1, 2}, 0}}) {
     SCOPED_TRACE(fmt::format("resumed at {} stage {}", c.layout.to_string(), c.stage));
     GridModel run(c.layout, c.stage);
     GridLoadStats stats;
@@ -191,21 +196,22 @@ DIST_TEST(GridCheckpoint, ResumesInAnyLayoutReadingItsShare) {
     EXPECT_EQ(read_grid_commit(dir).step, kSaveAt);
     const auto losses = run.train(kSaveAt, kSteps);
     double gap = 0;
-    for (int k = 0; k < kSteps - kSaveAt; ++k) gap = std::max(gap, std::abs(losses[k] - full[kSaveAt + k]));
+    for (int k = 0; k < kSteps - kSaveAt; ++k)
+      gap = std::max(gap, std::abs(losses[k] - full[kSaveAt + k]));
     EXPECT_LE(gap, 1e-4);
-    const double ratio = static_cast<double>(stats.data_bytes) / std::max<int64_t>(stats.share_bytes, 1);
+    const double ratio =
+        static_cast<double>(stats.data_bytes) / std::max<int64_t>(stats.share_bytes, 1);
     // Whole 4 KiB checksum blocks are read around every range (Note [Block checksums]): on this
     // small model that is up to 2.03x the share where the tensor split changes (rows of a
     // row-parallel weight cut in half), 1.0-1.2x at the same layout. Never the whole model.
-    EXPECT_LE(ratio, 1.1)
-        << stats.data_bytes << " bytes read for a share of " << stats.share_bytes;
+    EXPECT_LE(ratio, 1.1) << stats.data_bytes << " bytes read for a share of " << stats.share_bytes;
     if (test::world()->rank() == 0) {
-      std::printf("[grid checkpoint] %s stage %d: loss gap %.2e; rank 0 read %lld data bytes for "
-                  "a share of %lld (%.3fx) + %lld bytes of metadata\n",
-                  c.layout.to_string().c_str(), c.stage, gap,
-                  static_cast<long long>(stats.data_bytes),
-                  static_cast<long long>(stats.share_bytes), ratio,
-                  static_cast<long long>(stats.metadata_bytes));
+      std::printf(
+          "[grid checkpoint] %s stage %d: loss gap %.2e; rank 0 read %lld data bytes for "
+          "a share of %lld (%.3fx) + %lld bytes of metadata\n",
+          c.layout.to_string().c_str(), c.stage, gap, static_cast<long long>(stats.data_bytes),
+          static_cast<long long>(stats.share_bytes), ratio,
+          static_cast<long long>(stats.metadata_bytes));
     }
   }
 }
@@ -241,7 +247,9 @@ DIST_TEST(GridCheckpoint, OneCommitForTheGrid) {
   EXPECT_TRUE(test::all_ranks(fs::exists(fs::path(dir) / "save-000002" / "pp0-of-2")));
   // ... also when the commit itself is cut off (world rank 0 fails just before writing it).
   GridSaveOptions no_commit;
-  no_commit.before_commit = [] { throw Error(ErrorKind::Checkpoint, 0, "simulated crash before the commit"); };
+  no_commit.before_commit = [] {
+    throw Error(ErrorKind::Checkpoint, 0, "simulated crash before the commit");
+  };
   test::expect_error([&] { save_grid_checkpoint(*run.opt, run.g, dir, {}, {}, no_commit); },
                      ErrorKind::Checkpoint, {"simulated crash before the commit"});
   {
@@ -262,8 +270,8 @@ DIST_TEST(GridCheckpoint, OneCommitForTheGrid) {
   EXPECT_TRUE(test::all_ranks(!fs::exists(fs::path(dir) / "save-000001")));
   test::world()->barrier();
   // A flipped bit in a piece another layout reads: its element checksum names the parameter.
-  const fs::path shard = fs::path(dir) / "save-000003" / "pp0-of-2" / "tp1-of-2" /
-                         "shard-00000-of-00001.bin";
+  const fs::path shard =
+      fs::path(dir) / "save-000003" / "pp0-of-2" / "tp1-of-2" / "shard-00000-of-00001.bin";
   auto flip = [&] {
     if (world_rank != 0) return;
     std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);

@@ -13,6 +13,7 @@
 #include "checkpoint/format.hpp"
 #include "checkpoint/grid_files.hpp"
 #include "checkpoint/manifest.hpp"
+#include "checkpoint/saving.hpp"
 #include "comm/agreement.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
@@ -130,11 +131,15 @@ std::string committed_folder(const std::string& base, int tp_rank, int pp_rank) 
 void save_grid_checkpoint(DistributedOptimizer& optimizer, const ParallelGroups& groups,
                           const std::string& base, const TrainerState& trainer,
                           const SaveOptions& options, const GridSaveOptions& grid) {
-  ShardAccess& a = shard_access(optimizer);
   SHARDOPT_CHECK(
       groups.world != nullptr, InvalidArgument,
       "checkpoint: save_grid_checkpoint needs ParallelGroups::world (make_parallel_groups)");
-  Communicator& world = *groups.world;
+  save_grid(shard_access(optimizer), *groups.world, groups, base, trainer, options, grid);
+}
+
+void detail::save_grid(ShardAccess& a, Communicator& world, const ParallelGroups& groups,
+                       const std::string& base, const TrainerState& trainer,
+                       const SaveOptions& options, const GridSaveOptions& grid) {
   const Duration timeout = a.zero_options().timeout;
   const int tp = groups.layout.tp, pp = groups.layout.pp;
   const std::string what = fmt::format("saving grid checkpoint {}", base);
@@ -177,7 +182,7 @@ void save_grid_checkpoint(DistributedOptimizer& optimizer, const ParallelGroups&
     fs::create_directories(folder.parent_path(), ec);
     SHARDOPT_CHECK(!ec, Checkpoint, "checkpoint: cannot create {}: {}",
                    folder.parent_path().string(), ec.message());
-    save_checkpoint(optimizer, folder.string(), trainer, options);
+    save_folder(a, folder.string(), trainer, options);
     if (grid.after_folder_written) grid.after_folder_written(world.rank());
     return json();
   });

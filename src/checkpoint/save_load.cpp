@@ -17,6 +17,7 @@
 #include "checkpoint/element_sums.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
+#include "checkpoint/saving.hpp"
 #include "checkpoint/staging.hpp"
 #include "comm/agreement.hpp"
 #include "shardopt/detail/shard_access.hpp"
@@ -182,9 +183,8 @@ std::map<std::string, at::Tensor> stage_module_state(
 // ---- save -----------------------------------------------------------------------------------
 
 // The save by the ranks the layout is sharded over (all, or one shard group).
-static void save_by_group(DistributedOptimizer& optimizer, const std::string& dir,
-                          const TrainerState& trainer, const SaveOptions& options) {
-  ShardAccess& a = detail::shard_access(optimizer);
+static void save_by_group(ShardAccess& a, const std::string& dir, const TrainerState& trainer,
+                          const SaveOptions& options) {
   Communicator& comm = *a.comm();
   const Duration timeout = a.zero_options().timeout;
   const int rank = comm.rank();
@@ -269,7 +269,11 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
 // ranks touch no file and learn world rank 0's outcome, so every rank returns or throws alike.
 void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
                      const TrainerState& given, const SaveOptions& options) {
-  ShardAccess& a = detail::shard_access(optimizer);
+  save_folder(detail::shard_access(optimizer), dir, given, options);
+}
+
+void detail::save_folder(ShardAccess& a, const std::string& dir, const TrainerState& given,
+                         const SaveOptions& options) {
   // The module state travels as world rank 0's trainer tensors "module/<name>".
   TrainerState trainer = given;
   if (a.world_comm()->rank() == 0) {
@@ -277,13 +281,13 @@ void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
       trainer.tensors[std::string(kModulePrefix) + name] = t.detach();
     }
   }
-  if (a.replicas() == 1) return save_by_group(optimizer, dir, trainer, options);
+  if (a.replicas() == 1) return save_by_group(a, dir, trainer, options);
   std::string failure;
   ErrorKind kind = ErrorKind::Checkpoint;
   std::exception_ptr mine;
   if (a.replica() == 0) {
     try {
-      save_by_group(optimizer, dir, trainer, options);
+      save_by_group(a, dir, trainer, options);
     } catch (const Error& e) {
       failure = e.what(), kind = e.kind(), mine = std::current_exception();
     } catch (const std::exception& e) {

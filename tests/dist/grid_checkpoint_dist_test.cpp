@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "shardopt/async_checkpoint.hpp"
 #include "shardopt/grid_checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
@@ -324,6 +325,49 @@ DIST_TEST(GridCheckpoint, PieceOfAnotherShapeIsRefused) {
   DistributedOptimizer opt({group}, AdamW(0.01), g.dp, ZeroOptions{});
   test::expect_error([&] { load_grid_checkpoint(opt, g, dir); }, ErrorKind::Mismatch,
                      {"layer0.up.weight", "[128, 64]", "[129, 64]"});
+}
+
+// Asynchronous saves (Note [Asynchronous saves]): steps run while the background writes; the
+// commit is the synchronous save's, and a background failure is thrown on every rank by the next
+// call, the previous commit staying the one that loads.
+DIST_TEST(GridCheckpoint, AsynchronousSaves) {
+  if (test::world()->size() != 4) GTEST_SKIP() << "a grid of 4 ranks";
+  const std::string dir = test::shared_dir("grid_async");
+  GridModel run(ParallelLayout{2, 2, 1}, 2);
+  AsyncCheckpoint saver(*run.opt, run.g);
+  run.train(0, 2);
+  saver.save_checkpoint_async(dir, {R"({"step": 2})", {}});
+  const int64_t bytes = saver.snapshot_bytes();
+  EXPECT_GT(bytes, 0);
+  const auto after = run.train(2, 4);  // while it writes
+  saver.wait();
+  EXPECT_EQ(read_grid_commit(dir).step, 2);
+  {
+    GridModel resumed(ParallelLayout{1, 1, 4}, 3);
+    EXPECT_EQ(load_grid_checkpoint(*resumed.opt, resumed.g, dir).json, R"({"step":2})");
+    const auto again = resumed.train(2, 4);
+    for (size_t k = 0; k < again.size(); ++k) EXPECT_NEAR(again[k], after[k], 1e-4);
+  }
+  // A failure in the background (one folder's ranks) reaches every rank at the next call.
+  GridSaveOptions crash;
+  crash.after_folder_written = [&](int rank) {
+    if (run.g.pp_rank == 0) throw Error(ErrorKind::Checkpoint, rank, "simulated background crash");
+  };
+  saver.save_checkpoint_async(dir, {}, {}, crash);
+  EXPECT_EQ(saver.snapshot_bytes(), bytes);  // the buffer is reused
+  run.train(4, 5);
+  test::expect_error([&] { saver.wait(); }, ErrorKind::Checkpoint, {"simulated background crash"});
+  EXPECT_EQ(read_grid_commit(dir).step, 2);
+  saver.save_checkpoint_async(dir);
+  saver.wait();
+  EXPECT_EQ(read_grid_commit(dir).step, 5);
+  const AsyncSaveTiming t = saver.last_timing();
+  EXPECT_GT(t.background_s, 0);
+  if (test::world()->rank() == 0) {
+    std::printf("[grid checkpoint] async save: %.4f s blocking, %.4f s in the background, "
+                "%lld bytes of snapshot\n",
+                t.blocking_s, t.background_s, static_cast<long long>(bytes));
+  }
 }
 
 }  // namespace

@@ -86,7 +86,7 @@ faulty() {
   local step  # the committed save's (Note [One commit for a grid])
   step=$(python3 -c 'import json, os, sys
 c = json.load(open(os.path.join(sys.argv[1], "commit.json")))
-print(json.load(open(os.path.join(sys.argv[1], c["path"], c["folders"][0], "manifest.json")))["trainer"]["step"])' \
+print(json.load(open(os.path.join(sys.argv[1], c["path"], c["folders"][0]["path"], "manifest.json")))["trainer"]["step"])' \
          "$out/checkpoint" 2>/dev/null)
   [ "$step" = "$kept" ] || fail "$name: the surviving checkpoint is at step '$step', expected $kept"
   BERT_TEST_FAULT= train "$out" --resume >"$WORK/$name.resume.log" 2>&1 ||

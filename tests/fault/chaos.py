@@ -82,7 +82,7 @@ def checkpoint_step(out):
         base = os.path.join(out, "checkpoint")  # the committed save (Note [One commit for a grid])
         with open(os.path.join(base, "commit.json")) as f:
             commit = json.load(f)
-        with open(os.path.join(base, commit["path"], commit["folders"][0], "manifest.json")) as f:
+        with open(os.path.join(base, commit["path"], commit["folders"][0]["path"], "manifest.json")) as f:
             return json.load(f)["trainer"]["step"]
     except OSError:
         return None

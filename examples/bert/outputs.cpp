@@ -21,6 +21,17 @@
 
 namespace bert {
 
+// Joins an asynchronous save in flight (its failure thrown on every rank) and says how long it
+// wrote.
+void join_async_save(Run& r) {
+  if (!r.saver || !r.saver->in_flight()) return;
+  r.saver->wait();
+  if (r.lead) {
+    fmt::print("{}[bert] checkpoint: step {} committed ({:.2f} s in the background)\n", r.clear(),
+               r.async_step, r.saver->last_timing().background_s);
+  }
+}
+
 void save(Run& r, int64_t done) {
   const auto t0 = Clock::now();
   if (!r.opt->parameters_finite()) {  // never replace the last good checkpoint with NaN/Inf
@@ -35,18 +46,32 @@ void save(Run& r, int64_t done) {
       it = r.pipeline->holds(it->second) ? std::next(it) : save_options.aliases.erase(it);
     }
   }
-  save_options.after_shard_written = [&](int rank) {
+  save_options.after_shard_written = [&r, done](int rank) {  // by value: may run after save()
     if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
   };
   // Every (pipeline, tensor) folder written, then the whole grid committed by world rank 0 with
   // one record (Note [One commit for a grid] in shardopt/grid_checkpoint.hpp).
   shardopt::GridSaveOptions grid;
   grid.keep = r.a.keep_checkpoints;
-  grid.after_folder_written = [&](int world_rank) {
+  grid.after_folder_written = [&r, done](int world_rank) {
     if (r.fault.is("kill-before-commit", world_rank, done)) std::raise(SIGKILL);
   };
   const nlohmann::json layout = {{"tp", r.tp()}, {"pp", r.pp()},
                                  {"virtual_stages", r.pp() > 1 ? r.a.virtual_stages : 1}};
+  if (r.a.async_checkpoints) {
+    join_async_save(r);
+    if (!r.saver) r.saver = std::make_unique<shardopt::AsyncCheckpoint>(*r.opt, r.groups);
+    r.saver->save_checkpoint_async(r.checkpoint_dir.string(),
+                                   make_trainer_state(s, r.schedule, layout), save_options, grid);
+    r.async_step = r.last_saved = done;
+    if (r.lead) {
+      fmt::print("{}[bert] checkpoint: step {} -> {} ({:.3f} s blocking, {:.1f} MiB copied; "
+                 "writing in the background)\n",
+                 r.clear(), done, r.checkpoint_dir.string(), r.saver->last_timing().blocking_s,
+                 static_cast<double>(r.saver->snapshot_bytes()) / (1 << 20));
+    }
+    return;
+  }
   shardopt::save_grid_checkpoint(*r.opt, r.groups, r.checkpoint_dir.string(),
                                  make_trainer_state(s, r.schedule, layout), save_options, grid);
   r.last_saved = done;
@@ -87,6 +112,7 @@ void finish(Run& r) {
   const int64_t step = r.state.step;
   if (step == r.start_step) return;
   if (r.last_saved != step) save(r, step);
+  join_async_save(r);  // the last save committed before anything reads it
   if (r.a.save_model) {
     shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
       if (!r.lead) return;

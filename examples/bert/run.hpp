@@ -74,6 +74,9 @@ struct Run {
   // Model and optimizer.
   BertForPreTraining model{nullptr};
   std::unique_ptr<shardopt::DistributedOptimizer> opt;
+  // --async-checkpoints: saves written in the background (after opt: destroyed, joined, first).
+  std::unique_ptr<shardopt::AsyncCheckpoint> saver;
+  int64_t async_step = -1;  // the step of the save in flight
   int64_t global_batch = 0;
   // Progress: checkpoints, metrics, evaluations.
   fs::path checkpoint_dir, metrics_path;

@@ -169,6 +169,12 @@ struct GridModel {
 
 constexpr int kSteps = 6, kSaveAt = 3;
 
+// Removes a test's directory once every rank is done with it.
+void remove_shared(const std::string& dir) {
+  test::world()->barrier();
+  if (test::world()->rank() == 0) fs::remove_all(dir);
+}
+
 DIST_TEST(GridCheckpoint, ResumesInAnyLayoutReadingItsShare) {
   if (test::world()->size() != 4) GTEST_SKIP() << "a grid of 4 ranks";
   const std::string dir = test::shared_dir("grid_ckpt");
@@ -215,6 +221,7 @@ DIST_TEST(GridCheckpoint, ResumesInAnyLayoutReadingItsShare) {
           static_cast<long long>(stats.metadata_bytes));
     }
   }
+  remove_shared(dir);
 }
 
 // The parameters and Adam state of this rank's folder (read back from the committed save).
@@ -308,6 +315,7 @@ DIST_TEST(GridCheckpoint, OneCommitForTheGrid) {
   // No commit at all.
   test::expect_error([&] { load_grid_checkpoint(*run.opt, run.g, dir + "/none"); },
                      ErrorKind::Checkpoint, {"no committed checkpoint"});
+  remove_shared(dir);
 }
 
 // A model whose parameter is a piece of another shape than the checkpoint's: Mismatch naming it.
@@ -325,6 +333,7 @@ DIST_TEST(GridCheckpoint, PieceOfAnotherShapeIsRefused) {
   DistributedOptimizer opt({group}, AdamW(0.01), g.dp, ZeroOptions{});
   test::expect_error([&] { load_grid_checkpoint(opt, g, dir); }, ErrorKind::Mismatch,
                      {"layer0.up.weight", "[128, 64]", "[129, 64]"});
+  remove_shared(dir);
 }
 
 // Asynchronous saves (Note [Asynchronous saves]): steps run while the background writes; the
@@ -368,6 +377,7 @@ DIST_TEST(GridCheckpoint, AsynchronousSaves) {
                 "%lld bytes of snapshot\n",
                 t.blocking_s, t.background_s, static_cast<long long>(bytes));
   }
+  remove_shared(dir);
 }
 
 }  // namespace

@@ -163,7 +163,16 @@ void bind_comm(py::module_& m) {
       .def_readonly("dp_rank", &ParallelGroups::dp_rank)
       .def_readonly("pp_rank", &ParallelGroups::pp_rank)
       .def_property_readonly("layout",
-                             [](const ParallelGroups& g) { return g.layout.to_string(); });
+                             [](const ParallelGroups& g) { return g.layout.to_string(); })
+      .def(py::init<>(), "No model parallelism (every group None): ZeroOptions.grid's default.")
+      .def("__eq__",
+           [](const ParallelGroups& a, const ParallelGroups& b) {
+             return a.world == b.world && a.tp == b.tp && a.dp == b.dp && a.pp == b.pp &&
+                    a.embedding == b.embedding;
+           })
+      .def("__repr__", [](const ParallelGroups& g) {
+        return g.dp ? "ParallelGroups(" + g.layout.to_string() + ")" : "ParallelGroups(none)";
+      });
   m.def(
       "make_parallel_groups",
       [](const CommunicatorPtr& world, int tp, int pp, int dp) {
@@ -182,6 +191,10 @@ void bind_comm(py::module_& m) {
   m.def("mark_replicated", &tp::mark_replicated, "param"_a, "group"_a,
         "Records that every rank of `group` holds `param` whole (counted once in the clipping "
         "norm; unmarked parameters are taken as replicated).");
+  m.def("mark_pipeline_shared", &mark_pipeline_shared, "param"_a,
+        "Records that the first and the last pipeline stage each hold a copy of `param` (a tied "
+        "embedding): the optimizer, given ZeroOptions.grid, sums their gradients. Without "
+        "pipelines it means nothing.");
   m.def(
       "split_of",
       [](const at::Tensor& param) -> py::object {

@@ -329,20 +329,12 @@ void bind_options(py::module_& m) {
       .def_readwrite("unit_policy", &ZeroOptions::unit_policy,
                      "Stage 3 without units: how units are derived from parameter names")
       .def_readwrite("max_nonfinite_steps", &ZeroOptions::max_nonfinite_steps)
-      .def_readwrite("tensor_group", &ZeroOptions::tensor_group,
-                     "tensor parallelism: the tensor-parallel group (make_parallel_groups(...).tp) "
-                     "of the split parameters this optimizer (given the data-parallel group) "
-                     "holds; clipping and the non-finite check then span the grid (parameters "
-                     "marked with mark_split are split, the others held whole). None: the group "
-                     "of the parameters' mark_split records")
-      .def_readwrite("pipeline_group", &ZeroOptions::pipeline_group,
-                     "pipeline parallelism: make_parallel_groups(...).pp; clipping and the "
-                     "non-finite check then span every stage")
-      .def_readwrite("pipeline_shared", &ZeroOptions::pipeline_shared,
-                     "names of the parameters the first and the last stage both hold (the tied "
-                     "word embedding): summed between them before the update, counted once")
-      .def_readwrite("pipeline_shared_group", &ZeroOptions::pipeline_shared_group,
-                     "with pipeline_shared: make_parallel_groups(...).embedding")
+      .def_readwrite("grid", &ZeroOptions::grid,
+                     "model parallelism: make_parallel_groups(world, tp=, pp=) (pass comm= its "
+                     ".dp): clipping and the non-finite check span the grid, counting once the "
+                     "parameters not marked with mark_split; the gradients of the parameters "
+                     "marked with mark_pipeline_shared (a tied embedding on the first and the "
+                     "last stage) are summed between the two stages")
       .def_property(
           "timeout", [](const ZeroOptions& o) { return o.timeout; },
           [](ZeroOptions& o, py::object t) { o.timeout = to_duration(t, o.timeout); })

@@ -34,11 +34,9 @@ void ZeroOptions::validate() const {
                  "options: align_bytes must be a positive power of two, got {}", align_bytes);
   SHARDOPT_CHECK(prefetch >= 0, InvalidArgument, "options: prefetch must be >= 0, got {}",
                  prefetch);
-  SHARDOPT_CHECK(pipeline_shared.empty() || (pipeline_group && pipeline_shared_group),
-                 InvalidArgument,
-                 "options: pipeline_shared names {} parameter(s) but pipeline_group or "
-                 "pipeline_shared_group is null (ParallelGroups::pp and ::embedding)",
-                 pipeline_shared.size());
+  SHARDOPT_CHECK(!grid.embedding || grid.pp, InvalidArgument,
+                 "options: grid.embedding is set but grid.pp is null (pass make_parallel_groups' "
+                 "groups whole)");
   SHARDOPT_CHECK(reuse_distance >= 0, InvalidArgument,
                  "options: reuse_distance must be >= 0 (unit uses ahead), got {}", reuse_distance);
   SHARDOPT_CHECK(shard_group_size >= 0, InvalidArgument,

@@ -5,6 +5,8 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include "shardopt/pipeline_runner.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -256,6 +258,9 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare
     word_embeddings_ = embeddings->register_module("word_embeddings", torch::nn::Embedding(vocab, h));
     word_embedding_ = word_embeddings_->weight;
   }
+  // The lookup's and the MLM decoder's weight: under pipelines the first and the last stage each
+  // hold a copy, which the optimizer keeps equal (Note [Pipelined BERT]).
+  shardopt::mark_pipeline_shared(word_embedding_);
   position_embeddings_ = embeddings->register_module(
       "position_embeddings", torch::nn::Embedding(c.max_position_embeddings, h));
   token_type_embeddings_ = embeddings->register_module(

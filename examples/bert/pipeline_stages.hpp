@@ -17,8 +17,8 @@ namespace bert {
 
 // Note [Pipelined BERT]: the S = P*V stages split the encoder layers evenly (the first L % S
 // stages one more); stage 0 also holds the embeddings, stage S-1 the pooler and the heads, and
-// both hold the tied word embedding (shardopt's ZeroOptions::pipeline_shared sums its two
-// gradients). Rank r's chunk c is stage c*P + r (shardopt/pipeline.hpp). Every stage reads the
+// both hold the tied word embedding (marked with shardopt::mark_pipeline_shared; the optimizer
+// sums its two gradients). Rank r's chunk c is stage c*P + r (shardopt/pipeline.hpp). Every stage reads the
 // step's M micro-batches (the same rows on the P ranks of a data-parallel rank): stage 0 its
 // token ids, the others the attention mask, the last its labels. Between stages travels the
 // hidden state [batch, sequence, hidden] in the compute dtype. The last stage returns each

@@ -272,16 +272,10 @@ void build_model(Run& r) {
   zo.defer_reduction = a.defer_reduction;
   zo.shard_group_size = a.shard_group_size;  // hybrid sharding: shard within, replicate across
   zo.reduce_dtype = shardopt::parse_precision(a.reduce_dtype);
-  // The clipping norm and the non-finite check over the whole grid: the parameters' split
-  // records say which are split (Note [Split records] in shardopt/tensor_parallel.hpp).
-  if (r.tp() > 1) zo.tensor_group = r.groups.tp;
-  if (r.pp() > 1) {  // the grid-wide norm; the tied word embedding lives on the first and the last
-    zo.pipeline_group = r.groups.pp;
-    if (r.groups.embedding) {
-      zo.pipeline_shared = {"bert.embeddings.word_embeddings.weight"};
-      zo.pipeline_shared_group = r.groups.embedding;
-    }
-  }
+  // The clipping norm and the non-finite check over the whole grid, the tied word embedding's two
+  // copies (pipelines): the parameters' records say which are split and which are tied (Note
+  // [Split records] in shardopt/tensor_parallel.hpp; mark_pipeline_shared).
+  zo.grid = r.groups;
   torch::OrderedDict<std::string, at::Tensor> params;
   for (const auto& p : r.model->named_parameters()) {
     if (held(p.key())) params.insert(p.key(), p.value());

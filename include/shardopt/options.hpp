@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "shardopt/comm.hpp"
+#include "shardopt/parallel_layout.hpp"
 #include "shardopt/precision.hpp"
 #include "shardopt/sharding.hpp"
 #include "shardopt/unit_policy.hpp"
@@ -104,27 +105,18 @@ struct ZeroOptions {
   /// make step() throw Error{NonFinite}; 0 never throws. Under fp16 loss scaling a skip is the
   /// scaler's normal back-off and is not counted.
   int max_nonfinite_steps = 5;
-  /// Tensor parallelism (shardopt/tensor_parallel.hpp): the optimizer is given the data-parallel
-  /// group and holds slices of split layers; `tensor_group` is their tensor-parallel group
-  /// (ParallelGroups::tp). The clipping norm and the non-finite check then span the whole grid,
-  /// and the parameters every tensor rank holds whole (those whose split record, Note [Split
-  /// records], carries no split, or that have no record) count once. Null: the group of the
-  /// parameters' split records, if any is split over more than one rank; else no tensor
-  /// parallelism.
-  CommunicatorPtr tensor_group;
-  /// Pipeline parallelism (shardopt/pipeline_runner.hpp): the optimizer holds one stage's
-  /// parameters and is given that stage's data-parallel group; `pipeline_group` is the pipeline
-  /// group (ParallelGroups::pp): the clipping norm and the non-finite check then span every stage.
-  /// `pipeline_shared` names the parameters of which the first and the last stage each hold a copy
-  /// (the tied word embedding): the copies start as the first stage's, their gradients are summed
-  /// over `pipeline_shared_group` (ParallelGroups::embedding) before the update, so both take the
-  /// same step, and the norm counts them once (Note [Parameters shared by two stages] in
-  /// src/engine/grid_norm.cpp). Null: no pipeline.
-  CommunicatorPtr pipeline_group;
-  /// With pipeline_group: the parameters the first and the last stage both hold.
-  std::vector<std::string> pipeline_shared;
-  /// With pipeline_shared: the group summing their gradients (ParallelGroups::embedding).
-  CommunicatorPtr pipeline_shared_group;
+  /// Model parallelism: the grid this rank belongs to (make_parallel_groups). The optimizer is
+  /// given the grid's data-parallel group (`grid.dp`, or a hybrid communicator over it) and holds
+  /// one pipeline stage's parameters, slices of the split layers among them. What spans the grid
+  /// is the optimizer's (Note [Finalizing gradients over the grid] in
+  /// src/engine/finalize_grads.cpp): the gradients of parameters marked with
+  /// mark_pipeline_shared (shardopt/pipeline_runner.hpp), which the first and the last stage each
+  /// hold, are summed over `grid.embedding` before the update; the clipping norm and the non-finite
+  /// check span `grid.tp` and `grid.pp`, counting once every parameter whose split record (Note
+  /// [Split records]) carries no split. Default (every group null): data parallelism only; a null
+  /// `grid.tp` takes the group of the parameters' split records when one is split over more than
+  /// one rank.
+  ParallelGroups grid;
 
   /// Throws Error{InvalidArgument} naming the first invalid field and its valid range.
   void validate() const;

@@ -34,7 +34,7 @@ struct ParallelGroups {
   ///@}
   /// Pipelines (pp > 1): the first and the last stage's data-parallel ranks of this tensor rank,
   /// first stage first (2d ranks), where the tied word embedding's two copies live
-  /// (ZeroOptions::pipeline_shared_group; Megatron's embedding group). Null on the other stages
+  /// (the tied parameters' sum: mark_pipeline_shared; Megatron's embedding group). Null on the other stages
   /// and when pp = 1.
   CommunicatorPtr embedding;
   ///@{

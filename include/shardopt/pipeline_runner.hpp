@@ -14,6 +14,17 @@
 
 namespace shardopt {
 
+/// Records that the first and the last pipeline stage each hold a copy of `param`, a tied word
+/// embedding (the lookup on the first, the decoder on the last): DistributedOptimizer, given the
+/// grid (ZeroOptions::grid), makes both copies start as the first stage's and sums their gradients
+/// over the grid's embedding group before each update, so they stay equal (Note [Finalizing
+/// gradients over the grid] in src/engine/finalize_grads.cpp). A model marks the tensor whatever
+/// the layout: without pipelines the mark means nothing. Like a split record it stays on the
+/// tensor (through module.to(), not clone()). Local; thread-safe.
+void mark_pipeline_shared(const at::Tensor& param);
+/// Whether `param` was marked with mark_pipeline_shared.
+bool is_pipeline_shared(const at::Tensor& param);
+
 /// One chunk (model stage) on this rank: a function of tensors, e.g. a lambda over a
 /// torch::nn::Module's forward. Set `forward` (one tensor in, one out) or `forward_tensors`
 /// (several tensors per boundary: hidden states, a mask, ...).

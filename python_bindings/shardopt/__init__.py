@@ -25,7 +25,8 @@ from ._C import (CheckpointError, CommTimeoutError, CommunicationError, Error, I
                  UnsupportedError)
 from ._C import (Capabilities, Communicator, Estimate, LossScaleOptions, MemoryBreakdown,
                  MemoryReport, ParallelGroups, ReduceOp, StepStats, UnitPolicy, Units, Work,
-                 ZeroOptions, make_parallel_groups, mark_replicated, mark_split, split_of)
+                 ZeroOptions, make_parallel_groups, mark_pipeline_shared, mark_replicated,
+                 mark_split, split_of)
 from .comm import (default_communicator, from_process_group, init_from_env,
                    make_single_communicator, run_ranks)
 from .estimate import bert_parameter_count, estimate, estimate_model

@@ -58,12 +58,11 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             ``LossScaleOptions`` or a dict),
             ``fused_update``, ``offload``, ``broadcast_initial_params``, ``align_bytes``,
             ``shard_group_size``, ``reduce_dtype``, ``prefetch``, ``reuse_distance``, ``timeout`` (a
-            ``datetime.timedelta`` or seconds), ``max_nonfinite_steps``, and for tensor
-            parallelism ``tensor_group`` (``make_parallel_groups(world, tp=t).tp``; pass
-            ``comm=`` the ``.dp`` group; the parameters split over it are those marked with
-            ``shardopt.mark_split``, the others held whole), and for pipelines ``pipeline_group`` (``.pp``) with
-            ``pipeline_shared`` (the names of the parameters the first and the last stage both
-            hold, e.g. a tied embedding) and ``pipeline_shared_group`` (``.embedding``).
+            ``datetime.timedelta`` or seconds), ``max_nonfinite_steps``, and for model parallelism ``grid``
+            (``make_parallel_groups(world, tp=t, pp=p)``; pass ``comm=`` its ``.dp``): the
+            parameters split over ``grid.tp`` are those marked with ``shardopt.mark_split``, the
+            others held whole; those marked with ``shardopt.mark_pipeline_shared`` (a tied
+            embedding) are held by the first and the last stage, which sum their gradients.
         units: stage 3: the modules whose parameters are gathered together, usually one per
             layer: a list of modules (or ``(name, module)`` pairs, or a dict), or a policy applied
             to the model given as ``params``: a module class, a tuple of classes, or a callable

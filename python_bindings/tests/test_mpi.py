@@ -301,7 +301,7 @@ def test_load_checkpoint_module_takes_rank0s_buffers(comm):
 
 
 def test_tensor_parallel_grid_clipping(comm):
-    """make_parallel_groups(tp=2), ZeroOptions.tensor_group and mark_split: rank r holds
+    """make_parallel_groups(tp=2), ZeroOptions.grid and mark_split: rank r holds
     rows [3r, 3r+3) of W (split) and all of v (replicated); the loss is the unsplit model's (the
     other rank's rows enter as constants), so each rank's gradients are its slice of the unsplit
     ones. The clipping norm must span both ranks and count v once: SGD with max_grad_norm then
@@ -317,7 +317,7 @@ def test_tensor_parallel_grid_clipping(comm):
     shardopt.mark_split(w, g.tp, 0, 6, 6)  # v, unmarked, is held whole
     assert shardopt.split_of(w) == (0, 6, 6) and shardopt.split_of(v) is None
     opt = shardopt.DistributedOptimizer([("w", w), ("v", v)], "sgd", comm=g.dp, lr=0.1,
-                                        max_grad_norm=0.5, tensor_group=g.tp)
+                                        max_grad_norm=0.5, grid=g)
     ref_opt = torch.optim.SGD([ref_w, ref_v], lr=0.1)
     ok = True
     for step in range(4):
@@ -340,7 +340,7 @@ def test_tensor_parallel_grid_clipping(comm):
 
 
 def test_pipeline_shared_embedding_and_grid_clipping(comm):
-    """make_parallel_groups(pp=2) and ZeroOptions.pipeline_group / pipeline_shared: both stages
+    """make_parallel_groups(pp=2), ZeroOptions.grid and mark_pipeline_shared: both stages
     hold a copy of the tied matrix E (the last stage's starts wrong: the optimizer copies the
     first's), stage 1 also w. Each stage's loss uses its own copy; the whole model's loss is their
     sum, so E's gradient is the sum of the two, which the optimizers add before the update; the
@@ -350,13 +350,13 @@ def test_pipeline_shared_embedding_and_grid_clipping(comm):
     torch.manual_seed(0)
     e_full, w_full = torch.randn(4, 3), torch.randn(3, 3)
     e = torch.nn.Parameter(e_full.clone() if g.pp_rank == 0 else torch.zeros(4, 3))
+    shardopt.mark_pipeline_shared(e)
     named = [("embedding", e)]
     w = torch.nn.Parameter(w_full.clone())
     if g.pp_rank == 1:
         named.append(("w", w))
     opt = shardopt.DistributedOptimizer(named, "sgd", comm=g.dp, lr=0.1, max_grad_norm=0.5,
-                                        pipeline_group=g.pp, pipeline_shared=["embedding"],
-                                        pipeline_shared_group=g.embedding)
+                                        grid=g)
     ok = torch.equal(e.detach(), e_full)
     ref_e, ref_w = torch.nn.Parameter(e_full.clone()), torch.nn.Parameter(w_full.clone())
     ref_opt = torch.optim.SGD([ref_e, ref_w], lr=0.1)

@@ -299,12 +299,9 @@ LOSS_SCALE = dict(dynamic=False, initial_scale=1024.0, growth_factor=3.0, growth
 
 def test_every_zero_options_field_reaches_cpp(comm):
     """Each field set as a keyword, and through options=, is what the C++ optimizer sees."""
-    # The tensor-parallel fields: this process's communicator as a tensor group of one, and the
-    # model's parameters unmarked, so held whole by every tensor rank; the pipeline fields likewise
-    # (a pipeline of one stage, its first parameter shared with itself).
-    names = [n for n, _ in make_model().named_parameters()]
-    non_default = dict(NON_DEFAULT, tensor_group=comm,
-                       pipeline_group=comm, pipeline_shared=names[:1], pipeline_shared_group=comm)
+    # The grid: this process's communicator cut as one tensor rank by one stage, the model's
+    # parameters unmarked, so held whole by every tensor rank.
+    non_default = dict(NON_DEFAULT, grid=shardopt.make_parallel_groups(comm))
     fields = [f for f in shardopt.arguments._OPTION_FIELDS if f not in ("units", "loss_scale")]
     assert sorted(fields) == sorted(non_default)
     default = shardopt.ZeroOptions()

@@ -43,6 +43,7 @@
 #include "engine/whole_parameters.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/memory_tracker.hpp"
+#include "shardopt/pipeline_runner.hpp"
 #include "shardopt/recompute.hpp"
 
 namespace shardopt::detail {
@@ -113,6 +114,10 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
     : owner_(owner), options_(std::move(options)) {
   SHARDOPT_CHECK(comm, InvalidArgument, "optimizer: the communicator is null");
   options_.validate();
+  SHARDOPT_CHECK(!options_.grid.dp || options_.grid.dp->size() == comm->size(), InvalidArgument,
+                 "optimizer: the communicator has {} rank(s) but ZeroOptions::grid's data-parallel "
+                 "group has {}: pass grid.dp as the communicator",
+                 comm->size(), options_.grid.dp ? options_.grid.dp->size() : 0);
   // Hybrid sharding: every piece works on the shard group's view (make_hybrid_communicator).
   ranks_.world = std::move(comm);
   ranks_.shard = options_.shard_group_size > 0
@@ -228,14 +233,17 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
       options_.fused_update);
   // Note [Split records] (shardopt/tensor_parallel.hpp): the parameters say how they are split.
-  if (auto grid = tensor_grid_of(params(), options_.tensor_group); grid.group) {
-    options_.tensor_group = grid.group;
-    update_->grid().set_tensor_group(std::move(grid.group), std::move(grid.replicated));
+  const ParallelGroups& grid = options_.grid;
+  if (auto tensors = tensor_grid_of(params(), grid.tp && grid.tp->size() > 1 ? grid.tp : nullptr);
+      tensors.group) {
+    update_->grid().set_tensor_group(std::move(tensors.group), std::move(tensors.replicated));
   }
-  if (options_.pipeline_group) {
-    update_->grid().set_pipeline(options_.pipeline_group, options_.pipeline_shared_group,
-                                 slots_named(options_.pipeline_shared, "pipeline_shared"),
-                                 ranks_.replica == 0 && (plan_.sharded() || comm_->rank() == 0));
+  if (grid.pp && grid.pp->size() > 1) update_->grid().set_pipeline(grid.pp);
+  if (grid.embedding) {
+    // The tied parameters' sum (Note [Finalizing gradients over the grid] in finalize_grads.cpp).
+    update_->finalize().set_pipeline_shared(
+        grid.embedding, pipeline_shared_slots(),
+        ranks_.replica == 0 && (plan_.sharded() || comm_->rank() == 0), grid.pp->rank() == 0);
   }
   // Note [The non-finite check during backward] in local_update.cpp.
   reducer_->set_on_reduced([this](int bucket) {
@@ -251,50 +259,56 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       });
 }
 
-// Names from ZeroOptions (`field`) as a flag per layout slot; a name that is no trainable
-// parameter here is an error (a misspelt name would silently count a gradient twice, or leave a
-// tied copy behind).
-std::vector<char> Engine::slots_named(const std::vector<std::string>& names,
-                                      const char* field) const {
+// The parameters marked with mark_pipeline_shared, as a flag per layout slot. Marks mean nothing
+// without a pipeline (one stage holds the tied tensor once); on a middle stage, which holds no
+// tied copy, a mark is an error (the model placed it wrongly, or the grid is not the model's).
+std::vector<char> Engine::pipeline_shared_slots() const {
   std::vector<char> flags(params().size(), 0);
-  for (const auto& name : names) {
-    auto it = std::find_if(params().begin(), params().end(),
-                           [&](const ModelParam& p) { return p.name == name; });
-    SHARDOPT_CHECK(it != params().end(), InvalidArgument,
-                   "optimizer: {} names '{}', which is no trainable parameter of this optimizer",
-                   field, name);
-    flags[it - params().begin()] = 1;
+  const ParallelGroups& grid = options_.grid;
+  if (!grid.pp || grid.pp->size() == 1) return flags;
+  for (size_t i = 0; i < params().size(); ++i) {
+    if (!is_pipeline_shared(params()[i].tensor)) continue;
+    SHARDOPT_CHECK(grid.embedding != nullptr, InvalidArgument,
+                   "optimizer: parameter '{}' is marked with mark_pipeline_shared, but this rank "
+                   "is on pipeline stage {} of {}, which holds no tied copy (ZeroOptions::grid "
+                   "has no embedding group): only the first and the last stage may hold it",
+                   params()[i].name, grid.pp->rank(), grid.pp->size());
+    flags[i] = 1;
   }
   return flags;
 }
 
-// Note [Parameters shared by two stages] (grid_norm.cpp): both copies start as the first stage's.
+// Both copies of a tied parameter start as the first stage's (Note [Finalizing gradients over the
+// grid] in finalize_grads.cpp).
 void Engine::copy_shared_from_first_stage() {
-  if (!options_.pipeline_shared_group) return;
-  const auto shared = slots_named(options_.pipeline_shared, "pipeline_shared");
-  // Both stages must name the same shapes, or the sum would mix parameters (or never meet).
+  const auto shared = pipeline_shared_slots();
+  const CommunicatorPtr& group = options_.grid.embedding;
+  if (!group) return;
+  // Both stages must hold the same shapes, or the sum would mix parameters (or never meet).
   std::vector<int64_t> shapes;
+  std::vector<std::string> names;
   for (size_t i = 0; i < params().size(); ++i) {
     if (!shared[i]) continue;
     const auto sizes = params()[i].tensor.sizes();
     shapes.push_back(static_cast<int64_t>(sizes.size()));
     shapes.insert(shapes.end(), sizes.begin(), sizes.end());
+    names.push_back(params()[i].name);
   }
   const std::string mine = fmt::format("{}", fmt::join(shapes, ","));
   const int64_t digest = static_cast<int64_t>(std::hash<std::string>{}(mine) >> 12);
   at::Tensor range = at::tensor({digest, -digest}, at::kLong);
-  options_.pipeline_shared_group->all_reduce(range, ReduceOp::Max);
+  group->all_reduce(range, ReduceOp::Max);
   SHARDOPT_CHECK(range[0].item<int64_t>() == -range[1].item<int64_t>(), InvalidArgument,
-                 "optimizer: the parameters named in pipeline_shared differ between the first "
-                 "and the last pipeline stage (here: {} of shapes [{}]); name the same tied "
-                 "parameters, in the same order, on both",
-                 fmt::join(options_.pipeline_shared, ", "), mine);
+                 "optimizer: the parameters marked with mark_pipeline_shared differ between the "
+                 "first and the last pipeline stage (here: [{}] of shapes [{}]); mark the same "
+                 "tied parameters, in the same order, on both",
+                 fmt::join(names, ", "), mine);
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params().size(); ++i) {
     if (!shared[i]) continue;
     const at::Tensor& t = params()[i].tensor;
     at::Tensor buffer = t.contiguous();
-    options_.pipeline_shared_group->broadcast(buffer, 0);
+    group->broadcast(buffer, 0);
     if (!buffer.is_same(t)) t.copy_(buffer);
   }
 }

@@ -75,7 +75,7 @@ class Engine final : public UnitRuntime {
   const std::vector<ModelParam>& params() const { return model_.params; }
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
-  std::vector<char> slots_named(const std::vector<std::string>& names, const char* field) const;
+  std::vector<char> pipeline_shared_slots() const;
   void copy_shared_from_first_stage();
   void attach_hooks();
   // Autograd events.

@@ -1,7 +1,7 @@
 // GridNorm: how one optimizer's gradient norm and non-finite flag reach beyond its data-parallel
 // group over the model-parallel grid: the tensor group (parameters every tensor rank holds whole
-// count 1/t on each), the pipeline group (every stage's gradients), and the parameters the first
-// and the last pipeline stage both hold, whose gradients it sums between the two.
+// count 1/t on each) and the pipeline group (every stage's gradients). A pure measure: the sums
+// that make the gradients final are FinalizeGrads' (engine/finalize_grads.hpp).
 #pragma once
 
 #include <string>
@@ -33,36 +33,22 @@ class GridNorm {
 
   // Tensor parallelism: `replicated[slot]` is held whole by every rank of `group`.
   void set_tensor_group(CommunicatorPtr group, std::vector<char> replicated);
-  // Pipeline parallelism: `shared[slot]` is held by the first and the last stage, whose
-  // data-parallel ranks form `shared_group` (first stage first); both name the same sizes
-  // (Engine::copy_shared_from_first_stage checked).
-  // `contributes`: this rank writes its pieces into the sum (one copy of each reduced element
-  // over the data-parallel group: Note [Parameters shared by two stages]).
-  void set_pipeline(CommunicatorPtr pipeline, CommunicatorPtr shared_group,
-                    std::vector<char> shared, bool contributes);
+  // Pipeline parallelism: the norm and the flag span every stage of `pipeline`.
+  void set_pipeline(CommunicatorPtr pipeline) { pipeline_group_ = std::move(pipeline); }
 
-  // `local`: this rank's scan of its unscaled gradients (scan_local, in segment order). Sums the
-  // shared parameters' gradients between the stages (in place, before anything reads them), and
-  // returns the grid's answer, the same on every rank of it.
+  // `local`: this rank's scan of its final gradients (scan_local, in segment order). Returns the
+  // grid's answer, the same on every rank of it.
   FiniteScan combine(FiniteScan local, bool norm);
 
  private:
   // Sum of squares of this rank's gradients of the replicated parameters.
   double replicated_sum_sq() const;
-  // Sums the shared gradients over shared_group_; returns the change to this rank's scan.
-  FiniteScan sum_shared(bool norm);
-
   FlatState& flat_;
   CommunicatorPtr comm_;  // the data-parallel group
   Duration timeout_;
   CommunicatorPtr tensor_group_;
   std::vector<char> replicated_;  // per slot
   CommunicatorPtr pipeline_group_;
-  CommunicatorPtr shared_group_;
-  std::vector<char> shared_;        // per slot
-  std::vector<int64_t> shared_at_;  // per slot: its offset in the summed buffer
-  int64_t shared_numel_ = 0;
-  bool contributes_ = false;
 };
 
 }  // namespace shardopt::detail

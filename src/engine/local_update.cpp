@@ -17,7 +17,8 @@ namespace shardopt::detail {
 LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout,
                          const Rule& rule, const ShardOptimizerFactory& factory, RuleOf rule_of,
                          bool fused)
-    : flat_(flat), comm_(comm), timeout_(timeout), grid_(flat, std::move(comm), timeout),
+    : flat_(flat), comm_(comm), timeout_(timeout), finalize_(flat, timeout),
+      grid_(flat, std::move(comm), timeout),
       rule_of_(std::move(rule_of)),
       lamb_(std::holds_alternative<Lamb>(rule)), low_done_(flat_.segments().size(), 0),
       bucket_segments_(flat_.layout().buckets.size()), early_(flat_.segments().size()),
@@ -104,6 +105,9 @@ bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats)
                               : scan_segment(segments[k], unscaled_[k] ? 1.0 : divisor, norm,
                                              &stats.unscale_s));
   }
+  const FiniteScan change = finalize_.run(norm);
+  total.non_finite = total.non_finite || change.non_finite;
+  total.sum_sq = std::max(0.0, total.sum_sq + change.sum_sq);  // the two sums round differently
   const auto scan = grid_.combine(total, norm);
   if (norm) stats.grad_norm = std::sqrt(scan.sum_sq);
   stats.check_s = std::chrono::duration<double>(Clock::now() - t0).count() - stats.unscale_s;

@@ -11,6 +11,7 @@
 #include <optional>
 #include <vector>
 
+#include "engine/finalize_grads.hpp"
 #include "engine/finite_check.hpp"
 #include "engine/flat_state.hpp"
 #include "engine/fused_kernels.hpp"
@@ -43,7 +44,9 @@ class LocalUpdate {
   // holds a non-finite one; with `norm`, their global L2 norm goes to stats.grad_norm (the same on
   // every rank), and the times to stats' unscale_s, check_s and check_backward_s.
   bool unscale_and_check(double divisor, bool norm, StepStats& stats);
-  // Model parallelism: unscale_and_check's norm and flag span the grid (grid_norm.hpp).
+  // Model parallelism: unscale_and_check first finalizes the gradients over the grid
+  // (finalize_grads.hpp), then its norm and flag span the grid (grid_norm.hpp).
+  FinalizeGrads& finalize() { return finalize_; }
   GridNorm& grid() { return grid_; }
   // Scales the gradients down to `max_norm` given their global `norm`; returns whether it did.
   bool clip(double max_norm, double norm);
@@ -71,6 +74,7 @@ class LocalUpdate {
   FlatState& flat_;
   CommunicatorPtr comm_;
   Duration timeout_;
+  FinalizeGrads finalize_;
   GridNorm grid_;
   RuleOf rule_of_;
   bool lamb_ = false;

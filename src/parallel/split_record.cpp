@@ -1,61 +1,17 @@
 // The split records of tensor-parallel parameters (Note [Split records] in
-// shardopt/tensor_parallel.hpp): a process-wide registry keyed by the TensorImpl, shared by every
-// rank of the thread engine (hence the mutex), that never keeps a parameter's memory alive.
-#include <ATen/core/Tensor.h>
-#include <c10/util/intrusive_ptr.h>
-
+// shardopt/tensor_parallel.hpp), kept in a TensorRegistry (parallel/tensor_registry.hpp).
 #include <fmt/format.h>
 
-#include <mutex>
-#include <unordered_map>
-#include <utility>
-
+#include "parallel/tensor_registry.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/tensor_parallel.hpp"
 
 namespace shardopt::tp {
 namespace {
 
-using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-
-// A weak reference keeps the TensorImpl object (not its storage) allocated, so its address cannot
-// be reused by a new tensor while the entry exists: a lookup by address finds only its own tensor.
-struct Entry {
-  WeakImpl impl;
-  SplitRecord record;
-};
-
-class Registry {
- public:
-  void put(const at::Tensor& t, SplitRecord record) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    // Entries of freed tensors are dropped whenever the map has doubled since the last sweep, so
-    // it stays within twice the live parameters' count.
-    if (entries_.size() >= 2 * live_after_sweep_ + 64) {
-      for (auto it = entries_.begin(); it != entries_.end();) {
-        it = it->second.impl.expired() ? entries_.erase(it) : std::next(it);
-      }
-      live_after_sweep_ = entries_.size();
-    }
-    entries_.insert_or_assign(t.unsafeGetTensorImpl(),
-                              Entry{WeakImpl(t.getIntrusivePtr()), std::move(record)});
-  }
-
-  std::optional<SplitRecord> get(const at::Tensor& t) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = entries_.find(t.unsafeGetTensorImpl());
-    if (it == entries_.end() || it->second.impl.expired()) return std::nullopt;
-    return it->second.record;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, Entry> entries_;
-  size_t live_after_sweep_ = 0;
-};
-
-Registry& registry() {
-  static Registry* r = new Registry();  // never destroyed: parameters may outlive static teardown
+detail::TensorRegistry<SplitRecord>& registry() {
+  // Never destroyed: parameters may outlive static teardown.
+  static auto* r = new detail::TensorRegistry<SplitRecord>();
   return *r;
 }
 
@@ -110,7 +66,6 @@ void mark_sequence_parallel(const at::Tensor& param, const CommunicatorPtr& grou
 }
 
 std::optional<SplitRecord> record_of(const at::Tensor& param) {
-  if (!param.defined()) return std::nullopt;
   return registry().get(param);
 }
 

@@ -88,6 +88,7 @@ struct GridModel {
     }
     if (holds_embedding) {
       embedding->load_full(w.embedding);
+      mark_pipeline_shared(embedding->weight);  // tied: the lookup and the decoder
       group.params.push_back({"embedding", embedding->weight});
     }
     for (size_t k = 0; k < layers.size(); ++k) {
@@ -106,14 +107,7 @@ struct GridModel {
     zo.unit_policy.persist_below = 0;
     zo.timeout = std::chrono::seconds(60);
     zo.grad_accumulation_steps = m;
-    zo.tensor_group = g.tp;
-    if (g.layout.pp > 1) {
-      zo.pipeline_group = g.pp;
-      if (holds_embedding) {
-        zo.pipeline_shared = {"embedding"};
-        zo.pipeline_shared_group = g.embedding;
-      }
-    }
+    zo.grid = g;
     opt = std::make_unique<DistributedOptimizer>(std::vector<ParamGroup>{group},
                                                  AdamW(0.005).weight_decay(0.01), g.dp, zo);
     chunk.forward = [this](const at::Tensor& input, int mb) { return forward(input, mb); };

@@ -1,4 +1,4 @@
-// Pipeline parallelism composed with ZeRO over the data-parallel group (ZeroOptions::pipeline_*):
+// Pipeline parallelism composed with ZeRO over the data-parallel group (ZeroOptions::grid):
 // a (p, d) grid, each stage's optimizer at stages 0-3 (and hybrid at d = 2) over its d ranks, trains as torch's AdamW on
 // the whole model over the global batch (float64: <= 1e-10 after 3 steps), for every schedule, with
 // a word embedding tied between the first stage (the lookup) and the last (the decoder), and
@@ -26,7 +26,7 @@
 namespace shardopt {
 namespace {
 
-constexpr int kLayers = 8;  // 1, 2 or 4 per stage at S = 8, 4, 2 stages
+constexpr int kLayers = 8;  // 1-4 per stage at S = 8, 6, 4, 3, 2 stages
 constexpr int64_t kVocab = 12, kHidden = 8, kRows = 2;  // rows per micro-batch
 constexpr int kSteps = 3;
 constexpr double kMaxNorm = 0.02;  // below every step's norm: every step clips
@@ -107,9 +107,12 @@ struct Case {
 };
 
 // The grids (p, d) with p in {2, 4} this world holds.
+// The grids a world runs: every p of 2-4 it divides into (p = 3 at 3 ranks), and p = 1 alone (the
+// runner with one stage) at one rank.
 std::vector<ParallelLayout> layouts(int world) {
+  if (world == 1) return {ParallelLayout{1, 1, 1}};
   std::vector<ParallelLayout> out;
-  for (int p : {2, 4}) {
+  for (int p : {2, 3, 4}) {
     if (world % p == 0) out.push_back(ParallelLayout{1, p, world / p});
   }
   return out;
@@ -123,20 +126,21 @@ at::Tensor rows_of(const at::Tensor& all, int dp_rank, int m, int mb) {
 DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
   auto world = test::world();
   const auto grids = layouts(world->size());
-  if (grids.empty()) GTEST_SKIP() << "pipelines need a world of 2 or 4 ranks here (p = 2, 4)";
+  if (grids.empty()) GTEST_SKIP() << "pipelines run at 1-4 ranks";
   const AdamW rule = AdamW(0.01).weight_decay(0.05);
   bool all_ok = true;
   for (const ParallelLayout& layout : grids) {
     const ParallelGroups g = make_parallel_groups(world, layout);
     const int p = layout.pp, d = g.layout.dp;
-    for (const Case& c : {Case{PipelineScheduleKind::GPipe, 4, 1},
-                          Case{PipelineScheduleKind::OneFOneB, 4, 1},
-                          Case{PipelineScheduleKind::ZeroBubbleH1, 4, 1},
-                          Case{PipelineScheduleKind::Interleaved1F1B, 2 * p, 2}}) {
+    std::vector<Case> cases{Case{PipelineScheduleKind::GPipe, 4, 1},
+                            Case{PipelineScheduleKind::OneFOneB, 4, 1},
+                            Case{PipelineScheduleKind::ZeroBubbleH1, 4, 1}};
+    if (p > 1) cases.push_back(Case{PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
+    for (const Case& c : cases) {
       const int64_t rows = int64_t{d} * c.m * kRows;
       const Reference ref = reference_run(rule, rows);
       const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
-      const int stages = schedule.stages(), per_stage = kLayers / stages;
+      const int stages = schedule.stages();
       // ZeRO stages 0-3, stages 2-3 with the reduction deferred to the last backward pass (Note
       // [Deferred reduction]) and, with two data-parallel ranks, stage 2 sharded within groups
       // of one rank (hybrid: the shared gradient's pieces come from the first replica alone).
@@ -158,6 +162,7 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         if (holds_embedding) {
           embedding = (g.first_stage() ? init.embedding.clone() : at::zeros_like(init.embedding))
                           .requires_grad_(true);
+          mark_pipeline_shared(embedding);
           group.params.push_back({"embedding", embedding});
         }
         int step = 0;
@@ -167,7 +172,9 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
           const int s = chunk * p + g.pp_rank;
           const size_t first = layers.size();
           PipelineChunk pc;
-          for (int l = s * per_stage; l < (s + 1) * per_stage; ++l) {
+          // Stage s holds layers [s L / S, (s + 1) L / S): even when S divides L, else the later
+          // stages one more (S = 3, 6).
+          for (int l = s * kLayers / stages; l < (s + 1) * kLayers / stages; ++l) {
             layers.push_back(l);
             weight.push_back(init.weight[l].clone().requires_grad_(true));
             bias.push_back(init.bias[l].clone().requires_grad_(true));
@@ -198,11 +205,7 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         zo.timeout = std::chrono::seconds(60);
         zo.grad_accumulation_steps = c.m * c.v;  // one backward pass per chunk and micro-batch
         zo.max_grad_norm = kMaxNorm;
-        zo.pipeline_group = g.pp;
-        if (holds_embedding) {
-          zo.pipeline_shared = {"embedding"};
-          zo.pipeline_shared_group = g.embedding;
-        }
+        zo.grid = g;
         DistributedOptimizer opt({group}, rule, g.dp, zo);
         PipelineRunOptions run;
         run.activation_shape = {kRows, kHidden};
@@ -236,35 +239,41 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
   EXPECT_TRUE(test::all_ranks(all_ok));
 }
 
-// A name in pipeline_shared that this stage's optimizer does not hold, a shared list without its
-// groups, and stages naming different sizes: clear errors on every rank, no hang.
-TEST(PipelineZero, SharedNamesAndClearErrors) {
+// Stages marking different tied tensors, a grid cut apart, and a communicator that is not the
+// grid's data-parallel group: clear errors on every rank, no hang. Marked alike, the last stage's
+// copy starts as the first stage's.
+TEST(PipelineZero, SharedMarksAndClearErrors) {
   auto world = test::world();
   if (world->size() != 2) GTEST_SKIP() << "checked at p = 2";
   const ParallelGroups g = make_parallel_groups(world, ParallelLayout{1, 2, 1});
-  at::Tensor e = at::ones({4, 3}).requires_grad_(true);
-  at::Tensor w = at::ones({3, 3}).requires_grad_(true);
-  ParamGroup group;
-  group.params = {{"embedding", e}, {"w", w}};
+  const auto model = [](bool mark_embedding, bool mark_w) {
+    at::Tensor e = at::ones({4, 3}).requires_grad_(true);
+    at::Tensor w = at::ones({3, 3}).requires_grad_(true);
+    if (mark_embedding) mark_pipeline_shared(e);
+    if (mark_w) mark_pipeline_shared(w);
+    ParamGroup group;
+    group.params = {{"embedding", e}, {"w", w}};
+    return group;
+  };
   ZeroOptions zo;
   zo.timeout = std::chrono::seconds(60);
-  zo.pipeline_group = g.pp;
-  zo.pipeline_shared = {"embeding"};
-  zo.pipeline_shared_group = g.embedding;
-  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
+  zo.grid = g;
+  const auto unequal = model(g.first_stage(), g.last_stage());
+  test::expect_error([&] { DistributedOptimizer({unequal}, AdamW(0.01), g.dp, zo); },
                      ErrorKind::InvalidArgument,
-                     {"pipeline_shared names 'embeding'", "no trainable parameter"});
-  zo.pipeline_shared_group = nullptr;
-  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
-                     ErrorKind::InvalidArgument, {"pipeline_shared_group is null"});
-  zo.pipeline_shared_group = g.embedding;
-  zo.pipeline_shared = {g.first_stage() ? "embedding" : "w"};
-  test::expect_error([&] { DistributedOptimizer({group}, AdamW(0.01), g.dp, zo); },
-                     ErrorKind::InvalidArgument, {"differ between the first and the last"});
-  // Named alike, the last stage's copy starts as the first stage's.
+                     {"mark_pipeline_shared differ between the first and the last"});
+  test::expect_error([&] { DistributedOptimizer({unequal}, AdamW(0.01), world, zo); },
+                     ErrorKind::InvalidArgument,
+                     {"communicator has 2 rank(s) but ZeroOptions::grid's data-parallel group "
+                      "has 1"});
+  zo.grid.pp = nullptr;
+  test::expect_error([&] { DistributedOptimizer({unequal}, AdamW(0.01), g.dp, zo); },
+                     ErrorKind::InvalidArgument, {"grid.embedding is set but grid.pp is null"});
+  zo.grid = g;
+  const auto alike = model(true, false);
+  const at::Tensor& e = alike.params[0].tensor;
   if (g.last_stage()) e.detach().fill_(5.0);
-  zo.pipeline_shared = {"embedding"};
-  DistributedOptimizer opt({group}, AdamW(0.01), g.dp, zo);
+  DistributedOptimizer opt({alike}, AdamW(0.01), g.dp, zo);
   EXPECT_TRUE(test::all_ranks(at::equal(e, at::ones({4, 3}))));
 }
 

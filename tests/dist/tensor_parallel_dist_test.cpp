@@ -29,7 +29,8 @@ namespace shardopt {
 namespace {
 
 constexpr double kTol = 1e-10;
-constexpr int64_t kBatch = 2, kSeq = 8, kHidden = 8, kHeads = 4, kFfn = 16, kVocab = 16;
+// Divisible by every t of tensor_sizes (1-4), the sequence too (sequence parallelism).
+constexpr int64_t kBatch = 2, kSeq = 12, kHidden = 24, kHeads = 12, kFfn = 48, kVocab = 24;
 
 double max_diff(const at::Tensor& a, const at::Tensor& b) {
   EXPECT_EQ(a.sizes(), b.sizes());
@@ -38,9 +39,12 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // The tensor sizes t in {2, 4} this world can split by (the test runs once per t).
+// The tensor-parallel sizes a world runs: every t of 2-4 it divides into (t = 3 at 3 ranks), and
+// t = 1 alone (the split layers with no communication) at one rank.
 std::vector<int> tensor_sizes(int world) {
+  if (world == 1) return {1};
   std::vector<int> out;
-  for (int t : {2, 4}) {
+  for (int t : {2, 3, 4}) {
     if (world % t == 0) out.push_back(t);
   }
   return out;
@@ -60,7 +64,7 @@ template <class Body>
 void for_each_layout(Body body) {
   auto world = test::world();
   const auto sizes = tensor_sizes(world->size());
-  if (sizes.empty()) GTEST_SKIP() << "tensor parallelism needs a world of 2 or 4 ranks (t = 2, 4)";
+  if (sizes.empty()) GTEST_SKIP() << "tensor parallelism runs at 1-4 ranks";
   for (int t : sizes) {
     const ParallelGroups g = make_parallel_groups(world, ParallelLayout{t});
     for (bool sp : {false, true}) {
@@ -379,12 +383,12 @@ TEST(TensorParallelRng, SplitRegionsDrawPerRankStreamsTheRestTheSame) {
 // gradients are summed over the group before the optimizer's hooks see them). A (t, d) grid
 // trains as torch's AdamW on the unsplit model over the global batch (float64: <= 1e-10 after 5
 // steps), stages 0-3 (3: automatic units, gathered on use through the split layers), with and
-// without sequence parallelism. Clipping spans the grid (ZeroOptions::tensor_group): the norm each
+// without sequence parallelism. Clipping spans the grid (ZeroOptions::grid): the norm each
 // step reports is torch's clip_grad_norm_ on the unsplit model's.
 DIST_TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) {
   auto world = test::world();
   const auto sizes = tensor_sizes(world->size());
-  if (sizes.empty()) GTEST_SKIP() << "tensor parallelism needs a world of 2 or 4 ranks (t = 2, 4)";
+  if (sizes.empty()) GTEST_SKIP() << "tensor parallelism runs at 1-4 ranks";
   constexpr int64_t kRows = 8, kSteps = 5;
   constexpr double kMaxNorm = 0.05;  // below every step's norm here: every step clips
   const AdamW rule = AdamW(0.01).weight_decay(0.05);
@@ -455,7 +459,7 @@ DIST_TEST(TensorParallelZero, DataParallelOptimizerOverSplitLayersMatchesTorch) 
       zo.max_grad_norm = kMaxNorm;
       // Note [Split records]: the split layers marked their parameters; the LayerNorm's, never
       // marked, are replicated. Odd runs leave the tensor group to the records.
-      if (run % 2 == 0) zo.tensor_group = g.tp;
+      if (run % 2 == 0) zo.grid = g;
       DistributedOptimizer opt({group}, rule, g.dp, zo);
       double norm_error = 0.0;
       const int64_t rows = kRows / d;  // this data-parallel rank's rows; every tensor rank the same

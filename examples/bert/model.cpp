@@ -400,8 +400,12 @@ std::pair<at::Tensor, at::Tensor> BertForPreTrainingImpl::encode(const at::Tenso
   at::Tensor x = embed(input_ids, token_type_ids);
   x = run_layers(x, mask_bias(attention_mask, x.scalar_type()), 0,
                  static_cast<int64_t>(layers_.size()));
-  if (mp_.tp.sequence_parallel) x = tp::gather_from_region(x, 1, mp_.tp.group);  // whole again
+  x = whole_sequence(x);
   return {x, pool(x)};
+}
+
+at::Tensor BertForPreTrainingImpl::whole_sequence(const at::Tensor& x) const {
+  return mp_.tp.sequence_parallel ? tp::gather_from_region(x, 1, mp_.tp.group) : x;
 }
 
 at::Tensor BertForPreTrainingImpl::embed(const at::Tensor& input_ids,

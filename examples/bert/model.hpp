@@ -138,6 +138,9 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   at::Tensor mask_bias(const at::Tensor& attention_mask, at::ScalarType dtype) const;
   at::Tensor run_layers(at::Tensor x, const at::Tensor& mask_bias, int64_t first, int64_t last);
   at::Tensor pool(const at::Tensor& sequence);  // undefined without the NSP head
+  // The last layer's output as the heads take it: with sequence parallelism each tensor rank holds
+  // its share of the sequence, gathered here; otherwise x itself.
+  at::Tensor whole_sequence(const at::Tensor& x) const;
   BertOutputs heads(const at::Tensor& sequence, const at::Tensor& pooled, const BertInputs& inputs);
 
   const at::Tensor& word_embeddings() const { return word_embedding_; }

@@ -336,11 +336,13 @@ static std::string check_pipeline_args(const Args& a) {
   const std::pair<bool, const char*> unsupported[] = {
       {a.save_model, "--save-model"}, {!a.export_hf.empty(), "--export-hf"},
       {a.eval_only, "--eval-only"}, {!a.eval_data.empty(), "--eval-data"},
-      {a.eval_every > 0, "--eval-every"}, {a.sequence_parallel, "--sequence-parallel"},
+      {a.eval_every > 0, "--eval-every"},
       {a.recompute && a.schedule == "zb-h1", "--recompute with --schedule zb-h1 (its weight pass "
                                              "cannot reach a recomputed layer's parameters; use "
                                              "1f1b or interleaved)"},
-      {a.units == "explicit" && a.stage == 3, "--stage 3 with the model's declared units (use --units auto)"}};
+      {a.units == "explicit" && a.stage == 3 && a.schedule == "zb-h1",
+       "--stage 3 with the model's declared units and --schedule zb-h1 (the deferred weight pass "
+       "reads units already released; use --units auto)"}};
   for (const auto& [given, flag] : unsupported) {
     if (given) return fmt::format("--pp: {} is not supported with pipeline parallelism yet", flag);
   }

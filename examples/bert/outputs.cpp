@@ -58,11 +58,13 @@ void save(Run& r, int64_t done) {
   };
   const nlohmann::json layout = {{"tp", r.tp()}, {"pp", r.pp()},
                                  {"virtual_stages", r.pp() > 1 ? r.a.virtual_stages : 1}};
+  auto trainer_state = make_trainer_state(s, r.schedule, layout);
+  // --tp: the split regions' dropout stream too, so a resume draws the same masks.
+  if (const auto& rng = r.model->model_parallel().rng) trainer_state.tensors["tp_dropout_rng"] = rng->state();
   if (r.a.async_checkpoints) {
     join_async_save(r);
     if (!r.saver) r.saver = std::make_unique<shardopt::AsyncCheckpoint>(*r.opt, r.groups);
-    r.saver->save_checkpoint_async(r.checkpoint_dir.string(),
-                                   make_trainer_state(s, r.schedule, layout), save_options, grid);
+    r.saver->save_checkpoint_async(r.checkpoint_dir.string(), trainer_state, save_options, grid);
     r.async_step = r.last_saved = done;
     if (r.lead) {
       fmt::print("{}[bert] checkpoint: step {} -> {} ({:.3f} s blocking, {:.1f} MiB copied; "
@@ -72,8 +74,8 @@ void save(Run& r, int64_t done) {
     }
     return;
   }
-  shardopt::save_grid_checkpoint(*r.opt, r.groups, r.checkpoint_dir.string(),
-                                 make_trainer_state(s, r.schedule, layout), save_options, grid);
+  shardopt::save_grid_checkpoint(*r.opt, r.groups, r.checkpoint_dir.string(), trainer_state,
+                                 save_options, grid);
   r.last_saved = done;
   if (r.lead) {
     fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,

@@ -90,6 +90,7 @@ at::Tensor PipelineStages::forward(const StageLayers& stage, const at::Tensor& i
   x = model_->run_layers(x, model_->mask_bias(in.attention_mask, x.scalar_type()), stage.first,
                          stage.last);
   if (!stage.heads) return x;
+  x = model_->whole_sequence(x);
   const BertOutputs out = model_->heads(x, model_->pool(x), in);
   {
     torch::NoGradGuard no_grad;

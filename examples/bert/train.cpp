@@ -220,9 +220,12 @@ void build_model(Run& r) {
   // --units auto: no Units in the model; the optimizer derives them (shardopt/unit_policy.hpp).
   const bool automatic = a.units == "auto";
   bert::ModelParallel mp;
+  // Megatron's offset: each pipeline stage draws its own dropout masks (the layers of two stages
+  // are different layers); the weights are drawn from a.seed everywhere.
+  const uint64_t dropout_seed = a.seed + (r.pp() > 1 ? 100 * static_cast<uint64_t>(r.groups.pp_rank) : 0);
   if (r.tp() > 1) {
     mp.tp = {r.groups.tp, a.sequence_parallel};
-    mp.rng = std::make_shared<shardopt::tp::RngTracker>(a.seed, r.groups.tp_rank);
+    mp.rng = std::make_shared<shardopt::tp::RngTracker>(dropout_seed, r.groups.tp_rank);
   }
   try {
     r.model = bert::BertForPreTraining(r.config, /*declare_units=*/!automatic, mp);
@@ -246,6 +249,7 @@ void build_model(Run& r) {
   }
   r.model->to(r.device);
   r.model->train();
+  if (r.pp() > 1) torch::manual_seed(dropout_seed);
   if (r.pp() > 1) {  // Note [Pipelined BERT]: this rank's stages; the others' parameters freed
     try {
       r.pipeline = std::make_unique<bert::PipelineStages>(
@@ -340,6 +344,10 @@ void restore(Run& r) {
       throw UsageError(fmt::format("--resume: {}", e.what()));
     }
     const auto notes = bert::restore_run_state(saved_state, r.schedule, &r.state, saved == now);
+    const auto tp_rng = saved_state.tensors.find("tp_dropout_rng");
+    if (const auto& rng = r.model->model_parallel().rng; rng && tp_rng != saved_state.tensors.end()) {
+      rng->set_state(tp_rng->second);
+    }
     shardopt::agree_on_errors(*r.comm, "resuming the metrics log", [&] {
       if (!r.lead) return;
       fmt::print("[bert] resumed from {} at step {} ({:.1f} s)\n", from, r.state.step,
@@ -424,8 +432,10 @@ bert::StepRecord train_step(Run& r, int64_t step) {
     data_s += seconds_since(td);
     const auto tf = Clock::now();
     const auto& ids = inputs.front().input_ids;
-    sums = r.pipeline->run(std::move(inputs), opt,
-                           {ids.size(0), ids.size(1), r.config.hidden_size},
+    // Between stages travels the hidden state; with sequence parallelism each tensor rank's
+    // share of the sequence (Note [Split regions] in shardopt/tensor_parallel.hpp).
+    const int64_t seq = a.sequence_parallel ? ids.size(1) / r.tp() : ids.size(1);
+    sums = r.pipeline->run(std::move(inputs), opt, {ids.size(0), seq, r.config.hidden_size},
                            opt.param_groups().front().params().front().scalar_type());
     fwd_s += seconds_since(tf);  // forward and backward interleave: all of it counts as forward
     if (r.groups.last_stage()) sums[bert::kRows] += rows, sums[bert::kTokens] += tokens;

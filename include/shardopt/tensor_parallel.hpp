@@ -226,6 +226,12 @@ class RngTracker {
   };
   /// Switches to this rank's stream until the returned guard is destroyed.
   Fork fork() { return Fork(*this); }
+  /// This rank's stream between forks, as a generator state (a byte tensor): what a checkpoint
+  /// keeps (TrainerState::tensors) so a resumed run draws the same dropout masks.
+  at::Tensor state() const { return state_.clone(); }
+  /// Continues from a state() of a tracker on the same device. Throws Error{InvalidArgument}
+  /// when `state` is no generator state of that device.
+  void set_state(const at::Tensor& state);
 
  private:
   c10::Device device_;

@@ -375,6 +375,21 @@ RngTracker::RngTracker(uint64_t seed, int tp_rank, c10::Device device) : device_
   gen.set_state(caller);
 }
 
+void RngTracker::set_state(const at::Tensor& state) {
+  auto gen = at::globalContext().defaultGenerator(device_);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  const at::Tensor caller = gen.get_state();
+  try {
+    gen.set_state(state);  // the generator validates the state's size and type
+  } catch (const c10::Error& e) {
+    gen.set_state(caller);
+    SHARDOPT_FAIL(InvalidArgument, "tp::RngTracker::set_state: not a generator state of {}: {}",
+                  device_.str(), e.what_without_backtrace());
+  }
+  state_ = gen.get_state();
+  gen.set_state(caller);
+}
+
 RngTracker::Fork::Fork(RngTracker& tracker) : tracker_(tracker) {
   auto gen = at::globalContext().defaultGenerator(tracker_.device_);
   std::lock_guard<std::mutex> lock(gen.mutex());

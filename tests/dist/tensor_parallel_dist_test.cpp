@@ -376,6 +376,23 @@ TEST(TensorParallelRng, SplitRegionsDrawPerRankStreamsTheRestTheSame) {
   }
 }
 
+// A checkpoint keeps the stream (state()); a tracker restored from it draws what the saved one
+// would have drawn next, whatever its own seed. Not a generator state: a clear error.
+TEST(TensorParallelRng, StateRoundTripsThroughACheckpoint) {
+  tp::RngTracker saved(/*seed=*/5, /*tp_rank=*/1);
+  { auto fork = saved.fork(); (void)at::rand({3}); }
+  const at::Tensor state = saved.state();
+  at::Tensor expected, got;
+  { auto fork = saved.fork(); expected = at::rand({4}, at::kDouble); }
+  tp::RngTracker restored(/*seed=*/99, /*tp_rank=*/0);
+  restored.set_state(state);
+  { auto fork = restored.fork(); got = at::rand({4}, at::kDouble); }
+  EXPECT_TRUE(got.equal(expected));
+  test::expect_error([&] { restored.set_state(at::zeros({3}, at::kByte)); },
+                     ErrorKind::InvalidArgument, {"not a generator state of cpu"});
+  { auto fork = restored.fork(); EXPECT_FALSE(at::rand({4}, at::kDouble).equal(got)); }
+}
+
 
 // ZeRO over the data-parallel group (Note [Split regions]): each tensor rank's optimizer shards
 // its slices over the d ranks that hold the same slices; the replicated LayerNorm gets the same

@@ -15,6 +15,8 @@
 #           (4, 1) stage 3 and (1, 2) stage 1 (within 1e-4; checkpoints across layouts,
 #           shardopt/grid_checkpoint.hpp); resuming at another --tp into the same folder is refused.
 #           Its Hugging Face export is the unsplit model (the vocabulary's padding rows dropped).
+#           With dropout 0.1 at (2, 1), a run resumed at step 5 repeats the uninterrupted losses
+#           bitwise (the checkpoint keeps each tensor rank's dropout stream).
 # Usage: bert_tp_test.sh golden|clip BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS] [PYTHON]
 set -euo pipefail
 MODE="$1" EXE="$2" MPIEXEC="$3" WORK="$4" CORPUS="${5:-}" PY="${6:-/usr/bin/python3}"
@@ -133,4 +135,20 @@ assert shape == [2000, 64] and header["cls.predictions.bias"]["shape"] == [2000]
 assert header["bert.encoder.layer.0.attention.self.query.weight"]["shape"] == [64, 64]
 assert header["bert.encoder.layer.0.output.dense.weight"]["shape"] == [64, 256]
 PY
-echo "clip: gradient norm, resume and export at (2, 2) as at (1, 1)"
+# With dropout, a resume at the same layout draws the split regions' masks of the uninterrupted
+# run: the checkpoint keeps each tensor rank's dropout stream (tp::RngTracker::state). Bitwise.
+R=(--corpus "$CORPUS" --vocab-size 2000 --dupe-factor 2 --steps 10 --stage 1 --dropout 0.1 --tp 2
+   --checkpoint-every 5)
+train 2 dropout_full "${R[@]}"
+train 2 dropout_part "${R[@]}" --stop-after 5
+train 2 dropout_part "${R[@]}" --resume
+"$PY" - "$WORK" <<'PY' || fail "a resume under --tp with dropout did not continue the same masks"
+import json, sys
+loss = lambda name: [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/{name}/metrics.jsonl")]
+full, resumed = loss("dropout_full"), loss("dropout_part")
+assert len(full) == len(resumed) == 10, (len(full), len(resumed))
+print(f"dropout 0.1 at --tp 2, resumed at step 5: largest |loss - uninterrupted| = "
+      f"{max(abs(a - b) for a, b in zip(full, resumed)):.2e} (expected 0)")
+assert full == resumed
+PY
+echo "clip: gradient norm, resume (dropout streams too) and export at (2, 2) as at (1, 1)"

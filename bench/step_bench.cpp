@@ -7,6 +7,7 @@
 //   build/bench/step_bench --layers 26 --stages 0,1,2,3     # 110M
 //   mpirun -np 2 build/bench/step_bench --stages 0,1,2,3
 //   build/bench/step_bench --hand-set              # gradients set by hand, reduced in step()
+//   build/bench/step_bench --adafactor             # + Adafactor at the same stages, same rounds
 //
 // Gradients come from a backward pass through the optimizer's hooks (untimed), as in training;
 // only step() is timed. With --hand-set they are assigned to .grad instead (untimed), as tests,
@@ -113,7 +114,7 @@ int main(int argc, char** argv) {
   int64_t layers = 5, width = 2048;
   std::string stages_arg = "0,1,2";
   int rounds = 9, warmup = 2, threads = 0;
-  bool hand_set = false;
+  bool hand_set = false, adafactor = false;
   app.add_option("--layers", layers, "Linear(width, width) layers (5: 21M parameters)");
   app.add_option("--width", width, "layer width");
   app.add_option("--stages", stages_arg, "ZeRO stages, comma-separated");
@@ -121,6 +122,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed rounds first");
   app.add_option("--threads", threads, "at::set_num_threads (0: torch's default)");
   app.add_flag("--hand-set", hand_set, "gradients assigned to .grad, no backward (step() reduces)");
+  app.add_flag("--adafactor", adafactor, "also shardopt's Adafactor at each stage (same rounds)");
   CLI11_PARSE(app, argc, argv);
   if (threads > 0) at::set_num_threads(threads);
   at::NoGradGuard no_grad;  // grad mode only where a loss is built
@@ -146,9 +148,11 @@ int main(int argc, char** argv) {
         t.params, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
     variants.push_back(std::move(t));
   }
-  for (int stage : stages) {
+  for (int k = 0; k < (adafactor ? 2 : 1) * static_cast<int>(stages.size()); ++k) {
+    const int stage = stages[k % stages.size()];
+    const bool factored = k >= static_cast<int>(stages.size());
     Variant v;
-    v.name = fmt::format("shardopt stage {}", stage);
+    v.name = fmt::format("shardopt {}stage {}", factored ? "adafactor " : "", stage);
     v.stage = stage;
     v.params = make_params(layers, width);
     torch::OrderedDict<std::string, at::Tensor> named;
@@ -158,8 +162,9 @@ int main(int argc, char** argv) {
     }
     shardopt::ZeroOptions zo;
     zo.stage = shardopt::stage_from_int(stage);
-    v.opt = std::make_unique<shardopt::DistributedOptimizer>(
-        named, shardopt::AdamW(1e-4).weight_decay(0.01), comm, zo);
+    const shardopt::Rule rule = factored ? shardopt::Rule(shardopt::Adafactor(1e-2))
+                                         : shardopt::Rule(shardopt::AdamW(1e-4).weight_decay(0.01));
+    v.opt = std::make_unique<shardopt::DistributedOptimizer>(named, rule, comm, zo);
     variants.push_back(std::move(v));
   }
   int64_t numel = 0;

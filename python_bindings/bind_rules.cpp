@@ -73,6 +73,25 @@ class HyperReader {
     set(b1, b2);
     items_.erase(it);
   }
+  // Adafactor's eps = (eps1 or None, eps2); None is the dtype's machine epsilon (eps1 < 0).
+  void eps_pair(const std::function<void(double, double)>& set) {
+    known_.push_back("eps");
+    auto it = items_.find("eps");
+    if (it == items_.end()) return;
+    SHARDOPT_CHECK(py::isinstance<py::sequence>(it->second) && py::len(it->second) == 2,
+                   InvalidArgument, "optimizer: {} hyper-parameter 'eps' must be a pair "
+                   "(eps1 or None, eps2), got {}", rule_,
+                   py::str(py::repr(it->second)).cast<std::string>());
+    py::sequence pair = it->second;
+    const double e1 = pair[0].is_none() ? -1.0 : to_double("eps[0]", pair[0]);
+    const double e2 = to_double("eps[1]", pair[1]);
+    SHARDOPT_CHECK(pair[0].is_none() || e1 >= 0, InvalidArgument,
+                   "optimizer: {}: epsilon1 should be >= 0 but is: {}", rule_, e1);
+    SHARDOPT_CHECK(e2 >= 0, InvalidArgument, "optimizer: {}: epsilon2 should be >= 0 but is: {}",
+                   rule_, e2);
+    set(e1, e2);
+    items_.erase(it);
+  }
   // Unknown names are an error when strict (what the user wrote), ignored otherwise (what LR
   // schedulers add to param_groups: initial_lr, max_lr, ...).
   void finish() const {
@@ -109,18 +128,19 @@ Rule read_rule_of(HyperReader& h, const py::dict& values, bool strict) {
                    "optimizer: {} needs a learning rate, e.g. lr=0.1", R::kName);
   }
   R r = detail::blank_rule<R>();
-  double* beta1 = nullptr;
+  double* first = nullptr;  // beta1 or eps1, set with the second of the pair
   R::fields(r, [&](const detail::Field& f, auto& value) {
     const std::string name = f.name;
     if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
       h.flag(f.name, [&](bool v) { value = v; });
-    } else if (name == "beta1") {
-      beta1 = &value;
-    } else if (name == "beta2") {
-      h.betas([&](double b1, double b2) {
-        *beta1 = b1;
-        value = b2;
-      });
+    } else if (name == "beta1" || name == "eps1") {
+      first = &value;
+    } else if (name == "beta2" || name == "eps2") {
+      auto set = [&](double v1, double v2) {
+        *first = v1;
+        value = v2;
+      };
+      if (name == "beta2") h.betas(set); else h.eps_pair(set);
     } else {
       h.number(f.name, f.lowest, [&](double v) { value = v; });
     }
@@ -151,7 +171,10 @@ py::dict rule_dict(const Rule& rule) {
   py::dict d;
   detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
     if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
-      d[name] = py::make_tuple(value.first, value.second);
+      // Adafactor's eps: a negative eps1 is torch's None.
+      const bool none = std::string(name) == "eps" && value.first < 0;
+      d[name] = py::make_tuple(none ? py::object(py::none()) : py::float_(value.first),
+                               value.second);
     } else {
       d[name] = value;
     }

@@ -329,6 +329,9 @@ void bind_options(py::module_& m) {
       .def_readwrite("unit_policy", &ZeroOptions::unit_policy,
                      "Stage 3 without units: how units are derived from parameter names")
       .def_readwrite("max_nonfinite_steps", &ZeroOptions::max_nonfinite_steps)
+      .def_readwrite("reshard_between_uses", &ZeroOptions::reshard_between_uses,
+                     "stage 3: release a unit between its uses within a step (True), or hold it "
+                     "gathered until the update (False); None: False under pipelines")
       .def_readwrite("grid", &ZeroOptions::grid,
                      "model parallelism: make_parallel_groups(world, tp=, pp=) (pass comm= its "
                      ".dp): clipping and the non-finite check span the grid, counting once the "
@@ -381,6 +384,7 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("gather_s", &StepStats::gather_s)
       .def_readonly("step_s", &StepStats::step_s)
       .def_readonly("comm_elements", &StepStats::comm_elements)
+      .def_readonly("gather_elements", &StepStats::gather_elements)
       .def("__repr__", [](const StepStats& s) {
         return fmt::format("StepStats(step={}, grad_norm={}, clipped={}, skipped={}, "
                            "loss_scale={}, step_s={:.6f}, comm_elements={})",

@@ -29,6 +29,12 @@ std::string SGD::problem() const {
       momentum_, dampening_);
 }
 
+std::string Adafactor::problem() const {
+  // torch.optim.Adafactor's checks, same words.
+  if (!(beta2_decay_ <= 0.0)) return fmt::format("beta2_decay should be <= 0 but is: {}", beta2_decay_);
+  return {};
+}
+
 namespace detail {
 
 std::vector<std::string> state_names(const Rule& rule) {

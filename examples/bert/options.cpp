@@ -157,8 +157,9 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
       ->check(integer_at_least(1));
   app.add_option("--lr", a.lr, "peak learning rate")->check(number(0, true));
   app.add_option("--optimizer", a.optimizer, "adamw | lamb (LAMB: Adam's update scaled per tensor "
-                 "by ||w|| / ||update||, for large batches)")
-      ->check(CLI::IsMember({"adamw", "lamb"}));
+                 "by ||w|| / ||update||, for large batches) | adafactor (torch.optim.Adafactor's "
+                 "defaults but --lr and --weight-decay; no betas or eps)")
+      ->check(CLI::IsMember({"adamw", "lamb", "adafactor"}));
   app.add_option("--adam-eps", a.adam_eps, "Adam's epsilon (default: adamw 1e-8 as torch, lamb "
                  "1e-6; BERT's recipe: 1e-6)")->check(number(0, true));
   app.add_option("--adam-betas", a.adam_betas, "Adam's beta1,beta2")
@@ -339,10 +340,7 @@ static std::string check_pipeline_args(const Args& a) {
       {a.eval_every > 0, "--eval-every"},
       {a.recompute && a.schedule == "zb-h1", "--recompute with --schedule zb-h1 (its weight pass "
                                              "cannot reach a recomputed layer's parameters; use "
-                                             "1f1b or interleaved)"},
-      {a.units == "explicit" && a.stage == 3 && a.schedule == "zb-h1",
-       "--stage 3 with the model's declared units and --schedule zb-h1 (the deferred weight pass "
-       "reads units already released; use --units auto)"}};
+                                             "1f1b or interleaved)"}};
   for (const auto& [given, flag] : unsupported) {
     if (given) return fmt::format("--pp: {} is not supported with pipeline parallelism yet", flag);
   }

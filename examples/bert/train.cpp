@@ -143,6 +143,7 @@ shardopt::Rule optimizer_rule(const Args& a) {
   if (a.optimizer == "lamb") {
     return shardopt::Lamb(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(a.weight_decay);
   }
+  if (a.optimizer == "adafactor") return shardopt::Adafactor(a.lr).weight_decay(a.weight_decay);
   return shardopt::AdamW(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(a.weight_decay);
 }
 
@@ -171,14 +172,18 @@ void print_plan(const Run& r) {
                         a.sequence_parallel ? " with sequence parallelism" : "")
           : "";
   fmt::print("[bert] training: {} ranks{} ({}) on {}, ZeRO stage {}{}, {}, global batch {} = {} rows/rank "
-             "x {} {}ranks x {} micro-steps, {} steps ({}), {} (betas {}, {}, eps {}, weight decay {}), "
+             "x {} {}ranks x {} micro-steps, {} steps ({}), {} ({}weight decay {}), "
              "lr {} (warm-up {}, then {}), {} thread(s)/rank\n",
              r.world, layout, backend, a.device, a.stage,
              fmt::format("{}{}", a.stage == 3 ? fmt::format(" ({} units)", a.units) : "",
                          a.defer_reduction ? ", reduction deferred to the last micro-step" : ""),
              a.precision, r.global_batch, a.batch_size, r.dp->size(), r.tp() > 1 || r.pp() > 1 ? "data-parallel " : "",
-             a.grad_accum, a.steps, epochs, a.optimizer, a.adam_betas.at(0), a.adam_betas.at(1),
-             bert::adam_eps(a), a.weight_decay, a.lr, a.warmup_steps, a.lr_schedule, a.threads);
+             a.grad_accum, a.steps, epochs, a.optimizer,
+             a.optimizer == "adafactor"
+                 ? std::string("torch's beta2_decay -0.8, eps (None, 1e-3), d 1, ")
+                 : fmt::format("betas {}, {}, eps {}, ", a.adam_betas.at(0), a.adam_betas.at(1),
+                               bert::adam_eps(a)),
+             a.weight_decay, a.lr, a.warmup_steps, a.lr_schedule, a.threads);
   if (r.pipeline) {
     fmt::print("[bert] pipeline: {} schedule over {} ranks{}, {} micro-batches a step; {}\n", a.schedule,
                r.pp(), a.virtual_stages > 1 ? fmt::format(" x {} chunks", a.virtual_stages) : "",

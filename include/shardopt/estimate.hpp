@@ -76,8 +76,10 @@ using shardopt::Precision;
 /// The name of an offload kind: "none" or "cpu".
 inline const char* to_string(Offload o) { return shardopt::detail::offload_name(o); }
 /// Optimizer state per parameter (fp32 bytes, without the master copy):
-/// Adam/AdamW/Lamb 8 (m, v), SGD with momentum 4, Adagrad 4, SGD without momentum 0.
-enum class Optimizer { Adam, AdamW, Lamb, SGD, Adagrad, SGDNoMomentum };
+/// Adam/AdamW/Lamb 8 (m, v), SGD with momentum 4, Adagrad 4, SGD without momentum 0, Adafactor 4
+/// (its factors packed into one element per parameter: Note [Factored state in flat shards] in
+/// src/engine/adafactor_update.hpp).
+enum class Optimizer { Adam, AdamW, Lamb, SGD, Adagrad, SGDNoMomentum, Adafactor };
 
 /// The name of an optimizer as the CLI spells it ("adamw", "sgd-nomomentum", ...).
 inline const char* to_string(Optimizer o) {
@@ -88,6 +90,7 @@ inline const char* to_string(Optimizer o) {
     case Optimizer::SGD: return "sgd";
     case Optimizer::Adagrad: return "adagrad";
     case Optimizer::SGDNoMomentum: return "sgd-nomomentum";
+    case Optimizer::Adafactor: return "adafactor";
   }
   return "?";
 }
@@ -106,11 +109,12 @@ inline Offload parse_offload(const std::string& s) {
 /// otherwise.
 inline Optimizer parse_optimizer(const std::string& s) {
   for (Optimizer o : {Optimizer::Adam, Optimizer::AdamW, Optimizer::Lamb, Optimizer::SGD,
-                      Optimizer::Adagrad, Optimizer::SGDNoMomentum}) {
+                      Optimizer::Adagrad, Optimizer::SGDNoMomentum, Optimizer::Adafactor}) {
     if (s == to_string(o)) return o;
   }
   throw std::invalid_argument("estimate: unknown optimizer '" + s +
-                              "', expected adam, adamw, lamb, sgd, adagrad or sgd-nomomentum");
+                              "', expected adam, adamw, lamb, sgd, adagrad, sgd-nomomentum or "
+                              "adafactor");
 }
 
 /// Bytes per parameter of the compute copy (P) and of a gradient (G).
@@ -122,7 +126,7 @@ inline int state_bytes(Optimizer o, Precision p) {
   int k = 0;
   switch (o) {
     case Optimizer::Adam: case Optimizer::AdamW: case Optimizer::Lamb: k = 8; break;
-    case Optimizer::SGD: case Optimizer::Adagrad: k = 4; break;
+    case Optimizer::SGD: case Optimizer::Adagrad: case Optimizer::Adafactor: k = 4; break;
     case Optimizer::SGDNoMomentum: k = 0; break;
   }
   return k + (p == Precision::FP32 ? 0 : 4);

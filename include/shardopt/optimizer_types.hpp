@@ -66,6 +66,8 @@ struct StepStats {
   int64_t comm_elements = 0;     ///< gradient and parameter elements this rank sent into
                                  ///< collectives since the last step (one-element flags and norms
                                  ///< of the non-finite check, clipping and LAMB not counted)
+  int64_t gather_elements = 0;   ///< the parameter all-gathers' part of comm_elements (stage 3:
+                                 ///< every gather of a unit in forward and backward)
 };
 
 /// Bytes this rank holds for the model state, by category (the memory model, docs/stages.md).

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,13 @@ struct ZeroOptions {
   /// Stage 3: how many units ahead to gather asynchronously (forward and backward); 0 gathers
   /// each unit only when it is needed.
   int prefetch = 1;
+  /// Stage 3: whether a unit's parameters are released between their uses within a step (FSDP2's
+  /// reshard_after_forward). False keeps each unit gathered from its first use to the step's
+  /// update: gathered once per step instead of twice per micro-batch, at the memory of every unit
+  /// this rank runs held whole during the step (Note [Parts held through a step] in
+  /// src/engine/part_scheduler.cpp). Unset: false under pipelines (`grid` with pp > 1), where a
+  /// stage runs the same units for every micro-batch (torchtitan's choice), true otherwise.
+  std::optional<bool> reshard_between_uses;
   /// Stage 3, automatic units: in forward, when a unit starts, a gathered unit stays gathered if
   /// the order recorded in the last pass (its forward, then its backward) uses it again within
   /// this many unit uses, and is released otherwise (DeepSpeed's stage3_max_reuse_distance,

@@ -206,8 +206,49 @@ struct Lamb {
   std::vector<std::string> state_names() const { return detail::adam_state_names(false); }
 };
 
+/// torch.optim.Adafactor's rule (torch >= 2.5): second moments factored into row and column
+/// means for every tensor of two or more dimensions (over its last two), a full second moment for
+/// vectors and scalars; no first moment. Hyper-parameters `lr` (1e-2: the cap of the relative step
+/// size and the decoupled weight decay's rate), `beta2_decay` (-0.8), `eps1` (torch's eps[0]:
+/// negative means torch's None, the machine epsilon of the parameter's dtype), `eps2` (eps[1],
+/// 1e-3), `d` (1.0, the update's clipping threshold), `weight_decay` (0) and `maximize` (false).
+/// The row and column statistics, the parameter's RMS and the update's RMS span whole tensors,
+/// which shards split: they are all-reduced, so sharded Adafactor equals torch's (Note
+/// [Factored state in flat shards], src/engine/adafactor_update.hpp).
+struct Adafactor {
+  explicit Adafactor(double lr = 1e-2) : lr_(lr) {}  ///< With this learning rate.
+  /// The rule's name: checkpoints, Python, errors.
+  static constexpr const char* kName = "adafactor";
+  SHARDOPT_ARG(double, lr, 1e-2);
+  SHARDOPT_ARG(double, beta2_decay, -0.8);
+  SHARDOPT_ARG(double, eps1, -1.0);  ///< < 0: torch's None (the dtype's machine epsilon)
+  SHARDOPT_ARG(double, eps2, 1e-3);
+  SHARDOPT_ARG(double, d, 1.0);
+  SHARDOPT_ARG(double, weight_decay, 0.0);  ///< decoupled, at rate lr
+  SHARDOPT_ARG(bool, maximize, false);
+
+ public:
+  /// Visits every hyper-parameter in torch's order (Note [One place per rule]); torch spells
+  /// eps1, eps2 as one pair, `eps`.
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v({"beta2_decay", kAnyValue}, r.beta2_decay_); v({"eps1", kAnyValue}, r.eps1_);
+    v("eps2", r.eps2_); v({"d", 1.0}, r.d_); v("weight_decay", r.weight_decay_);
+    v("maximize", r.maximize_);
+  }
+  /// The state buffer the rule keeps in the flat layout: one element per parameter element,
+  /// holding torch's `variance` for vectors and `row_var`, `col_var` packed for matrices.
+  std::vector<std::string> state_names() const { return {"factored_variance"}; }
+  /// torch.optim.Adafactor's constraint on beta2_decay, checked where rules come from users
+  /// (Python): empty when met.
+  std::string problem() const;
+
+ private:
+  static constexpr double kAnyValue = -std::numeric_limits<double>::infinity();
+};
+
 /// The order is the one error messages list the rules in.
-using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb>;
+using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb, Adafactor>;
 
 /// "adamw", "sgd", ... of whichever rule `rule` holds.
 const char* rule_name(const Rule& rule);

@@ -45,9 +45,9 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
         params: ``model.named_parameters()`` (preferred: names appear in errors and checkpoints),
             a module, tensors, or a list of parameter-group dicts ``{"params": ..., "lr": ...}``.
             Parameters become views into shardopt's flat buffers; frozen ones are left alone.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"lamb"``;
-            a spec dict ``{"name": "sgd", "momentum": 0.9}``; a ``torch.optim`` class (the five
-            above run natively, any other runs over this rank's shard, like
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"lamb"``,
+            ``"adafactor"``; a spec dict ``{"name": "sgd", "momentum": 0.9}``; a ``torch.optim``
+            class (those of the rules above run natively, any other runs over this rank's shard, like
             ``ZeroRedundancyOptimizer``'s ``optimizer_class``); or a factory
             ``f(list_of_shard_tensors) -> torch.optim.Optimizer``.
         comm: a :class:`shardopt.Communicator`; default :func:`shardopt.default_communicator`.
@@ -220,7 +220,7 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"loaded state dict's group {g} has {len(saved['params'])} "
                                  f"parameters, the optimizer's {len(mine['params'])}")
-            if saved.get("maximize"):
+            if saved.get("maximize") and "maximize" not in self._rule_keys:
                 raise _C.UnsupportedError("shardopt: the state dict's optimizer maximizes "
                                           "(maximize=True); shardopt minimizes")
             group = []
@@ -237,7 +237,7 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
         for mine, saved in zip(self.param_groups, saved_groups):
             mine.update({k: v for k, v in saved.items()
                          if k not in _GROUP_KEYS and k not in _TORCH_IMPL_KEYS
-                         and k != "maximize"})
+                         and (k != "maximize" or k in self._rule_keys)})
         self._push_hyperparameters()
 
     def __repr__(self):

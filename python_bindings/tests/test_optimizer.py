@@ -290,6 +290,7 @@ NON_DEFAULT = dict(stage=1, bucket_bytes=4096, overlap_comm=False, grad_accumula
                    defer_reduction=True, max_grad_norm=2.5, precision="bf16", reduce_in_fp32=False,
                    reduce_dtype="bf16", shard_group_size=1, fused_update=False, offload="cpu",
                    broadcast_initial_params=False, align_bytes=128, prefetch=3, reuse_distance=7,
+                   reshard_between_uses=False,
                    timeout=datetime.timedelta(seconds=42), max_nonfinite_steps=0,
                    unit_policy=shardopt.UnitPolicy(patterns=["layers"], persist_below=5,
                                                    persist_share=0.25))

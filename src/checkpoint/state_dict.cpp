@@ -11,6 +11,7 @@
 #include "checkpoint/format.hpp"
 #include "checkpoint/staging.hpp"
 #include "comm/agreement.hpp"
+#include "engine/adafactor_update.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
@@ -92,6 +93,11 @@ void DistributedOptimizer::consolidate_state_dict(int to) {
       for (size_t k = 0; k < names.size() && p.index >= 0; ++k) {
         param.state[names[k]] = full[k][p.index];
       }
+      // Adafactor: torch's row_var, col_var or variance out of the packed buffer (Note
+      // [Factored state in flat shards] in src/engine/adafactor_update.hpp).
+      if (std::holds_alternative<Adafactor>(group.rule) && !param.state.empty()) {
+        param.state = detail::adafactor_torch_state(param.state.begin()->second);
+      }
       group.params.push_back(std::move(param));
     }
     out->groups.push_back(std::move(group));
@@ -131,6 +137,8 @@ void DistributedOptimizer::load_state_dict(const OptimizerStateDict& state) {
                        state.groups.size(), given_.size());
         // Positional, as torch maps state dicts: the i-th parameter of each group.
         std::vector<const std::map<std::string, at::Tensor>*> by_slot(a.layout().slots.size());
+        // Adafactor: torch's per-parameter buffers packed into the flat buffer's form.
+        std::vector<std::map<std::string, at::Tensor>> packed(a.layout().slots.size());
         std::string with_state, without_state;
         for (size_t g = 0; g < given_.size(); ++g) {
           const auto& saved = state.groups[g];
@@ -149,9 +157,15 @@ void DistributedOptimizer::load_state_dict(const OptimizerStateDict& state) {
           for (size_t j = 0; j < given_[g].size(); ++j) {
             const int slot = given_[g][j].index;
             if (slot < 0 || by_slot[slot] != nullptr) continue;  // frozen, or tied (seen)
-            const auto& buffers = saved.params[j].state;
-            by_slot[slot] = &buffers;
             const std::string& name = a.param_name(slot);
+            if (std::holds_alternative<Adafactor>(current) && !saved.params[j].state.empty()) {
+              packed[slot][names.at(0)] = detail::adafactor_packed_state(
+                  saved.params[j].state, a.param_shape(slot), name,
+                  at::TensorOptions().dtype(a.master_dtype()));
+            }
+            const auto& buffers = std::holds_alternative<Adafactor>(current)
+                                      ? packed[slot] : saved.params[j].state;
+            by_slot[slot] = &buffers;
             (buffers.empty() ? without_state : with_state) = name;
             for (const auto& [key, tensor] : buffers) {
               SHARDOPT_CHECK(std::find(names.begin(), names.end(), key) != names.end(), Mismatch,

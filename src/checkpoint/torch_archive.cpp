@@ -36,7 +36,8 @@ using torch::serialize::OutputArchive;
 // torch::optim's ParamState classes keep "step" for every rule but SGD.
 bool keeps_step(const Rule& rule) { return !std::holds_alternative<SGD>(rule); }
 
-// A rule's hyper-parameters under torch::optim's option names (beta1, beta2 are "betas").
+// A rule's hyper-parameters under torch::optim's option names (beta1, beta2 are "betas";
+// Adafactor's eps1, eps2 "eps").
 void write_options(OutputArchive& archive, const Rule& rule) {
   detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
     if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
@@ -54,10 +55,11 @@ void read_options(InputArchive& archive, Rule& rule) {
         std::decay_t<decltype(r)>::fields(r, [&](const detail::Field& f, auto& value) {
           const std::string name = f.name;
           c10::IValue v;
-          if (name == "beta1" || name == "beta2") {
-            if (!archive.try_read("betas", v)) return;
-            const auto betas = v.to<std::tuple<double, double>>();
-            value = name == "beta1" ? std::get<0>(betas) : std::get<1>(betas);
+          if (name == "beta1" || name == "beta2" || name == "eps1" || name == "eps2") {
+            const bool betas = name[0] == 'b';
+            if (!archive.try_read(betas ? "betas" : "eps", v)) return;
+            const auto pair = v.to<std::tuple<double, double>>();
+            value = name.back() == '1' ? std::get<0>(pair) : std::get<1>(pair);
           } else if (archive.try_read(name, v)) {
             value = v.to<std::decay_t<decltype(value)>>();
           }

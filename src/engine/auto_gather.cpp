@@ -112,7 +112,7 @@ void AutoUnits::release_after_use(const std::vector<int>& parts) {
       ++it;
       continue;
     }
-    store_.release(*it);
+    release(*it);
     it = recent_.erase(it);
   }
 }

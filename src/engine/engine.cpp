@@ -207,6 +207,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       scheduler_ = std::make_unique<DeclaredUnits>(*parts, model_.unit_parts, comm_,
                                                    options_.timeout, options_.prefetch);
     }
+    const bool pipelines = options_.grid.pp && options_.grid.pp->size() > 1;
+    scheduler_->hold_through_step(!options_.reshard_between_uses.value_or(!pipelines));
     store_ = std::move(parts);
   } else {
     store_ = std::make_unique<WholeParameters>(*flat_, tensors_of(params()), comm_,
@@ -231,11 +233,24 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   update_ = std::make_unique<LocalUpdate>(
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
-      options_.fused_update);
+      options_.fused_update, [&] {
+        std::vector<std::vector<int64_t>> shapes;
+        for (const auto& p : params()) shapes.push_back(p.tensor.sizes().vec());
+        return shapes;
+      }());
   // Note [Split records] (shardopt/tensor_parallel.hpp): the parameters say how they are split.
   const ParallelGroups& grid = options_.grid;
   if (auto tensors = tensor_grid_of(params(), grid.tp && grid.tp->size() > 1 ? grid.tp : nullptr);
       tensors.group) {
+    for (size_t i = 0; i < tensors.replicated.size(); ++i) {
+      // Adafactor's statistics span whole tensors; over a split one they would not (yet).
+      SHARDOPT_CHECK(tensors.replicated[i] != 0 || !std::holds_alternative<Adafactor>(rule),
+                     Unsupported,
+                     "optimizer: adafactor does not step parameters split by tensor parallelism "
+                     "yet: '{}' is split over {} ranks, and its row and column statistics would "
+                     "cover only this rank's part; use adamw or lamb with tensor parallelism",
+                     params()[i].name, tensors.group->size());
+    }
     update_->grid().set_tensor_group(std::move(tensors.group), std::move(tensors.replicated));
   }
   if (grid.pp && grid.pp->size() > 1) update_->grid().set_pipeline(grid.pp);
@@ -514,7 +529,8 @@ void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
   reducer_->start_over();  // Note [step() consumes the gradients]
-  stats_.comm_elements = reducer_->take_comm_elements() + store_->take_comm_elements();
+  stats_.gather_elements = store_->take_comm_elements();
+  stats_.comm_elements = reducer_->take_comm_elements() + stats_.gather_elements;
   stats_.step_s = seconds_since(t0);
 }
 

@@ -16,7 +16,7 @@ namespace shardopt::detail {
 
 LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout,
                          const Rule& rule, const ShardOptimizerFactory& factory, RuleOf rule_of,
-                         bool fused)
+                         bool fused, const std::vector<std::vector<int64_t>>& shapes)
     : flat_(flat), comm_(comm), timeout_(timeout), finalize_(flat, timeout),
       grid_(flat, std::move(comm), timeout),
       rule_of_(std::move(rule_of)),
@@ -39,6 +39,9 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
   }
   const auto* ada = std::get_if<Adagrad>(&rule);
   flat_.init_state(state_count(rule), ada ? ada->initial_accumulator_value() : 0.0);
+  if (std::holds_alternative<Adafactor>(rule)) {
+    adafactor_ = std::make_unique<AdafactorUpdate>(flat_, comm_, timeout_, rule_of_, shapes);
+  }
 }
 
 FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
@@ -130,6 +133,10 @@ void LocalUpdate::update(int64_t step) {
   }
   if (lamb_) {
     lamb_update(step);
+    return;
+  }
+  if (adafactor_) {
+    adafactor_->update(step);
     return;
   }
   auto& state = flat_.state();

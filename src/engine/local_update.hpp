@@ -1,7 +1,8 @@
 // LocalUpdate: everything that happens to this rank's segments between the end of the reduction
 // and the new parameters: unscaling, the non-finite check, global-norm clipping, and the update
 // itself (native rules through the fused kernels or torch's ops, LAMB's two phases with its
-// all-reduced per-tensor norms, or a factory-built torch optimizer over the shard).
+// all-reduced per-tensor norms, Adafactor's all-reduced factors (adafactor_update.hpp), or a
+// factory-built torch optimizer over the shard).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -11,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "engine/adafactor_update.hpp"
 #include "engine/finalize_grads.hpp"
 #include "engine/finite_check.hpp"
 #include "engine/flat_state.hpp"
@@ -29,8 +31,10 @@ class LocalUpdate {
 
   // With a factory, the factory's optimizer steps the segments; otherwise `rule`'s state buffers
   // are allocated in `flat`. `fused`: use the device's fused kernels where they accept a segment.
+  // `shapes`: each layout slot's parameter shape (per-tensor rules: Adafactor).
   LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout, const Rule& rule,
-              const ShardOptimizerFactory& factory, RuleOf rule_of, bool fused);
+              const ShardOptimizerFactory& factory, RuleOf rule_of, bool fused,
+              const std::vector<std::vector<int64_t>>& shapes);
 
   // Unscales and checks the segments of `bucket`, final before step() (Note [The non-finite check
   // during backward]); unscale_and_check, given the same divisor and norm, combines the result.
@@ -80,6 +84,7 @@ class LocalUpdate {
   bool lamb_ = false;
   const FusedKernels* kernels_ = nullptr;
   std::unique_ptr<torch::optim::Optimizer> inner_;
+  std::unique_ptr<AdafactorUpdate> adafactor_;
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
   std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
   std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early

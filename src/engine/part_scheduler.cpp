@@ -15,10 +15,19 @@ PartScheduler::PartScheduler(PartStore& store, int ids, CommunicatorPtr comm,
     : store_(store), trace_(ids), comm_(std::move(comm)), timeout_(timeout),
       prefetch_(std::max(0, prefetch)) {}
 
+// Note [Parts held through a step]
+// Under pipelines a stage runs its units once per micro-batch, forward and backward: released
+// between uses, each unit would be gathered 2m times a step. Held (ZeroOptions::
+// reshard_between_uses false, the default under pipelines, as torchtitan's
+// reshard_after_forward=False for pipeline stages), no release is decided in the step: a unit
+// stays whole from its first gather to the update, whose PartStore::after_update() drops every
+// gathered copy (the values are stale then). Each parameter is gathered once per step; the cost is
+// the memory of every unit this rank runs, whole, for the step. It also lets a zero-bubble weight
+// pass, deferred past the unit's input-gradient pass, read the unit's parameters.
 void PartScheduler::end_backward() {
   // Parts whose parameters got no gradient (or a prefetch nobody used) are freed here; the root
   // part stays until the step (another micro-step's forward needs it).
-  for (int part = 0; part < store_.root_part(); ++part) store_.release(part);
+  for (int part = 0; part < store_.root_part(); ++part) release(part);
   bool agreed = true;  // Note [Use trace]: the first pass is compared across ranks
   if (!trace_.checked() && comm_->size() > 1) {
     // Gathered, not reduced: a flag, never counted with the gradients' reductions.
@@ -71,7 +80,7 @@ void DeclaredUnits::post_forward(int unit) {
   for (int part : unit_parts_[unit]) {
     if (--runs_[part] > 0) continue;
     runs_[part] = 0;
-    if (store_.part_state(part) != PartState::NeededInBackward) store_.release(part);
+    if (store_.part_state(part) != PartState::NeededInBackward) release(part);
   }
 }
 

@@ -33,7 +33,9 @@ class PartScheduler {
   virtual void post_forward(int unit) { (void)unit; }
   virtual void pre_backward(int unit) { (void)unit; }
   // Every gradient of `part` is in: its backward is over.
-  void post_backward(int part) { store_.release(part); }
+  void post_backward(int part) { release(part); }
+  // Note [Parts held through a step]: true keeps every gathered part until the update.
+  void hold_through_step(bool hold) { hold_ = hold; }
 
   // zero_grad(): a forward follows; the parameters in no unit are gathered for it.
   void start_forward() { store_.gather_root(); }
@@ -46,12 +48,17 @@ class PartScheduler {
 
  protected:
   virtual const char* trace_names() const = 0;
+  // Every release decided here goes through this (Note [Parts held through a step]).
+  void release(int part) {
+    if (!hold_) store_.release(part);
+  }
 
   PartStore& store_;
   UseTrace trace_;
   CommunicatorPtr comm_;
   Duration timeout_;
   int prefetch_;
+  bool hold_ = false;
 };
 
 // Declared units (Units::run): a unit's parts are gathered for each run, released when no running

@@ -73,9 +73,10 @@ int main(int argc, char** argv) {
   app.add_option("--offload", offload_arg, "none | cpu (optimizer state and fp32 grad shard on host)")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "cpu"}));
-  app.add_option("--optimizer", optimizer_arg, "adam | adamw | lamb | sgd | adagrad | sgd-nomomentum")
+  app.add_option("--optimizer", optimizer_arg, "adam | adamw | lamb | sgd | adagrad | sgd-nomomentum | adafactor")
       ->capture_default_str()
-      ->check(CLI::IsMember({"adam", "adamw", "lamb", "sgd", "adagrad", "sgd-nomomentum"}));
+      ->check(CLI::IsMember({"adam", "adamw", "lamb", "sgd", "adagrad", "sgd-nomomentum",
+                            "adafactor"}));
   app.add_option("--state-bytes", state_bytes, "override K, optimizer bytes per parameter");
   app.add_option("--bucket-mib", bucket_mib, "gradient bucket size in MiB (ZeroOptions::bucket_bytes; 0: sized from the model as "
                  "the optimizer does)")

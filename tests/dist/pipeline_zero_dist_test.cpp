@@ -142,15 +142,19 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
       const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
       const int stages = schedule.stages();
       // ZeRO stages 0-3, stages 2-3 with the reduction deferred to the last backward pass (Note
-      // [Deferred reduction]) and, with two data-parallel ranks, stage 2 sharded within groups
-      // of one rank (hybrid: the shared gradient's pieces come from the first replica alone).
-      std::vector<std::tuple<int, int, bool>> zero_runs{
-          {0, 0, false}, {1, 0, false}, {2, 0, false}, {3, 0, false}, {2, 0, true}, {3, 0, true}};
-      if (d == 2) zero_runs.push_back({2, 1, false});
-      for (const auto [zero_stage, shard_group_size, defer] : zero_runs) {
-        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {} shard group {}{}", p, d,
+      // [Deferred reduction]), stage 3 also released between uses (the default under pipelines
+      // holds it: Note [Parts held through a step]) and, with two data-parallel ranks, stage 2
+      // sharded within groups of one rank (hybrid: the shared gradient's pieces come from the
+      // first replica alone).
+      std::vector<std::tuple<int, int, bool, bool>> zero_runs{
+          {0, 0, false, false}, {1, 0, false, false}, {2, 0, false, false},
+          {3, 0, false, false}, {3, 0, false, true},  {2, 0, true, false},
+          {3, 0, true, false}};
+      if (d == 2) zero_runs.push_back({2, 1, false, false});
+      for (const auto [zero_stage, shard_group_size, defer, reshard] : zero_runs) {
+        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {} shard group {}{}{}", p, d,
                                  to_string(c.kind), c.m, c.v, zero_stage, shard_group_size,
-                                 defer ? " deferred" : ""));
+                                 defer ? " deferred" : "", reshard ? " resharded" : ""));
         const Model init = initial_model();
         // This rank's chunks' layers and, on the first and the last stage, a copy of the tied
         // embedding (the last stage's starts as zeros: the optimizer copies the first stage's).
@@ -206,6 +210,7 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         zo.grad_accumulation_steps = c.m * c.v;  // one backward pass per chunk and micro-batch
         zo.max_grad_norm = kMaxNorm;
         zo.grid = g;
+        if (reshard) zo.reshard_between_uses = true;
         DistributedOptimizer opt({group}, rule, g.dp, zo);
         PipelineRunOptions run;
         run.activation_shape = {kRows, kHidden};
@@ -213,12 +218,14 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         run.weight_pass = [&](const std::function<void()>& pass) { opt.as_one_backward(pass); };
         double norm_error = 0.0;
         bool clipped = true;
+        int64_t elements = 0;  // the last step's all-gathered parameter elements
         for (step = 0; step < kSteps; ++step) {
           std::tie(inputs, targets) = global_batch(step, rows);
           opt.zero_grad();
           run_pipeline(schedule, *g.pp, chunks,
                        [&](int mb) { return rows_of(inputs, g.dp_rank, c.m, mb); }, run);
           opt.step();
+          elements = opt.last_step().gather_elements;
           clipped = clipped && opt.last_step().clipped;
           norm_error =
               std::max(norm_error, std::abs(opt.last_step().grad_norm / ref.norms[step] - 1));
@@ -232,7 +239,16 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         EXPECT_LE(diff, 1e-10);
         EXPECT_LE(norm_error, 1e-9) << "the grid's gradient norm is not the whole model's";
         EXPECT_TRUE(clipped);
-        all_ok = all_ok && diff <= 1e-10 && norm_error <= 1e-9 && clipped;
+        bool counted = true;
+        if (zero_stage == 3) {
+          // Held (the default under pipelines only), each parameter of the layout is gathered
+          // once a step; released between uses, once per use.
+          const bool held = p > 1 && !reshard;
+          counted = held ? elements == opt.padded_numel() : elements > opt.padded_numel();
+          EXPECT_TRUE(counted) << elements << " elements all-gathered in a step, the layout holds "
+                               << opt.padded_numel() << (held ? " (held)" : "");
+        }
+        all_ok = all_ok && diff <= 1e-10 && norm_error <= 1e-9 && clipped && counted;
       }
     }
   }

@@ -8,7 +8,7 @@
 #           gives the exporting run's final held-out MLM loss within 1e-4; a shape mismatch is
 #           one line naming the key (exit 2); missing/unexpected keys are listed
 #   lamb    --optimizer lamb (with --adam-eps, --adam-betas, --warmup-proportion, --lr-schedule
-#           cosine) trains with a falling loss (--check-loss-decrease)
+#           cosine) trains with a falling loss (--check-loss-decrease); so does --optimizer adafactor
 #   device  --device cuda where torch sees no GPU: exit 2 and one line on stderr (1 and 2 ranks)
 # Usage: bert_formats_test.sh MODE BERT_PRETRAIN MPIEXEC CORPUS WORKDIR [PYTHON]
 set -euo pipefail
@@ -113,6 +113,14 @@ lamb)
   cat "$WORK/lamb.log"
   grep -q "lamb (betas 0.9, 0.999, eps 1e-06" "$WORK/lamb.log" || fail "the log does not name LAMB"
   grep -q "warm-up 3, then cosine" "$WORK/lamb.log" || fail "warm-up proportion / schedule"
+  rm -rf "$WORK/adafactor"
+  mpi 2 "$EXE" "${COMMON[@]}" --preset tiny --steps 30 --lr 1e-2 --optimizer adafactor \
+      --warmup-steps 3 --weight-decay 0.01 --corpus "$CORPUS" --eval-fraction 0 \
+      --check-loss-decrease --out "$WORK/adafactor" >"$WORK/adafactor.log" 2>&1 ||
+      { cat "$WORK/adafactor.log"; fail "Adafactor did not train (exit $?)"; }
+  cat "$WORK/adafactor.log"
+  grep -q "adafactor (torch's beta2_decay -0.8" "$WORK/adafactor.log" ||
+      fail "the log does not name Adafactor"
   ;;
 device)
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then

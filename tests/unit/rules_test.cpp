@@ -26,6 +26,7 @@ TEST(RuleTraits, StateNamesFollowTheHyperParameters) {
       {RMSprop(), {"square_avg"}},
       {RMSprop().momentum(0.5).centered(true), {"square_avg", "momentum_buffer", "grad_avg"}},
       {Lamb(), {"exp_avg", "exp_avg_sq"}},
+      {Adafactor(), {"factored_variance"}},
   };
   for (const auto& [rule, names] : cases) {
     EXPECT_EQ(detail::state_names(rule), names) << rule_name(rule);
@@ -34,7 +35,7 @@ TEST(RuleTraits, StateNamesFollowTheHyperParameters) {
 }
 
 TEST(RuleTraits, NamesInTheOrderOfRule) {
-  EXPECT_EQ(detail::rule_names(), (Names{"adamw", "adam", "sgd", "adagrad", "rmsprop", "lamb"}));
+  EXPECT_EQ(detail::rule_names(), (Names{"adamw", "adam", "sgd", "adagrad", "rmsprop", "lamb", "adafactor"}));
   std::string seen;
   EXPECT_TRUE(detail::with_rule_named("rmsprop", [&](auto type) {
     seen = decltype(type)::type::kName;
@@ -48,6 +49,23 @@ TEST(RuleTraits, SgdNesterovNeedsMomentumAndNoDampening) {
   EXPECT_NE(detail::rule_problem(SGD(0.1).nesterov(true)).find("requires a momentum"),
             std::string::npos);
   EXPECT_EQ(detail::rule_problem(AdamW()), "");
+  EXPECT_EQ(detail::rule_problem(Adafactor()), "");
+  EXPECT_NE(detail::rule_problem(Adafactor().beta2_decay(0.5)).find("beta2_decay should be <= 0"),
+            std::string::npos);
+}
+
+// Adafactor's eps is torch's pair (eps1, eps2); a negative eps1 is torch's None.
+TEST(RuleTraits, AdafactorEpsIsOnePairForTorch) {
+  std::vector<std::string> names;
+  std::pair<double, double> eps{0, 0};
+  detail::visit_torch_options(Adafactor().eps2(2e-3), [&](const char* name, const auto& value) {
+    names.push_back(name);
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
+      eps = value;
+    }
+  });
+  EXPECT_EQ(names, (Names{"lr", "beta2_decay", "eps", "d", "weight_decay", "maximize"}));
+  EXPECT_EQ(eps, std::make_pair(-1.0, 2e-3));
 }
 
 TEST(RuleJson, DefaultsAsEarlierVersionsWroteThem) {
@@ -69,6 +87,9 @@ TEST(RuleJson, DefaultsAsEarlierVersionsWroteThem) {
        R"("weight_decay":0.0})"},
       {Lamb(),
        R"({"beta1":0.9,"beta2":0.999,"eps":1e-06,"lr":0.001,"rule":"lamb","weight_decay":0.0})"},
+      {Adafactor(),
+       R"({"beta2_decay":-0.8,"d":1.0,"eps1":-1.0,"eps2":0.001,"lr":0.01,"maximize":false,)"
+       R"("rule":"adafactor","weight_decay":0.0})"},
   };
   for (const auto& [rule, text] : cases) EXPECT_EQ(detail::dump(detail::rule_to_json(rule)), text);
 }
@@ -80,7 +101,9 @@ TEST(RuleJson, RoundTripKeepsEveryField) {
       SGD(0.3).momentum(0.9).dampening(-0.5).weight_decay(0.1).nesterov(true),
       Adagrad(0.2).lr_decay(0.01).weight_decay(0.3).initial_accumulator_value(0.4).eps(1e-9),
       RMSprop(0.2).alpha(0.9).eps(1e-6).weight_decay(0.1).momentum(0.3).centered(true),
-      Lamb(0.2).beta1(0.7).beta2(0.9).eps(1e-5).weight_decay(0.05)};
+      Lamb(0.2).beta1(0.7).beta2(0.9).eps(1e-5).weight_decay(0.05),
+      Adafactor(0.2).beta2_decay(-0.5).eps1(1e-30).eps2(1e-4).d(2).weight_decay(0.1)
+          .maximize(true)};
   for (const Rule& rule : rules) {
     const detail::json j = detail::rule_to_json(rule);
     const Rule back = detail::rule_from_json(j);

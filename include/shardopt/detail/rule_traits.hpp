@@ -55,19 +55,22 @@ R blank_rule() {
 }
 
 // Every hyper-parameter of `rule` under torch's option names, in torch's order: v(name, value)
-// with a double or bool value, except beta1 and beta2, which torch spells as one pair:
-// v("betas", std::pair<double, double>). The Python codec and torch::save archives use it.
+// with a double or bool value, except the pairs torch spells as one: beta1 and beta2 as
+// v("betas", std::pair<double, double>), Adafactor's eps1 and eps2 as v("eps", pair) (a negative
+// eps1 is torch's None). The Python codec and torch::save archives use it.
 template <class Visit>
 void visit_torch_options(const Rule& rule, Visit&& v) {
   std::visit(
       [&](const auto& r) {
-        double beta1 = 0;
+        double first = 0;
         std::decay_t<decltype(r)>::fields(r, [&](const Field& f, const auto& value) {
           const std::string name = f.name;
-          if (name == "beta1") {
-            beta1 = value;
+          if (name == "beta1" || name == "eps1") {
+            first = value;
           } else if (name == "beta2") {
-            v("betas", std::make_pair(beta1, static_cast<double>(value)));
+            v("betas", std::make_pair(first, static_cast<double>(value)));
+          } else if (name == "eps2") {
+            v("eps", std::make_pair(first, static_cast<double>(value)));
           } else {
             v(f.name, value);
           }

@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "checkpoint/element_sums.hpp"
@@ -24,6 +25,7 @@
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/grid_checkpoint.hpp"
+#include "shardopt/rules.hpp"
 #include "shardopt/tensor_parallel.hpp"
 
 namespace shardopt {
@@ -220,6 +222,17 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
                          from.split() ? fmt::format(" (split along dim {})", from.dim) : "", base,
                          shape_text(to.global_shape()),
                          to.split() ? fmt::format(" (split along dim {})", to.dim) : "");
+          // Adafactor packs a factored state per parameter into its flat elements (Note
+          // [Factored state in flat shards], src/engine/adafactor_update.hpp): not elementwise,
+          // so it does not follow a split that changes.
+          const bool resplit = (to.split() || from.split()) &&
+                               (to.split() != from.split() || to.ranks != from.ranks);
+          SHARDOPT_CHECK(!resplit || !std::holds_alternative<Adafactor>(a.group_rule(0)),
+                         Unsupported,
+                         "checkpoint: parameter '{}' is split over {} tensor ranks in {} and {} "
+                         "here; Adafactor's factored state cannot be re-split (load at the "
+                         "save's --tp, or consolidate and load_full_state)",
+                         name, from.split() ? from.ranks : 1, base, to.split() ? to.ranks : 1);
           // A replicated parameter is in every tensor folder: spread the reads over them.
           const int whole = to.rank % g.tp;
           for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {

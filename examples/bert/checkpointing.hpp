@@ -39,9 +39,23 @@ inline void set_cpu_rng_state(const at::Tensor& state) {
   gen.set_state(state);
 }
 
+// The tensor- and pipeline-parallel layout a checkpoint was written at: the grid from its commit
+// record (shardopt/grid_checkpoint.hpp), V from the trainer state.
+struct SavedLayout {
+  int tp = 1, pp = 1, virtual_stages = 1;
+  bool same_folders(const SavedLayout& o) const { return tp == o.tp && pp == o.pp; }
+  bool operator==(const SavedLayout& o) const {
+    return same_folders(o) && virtual_stages == o.virtual_stages;
+  }
+  // "--tp 2 --pp 2", plus " --virtual-stages V" when V > 1
+  std::string describe() const {
+    return "--tp " + std::to_string(tp) + " --pp " + std::to_string(pp) +
+           (virtual_stages > 1 ? " --virtual-stages " + std::to_string(virtual_stages) : "");
+  }
+};
+
 // `schedule`: the options the LR schedule and the data order depend on, compared on resume.
-// `layout`: the tensor- and pipeline-parallel layout and each split parameter's split
-// (layout_resume.hpp), or null.
+// `layout`: {"tp", "pp", "virtual_stages"} of the run (what SavedLayout reads back), or null.
 inline shardopt::TrainerState make_trainer_state(const RunState& s,
                                                  const nlohmann::json& schedule,
                                                  const nlohmann::json& layout = nullptr) {

@@ -304,11 +304,6 @@ BertForPreTrainingImpl::BertForPreTrainingImpl(const BertConfig& c, bool declare
   // shardopt/tensor_parallel.hpp); the vocabulary's padding and the decoder bias are the model's.
   tp::mark_split(word_embedding_, mp_.tp.group, 0, c.vocab_size, vocab);
   tp::mark_split(decoder_bias_, mp_.tp.group, 0, c.vocab_size, vocab);
-  for (const auto& p : named_parameters()) {
-    if (const auto s = tp::split_of(p.value())) {
-      splits_[p.key()] = {s->dim, s->full_size, s->padded_size};
-    }
-  }
   // Start from the unsplit model's values: the one a T = 1 run builds from the same generator
   // state, leaving the generator where that run leaves it.
   set_cpu_generator_state(generator_at_start);
@@ -330,24 +325,23 @@ void BertForPreTrainingImpl::load_unsplit(const torch::OrderedDict<std::string, 
 at::Tensor BertForPreTrainingImpl::slice_of(const std::string& name, const at::Tensor& unsplit) const {
   const at::Tensor* param = named_parameters().find(name);
   if (param == nullptr) throw std::invalid_argument(fmt::format("BERT: no parameter '{}'", name));
-  const auto it = splits_.find(name);
+  const auto split = tp::split_of(*param);  // Note [Split records]
   std::vector<int64_t> expected = param->sizes().vec();
-  if (it != splits_.end()) expected[it->second.dim] = it->second.full;
+  if (split) expected[split->dim] = split->full_size;
   if (unsplit.sizes().vec() != expected) {
     throw std::invalid_argument(fmt::format("BERT: unsplit '{}' must be [{}], got [{}]", name,
                                             fmt::join(expected, ", "),
                                             fmt::join(unsplit.sizes(), ", ")));
   }
-  if (it == splits_.end()) return unsplit;
-  const Split& s = it->second;
+  if (!split) return unsplit;
   at::Tensor padded = unsplit;
-  if (s.padded > s.full) {  // the padding rows start at zero
+  if (split->padded_size > split->full_size) {  // the padding rows start at zero
     auto sizes = unsplit.sizes().vec();
-    sizes[s.dim] = s.padded;
+    sizes[split->dim] = split->padded_size;
     padded = torch::zeros(sizes, unsplit.options());
-    padded.narrow(s.dim, 0, s.full).copy_(unsplit);
+    padded.narrow(split->dim, 0, split->full_size).copy_(unsplit);
   }
-  return padded.chunk(mp_.size(), s.dim)[mp_.tp.group->rank()];
+  return padded.chunk(mp_.size(), split->dim)[mp_.tp.group->rank()];
 }
 
 torch::OrderedDict<std::string, at::Tensor> BertForPreTrainingImpl::unsplit_parameters() {
@@ -355,19 +349,21 @@ torch::OrderedDict<std::string, at::Tensor> BertForPreTrainingImpl::unsplit_para
   torch::OrderedDict<std::string, at::Tensor> out;
   const int t = mp_.size();
   for (const auto& p : named_parameters()) {
-    const auto it = splits_.find(p.key());
-    if (it == splits_.end()) {
+    const auto split = tp::split_of(p.value());
+    if (!split) {
       out.insert(p.key(), p.value());
       continue;
     }
-    const Split& s = it->second;
     // Rank-major all-gather of the chunks laid along dimension 0, then put back.
-    const at::Tensor local = p.value().movedim(s.dim, 0).contiguous();
+    const at::Tensor local = p.value().movedim(split->dim, 0).contiguous();
     at::Tensor all = torch::empty({t * local.numel()}, local.options());
     mp_.tp.group->all_gather(local.reshape({-1}), all);
     auto sizes = local.sizes().vec();
     sizes[0] *= t;
-    out.insert(p.key(), all.view(sizes).narrow(0, 0, s.full).movedim(0, s.dim).contiguous());
+    out.insert(p.key(), all.view(sizes)
+                            .narrow(0, 0, split->full_size)
+                            .movedim(0, split->dim)
+                            .contiguous());
   }
   return out;
 }

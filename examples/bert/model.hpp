@@ -63,17 +63,12 @@ struct BertOutputs {
 // the split regions (embeddings' sum, LayerNorms, dropouts, residuals) hold T/t of the sequence;
 // the encoder's output is gathered whole before the heads. Dropout inside split regions (the
 // attention probabilities; under sequence parallelism every dropout) draws this rank's stream.
-// Parameter names stay those of the unsplit model; splits() says which are split and how.
+// Parameter names stay those of the unsplit model; each split parameter's record (Note [Split
+// records] in shardopt/tensor_parallel.hpp) says how it is split.
 struct ModelParallel {
   shardopt::tp::TensorParallel tp;  // tp.group null: the unsplit model
   std::shared_ptr<shardopt::tp::RngTracker> rng;
   int size() const { return tp.group ? tp.group->size() : 1; }
-};
-
-// How a split parameter relates to the unsplit one: this rank holds chunk tp_rank of `dim` of the
-// unsplit tensor padded to `padded` rows along `dim` (`full` of them real).
-struct Split {
-  int64_t dim = 0, full = 0, padded = 0;
 };
 
 // One projection of a layer: torch::nn::Linear, or at T > 1 a split layer (the same names).
@@ -118,9 +113,6 @@ class BertForPreTrainingImpl : public torch::nn::Module {
                                   ModelParallel mp = {});
   const BertConfig& config() const { return config_; }
   const ModelParallel& model_parallel() const { return mp_; }
-  // The split parameters by name (empty without tensor parallelism), as their split records
-  // say (Note [Split records] in shardopt/tensor_parallel.hpp).
-  const std::map<std::string, Split>& splits() const { return splits_; }
   // Copies this rank's part of each unsplit parameter (an unsplit model's named_parameters(),
   // every name of this model present, unsplit shapes): how a split model starts from the unsplit
   // model's initial values or from pretrained weights.
@@ -177,7 +169,6 @@ class BertForPreTrainingImpl : public torch::nn::Module {
   }
   BertConfig config_;
   ModelParallel mp_;
-  std::map<std::string, Split> splits_;
   torch::nn::Embedding word_embeddings_{nullptr}, position_embeddings_{nullptr},
       token_type_embeddings_{nullptr};
   shardopt::tp::VocabParallelEmbedding split_word_embeddings_{nullptr};  // at T > 1

@@ -184,6 +184,12 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--checkpoint-every", a.checkpoint_every, "also save OUT/checkpoint every N steps "
                  "of this run (the final state is always saved; atomically: the previous "
                  "checkpoint stays until the new one is complete)")->check(integer_at_least(0));
+  app.add_option("--keep-checkpoints", a.keep_checkpoints, "committed saves kept under "
+                 "OUT/checkpoint (each save commits the whole grid with one record; older ones "
+                 "are removed once the new one is committed)")->check(integer_at_least(1));
+  app.add_flag("--async-checkpoints", a.async_checkpoints, "write checkpoints on a background "
+               "thread: a save blocks the step only for a copy of the state into host memory "
+               "(shardopt::AsyncCheckpoint); the blocking and background times are printed");
   app.add_flag("--save-model", a.save_model, "at the end, also write OUT/model.pt (the whole "
                "state dict, torch.load()-able, strict-loadable into Hugging Face's "
                "BertForPreTraining) and OUT/hf (--export-hf)");

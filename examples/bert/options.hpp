@@ -50,6 +50,8 @@ struct Args {
   double max_grad_norm = 1.0;
   double timeout_s = 0;  // collective deadline; 0: SHARDOPT_TIMEOUT or the library's default
   int64_t checkpoint_every = 0;  // 0: only the final checkpoint
+  int keep_checkpoints = 1;      // committed saves kept under OUT/checkpoint
+  bool async_checkpoints = false;  // write them on a background thread
   bool save_model = false;       // also OUT/model.pt, consolidated, at the end
   std::string resume;
   bool resume_requested = false;  // --resume given (its value may be empty: OUT/checkpoint)

@@ -18,9 +18,19 @@
 #include "pretrained.hpp"
 #include "progress.hpp"
 #include "report.hpp"
-#include "layout_resume.hpp"
 
 namespace bert {
+
+// Joins an asynchronous save in flight (its failure thrown on every rank) and says how long it
+// wrote.
+void join_async_save(Run& r) {
+  if (!r.saver || !r.saver->in_flight()) return;
+  r.saver->wait();
+  if (r.lead) {
+    fmt::print("{}[bert] checkpoint: step {} committed ({:.2f} s in the background)\n", r.clear(),
+               r.async_step, r.saver->last_timing().background_s);
+  }
+}
 
 void save(Run& r, int64_t done) {
   const auto t0 = Clock::now();
@@ -36,13 +46,36 @@ void save(Run& r, int64_t done) {
       it = r.pipeline->holds(it->second) ? std::next(it) : save_options.aliases.erase(it);
     }
   }
-  save_options.after_shard_written = [&](int rank) {
+  save_options.after_shard_written = [&r, done](int rank) {  // by value: may run after save()
     if (r.fault.is("kill-in-save", rank, done)) std::raise(SIGKILL);
   };
-  auto trainer_state = make_trainer_state(s, r.schedule, layout_json(r));
+  // Every (pipeline, tensor) folder written, then the whole grid committed by world rank 0 with
+  // one record (Note [One commit for a grid] in shardopt/grid_checkpoint.hpp).
+  shardopt::GridSaveOptions grid;
+  grid.keep = r.a.keep_checkpoints;
+  grid.after_folder_written = [&r, done](int world_rank) {
+    if (r.fault.is("kill-before-commit", world_rank, done)) std::raise(SIGKILL);
+  };
+  const nlohmann::json layout = {{"tp", r.tp()}, {"pp", r.pp()},
+                                 {"virtual_stages", r.pp() > 1 ? r.a.virtual_stages : 1}};
+  auto trainer_state = make_trainer_state(s, r.schedule, layout);
   // --tp: the split regions' dropout stream too, so a resume draws the same masks.
   if (const auto& rng = r.model->model_parallel().rng) trainer_state.tensors["tp_dropout_rng"] = rng->state();
-  shardopt::save_checkpoint(*r.opt, r.checkpoint_dir.string(), trainer_state, save_options);
+  if (r.a.async_checkpoints) {
+    join_async_save(r);
+    if (!r.saver) r.saver = std::make_unique<shardopt::AsyncCheckpoint>(*r.opt, r.groups);
+    r.saver->save_checkpoint_async(r.checkpoint_dir.string(), trainer_state, save_options, grid);
+    r.async_step = r.last_saved = done;
+    if (r.lead) {
+      fmt::print("{}[bert] checkpoint: step {} -> {} ({:.3f} s blocking, {:.1f} MiB copied; "
+                 "writing in the background)\n",
+                 r.clear(), done, r.checkpoint_dir.string(), r.saver->last_timing().blocking_s,
+                 static_cast<double>(r.saver->snapshot_bytes()) / (1 << 20));
+    }
+    return;
+  }
+  shardopt::save_grid_checkpoint(*r.opt, r.groups, r.checkpoint_dir.string(), trainer_state,
+                                 save_options, grid);
   r.last_saved = done;
   if (r.lead) {
     fmt::print("{}[bert] checkpoint: step {} -> {} ({:.1f} s)\n", r.clear(), done,
@@ -81,17 +114,21 @@ void finish(Run& r) {
   const int64_t step = r.state.step;
   if (step == r.start_step) return;
   if (r.last_saved != step) save(r, step);
+  join_async_save(r);  // the last save committed before anything reads it
   if (r.a.save_model) {
     shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
       if (!r.lead) return;
       const fs::path model_path = fs::path(r.a.out) / "model.pt";
-      shardopt::consolidate_checkpoint(r.checkpoint_dir.string(), model_path.string());
+      shardopt::consolidate_checkpoint(shardopt::committed_folder(r.checkpoint_dir.string()),
+                                       model_path.string());
       fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
     });
   }
   if (r.a.save_model || !r.a.export_hf.empty()) {
     // A checkpoint at --tp > 1 holds one tensor rank's slices: the export comes from the model.
-    export_model(r, r.last_saved == step && r.tp() == 1 ? r.checkpoint_dir.string() : "");
+    export_model(r, r.last_saved == step && r.tp() == 1
+                        ? shardopt::committed_folder(r.checkpoint_dir.string())
+                        : "");
   }
 }
 

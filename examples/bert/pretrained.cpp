@@ -91,12 +91,14 @@ StateDict read_init_checkpoint(const std::string& path, std::string* kind) {
         say("Hugging Face directory (model.safetensors)");
         return read_safetensors((fs::path(path) / "model.safetensors").string());
       }
-      if (fs::is_regular_file(fs::path(path) / "manifest.json", ec)) {
+      // A checkpoint folder, or a grid's base of one folder (commit.json: --tp 1 --pp 1).
+      if (fs::is_regular_file(fs::path(path) / "manifest.json", ec) ||
+          fs::is_regular_file(fs::path(path) / "commit.json", ec)) {
         say("shardopt checkpoint (fp32 master parameters)");
         return shardopt::read_full_state(path).params;
       }
       throw std::invalid_argument("a directory with neither model.safetensors nor a shardopt "
-                                  "checkpoint (manifest.json)");
+                                  "checkpoint (manifest.json or commit.json)");
     }
     if (!fs::is_regular_file(path, ec)) throw std::invalid_argument("no such file or directory");
     if (ends_with(path, ".safetensors") || safetensors::looks_like(path)) {

@@ -33,16 +33,6 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Where a (tensor rank, pipeline rank)'s checkpoint lives: `base` itself at --tp 1 --pp 1, else
-// base[/pp<pp_rank>-of-<pp>][/tp<tp_rank>-of-<tp>] (each rank's optimizer checkpoints its own
-// stages' parameters, its own slices of them; layout_resume.hpp reads them at another layout).
-inline fs::path checkpoint_path(const fs::path& base, int tp_rank, int tp, int pp_rank = 0,
-                                int pp = 1) {
-  const fs::path stage =
-      pp == 1 ? base : base / ("pp" + std::to_string(pp_rank) + "-of-" + std::to_string(pp));
-  return tp == 1 ? stage : stage / ("tp" + std::to_string(tp_rank) + "-of-" + std::to_string(tp));
-}
-
 inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -84,6 +74,9 @@ struct Run {
   // Model and optimizer.
   BertForPreTraining model{nullptr};
   std::unique_ptr<shardopt::DistributedOptimizer> opt;
+  // --async-checkpoints: saves written in the background (after opt: destroyed, joined, first).
+  std::unique_ptr<shardopt::AsyncCheckpoint> saver;
+  int64_t async_step = -1;  // the step of the save in flight
   int64_t global_batch = 0;
   // Progress: checkpoints, metrics, evaluations.
   fs::path checkpoint_dir, metrics_path;

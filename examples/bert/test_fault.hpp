@@ -17,7 +17,9 @@ namespace bert {
 // Note [Test faults]: BERT_TEST_FAULT="RANK:STEP:ACTION" makes one rank fail at a chosen point, so
 // the fault tests (tests/fault/) never race the clock: `throw` raises an error before training
 // step STEP (1-based, outside any collective), `stop` sends SIGSTOP to itself there (a stalled
-// rank), `kill-in-save` SIGKILLs itself inside the save of step STEP, after writing its shard.
+// rank), `kill-in-save` SIGKILLs itself inside the save of step STEP, after writing its shard,
+// `kill-before-commit` once its (pipeline, tensor) folder of that save is complete, before the
+// grid's commit (the previous commit stays the one that loads; Note [One commit for a grid]).
 struct TestFault {
   int rank = -1;
   int64_t step = -1;
@@ -31,9 +33,11 @@ struct TestFault {
     long long step = -1;
     if (std::sscanf(env, "%d:%lld:%31s", &f.rank, &step, action) != 3 ||
         (std::strcmp(action, "throw") != 0 && std::strcmp(action, "stop") != 0 &&
-         std::strcmp(action, "kill-in-save") != 0)) {
+         std::strcmp(action, "kill-in-save") != 0 &&
+         std::strcmp(action, "kill-before-commit") != 0)) {
       throw std::runtime_error(fmt::format(
-          "BERT_TEST_FAULT='{}': expected RANK:STEP:ACTION with ACTION throw, stop or kill-in-save",
+          "BERT_TEST_FAULT='{}': expected RANK:STEP:ACTION with ACTION throw, stop, kill-in-save "
+          "or kill-before-commit",
           env));
     }
     f.step = step;

@@ -39,7 +39,6 @@
 #include "shardopt/shardopt.hpp"
 #include "test_fault.hpp"
 #include "tokenizer.hpp"
-#include "layout_resume.hpp"
 
 namespace fs = std::filesystem;
 using bert::Args;
@@ -77,8 +76,7 @@ void set_up(Run& r) {
   }
   r.dp = r.groups.dp;
   r.loader.rank = r.groups.dp_rank;
-  r.checkpoint_dir = bert::checkpoint_path(fs::path(r.a.out) / "checkpoint", r.groups.tp_rank, r.tp(),
-                                           r.groups.pp_rank, r.pp());
+  r.checkpoint_dir = fs::path(r.a.out) / "checkpoint";  // the grid's (one commit for every folder)
   r.metrics_path = fs::path(r.a.out) / "metrics.jsonl";
 }
 
@@ -317,7 +315,23 @@ void restore(Run& r) {
   });
   if (a.resume_requested) {
     const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
-    const bert::SavedLayout saved = bert::saved_layout(base), now = bert::layout_of(r);
+    // Any layout loads any other (shardopt/grid_checkpoint.hpp): each rank reads only what it
+    // will hold.
+    bert::SavedLayout saved;
+    std::string trainer_json;
+    try {
+      if (!fs::exists(base / "manifest.json")) {  // else a folder of --tp 1 --pp 1 before commits
+        const shardopt::GridCommit c = shardopt::read_grid_commit(base.string());
+        saved.tp = c.layout.tp, saved.pp = c.layout.pp;
+      }
+      const std::string first = shardopt::committed_folder(base.string());
+      trainer_json = shardopt::read_checkpoint_info(first).trainer_json;
+    } catch (const shardopt::Error& e) {
+      throw UsageError(fmt::format("--resume: {}", e.what()));
+    }
+    const auto recorded = nlohmann::json::parse(trainer_json).value("layout", nlohmann::json());
+    if (recorded.is_object()) saved.virtual_stages = recorded.value("virtual_stages", 1);
+    const bert::SavedLayout now{r.tp(), r.pp(), r.pp() > 1 ? a.virtual_stages : 1};
     std::error_code ec;
     if (!saved.same_folders(now) && fs::equivalent(base, fs::path(a.out) / "checkpoint", ec)) {
       throw UsageError(fmt::format(
@@ -325,11 +339,15 @@ void restore(Run& r) {
           "differently: resume into a new folder (--out NEW --resume {})", a.out, saved.describe(),
           now.describe(), base.string()));
     }
-    const std::string own = bert::checkpoint_path(base, r.groups.tp_rank, r.tp(), r.groups.pp_rank, r.pp()).string();
-    const std::string from = saved == now ? own : fmt::format("{} (written at {})", base.string(), saved.describe());
+    const std::string from = saved == now ? base.string() : fmt::format("{} (written at {})", base.string(), saved.describe());
     const auto t0 = Clock::now();
-    const auto saved_state = saved == now ? shardopt::load_checkpoint(*r.opt, own)
-                                          : bert::load_checkpoint_any_layout(r, base, saved);
+    shardopt::TrainerState saved_state;
+    try {
+      saved_state = shardopt::load_grid_checkpoint(*r.opt, r.groups, base.string());
+    } catch (const shardopt::Error& e) {  // on every rank alike: a checkpoint that does not fit
+      if (e.kind() != shardopt::ErrorKind::Checkpoint && e.kind() != shardopt::ErrorKind::Mismatch) throw;
+      throw UsageError(fmt::format("--resume: {}", e.what()));
+    }
     const auto notes = bert::restore_run_state(saved_state, r.schedule, &r.state, saved == now);
     const auto tp_rng = saved_state.tensors.find("tp_dropout_rng");
     if (const auto& rng = r.model->model_parallel().rng; rng && tp_rng != saved_state.tensors.end()) {
@@ -528,9 +546,14 @@ void train_loop(Run& r) {
 bool already_finished(const Args& a, int rank) {
   if (!a.resume_requested || a.eval_only) return false;
   const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
-  const bert::SavedLayout layout = bert::saved_layout(base);
-  const std::string from = bert::checkpoint_path(base, 0, layout.tp, 0, layout.pp).string();
-  const auto info = shardopt::read_checkpoint_info(from);
+  std::string from;
+  shardopt::CheckpointInfo info;
+  try {
+    from = shardopt::committed_folder(base.string());  // the grid's first folder
+    info = shardopt::read_checkpoint_info(from);
+  } catch (const shardopt::Error& e) {
+    throw UsageError(fmt::format("--resume: {}", e.what()));
+  }
   const auto trainer = nlohmann::json::parse(info.trainer_json, nullptr, false);
   const int64_t saved = trainer.is_object() ? trainer.value("step", int64_t{-1}) : -1;
   if (saved < a.steps) return false;

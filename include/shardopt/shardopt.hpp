@@ -4,10 +4,12 @@
 /// process_group.hpp and nccl.hpp.
 #pragma once
 
+#include "shardopt/async_checkpoint.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/config.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/grid_checkpoint.hpp"
 #include "shardopt/job.hpp"
 #include "shardopt/memory_tracker.hpp"
 #include "shardopt/optimizer.hpp"

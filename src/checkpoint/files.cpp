@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -71,6 +72,16 @@ FileWriter::~FileWriter() {
 void FileWriter::write(const void* data, size_t bytes) {
   const auto* p = static_cast<const unsigned char*>(data);
   crc_ = crc32_z(crc_, p, bytes);
+  for (size_t at = 0; at < bytes;) {  // Note [Block checksums]
+    const int64_t in_block = (bytes_ + static_cast<int64_t>(at)) % kBlockBytes;
+    const size_t take = std::min(bytes - at, static_cast<size_t>(kBlockBytes - in_block));
+    block_crc_ = crc32_z(block_crc_, p + at, take);
+    at += take;
+    if (in_block + static_cast<int64_t>(take) == kBlockBytes) {
+      blocks_.push_back(static_cast<uint32_t>(block_crc_));
+      block_crc_ = crc32_z(0L, Z_NULL, 0);
+    }
+  }
   size_t done = 0;
   while (done < bytes) {
     const ssize_t n = ::write(fd_, p + done, bytes - done);
@@ -80,6 +91,14 @@ void FileWriter::write(const void* data, size_t bytes) {
     done += static_cast<size_t>(n);
   }
   bytes_ += static_cast<int64_t>(bytes);
+}
+
+std::string FileWriter::block_crcs_text() const {
+  std::string out;
+  out.reserve((blocks_.size() + 1) * 8);
+  for (const uint32_t c : blocks_) out += crc_text(c);
+  if (bytes_ % kBlockBytes != 0) out += crc_text(static_cast<uint32_t>(block_crc_));
+  return out;
 }
 
 void FileWriter::pad_to(int64_t alignment) {
@@ -139,6 +158,19 @@ at::Tensor read_bytes(const fs::path& path, const std::string& what) {
   }
   ::close(fd);
   return bytes;
+}
+
+void read_at(int fd, const fs::path& path, int64_t offset, int64_t bytes, void* dst) {
+  auto* p = static_cast<char*>(dst);
+  int64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd, p + done, static_cast<size_t>(bytes - done), offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    SHARDOPT_CHECK(n > 0, Checkpoint, "checkpoint: reading {} bytes at byte {} of {} failed: {}",
+                   bytes, offset + done, path.string(),
+                   n == 0 ? std::string("unexpected end of file") : errno_text());
+    done += n;
+  }
 }
 
 std::string crc_text(uint32_t crc) { return fmt::format("{:08x}", crc); }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace shardopt::detail {
 
@@ -34,7 +35,15 @@ std::string errno_text();
 // and the dynamic linker may bind our calls to that copy rather than libstdc++'s.
 void remove_tree(const std::filesystem::path& path, std::error_code& ec);
 
-// Writes a file sequentially, computing its CRC-32 on the way; sync() makes it durable.
+// Note [Block checksums]: besides the whole file's CRC-32, a shard file carries one CRC-32 per
+// block of kBlockBytes (the last block shorter), in its manifest entry, so that a reader of a few
+// byte ranges (a load into another layout reads only what overlaps its slice: Note [Placement in
+// the manifest], src/checkpoint/placement.hpp) verifies every block it reads without reading the
+// rest of the file. 4 KiB keeps the extra bytes per range small and the table at 0.2% of the file.
+inline constexpr int64_t kBlockBytes = 4096;
+
+// Writes a file sequentially, computing its CRC-32 and block checksums on the way; sync() makes it
+// durable.
 class FileWriter {
  public:
   explicit FileWriter(std::filesystem::path path);
@@ -48,12 +57,17 @@ class FileWriter {
   void sync_and_close();
   int64_t bytes() const { return bytes_; }
   uint32_t crc() const { return static_cast<uint32_t>(crc_); }
+  // The CRC-32 of every kBlockBytes block written so far (the last one possibly partial), as
+  // hexadecimal text: 8 characters a block.
+  std::string block_crcs_text() const;
 
  private:
   std::filesystem::path path_;
   int fd_ = -1;
   int64_t bytes_ = 0;
   uLong crc_ = crc32_z(0L, Z_NULL, 0);
+  std::vector<uint32_t> blocks_;  // finished blocks
+  uLong block_crc_ = crc32_z(0L, Z_NULL, 0);  // of the block being written
 };
 
 void fsync_dir(const std::filesystem::path& dir);
@@ -63,6 +77,9 @@ at::Tensor read_bytes(const std::filesystem::path& path, const std::string& what
 
 std::string crc_text(uint32_t crc);
 uint32_t crc_of(const at::Tensor& bytes);
+
+// Reads `bytes` bytes at `offset` of the open file `fd` (named `path` in errors) into `dst`.
+void read_at(int fd, const std::filesystem::path& path, int64_t offset, int64_t bytes, void* dst);
 
 // Writes `bytes` to `path` atomically: a temporary sibling, fsync, rename, fsync of the directory.
 void write_file_atomically(const std::filesystem::path& path, const void* data, size_t bytes);

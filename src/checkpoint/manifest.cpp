@@ -15,6 +15,7 @@
 #include "checkpoint/format.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/grid_checkpoint.hpp"
 #include "shardopt/tensor_parallel.hpp"
 #include "shardopt/version.hpp"
 
@@ -150,7 +151,22 @@ void check_piece_tables(const Manifest& m) {
 
 }  // namespace
 
-Manifest read_manifest(const std::string& dir_text) {
+Manifest read_manifest(const std::string& given) {
+  // A grid's base of one folder (tp = pp = 1) stands for its committed folder (Note [One commit
+  // for a grid] in shardopt/grid_checkpoint.hpp).
+  std::string dir_text = given;
+  {
+    std::error_code ec;
+    if (!fs::exists(fs::path(given) / kManifest, ec) &&
+        fs::exists(fs::path(given) / "commit.json", ec)) {
+      const GridCommit c = read_grid_commit(given);
+      SHARDOPT_CHECK(c.folders.size() == 1, Checkpoint,
+                     "checkpoint: {} is a grid checkpoint of tp={} x pp={} (step {}): load it "
+                     "with load_grid_checkpoint, or name one of its folders (committed_folder)",
+                     given, c.layout.tp, c.layout.pp, c.step);
+      dir_text = committed_folder(given);
+    }
+  }
   Manifest m;
   m.dir = fs::path(dir_text);
   m.path = m.dir / kManifest;
@@ -294,6 +310,23 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                          shape_text(param->second.shape));
         }
       }
+      if (const auto blocks = f.find("blocks"); blocks != f.end()) {  // Note [Block checksums]
+        sf.block_bytes = integer<int64_t>(blocks->at("bytes"));
+        const std::string text = blocks->at("crc32").get<std::string>();
+        // Their count against the file's size is checked where they are used (read_ranges), after
+        // the size against the file on disk.
+        SHARDOPT_CHECK(sf.block_bytes > 0 && text.size() % 8 == 0, Checkpoint,
+                       "checkpoint: {}: the block checksums of {} are malformed ({} characters "
+                       "for {}-byte blocks)",
+                       m.path.string(), sf.path, text.size(), sf.block_bytes);
+        for (size_t k = 0; k < text.size(); k += 8) {
+          size_t used = 0;
+          const std::string hex = text.substr(k, 8);
+          sf.block_crcs.push_back(static_cast<uint32_t>(std::stoul(hex, &used, 16)));
+          SHARDOPT_CHECK(used == 8, Checkpoint, "checkpoint: {}: block checksum '{}' of {} is not "
+                         "hexadecimal", m.path.string(), hex, sf.path);
+        }
+      }
       m.files.push_back(std::move(sf));
     }
     for (const auto& p : m.j.at("parameters")) {
@@ -318,7 +351,32 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                          "full size {}, padded size {}), which does not fit it",
                          m.path.string(), mp.name, shape_text(mp.shape), mp.split[0],
                          mp.split[1], mp.split[2]);
+          if (split.contains("tp_size")) {  // Note [Placement in the manifest]
+            mp.split_rank = integer<int>(split.at("tp_rank"));
+            mp.split_ranks = integer<int>(split.at("tp_size"));
+            SHARDOPT_CHECK(mp.split_ranks >= 1 && mp.split_rank >= 0 &&
+                               mp.split_rank < mp.split_ranks &&
+                               mp.shape[mp.split[0]] * mp.split_ranks == mp.split[2],
+                           Checkpoint,
+                           "checkpoint: {}: parameter '{}' of shape {} records tensor rank {} of "
+                           "{} with padded size {} along dim {}, which does not fit it",
+                           m.path.string(), mp.name, shape_text(mp.shape), mp.split_rank,
+                           mp.split_ranks, mp.split[2], mp.split[0]);
+          }
         }
+      }
+      if (const auto sums = p.find("sums"); sums != p.end()) {  // Note [Element checksums]
+        for (const auto& h : *sums) {
+          size_t used = 0;
+          const std::string hex = h.get<std::string>();
+          mp.sums.push_back(std::stoull(hex, &used, 16));
+          SHARDOPT_CHECK(used == hex.size() && !hex.empty(), Checkpoint,
+                         "checkpoint: {}: element checksum '{}' of '{}' is not hexadecimal",
+                         m.path.string(), hex, mp.name);
+        }
+        SHARDOPT_CHECK(mp.sums.size() == m.state_names.size() + 1, Checkpoint,
+                       "checkpoint: {}: parameter '{}' has {} element checksums for {} sections",
+                       m.path.string(), mp.name, mp.sums.size(), m.state_names.size() + 1);
       }
       for (const auto& piece : p.at("pieces")) {
         SavedPiece sp{integer<int>(piece.at(0)), integer<int64_t>(piece.at(1)),
@@ -425,6 +483,26 @@ std::vector<int64_t> split_of_param(const ShardAccess& a, int index) {
   return {split->dim, split->full_size, split->padded_size};
 }
 
+TensorPlacement placement_of_param(const ShardAccess& a, int index) {
+  TensorPlacement p;
+  p.shape = a.param_shape(index);
+  const auto record = tp::record_of(a.param_tensor(index));
+  if (record && record->split && record->group) {
+    p.dim = record->split->dim;
+    p.full = record->split->full_size;
+    p.padded = record->split->padded_size;
+    p.rank = record->group->rank();
+    p.ranks = record->group->size();
+  }
+  return p;
+}
+
+std::pair<int, int> split_place_of_param(const ShardAccess& a, int index) {
+  const auto record = tp::record_of(a.param_tensor(index));
+  if (!record || !record->split || record->group == nullptr) return {0, 1};
+  return {record->group->rank(), record->group->size()};
+}
+
 json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,
                     const std::vector<json>& files, const json& module) {
   const auto& layout = a.layout();
@@ -468,6 +546,22 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return a.param_order(x) < a.param_order(y); });
+  // Every rank's element sums (Note [Element checksums]), added up per parameter; the file
+  // entries keep none.
+  std::vector<json> file_entries = files;
+  std::map<std::string, std::vector<uint64_t>> sums;
+  for (json& f : file_entries) {
+    const auto it = f.find("element_sums");
+    if (it == f.end()) continue;
+    for (const auto& [name, list] : it->items()) {
+      auto& total = sums[name];
+      total.resize(list.size(), 0);
+      for (size_t k = 0; k < list.size(); ++k) {
+        total[k] += std::stoull(list[k].get<std::string>(), nullptr, 16);
+      }
+    }
+    f.erase(it);
+  }
   json params = json::array();
   for (const int i : order) {
     const auto& slot = layout.slots[i];
@@ -478,10 +572,17 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
     const auto split = split_of_param(a, i);
     json split_json = nullptr;
     if (!split.empty()) {
-      split_json = {{"dim", split[0]}, {"full_size", split[1]}, {"padded_size", split[2]}};
+      const auto [tp_rank, tp_size] = split_place_of_param(a, i);
+      split_json = {{"dim", split[0]},       {"full_size", split[1]}, {"padded_size", split[2]},
+                    {"tp_rank", tp_rank},    {"tp_size", tp_size}};
     }
+    // The unsplit tensor's shape (Note [Placement in the manifest]): the split dimension at its
+    // full size.
+    std::vector<int64_t> global_shape = a.param_shape(i);
+    if (!split.empty()) global_shape[split[0]] = split[1];
     params.push_back({{"name", a.param_name(i)},
                       {"shape", a.param_shape(i)},
+                      {"global_shape", global_shape},
                       {"split", split_json},
                       {"dtype", dtype_name(a.master_dtype())},
                       {"numel", slot.numel},
@@ -490,9 +591,14 @@ json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const
                       {"offset", slot.offset},
                       {"flat_offset", layout.buckets[slot.bucket].flat_offset + slot.offset},
                       {"pieces", pieces}});
+    if (const auto it = sums.find(a.param_name(i)); it != sums.end()) {
+      json hex = json::array();
+      for (const uint64_t v : it->second) hex.push_back(fmt::format("{:016x}", v));
+      params.back()["sums"] = hex;
+    }
   }
   m["parameters"] = params;
-  m["files"] = files;
+  m["files"] = file_entries;
   m["trainer"] = trainer;
   if (!module.is_null()) m["module"] = module;
   m[kManifestCrc] = crc_text(manifest_crc(m));

@@ -11,9 +11,11 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "checkpoint/format.hpp"
+#include "checkpoint/placement.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/precision.hpp"
@@ -32,6 +34,10 @@ struct ShardFile {
   int64_t bytes = 0;
   uint32_t crc = 0;
   std::map<std::string, Section> sections;
+  // Note [Block checksums] (files.hpp): the CRC-32 of every block_bytes block; empty in manifests
+  // written before blocks were recorded (their readers read the whole file).
+  int64_t block_bytes = 0;
+  std::vector<uint32_t> block_crcs;
 };
 
 struct ManifestParam {
@@ -44,7 +50,20 @@ struct ManifestParam {
   // split. `split_recorded` is false for manifests written before splits were recorded.
   std::vector<int64_t> split;
   bool split_recorded = false;
+  // Where the split puts this copy (Note [Placement in the manifest], placement.hpp): its tensor
+  // rank of how many; -1 in manifests written before placements were recorded.
+  int split_rank = -1, split_ranks = -1;
+  // Note [Element checksums] (element_sums.hpp): this folder's sum for the values and each state
+  // buffer, in that order; empty in manifests written before they were recorded.
+  std::vector<uint64_t> sums;
 };
+
+// The tensor rank and group size of parameter `index`'s split (0 and 1 when it has none).
+std::pair<int, int> split_place_of_param(const ShardAccess& a, int index);
+
+// This rank's copy of parameter `index`: its local shape and split record (Note [Placement in the
+// manifest]).
+TensorPlacement placement_of_param(const ShardAccess& a, int index);
 
 // The split of parameter `index` as a manifest records it: {dim, full_size, padded_size}, or
 // empty where it is not split (or split trivially: one rank holding all of it, no padding).

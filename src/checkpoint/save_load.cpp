@@ -14,8 +14,10 @@
 #include <map>
 
 #include "checkpoint/files.hpp"
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
+#include "checkpoint/saving.hpp"
 #include "checkpoint/staging.hpp"
 #include "comm/agreement.hpp"
 #include "shardopt/detail/shard_access.hpp"
@@ -93,12 +95,50 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
                         {"shape", t.sizes().vec()}});
   }
   w.sync_and_close();
+  // Note [Element checksums]: this rank's part of every parameter's sums.
+  json element_sums = json::object();
+  std::map<int, std::vector<at::Tensor>> on_cpu;  // bucket -> its param and state slices
+  auto slices_of = [&](int b) -> const std::vector<at::Tensor>& {
+    auto it = on_cpu.find(b);
+    if (it != on_cpu.end()) return it->second;
+    std::vector<at::Tensor> s{a.owned_param_slice(b).to(at::kCPU).contiguous()};
+    for (size_t k = 0; k < names.size(); ++k) {
+      s.push_back(a.owned_state_slice(static_cast<int>(k), b).to(at::kCPU).contiguous());
+    }
+    return on_cpu.emplace(b, std::move(s)).first->second;
+  };
+  for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
+    const TensorPlacement place = placement_of_param(a, i);
+    std::vector<uint64_t> sums(names.size() + 1, 0);
+    for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
+      const BucketLayout& bl = layout.buckets[lp->bucket];
+      const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
+      if (mine.empty()) continue;
+      const auto& s = slices_of(lp->bucket);
+      const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
+      for (size_t k = 0; k < s.size(); ++k) {
+        const int elem = static_cast<int>(s[k].element_size());
+        sums[k] += element_sum(place, mine.begin - lp->offset + lp->param_offset, mine.size(),
+                               static_cast<const char*>(s[k].data_ptr()) + first * elem, elem)
+                       .sum;
+      }
+    }
+    json hex = json::array();
+    for (const uint64_t v : sums) hex.push_back(fmt::format("{:016x}", v));
+    element_sums[a.param_name(i)] = hex;
+  }
   return {{"rank", rank},
+          {"element_sums", element_sums},
           {"path", file},
           {"bytes", w.bytes()},
           {"crc32", crc_text(w.crc())},
+          {"blocks", {{"bytes", kBlockBytes}, {"crc32", w.block_crcs_text()}}},
           {"sections", sections}};
 }
+
+}  // namespace
+
+namespace detail {
 
 // The stored values of the model's tensors that LoadOptions::module_state names (world rank 0's,
 // kept in shard file 0 as trainer tensors "module/<name>"), checked against their targets.
@@ -138,14 +178,13 @@ std::map<std::string, at::Tensor> stage_module_state(
   return staged;
 }
 
-}  // namespace
+}  // namespace detail
 
 // ---- save -----------------------------------------------------------------------------------
 
 // The save by the ranks the layout is sharded over (all, or one shard group).
-static void save_by_group(DistributedOptimizer& optimizer, const std::string& dir,
-                          const TrainerState& trainer, const SaveOptions& options) {
-  ShardAccess& a = detail::shard_access(optimizer);
+static void save_by_group(ShardAccess& a, const std::string& dir, const TrainerState& trainer,
+                          const SaveOptions& options) {
   Communicator& comm = *a.comm();
   const Duration timeout = a.zero_options().timeout;
   const int rank = comm.rank();
@@ -230,7 +269,11 @@ static void save_by_group(DistributedOptimizer& optimizer, const std::string& di
 // ranks touch no file and learn world rank 0's outcome, so every rank returns or throws alike.
 void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
                      const TrainerState& given, const SaveOptions& options) {
-  ShardAccess& a = detail::shard_access(optimizer);
+  save_folder(detail::shard_access(optimizer), dir, given, options);
+}
+
+void detail::save_folder(ShardAccess& a, const std::string& dir, const TrainerState& given,
+                         const SaveOptions& options) {
   // The module state travels as world rank 0's trainer tensors "module/<name>".
   TrainerState trainer = given;
   if (a.world_comm()->rank() == 0) {
@@ -238,13 +281,13 @@ void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
       trainer.tensors[std::string(kModulePrefix) + name] = t.detach();
     }
   }
-  if (a.replicas() == 1) return save_by_group(optimizer, dir, trainer, options);
+  if (a.replicas() == 1) return save_by_group(a, dir, trainer, options);
   std::string failure;
   ErrorKind kind = ErrorKind::Checkpoint;
   std::exception_ptr mine;
   if (a.replica() == 0) {
     try {
-      save_by_group(optimizer, dir, trainer, options);
+      save_by_group(a, dir, trainer, options);
     } catch (const Error& e) {
       failure = e.what(), kind = e.kind(), mine = std::current_exception();
     } catch (const std::exception& e) {

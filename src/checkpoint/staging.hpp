@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/ordered_dict.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,12 @@ void check_same_model(ShardAccess& a, const Manifest& m);
 // ... and the state of the same rule, with as many parameter groups.
 void check_same_optimizer(ShardAccess& a, const Manifest& m,
                           const std::vector<std::string>& names);
+
+// The stored values of the model's tensors that LoadOptions::module_state names (world rank 0's,
+// kept in shard file 0 as trainer tensors "module/<name>"), checked against their targets;
+// save_load.cpp.
+std::map<std::string, at::Tensor> stage_module_state(
+    const Manifest& m, const std::map<std::string, at::Tensor>& targets);
 
 // Note [Tensors from files]: torch's unpickler rebuilds a tensor from the sizes, strides and
 // storage offset a file states without checking them against the storage it read, so a crafted

@@ -11,12 +11,13 @@
 #   Bad combinations are refused with one line naming the flag (exit 2). 1f1b also runs stage 2
 #   with --recompute (the same losses, a lower peak of tensor memory on every rank) and with
 #   --shard-group-size 1 (hybrid sharding of each stage's data-parallel ranks).
-#   resume: checkpoints across layouts (examples/bert/layout_resume.hpp), on real data (CORPUS):
+#   resume: checkpoints across layouts (shardopt/grid_checkpoint.hpp), on real data (CORPUS):
 #   a run at (2, 2, 1) stage 1 stopped at step 10 resumes at (1, 1, 4) stage 3 and at (1, 4, 1)
 #   stage 0, and runs stopped there resume at (2, 2, 1) stage 1; each continues with the
 #   uninterrupted (2, 2, 1) run's losses within 1e-4 (the same rows a step, in the same groups of
 #   4). In its own folder it continues within 1e-6. Another layout into the same folder, and a
-#   checkpoint whose stage folders are at different steps, are refused.
+#   checkpoint with a stage folder of another save (not the one its commit.json names), are
+#   refused; a rank killed before the commit of step 10 (its folder written) leaves step 5's.
 # Usage: bert_pp_test.sh reference|gpipe|1f1b|interleaved|zb-h1|resume BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS [PYTHON]]
 #   reference: the (1, 1, d) runs' golden files in WORKDIR, and the refusals; a schedule: its 12
 #   runs against them (in WORKDIR/SCHEDULE).
@@ -63,7 +64,8 @@ if [ "$MODE" = resume ]; then
   P4=(--pp 4 --schedule zb-h1 --micro-batches 4 --stage 0)
   train 4 full "${T2P2[@]}"
   train 4 part "${T2P2[@]}" --stop-after 10
-  ls -d "$WORK"/part/checkpoint/pp{0,1}-of-2/tp{0,1}-of-2 >/dev/null || fail "no folder per (pipeline, tensor) rank"
+  ls -d "$WORK"/part/checkpoint/commit.json "$WORK"/part/checkpoint/save-*/pp{0,1}-of-2/tp{0,1}-of-2 >/dev/null ||
+    fail "no commit and folder per (pipeline, tensor) rank"
   train 4 d4_from_part "${D4[@]}" --resume "$WORK/part/checkpoint"
   train 4 p4_from_part "${P4[@]}" --resume "$WORK/part/checkpoint"
   train 4 d4_part "${D4[@]}" --stop-after 10
@@ -71,10 +73,20 @@ if [ "$MODE" = resume ]; then
   train 4 from_d4 "${T2P2[@]}" --resume "$WORK/d4_part/checkpoint"
   train 4 from_p4 "${T2P2[@]}" --resume "$WORK/p4_part/checkpoint"
   OUT="$WORK/part" refused 4 same_folder "was written at --tp 2 --pp 2" "${D4[@]}" --resume "$WORK/part/checkpoint"
-  # A save cut off between the stages: stage 0's folder at step 10, stage 1's at step 20.
-  cp -r "$WORK/part/checkpoint" "$WORK/mixed" && rm -rf "$WORK/mixed/pp1-of-2"
-  cp -r "$WORK/full/checkpoint/pp1-of-2" "$WORK/mixed/"
-  refused 4 mixed_steps "at step 10 but .* at step 20: a save was cut off" "${D4[@]}" --resume "$WORK/mixed"
+  # A stage folder of another save (step 20's) in place of the committed one (step 10's).
+  committed() { "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["path"])' "$1/commit.json"; }
+  cp -r "$WORK/part/checkpoint" "$WORK/mixed" && rm -rf "$WORK/mixed/$(committed "$WORK/mixed")/pp1-of-2"
+  cp -r "$WORK/full/checkpoint/$(committed "$WORK/full/checkpoint")/pp1-of-2" "$WORK/mixed/$(committed "$WORK/mixed")/"
+  refused 4 mixed_steps "does not belong to the committed save save-000001 of step 10" "${D4[@]}" --resume "$WORK/mixed"
+  # A rank killed once its folder of step 10 is written, before the commit: step 5's loads.
+  set +e
+  BERT_TEST_FAULT=3:10:kill-before-commit "$MPIEXEC" --oversubscribe --bind-to none -np 4 "$EXE" "${COMMON[@]}" \
+    "${T2P2[@]}" --stop-after 10 --checkpoint-every 5 --keep-checkpoints 2 --out "$WORK/killed" >"$WORK/killed.log" 2>&1
+  set -e
+  "$PY" -c 'import json, sys; c = json.load(open(sys.argv[1])); assert c["step"] == 5 and c["kept"] == ["save-000001"], c' \
+    "$WORK/killed/checkpoint/commit.json" || { cat "$WORK/killed.log"; fail "the kill before the commit did not leave step 5's"; }
+  train 4 from_killed "${D4[@]}" --stop-after 1 --resume "$WORK/killed/checkpoint"
+  grep -q "at step 5" "$WORK/from_killed.log" || fail "the resume after the kill is not from step 5"
   train 4 part "${T2P2[@]}" --resume
   grep -q "resumed from $WORK/part/checkpoint (written at --tp 2 --pp 2)" "$WORK/d4_from_part.log" ||
     fail "the resume does not name the layout it read"

@@ -13,7 +13,7 @@
 #           (2, 2) stopped at step 5 and resumed from its checkpoints (one per tensor rank)
 #           continues with the uninterrupted run's losses, and so do runs resumed from it at
 #           (4, 1) stage 3 and (1, 2) stage 1 (within 1e-4; checkpoints across layouts,
-#           examples/bert/layout_resume.hpp); resuming at another --tp into the same folder is refused.
+#           shardopt/grid_checkpoint.hpp); resuming at another --tp into the same folder is refused.
 #           Its Hugging Face export is the unsplit model (the vocabulary's padding rows dropped).
 #           With dropout 0.1 at (2, 1), a run resumed at step 5 repeats the uninterrupted losses
 #           bitwise (the checkpoint keeps each tensor rank's dropout stream).
@@ -93,7 +93,7 @@ train 4 t4d1_from_t2d2 "${D[@]}" --tp 4 --stage 3 --grad-accum 2 --resume "$WORK
 train 2 t1d2_from_t2d2 "${D[@]}" --stage 1 --resume "$WORK/t2d2_part/checkpoint"
 OUT="$WORK/t2d2_part" refused 4 same_folder "was written at --tp 2" "${D[@]}" --tp 4 --resume
 train 4 t2d2_part "${D[@]}" --tp 2 --resume
-ls "$WORK/t2d2_part/checkpoint/tp0-of-2" "$WORK/t2d2_part/checkpoint/tp1-of-2" >/dev/null ||
+ls -d "$WORK"/t2d2_part/checkpoint/save-*/pp0-of-1/tp{0,1}-of-2 >/dev/null ||
   fail "no checkpoint per tensor rank"
 "$PY" - "$WORK" <<'PY' || fail "tensor parallelism changed the gradient norm, the resume or the export"
 import json, struct, sys

@@ -6,6 +6,8 @@
 #                 the job end within --timeout + 10 s;
 #   killed_saving rank 1 SIGKILLs itself inside the save of step 6, after writing its shard: the
 #                 step-4 checkpoint must survive, unharmed by the half-written one;
+#   killed_committing  rank 1 SIGKILLs itself in the save of step 6 once its folder is complete,
+#                 before the commit: step 4's commit must stay the one that loads;
 #   raised        rank 1 raises an error before step 3, outside any collective, with a 120 s
 #                 timeout: the job must end within 10 s with the message (shardopt::run_or_abort).
 # Each time the last checkpoint must load, and resuming from it must reproduce the uninterrupted
@@ -80,10 +82,12 @@ faulty() {
   within "$elapsed" "$(python3 -c "print($WHOLE_S + $slack)")" ||
     fail "$name: the job took ${elapsed} s to end"
   grep -qF -- "$message" "$WORK/$name.log" || fail "$name: no '$message' in the output"
-  [ -f "$out/checkpoint/manifest.json" ] || fail "$name: no checkpoint survived"
-  local step
-  step=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["trainer"]["step"])' \
-         "$out/checkpoint/manifest.json" 2>/dev/null)
+  [ -f "$out/checkpoint/commit.json" ] || fail "$name: no checkpoint survived"
+  local step  # the committed save's (Note [One commit for a grid])
+  step=$(python3 -c 'import json, os, sys
+c = json.load(open(os.path.join(sys.argv[1], "commit.json")))
+print(json.load(open(os.path.join(sys.argv[1], c["path"], c["folders"][0]["path"], "manifest.json")))["trainer"]["step"])' \
+         "$out/checkpoint" 2>/dev/null)
   [ "$step" = "$kept" ] || fail "$name: the surviving checkpoint is at step '$step', expected $kept"
   BERT_TEST_FAULT= train "$out" --resume >"$WORK/$name.resume.log" 2>&1 ||
     { cat "$WORK/$name.resume.log"; fail "$name: resuming from the last checkpoint"; }
@@ -94,6 +98,7 @@ faulty() {
 }
 faulty stalled 1:5:stop $((TIMEOUT_S + 10)) "did not complete within $((TIMEOUT_S * 1000)) ms" 4
 faulty killed_saving 1:6:kill-in-save $((TIMEOUT_S + 10)) "signal 9" 4  # OpenMPI 5 wraps its line before it
+faulty killed_committing 1:6:kill-before-commit $((TIMEOUT_S + 10)) "signal 9" 4
 faulty raised 1:3:throw 10 "test fault (BERT_TEST_FAULT): rank 1 fails before step 3" 2 --timeout 120
 
 # A finished run resumed: nothing to train, exit 0 on every rank at once, the log unchanged.

@@ -79,7 +79,10 @@ def losses(out):
 
 def checkpoint_step(out):
     try:
-        with open(os.path.join(out, "checkpoint", "manifest.json")) as f:
+        base = os.path.join(out, "checkpoint")  # the committed save (Note [One commit for a grid])
+        with open(os.path.join(base, "commit.json")) as f:
+            commit = json.load(f)
+        with open(os.path.join(base, commit["path"], commit["folders"][0]["path"], "manifest.json")) as f:
             return json.load(f)["trainer"]["step"]
     except OSError:
         return None

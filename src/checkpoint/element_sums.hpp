@@ -1,0 +1,66 @@
+// Checksums of a parameter's elements that do not depend on the layout holding them (see the Note).
+// Torch-free and header-only; internal to src/checkpoint/.
+//
+// Note [Element checksums]
+// A load into another layout reads only the byte ranges it needs (Note [Placement in the
+// manifest]), so no rank reads a whole file or block whose CRC-32 it could check. Instead every
+// parameter carries, per section (its values and each optimizer state buffer), the sum modulo 2^64
+// of a hash of (global element index, element bits) over its unsplit, unpadded elements: each
+// saving rank adds its own elements (the sum does not care who holds what), the manifest stores
+// each folder's sum, and after a load every rank adds the hashes of the elements it staged; one
+// all-reduce over the world gives, per parameter, the sum over all copies now held and how many
+// elements they cover. A tensor held k times (replicated over the tensor ranks, or tied between the
+// first and the last stage) covers k times its elements and must sum to k times the saved sum. A
+// flipped bit, a swapped element, a piece read from the wrong offset or placed at the wrong index
+// changes the sum (the hash mixes the index in), on every rank alike, before any optimizer changes.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "checkpoint/placement.hpp"
+
+namespace shardopt::detail {
+
+// splitmix64's finaliser over the index and the element's bits.
+inline uint64_t element_hash(uint64_t index, uint64_t bits) {
+  uint64_t z = index * 0x9E3779B97F4A7C15ull + bits * 0xD6E8FEB86659FD93ull + 0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// What local elements [begin, begin + numel) of copy `p` add: their hashes (padding rows skipped),
+// and how many elements that is. `data` holds the elements, `elem_bytes` (<= 8) each.
+struct ElementSum {
+  uint64_t sum = 0;
+  int64_t count = 0;
+};
+
+inline ElementSum element_sum(const TensorPlacement& p, int64_t begin, int64_t numel,
+                              const void* data, int elem_bytes) {
+  ElementSum out;
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  int64_t inner = 1, rows = 1;
+  if (p.split()) {
+    for (size_t k = static_cast<size_t>(p.dim) + 1; k < p.shape.size(); ++k) inner *= p.shape[k];
+    rows = p.shape[p.dim];
+  }
+  for (int64_t j = 0; j < numel; ++j) {
+    const int64_t local = begin + j;
+    int64_t global = local;
+    if (p.split()) {
+      const int64_t row = local / inner, within = local % inner;
+      const int64_t outer = row / rows, g = p.rank * rows + row % rows;
+      if (g >= p.full) continue;  // padding
+      global = (outer * p.full + g) * inner + within;
+    }
+    uint64_t bits = 0;
+    std::memcpy(&bits, bytes + j * elem_bytes, static_cast<size_t>(elem_bytes));
+    out.sum += element_hash(static_cast<uint64_t>(global), bits);
+    ++out.count;
+  }
+  return out;
+}
+
+}  // namespace shardopt::detail

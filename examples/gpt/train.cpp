@@ -53,6 +53,7 @@ struct Run {
   std::unique_ptr<shardopt::DistributedOptimizer> opt;
   SavedRun saved_run;
   int64_t start_step = 0;
+  std::string resumed_from;  // " (written at --tp ...)" when the checkpoint's layout differs
   std::vector<StepRecord> records;  // this run's steps
   std::ofstream metrics;
   bool tty = false;
@@ -160,13 +161,18 @@ void restore(Run& r) {
   if (!a.resume_requested) return;
   const std::string base = a.resume.empty() ? (fs::path(a.out) / "checkpoint").string() : a.resume;
   try {
+    const SavedRun then = saved_run(base).first;
+    if (then.tp != r.saved_run.tp || then.pp != r.saved_run.pp ||
+        then.virtual_stages != r.saved_run.virtual_stages) {
+      r.resumed_from = fmt::format(" (written at {})", then.describe());
+    }
     r.start_step = gpt::restore(*r.opt, base, r.groups, r.saved_run, *r.rng);
   } catch (const ResumeError& e) {
     throw UsageError(e.what());
   }
   shardopt::agree_on_errors(*r.comm, "rewriting metrics.jsonl", [&] {
     if (!r.lead) return;
-    fmt::print("[gpt] resumed from {} at step {}\n", base, r.start_step);
+    fmt::print("[gpt] resumed from {}{} at step {}\n", base, r.resumed_from, r.start_step);
     // The metrics of steps after the checkpoint's are those of a run that will be redone.
     const fs::path path = fs::path(a.out) / "metrics.jsonl";
     r.metrics.close();

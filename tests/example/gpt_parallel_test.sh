@@ -11,7 +11,8 @@
 #     zb-h1, each pair at one stage so that every layout and every schedule meets every stage once
 #     (a Latin square; 20 runs against a reference in all); bad combinations refused with one line
 #     naming them (exit 2); a (2,2,1) run with dropout 0.1 stopped after step 2 resumes from its
-#     checkpoints with the uninterrupted run's losses and norms (within 1e-6; bitwise here).
+#     checkpoints with the uninterrupted run's losses and norms (within 1e-6; bitwise here); a
+#     (2,2,1) checkpoint at step 2 continues at (1,4,1) and (1,1,4) with the reference's.
 #   full: the whole product, (2,1,1) x stages 0-3 and the four pipelined layouts x the four
 #     schedules x stages 0-3 (68 runs; 3.2 min of CPU, 12 min on the loaded 2-core machine), and
 #     the rest of quick.
@@ -81,10 +82,20 @@ refused 1 bad_v "--virtual-stages: V >= 2 goes with --schedule interleaved" --pp
 R=(--tp 2 --pp 2 --schedule 1f1b --micro-batches 4 --stage 2 --dropout 0.1)
 train 4 drop_full "${R[@]}" --write-golden "$WORK/drop.txt"
 train 4 part "${R[@]}" --stop-after 2
-ls -d "$WORK"/part/checkpoint/pp{0,1}-of-2/tp{0,1}-of-2 >/dev/null || fail "no folder per (pipeline, tensor) rank"
+[ -f "$WORK/part/checkpoint/commit.json" ] || fail "no commit record of the grid's checkpoint"
 train 4 part "${R[@]}" --resume --golden "$WORK/drop.txt" --golden-tol 1e-6 --golden-norm-tol 1e-6
 grep -q "resumed from $WORK/part/checkpoint at step 2" "$WORK/part.log" || fail "the resume does not say so"
 grep -q "golden $WORK/drop.txt: 3 steps compared" "$WORK/part.log" || fail "the resume did not run steps 3-5"
+# Across layouts through the library alone (shardopt/grid_checkpoint.hpp): the step-2 checkpoint of
+# a (2,2,1) run continues at (1,4,1) ZB-H1 stage 0 and at (1,1,4) stage 3 (8 rows a step in each)
+# with the reference's losses and norms.
+train 4 part0 --tp 2 --pp 2 --schedule 1f1b --micro-batches 4 --stage 2 --stop-after 2
+train 4 p4_from_part0 --pp 4 --schedule zb-h1 --micro-batches 4 --stage 0 \
+  --resume "$WORK/part0/checkpoint" --golden "$WORK/d1.txt" "${G[@]}"
+train 4 d4_from_part0 --stage 3 --resume "$WORK/part0/checkpoint" --golden "$WORK/d1.txt" "${G[@]}"
+grep -q "(written at --tp 2 --pp 2 --virtual-stages 1) at step 2" "$WORK/p4_from_part0.log" ||
+  fail "the resume does not name the layout it read"
+grep -q "golden $WORK/d1.txt: 3 steps compared" "$WORK/d4_from_part0.log" || fail "no steps 3-5"
 # The largest deviations over every run compared with a golden file.
 runs=$(grep -l "golden .*: ok" "$WORK"/*.log | wc -l)
 grep -h "steps compared" "$WORK"/*.log |

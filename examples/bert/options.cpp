@@ -11,53 +11,15 @@
 #include "bert_config.hpp"
 #include "data.hpp"
 #include "tokenizer.hpp"
+#include "common/cli.hpp"
 
 namespace bert {
 namespace fs = std::filesystem;
+using examples::integer_at_least;
+using examples::integer_in;
+using examples::number;
 
 namespace {
-
-// Validators whose message names the allowed range in words CLI11's Range cannot (its numbers
-// are the type's limits printed as doubles); CLI11 prefixes the flag.
-CLI::Validator integer_at_least(int64_t lo) {
-  return CLI::Validator(
-      [lo](std::string& s) -> std::string {
-        int64_t v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || v < lo) {
-          return fmt::format("expected an integer >= {}, got '{}'", lo, s);
-        }
-        return "";
-      },
-      fmt::format("INT>={}", lo));
-}
-
-CLI::Validator integer_in(int64_t lo, int64_t hi) {
-  return CLI::Validator(
-      [lo, hi](std::string& s) -> std::string {
-        int64_t v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || v < lo || v > hi) {
-          return fmt::format("expected an integer in [{}, {}], got '{}'", lo, hi, s);
-        }
-        return "";
-      },
-      fmt::format("INT in [{}, {}]", lo, hi));
-}
-
-// Real numbers: > lo when `open`, else >= lo; <= hi when hi is finite.
-CLI::Validator number(double lo, bool open, double hi = HUGE_VAL) {
-  const std::string range = hi < HUGE_VAL ? fmt::format("in [{}, {}]", lo, hi)
-                                          : fmt::format("{} {}", open ? ">" : ">=", lo);
-  return CLI::Validator(
-      [=](std::string& s) -> std::string {
-        double v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || !std::isfinite(v) || (open ? v <= lo : v < lo) ||
-            v > hi) {
-          return fmt::format("expected a number {}, got '{}'", range, s);
-        }
-        return "";
-      },
-      "NUMBER " + range);
-}
 
 // The header of a data file, or the reason it is not one.
 std::string read_header(const std::string& path, DataHeader* h) {
@@ -71,20 +33,6 @@ std::string read_header(const std::string& path, DataHeader* h) {
 }
 
 }  // namespace
-
-int launcher_rank() {
-  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"}) {
-    if (const char* v = std::getenv(var)) return std::atoi(v);
-  }
-  return 0;
-}
-
-int launcher_world_size() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE"}) {
-    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
-  }
-  return 1;
-}
 
 std::string vocab_next_to(const std::string& data) {
   std::error_code ec;
@@ -340,7 +288,10 @@ static std::string check_pipeline_args(const Args& a) {
       {a.eval_every > 0, "--eval-every"},
       {a.recompute && a.schedule == "zb-h1", "--recompute with --schedule zb-h1 (its weight pass "
                                              "cannot reach a recomputed layer's parameters; use "
-                                             "1f1b or interleaved)"}};
+                                             "1f1b or interleaved)"},
+      {a.units == "explicit" && a.stage == 3 && a.schedule == "zb-h1",
+       "--stage 3 with the model's declared units and --schedule zb-h1 (the deferred weight pass "
+       "counts as extra backward passes of the units; use --units auto)"}};
   for (const auto& [given, flag] : unsupported) {
     if (given) return fmt::format("--pp: {} is not supported with pipeline parallelism yet", flag);
   }

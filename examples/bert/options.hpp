@@ -126,10 +126,4 @@ double adam_eps(const Args& a);
 // --lr-schedule: linear decay to 0 at --steps (BERT's), constant, or a cosine to 0.
 double lr_at(const Args& a, int64_t step);
 
-// The launcher's rank of this process (mpirun, srun, torchrun), 0 when not launched: who prints
-// option errors before the communicator exists.
-int launcher_rank();
-// The launcher's world size (OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS, WORLD_SIZE), 1 if none.
-int launcher_world_size();
-
 }  // namespace bert

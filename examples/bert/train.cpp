@@ -25,6 +25,7 @@
 #include "checkpointing.hpp"
 #include "data.hpp"
 #include "evaluate.hpp"
+#include "common/cli.hpp"
 #include "metrics.hpp"
 #include "model.hpp"
 #include "options.hpp"
@@ -610,18 +611,9 @@ int main(int argc, char** argv) {
   bert::add_options(app, a, commands);
   // Every rank parses and checks the same arguments and files; rank 0 alone says what is wrong,
   // and under a launcher the others wait for it (Note [Errors on one rank]).
-  const bool speaker = bert::launcher_rank() == 0;
-  auto usage_error = [&](const std::string& what) {
-    if (speaker) fmt::print(stderr, "bert_pretrain: error: {}\n", what);
-    std::fflush(stderr);
-    if (bert::launcher_world_size() > 1) {
-      try {
-        shardopt::init_from_env()->barrier();
-      } catch (const std::exception&) {
-        // No communicator to be had (a launcher without MPI): nothing to wait with.
-      }
-    }
-    return 2;
+  const bool speaker = examples::launcher_rank() == 0;
+  auto usage_error = [](const std::string& what) {
+    return examples::usage_error("bert_pretrain", what);
   };
   try {
     app.parse(argc, argv);

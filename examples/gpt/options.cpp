@@ -8,38 +8,14 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "common/cli.hpp"
 #include "config.hpp"
 
 namespace gpt {
 namespace fs = std::filesystem;
 
-namespace {
-
-CLI::Validator integer_at_least(int64_t lo) {
-  return CLI::Validator(
-      [lo](std::string& s) -> std::string {
-        int64_t v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || v < lo) {
-          return fmt::format("expected an integer >= {}, got '{}'", lo, s);
-        }
-        return "";
-      },
-      fmt::format("INT>={}", lo));
-}
-
-CLI::Validator number_at_least(double lo, bool open) {
-  return CLI::Validator(
-      [=](std::string& s) -> std::string {
-        double v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || !std::isfinite(v) || (open ? v <= lo : v < lo)) {
-          return fmt::format("expected a number {} {}, got '{}'", open ? ">" : ">=", lo, s);
-        }
-        return "";
-      },
-      fmt::format("NUMBER {} {}", open ? ">" : ">=", lo));
-}
-
-}  // namespace
+using examples::integer_at_least;
+using examples::number;
 
 void add_options(CLI::App& app, Args& a) {
   app.option_defaults()->always_capture_default()->multi_option_policy(
@@ -57,7 +33,7 @@ void add_options(CLI::App& app, Args& a) {
       ->check(integer_at_least(1));
   app.add_option("--steps", a.steps, "optimizer steps (where the learning rate reaches 0)")
       ->check(integer_at_least(1));
-  app.add_option("--lr", a.lr, "peak learning rate (AdamW)")->check(number_at_least(0, true));
+  app.add_option("--lr", a.lr, "peak learning rate (AdamW)")->check(number(0, true));
   app.add_option("--warmup-steps", a.warmup_steps, "linear warm-up steps")
       ->check(integer_at_least(0));
   app.add_option("--batch-size", a.batch_size, "sequences per data-parallel rank per micro-step")
@@ -74,11 +50,11 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--weight-decay", a.weight_decay,
                  "AdamW's decoupled weight decay (not on biases "
                  "and LayerNorms)")
-      ->check(number_at_least(0, false));
+      ->check(number(0, false));
   app.add_option("--max-grad-norm", a.max_grad_norm,
                  "global gradient clipping (0: none, and no "
                  "gradient norm is computed or reported)")
-      ->check(number_at_least(0, false));
+      ->check(number(0, false));
   app.add_option("--dtype", a.dtype,
                  "float32 | float64: the parameters' and activations' dtype "
                  "(float64: layouts agree to rounding, for tests)")
@@ -114,7 +90,7 @@ void add_options(CLI::App& app, Args& a) {
                  "compare with this \"step loss [grad_norm]\" file; exit 4 "
                  "beyond --golden-tol (and --golden-norm-tol)");
   app.add_option("--golden-tol", a.golden_tol, "largest absolute loss difference to --golden")
-      ->check(number_at_least(0, false));
+      ->check(number(0, false));
   app.add_option("--golden-norm-tol", a.golden_norm_tol,
                  "largest relative difference of the "
                  "gradient norm to --golden's third column (default: not compared)");
@@ -128,7 +104,7 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--timeout", a.timeout_s,
                  "seconds a rank waits in any collective (default: "
                  "SHARDOPT_TIMEOUT, else the library's)")
-      ->check(number_at_least(0, false));
+      ->check(number(0, false));
 }
 
 std::string check_args(const Args& a) {
@@ -181,14 +157,6 @@ double lr_at(const Args& a, int64_t step) {
   const double rest = static_cast<double>(a.steps - a.warmup_steps);
   if (rest <= 0) return a.lr;
   return a.lr * std::max(0.0, static_cast<double>(a.steps - step) / rest);
-}
-
-int launcher_rank() {
-  for (const char* var :
-       {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"}) {
-    if (const char* v = std::getenv(var)) return std::atoi(v);
-  }
-  return 0;
 }
 
 }  // namespace gpt

@@ -57,8 +57,5 @@ std::string check_args(const Args& a);
 // The learning rate of 0-based step `step`: linear warm-up to --lr, then linear decay to 0 at
 // --steps (BERT's and GPT-2's fine-tuning schedule).
 double lr_at(const Args& a, int64_t step);
-// The launcher's rank of this process (mpirun, srun, torchrun), 0 when not launched: who prints
-// option errors before the communicator exists.
-int launcher_rank();
 
 }  // namespace gpt

@@ -17,6 +17,7 @@
 #include <optional>
 
 #include "checkpointing.hpp"
+#include "common/cli.hpp"
 #include "config.hpp"
 #include "corpus.hpp"
 #include "golden.hpp"
@@ -297,21 +298,9 @@ int main(int argc, char** argv) {
       "A GPT-2-architecture decoder trained with shardopt (ZeRO x TP x PP); run under "
       "mpirun -np T*D*P"};
   gpt::add_options(app, a);
-  const bool speaker = gpt::launcher_rank() == 0;
-  // Rank 0 alone says what is wrong; under a launcher the others wait for it, since one may end
-  // the job as soon as a rank exits non-zero (OpenMPI 5's prterun does).
-  auto usage_error = [&](const std::string& what) {
-    if (speaker) fmt::print(stderr, "gpt_train: error: {}\n", what);
-    std::fflush(stderr);
-    if (std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE")) {
-      try {
-        shardopt::init_from_env()->barrier();
-      } catch (const std::exception&) {
-        // no communicator to be had: nothing to wait with
-      }
-    }
-    return 2;
-  };
+  // Rank 0 alone says what is wrong; under a launcher the others wait for it.
+  const bool speaker = examples::launcher_rank() == 0;
+  auto usage_error = [](const std::string& what) { return examples::usage_error("gpt_train", what); };
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -678,7 +678,10 @@ TEST(AutoUnitsReleasedRead, OneRankAloneRaisesTheNamedError) {
       if (n == name) w = t;
     }
     ZeroOptions zo = auto_options(3);
-    zo.timeout = std::chrono::seconds(10);  // how long rank 0 waits for the others
+    // How long rank 0 waits for the others, which never join before its answer: the whole wait
+    // is test time (x2 backends x3 world sizes), and the step before it has the same margin.
+    zo.timeout = std::chrono::seconds(3);
+    world->barrier();  // the ranks start the optimizer's collectives together
     DistributedOptimizer opt(groups_of(m), rule_of("sgd"), comm, zo);
     train_steps(m, opt, 0, 1, 1);
     bool ok = true;

@@ -142,27 +142,41 @@ void StageImpl::init_weights(uint64_t seed) {
   for (auto& p : named_parameters()) {
     const std::string& name = p.key();
     at::Tensor& param = p.value();
-    const auto split = tp::split_of(param);
-    std::vector<int64_t> full = param.sizes().vec();
-    if (split) full[split->dim] = split->full_size;
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ hash_name(name));
-    at::Tensor value = at::zeros(full, at::kFloat);
-    if (ends_with(name, ".bias")) {
-      // zeros
-    } else if (name.rfind("ln_", 0) == 0 || name.find(".ln_") != std::string::npos) {
-      value.fill_(1.0);
-    } else {
-      value.normal_(0.0, ends_with(name, "c_proj.weight") ? residual_std : 0.02, gen);
-    }
-    if (split) {
-      if (split->padded_size > split->full_size) {  // padding rows start at zero
-        std::vector<int64_t> rows = full;
-        rows[split->dim] = split->padded_size - split->full_size;
-        value = at::cat({value, at::zeros(rows, at::kFloat)}, split->dim);
+    const bool is_bias = ends_with(name, ".bias");
+    const bool is_norm = name.rfind("ln_", 0) == 0 || name.find(".ln_") != std::string::npos;
+    const double std = ends_with(name, "c_proj.weight") ? residual_std : 0.02;
+    // Fills `slot` from its own generator: in place, so nothing but the parameter is allocated.
+    auto fill = [&](at::Tensor slot, const std::string& key) {
+      if (is_bias) {
+        slot.zero_();
+      } else if (is_norm) {
+        slot.fill_(1.0);
+      } else {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ hash_name(key));
+        if (slot.is_contiguous() && slot.scalar_type() == at::kFloat) {
+          slot.normal_(0.0, std, gen);
+        } else {  // a column of a row-parallel weight: drawn contiguous, as every t draws it
+          slot.copy_(at::empty(slot.sizes(), at::kFloat).normal_(0.0, std, gen));
+        }
       }
-      value = value.chunk(par_.size(), split->dim)[par_.rank()];
+    };
+    const auto split = tp::split_of(param);
+    if (!split) {
+      fill(param, name);
+      continue;
     }
-    param.copy_(value);
+    // Index i of the split dimension from the generator of "name[i]": a rank draws only the
+    // indices it holds, and every t the same values (Note [Weights by name]).
+    const int64_t local = param.size(split->dim);
+    for (int64_t j = 0; j < local; ++j) {
+      const int64_t i = par_.rank() * local + j;
+      at::Tensor slot = param.select(split->dim, j);
+      if (i >= split->full_size) {
+        slot.zero_();  // padding rows start at zero
+      } else {
+        fill(slot, fmt::format("{}[{}]", name, i));
+      }
+    }
   }
 }
 

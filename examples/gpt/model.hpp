@@ -62,10 +62,13 @@ class StageImpl : public torch::nn::Module {
   at::Tensor layers(at::Tensor x);          // through this stage's blocks
   // The mean next-token cross entropy of hidden states x [B, T, h] against targets [B, T].
   at::Tensor loss(const at::Tensor& x, const at::Tensor& targets);
-  // Note [Weights by name]: every parameter becomes its slice of the unsplit tensor drawn from a
-  // generator seeded by (seed, its name): GPT-2's N(0, 0.02) (the residual projections' scaled by
-  // 1/sqrt(2 x layers)), biases 0, LayerNorm weights 1. Any (t, p, V) thus starts from the same
-  // model, each rank drawing only the stages it holds, and the two copies of wte agree.
+  // Note [Weights by name]: GPT-2's N(0, 0.02) (the residual projections' scaled by
+  // 1/sqrt(2 x layers)), biases 0, LayerNorm weights 1, drawn from generators seeded by (seed,
+  // name): a whole parameter from the generator of its name, a split one index by index along its
+  // split dimension, index i from the generator of "name[i]". Any (t, p, V) thus starts from the
+  // same model, each rank drawing only the stages and the slices it holds (the split layers are
+  // built with init_unsplit = false: Note [Drawing only the slice]), and the two copies of wte
+  // agree.
   void init_weights(uint64_t seed);
   bool first_stage() const { return first_stage_; }
   bool last_stage() const { return last_stage_; }

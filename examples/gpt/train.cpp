@@ -24,6 +24,7 @@
 #include "local_model.hpp"
 #include "model.hpp"
 #include "options.hpp"
+#include "shardopt/memory_tracker.hpp"
 #include "shardopt/shardopt.hpp"
 
 namespace fs = std::filesystem;
@@ -98,6 +99,7 @@ void build(Run& r) {
   const Args& a = r.a;
   Parallel par;
   par.tp.group = r.groups.tp;
+  par.tp.init_unsplit = false;  // each rank draws its slices (Note [Weights by name])
   r.rng = std::make_shared<shardopt::tp::RngTracker>(a.seed, r.groups.tp_rank);
   par.rng = r.rng;
   std::optional<shardopt::PipelineSchedule> schedule;
@@ -109,7 +111,21 @@ void build(Run& r) {
       throw UsageError(e.what());
     }
   }
-  r.model = std::make_unique<LocalModel>(r.config, par, r.groups, schedule, a.seed, dtype_of(a));
+  // What building costs a rank against the parameters it holds: its stages only, its slices only.
+  int64_t build_peak = 0;
+  {
+    shardopt::ScopedMemoryTracking tracking;
+    auto& tracker = tracking.tracker();
+    const int64_t before = tracker.live_bytes();
+    tracker.reset_peak();
+    r.model =
+        std::make_unique<LocalModel>(r.config, par, r.groups, schedule, a.seed, dtype_of(a));
+    build_peak = tracker.peak_bytes() - before;
+  }
+  int64_t held = 0;
+  for (const auto& p : r.model->named_parameters()) held += p.value().nbytes();
+  const at::Tensor worst = at::full({1}, static_cast<double>(build_peak) / held, at::kDouble);
+  r.comm->all_reduce(worst, shardopt::ReduceOp::Max);
   // Dropout outside the split regions: the same stream on a stage's tensor ranks, another stage's
   // offset (Megatron's), so two stages never draw the same masks.
   at::manual_seed(a.seed + 100 * static_cast<uint64_t>(r.groups.pp_rank));
@@ -141,6 +157,11 @@ void build(Run& r) {
       "[gpt] model: GPT-2 architecture, {} ({}), {:.3f} M parameters, bytes as tokens, "
       "dropout {}, {}\n",
       a.preset, c.describe(), params / 1e6, c.dropout, a.dtype);
+  fmt::print(
+      "[gpt] construction: peak {:.3f} MB of tensors for {:.3f} MB of parameters held ({:.3f}x; "
+      "highest over ranks {:.3f}x)\n",
+      build_peak / 1e6, held / 1e6, static_cast<double>(build_peak) / held,
+      worst.item<double>());
   fmt::print(
       "[gpt] training: {} ranks = {}, ZeRO stage {}, global batch {} = {} rows x {} "
       "data-parallel ranks x {} micro-batches of {} bytes, {} steps, AdamW lr {} (warm-up "

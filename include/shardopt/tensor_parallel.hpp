@@ -111,10 +111,19 @@ std::optional<SplitRecord> record_of(const at::Tensor& param);
 std::optional<Split> split_of(const at::Tensor& param);
 
 /// What every split layer is given.
+///
+/// Note [Drawing only the slice]
+/// By default (init_unsplit) a split layer draws torch's initialisation of the whole matrix
+/// (torch::nn::Linear's, torch::nn::Embedding's) on every rank from the same generator state and
+/// keeps its slice: any t starts from the values one process would, at the cost of one whole
+/// matrix per layer on every rank while it is built. A model that draws its own values slice by
+/// slice (examples/gpt, Note [Weights by name]) sets init_unsplit = false: the layers start at
+/// zero and no rank ever holds more than its share of a split tensor.
 struct TensorParallel {
   CommunicatorPtr group;           ///< the tensor-parallel group (ParallelGroups::tp)
   bool sequence_parallel = false;  ///< Note [Split regions]
   int64_t sequence_dim = 1;        ///< of [batch, sequence, features]
+  bool init_unsplit = true;        ///< Note [Drawing only the slice]
 };
 
 /// y = x A^T + b with A's rows (output features) split: weight [out/t, in], bias [out/t]. The

@@ -144,9 +144,16 @@ at::Tensor map(const at::Tensor& x, Op forward_op, Op backward_op, int64_t dim,
 }
 
 // torch::nn::Linear's initialisation of the whole [out, in] matrix and [out] bias, drawn on every
-// rank from the same generator state.
-std::pair<at::Tensor, at::Tensor> linear_init(int64_t in, int64_t out, bool bias) {
+// rank from the same generator state; zeros of this rank's slice (split along `dim`, the bias
+// along 0 when dim is 0) where the model draws its own (Note [Drawing only the slice]).
+std::pair<at::Tensor, at::Tensor> linear_init(int64_t in, int64_t out, bool bias,
+                                              const TensorParallel& tp, int64_t dim) {
   at::NoGradGuard no_grad;
+  if (!tp.init_unsplit) {
+    const int64_t t = tp.group->size();
+    return {at::zeros({dim == 0 ? out / t : out, dim == 1 ? in / t : in}),
+            bias ? at::zeros({dim == 0 ? out / t : out}) : at::Tensor()};
+  }
   at::Tensor w = at::empty({out, in});
   torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));
   at::Tensor b;
@@ -208,11 +215,11 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t 
   SHARDOPT_CHECK(!(gather_output && tp_.sequence_parallel), InvalidArgument,
                  "tensor parallel: ColumnParallelLinear cannot gather its output under sequence "
                  "parallelism");
-  auto [w, b] = linear_init(in_features, out_features, with_bias);
-  weight = register_parameter("weight", chunk(w, 0, group));
+  auto [w, b] = linear_init(in_features, out_features, with_bias, tp_, 0);
+  weight = register_parameter("weight", tp_.init_unsplit ? chunk(w, 0, group) : w);
   mark_split(weight, tp_.group, 0, out_features, out_features);
   if (with_bias) {
-    bias = register_parameter("bias", chunk(b, 0, group));
+    bias = register_parameter("bias", tp_.init_unsplit ? chunk(b, 0, group) : b);
     mark_split(bias, tp_.group, 0, out_features, out_features);
   }
 }
@@ -239,8 +246,8 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in_features, int64_t out_fe
   SHARDOPT_CHECK(input_is_parallel || !tp_.sequence_parallel, InvalidArgument,
                  "tensor parallel: RowParallelLinear needs a split input under sequence "
                  "parallelism");
-  auto [w, b] = linear_init(in_features, out_features, with_bias);
-  weight = register_parameter("weight", chunk(w, 1, group));
+  auto [w, b] = linear_init(in_features, out_features, with_bias, tp_, 1);
+  weight = register_parameter("weight", tp_.init_unsplit ? chunk(w, 1, group) : w);
   mark_split(weight, tp_.group, 1, in_features, in_features);
   if (with_bias) {
     bias = register_parameter("bias", b);
@@ -274,9 +281,10 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t di
   at::Tensor w;
   {
     at::NoGradGuard no_grad;
-    w = at::empty({vocab, dim}).normal_();  // torch::nn::Embedding's initialisation
+    w = tp_.init_unsplit ? at::empty({vocab, dim}).normal_()  // torch::nn::Embedding's
+                         : at::zeros({vocab / group.size(), dim});  // Note [Drawing only the slice]
   }
-  weight = register_parameter("weight", chunk(w, 0, group));
+  weight = register_parameter("weight", tp_.init_unsplit ? chunk(w, 0, group) : w);
   mark_split(weight, tp_.group, 0, vocab, vocab);  // the model marks its unpadded vocabulary
   begin_ = group.rank() * (vocab / group.size());
 }

@@ -12,7 +12,8 @@
 #     (a Latin square; 20 runs against a reference in all); bad combinations refused with one line
 #     naming them (exit 2); a (2,2,1) run with dropout 0.1 stopped after step 2 resumes from its
 #     checkpoints with the uninterrupted run's losses and norms (within 1e-6; bitwise here); a
-#     (2,2,1) checkpoint at step 2 continues at (1,4,1) and (1,1,4) with the reference's.
+#     (2,2,1) checkpoint at step 2 continues at (1,4,1) and (1,1,4) with the reference's; building
+#     the model at (2,2,1) peaks at most 1.1x the parameters a rank holds.
 #   full: the whole product, (2,1,1) x stages 0-3 and the four pipelined layouts x the four
 #     schedules x stages 0-3 (68 runs; 3.2 min of CPU, 12 min on the loaded 2-core machine), and
 #     the rest of quick.
@@ -69,6 +70,13 @@ done
 grep -q "tp=2 x dp=1 x pp=2" "$WORK/t2p2_1f1b_s2.log" || fail "the plan does not state the layout"
 grep -q "stage 0: embeddings + layers 0-3; stage 1: layers 4-7 + head" "$WORK/p2_1f1b_s1.log" ||
   fail "the plan does not state the stages"
+# Construction at a rank's share (Note [Drawing only the slice]): at (2,2,1) no rank's tensors
+# exceed 1.1x the parameters it holds while it builds (drawing whole matrices: 1.12-1.25x here);
+# that the split model equals the unsplit one at step 0 is the golden's step-1 loss.
+ratio=$(sed -n 's/.*highest over ranks \([0-9.]*\)x.*/\1/p' "$WORK/t2p2_1f1b_s2.log")
+awk -v r="$ratio" 'BEGIN { exit !(r != "" && r <= 1.1) }' ||
+  fail "construction at (2,2,1): peak ${ratio:-?}x the parameters a rank holds (over 1.1x)"
+echo "construction at (2,2,1): peak ${ratio}x the parameters a rank holds"
 
 # Bad combinations: refused before any work, one line naming the option.
 refused 1 bad_heads "4 attention heads are not divisible by the tensor-parallel size" --tp 3

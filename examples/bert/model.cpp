@@ -159,7 +159,13 @@ at::Tensor BertLayerImpl::forward(const at::Tensor& x, const at::Tensor& mask_bi
   at::Tensor q, k, v, scores, probs, context, attended, out;
   {
     BERT_PHASE("qkv");
-    q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
+    if (query_.column) {  // one product, one input-gradient all-reduce (Megatron's fused QKV)
+      const auto qkv =
+          tp::fused_column_forward(x, {query_.column, key_.column, value_.column});
+      q = split(qkv[0]), k = split(qkv[1]), v = split(qkv[2]);
+    } else {
+      q = split(query_(x)), k = split(key_(x)), v = split(value_(x));
+    }
   }
   const double scale = 1.0 / std::sqrt(double(head_dim_));
 #if BERT_HAS_SDPA

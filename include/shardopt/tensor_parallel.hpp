@@ -143,12 +143,29 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   /// Weight [out/t, in], bias [out/t] (undefined without bias).
   at::Tensor weight, bias;
   ///@}
+  const TensorParallel& tensor_parallel() const { return tp_; }  ///< what it was given
+  bool gathers_output() const { return gather_output_; }         ///< built with gather_output
 
  private:
   TensorParallel tp_;
   bool gather_output_;
 };
 TORCH_MODULE(ColumnParallelLinear);
+
+/// Several column-parallel layers over one input (attention's q, k and v) as one product of their
+/// concatenated weights, outputs [..., out_i/t] in the layers' order: the backward makes one
+/// input-gradient all-reduce (under sequence parallelism one all-gather and one reduce-scatter)
+/// where separate layers make one each, as Megatron's fused QKV, while each layer keeps its own
+/// parameters (names, checkpoints and unsplit loads unchanged). The layers must share the group,
+/// sequence parallelism, the input width and having a bias, and not gather their outputs.
+///
+/// Note [Overlapped input gradients]
+/// A column-parallel product's backward starts the all-reduce of its input gradient, computes the
+/// weight and bias gradients while it runs and waits for it only then (Megatron's asynchronous
+/// input-gradient all-reduce); an engine that overlaps its caller (Capabilities::overlaps_caller)
+/// hides the all-reduce behind the weight-gradient GEMM.
+std::vector<at::Tensor> fused_column_forward(const at::Tensor& x,
+                                             const std::vector<ColumnParallelLinear>& layers);
 
 /// y = x A^T + b with A's columns (input features) split: weight [out, in/t]; bias [out] is
 /// replicated and added after the reduction. The input is split already unless !input_is_parallel.

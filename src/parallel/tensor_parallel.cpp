@@ -135,6 +135,30 @@ struct SequenceGatheredLinear : torch::autograd::Function<SequenceGatheredLinear
   }
 };
 
+// The column-parallel product y = x W^T + b entering the split region (as copy_to_region then a
+// linear), with the backward's input-gradient all-reduce started before the weight gradient is
+// computed and waited for after it (Note [Overlapped input gradients]).
+struct RegionLinear : torch::autograd::Function<RegionLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const CommunicatorPtr& group) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
+    return at::linear(x, weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const at::Tensor grad_x = grads[0].matmul(weight).contiguous();
+    const WorkPtr sum = group_in(ctx)->all_reduce(grad_x, ReduceOp::Sum, /*async=*/true);
+    const at::Tensor rows = grads[0].reshape({-1, weight.size(0)});
+    const at::Tensor grad_weight = rows.t().mm(x.reshape({-1, weight.size(1)}));
+    const at::Tensor grad_bias = ctx->saved_data["bias"].toBool() ? rows.sum(0) : at::Tensor();
+    sum->wait();
+    return {grad_x, grad_weight, grad_bias, at::Tensor()};
+  }
+};
+
 at::Tensor map(const at::Tensor& x, Op forward_op, Op backward_op, int64_t dim,
                const CommunicatorPtr& group) {
   SHARDOPT_CHECK(group != nullptr, InvalidArgument, "tensor parallel: the group is null");
@@ -224,12 +248,49 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in_features, int64_t 
   }
 }
 
-at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  if (tp_.sequence_parallel && tp_.group->size() > 1) {
-    return SequenceGatheredLinear::apply(x, weight, bias, tp_.sequence_dim, tp_.group);
+namespace {
+
+// x times a column-parallel weight (one layer's, or several layers' concatenated), into the split
+// region: sequence shards gathered under sequence parallelism.
+at::Tensor column_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                          const TensorParallel& tp) {
+  if (tp.group->size() == 1) return at::linear(x, weight, bias);
+  if (tp.sequence_parallel) {
+    return SequenceGatheredLinear::apply(x, weight, bias, tp.sequence_dim, tp.group);
   }
-  at::Tensor y = at::linear(copy_to_region(x, tp_.group), weight, bias);
+  return RegionLinear::apply(x, weight, bias, tp.group);
+}
+
+}  // namespace
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y = column_product(x, weight, bias, tp_);
   return gather_output_ ? gather_from_region(y, -1, tp_.group) : y;
+}
+
+std::vector<at::Tensor> fused_column_forward(const at::Tensor& x,
+                                             const std::vector<ColumnParallelLinear>& layers) {
+  SHARDOPT_CHECK(!layers.empty(), InvalidArgument, "tensor parallel: fused_column_forward: no layers");
+  const ColumnParallelLinearImpl& first = *layers.front();
+  std::vector<at::Tensor> weights, biases;
+  std::vector<int64_t> widths;
+  for (const auto& layer : layers) {
+    const TensorParallel& tp = layer->tensor_parallel();
+    SHARDOPT_CHECK(tp.group == first.tensor_parallel().group &&
+                       tp.sequence_parallel == first.tensor_parallel().sequence_parallel &&
+                       !layer->gathers_output() && layer->bias.defined() == first.bias.defined() &&
+                       layer->weight.size(1) == first.weight.size(1),
+                   InvalidArgument,
+                   "tensor parallel: fused_column_forward: the layers must share the group, "
+                   "sequence parallelism, the input width and having a bias, and not gather their "
+                   "outputs");
+    weights.push_back(layer->weight);
+    if (layer->bias.defined()) biases.push_back(layer->bias);
+    widths.push_back(layer->weight.size(0));
+  }
+  const at::Tensor bias = biases.empty() ? at::Tensor() : at::cat(biases);
+  return column_product(x, at::cat(weights), bias, first.tensor_parallel())
+      .split_with_sizes(widths, -1);
 }
 
 void ColumnParallelLinearImpl::load_full(const at::Tensor& w, const at::Tensor& b) {

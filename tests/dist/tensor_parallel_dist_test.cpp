@@ -22,6 +22,7 @@
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
 #include "shardopt/tensor_parallel.hpp"
+#include "support/counting_communicator.hpp"
 #include "support/dist_env.hpp"
 #include "support/expect_error.hpp"
 
@@ -272,7 +273,8 @@ struct SplitEncoder {
     }
   }
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor a = o->forward(attention(q->forward(x), k->forward(x), v->forward(x), local_heads));
+    const auto qkv = tp::fused_column_forward(x, {q, k, v});
+    at::Tensor a = o->forward(attention(qkv[0], qkv[1], qkv[2], local_heads));
     at::Tensor h = layer_norm(x + a, ln1_w, ln1_b);
     return layer_norm(h + down->forward(at::gelu(up->forward(h))), ln2_w, ln2_b);
   }
@@ -327,6 +329,31 @@ DIST_TEST(TensorParallelLayers, BertEncoderLayerMatchesTheUnsplitLayer) {
       // Not trivially equal: the gradients are really nonzero.
       EXPECT_GT(r.q.grad().abs().max().item<double>(), 1e-3);
     }
+  });
+}
+
+// Megatron's cost: an encoder layer's backward makes 2 input-gradient all-reduces, one for the
+// fused q, k and v (tp::fused_column_forward) and one for the up-projection, where three separate
+// q, k, v layers make 4 (the row-parallel layers' all-reduces are in the forward).
+DIST_TEST(TensorParallelLayers, EncoderBackwardMakesTwoInputGradientAllReduces) {
+  for_each_layout([](const ParallelGroups& base, bool sp) {
+    if (sp) return;  // sequence parallelism moves shards instead (and sums its LayerNorms' grads)
+    auto counting = std::make_shared<test::CountingCommunicator>(base.tp);
+    ParallelGroups g = base;
+    g.tp = counting;
+    const EncoderWeights w;
+    auto draws = test::seeded_draws(23);
+    SplitEncoder enc(w, g, sp);
+    const at::Tensor x = at::randn({kBatch, kSeq, kHidden}, at::kDouble).requires_grad_(true);
+    draws.unlock();
+    const at::Tensor y = enc.forward(x);
+    const int64_t forward_calls = counting->traffic().calls;
+    y.backward(at::ones_like(y));
+    const int64_t backward_calls = counting->traffic().calls - forward_calls;
+    const bool split = base.tp->size() > 1;
+    EXPECT_EQ(forward_calls, split ? 2 : 0) << "the two row-parallel sums";
+    EXPECT_EQ(backward_calls, split ? 2 : 0) << "input-gradient all-reduces of one layer";
+    EXPECT_GT(x.grad().abs().max().item<double>(), 0.0);
   });
 }
 

@@ -19,20 +19,14 @@
 #include "block_cache.hpp"
 #include "data.hpp"
 #include "model.hpp"
+#include "timing.hpp"
 
 namespace {
 
 namespace prof = torch::autograd::profiler;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using shardopt::bench::Clock;
+using shardopt::bench::median;
+using shardopt::bench::seconds_since;
 
 // Push/pop pairs of every thread -> [name, sequence number, start us, end us, thread].
 nlohmann::json closed_ranges(const prof::thread_event_lists& lists) {

@@ -17,21 +17,15 @@
 
 #include "data.hpp"
 #include "model.hpp"
+#include "timing.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/parallel_layout.hpp"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using shardopt::bench::Clock;
+using shardopt::bench::median;
+using shardopt::bench::seconds_since;
 
 // Every collective run to completion inside the call and timed (the tensor group's only).
 class TimedCommunicator final : public shardopt::Communicator {

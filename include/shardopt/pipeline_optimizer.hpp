@@ -9,7 +9,7 @@
 #include <functional>
 
 namespace shardopt {
-
+/// What run_pipeline tells its stage's optimizer (Note [Pipeline handshake]; see the file comment).
 class PipelineOptimizer {
  public:
   virtual ~PipelineOptimizer() = default;

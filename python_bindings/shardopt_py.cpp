@@ -385,6 +385,7 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("step_s", &StepStats::step_s)
       .def_readonly("comm_elements", &StepStats::comm_elements)
       .def_readonly("gather_elements", &StepStats::gather_elements)
+      .def_readonly("reduce_elements", &StepStats::reduce_elements)
       .def("__repr__", [](const StepStats& s) {
         return fmt::format("StepStats(step={}, grad_norm={}, clipped={}, skipped={}, "
                            "loss_scale={}, step_s={:.6f}, comm_elements={})",

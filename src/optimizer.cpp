@@ -153,6 +153,14 @@ void DistributedOptimizer::backward(const at::Tensor& loss) { engine_->backward(
 void DistributedOptimizer::as_one_backward(const std::function<void()>& fn) {
   engine_->as_one_backward(fn);
 }
+void DistributedOptimizer::begin_pipeline(int chunks, int microbatches) {
+  engine_->begin_pipeline(chunks, microbatches);
+}
+void DistributedOptimizer::chunk_backward(int chunk, bool last,
+                                          const std::function<void()>& pass) {
+  engine_->chunk_backward(chunk, last, pass);
+}
+void DistributedOptimizer::end_pipeline() { engine_->end_pipeline(); }
 const StepStats& DistributedOptimizer::last_step() const { return engine_->last_step(); }
 MemoryReport DistributedOptimizer::memory() const { return engine_->memory(); }
 const ZeroOptions& DistributedOptimizer::options() const { return engine_->options(); }

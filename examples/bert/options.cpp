@@ -288,10 +288,7 @@ static std::string check_pipeline_args(const Args& a) {
       {a.eval_every > 0, "--eval-every"},
       {a.recompute && a.schedule == "zb-h1", "--recompute with --schedule zb-h1 (its weight pass "
                                              "cannot reach a recomputed layer's parameters; use "
-                                             "1f1b or interleaved)"},
-      {a.units == "explicit" && a.stage == 3 && a.schedule == "zb-h1",
-       "--stage 3 with the model's declared units and --schedule zb-h1 (the deferred weight pass "
-       "counts as extra backward passes of the units; use --units auto)"}};
+                                             "1f1b or interleaved)"}};
   for (const auto& [given, flag] : unsupported) {
     if (given) return fmt::format("--pp: {} is not supported with pipeline parallelism yet", flag);
   }

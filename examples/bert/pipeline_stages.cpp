@@ -113,7 +113,7 @@ StepSums PipelineStages::run(std::vector<BertInputs> inputs, shardopt::Distribut
   shardopt::PipelineRunOptions run;
   run.activation_shape = std::move(activation_shape);
   run.activation_dtype = dtype;
-  run.weight_pass = [&](const std::function<void()>& pass) { opt.as_one_backward(pass); };
+  run.optimizer = &opt;  // the step's passes, ZB-H1's weight pass as one, each chunk's last
   shardopt::run_pipeline(schedule_, *pp_, chunks_,
                          [&](int mb) { return inputs_.at(mb).input_ids; }, run);
   inputs_.clear();

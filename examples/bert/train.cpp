@@ -271,7 +271,9 @@ void build_model(Run& r) {
   shardopt::ZeroOptions zo;
   zo.stage = shardopt::stage_from_int(a.stage);
   if (!automatic) zo.units = r.model->units();  // stage 3 gathers one encoder layer at a time
-  zo.grad_accumulation_steps = a.grad_accum * (r.pp() > 1 ? a.virtual_stages : 1);
+  // Under a pipeline run_pipeline tells the optimizer the step's passes (Note [Pipeline
+  // handshake]).
+  if (r.pp() == 1) zo.grad_accumulation_steps = a.grad_accum;
   zo.max_grad_norm = a.max_grad_norm;
   zo.timeout = r.init.timeout;
   // The optimizer casts the parameters to the compute dtype itself and keeps the fp32 master

@@ -90,7 +90,7 @@ double LocalModel::run(std::vector<MicroBatch> micro_batches, shardopt::Distribu
   shardopt::PipelineRunOptions run;
   run.activation_shape = {ids.size(0), ids.size(1), hidden_};
   run.activation_dtype = dtype_;
-  run.weight_pass = [&](const std::function<void()>& pass) { opt.as_one_backward(pass); };
+  run.optimizer = &opt;  // the step's passes, ZB-H1's weight pass as one, each chunk's last
   shardopt::run_pipeline(
       *schedule_, *pp_, pipeline_chunks_, [&](int mb) { return batches_.at(mb).ids; }, run);
   batches_.clear();

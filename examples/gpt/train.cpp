@@ -134,8 +134,9 @@ void build(Run& r) {
   zo.stage = shardopt::stage_from_int(a.stage);
   zo.max_grad_norm = a.max_grad_norm;
   zo.timeout = r.timeout;
-  // One backward pass per chunk and micro-batch under a pipeline (shardopt/pipeline_runner.hpp).
-  zo.grad_accumulation_steps = r.micro_batches * (a.pp > 1 ? a.virtual_stages : 1);
+  // Under a pipeline run_pipeline tells the optimizer the step's passes (Note [Pipeline
+  // handshake]); without one the trainer runs its micro-batches through opt.backward().
+  if (a.pp == 1) zo.grad_accumulation_steps = r.micro_batches;
   // What spans the grid (the clipping norm over every tensor rank and stage, wte's two copies on
   // the first and the last stage) the optimizer reads from the groups and the parameters' own
   // records: split, replicated, pipeline-shared.

@@ -25,6 +25,7 @@
 #include "shardopt/comm.hpp"
 #include "shardopt/optimizer_types.hpp"
 #include "shardopt/options.hpp"
+#include "shardopt/pipeline_optimizer.hpp"
 #include "shardopt/rules.hpp"
 #include "shardopt/state_dict.hpp"
 
@@ -46,7 +47,7 @@ ShardAccess& shard_access(DistributedOptimizer& optimizer);
 /// The drop-in ZeRO optimizer (stages 0-3) for libtorch trainers: a torch::optim::Optimizer whose
 /// state, gradients and (stage 3) parameters are sharded over `comm`'s ranks. See the file's
 /// comment for the usage and the contract; every method is collective unless noted.
-class DistributedOptimizer : public torch::optim::Optimizer {
+class DistributedOptimizer : public torch::optim::Optimizer, public PipelineOptimizer {
  public:
   /// Every parameter in one group stepped by `rule`; the names appear in errors and checkpoints.
   DistributedOptimizer(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
@@ -74,8 +75,16 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// the same big-batch gradient (Note [Gradient accumulation convention], src/engine/engine.cpp).
   void backward(const at::Tensor& loss);
   /// The autograd runs inside `fn` count as one backward pass (one micro-step): a zero-bubble
-  /// weight pass runs one per layer (PipelineRunOptions::weight_pass).
+  /// weight pass runs one per layer (run_pipeline does this itself given the optimizer).
   void as_one_backward(const std::function<void()>& fn);
+
+  /// PipelineOptimizer: run_pipeline, given the optimizer (PipelineRunOptions::optimizer), says
+  /// how many backward passes the step has (v*m: grad_accumulation_steps is not set for it),
+  /// which chunk each is for and when a chunk's gradients are final, so each bucket is reduced
+  /// once a step (Note [Pipeline handshake] in src/pipeline/runner.cpp). Not called by trainers.
+  void begin_pipeline(int chunks, int microbatches) override;
+  void chunk_backward(int chunk, bool last, const std::function<void()>& pass) override;
+  void end_pipeline() override;
 
   /// What the last step() did: norm, clipping, skipping, times, elements sent. Not collective.
   const StepStats& last_step() const;

@@ -68,6 +68,8 @@ struct StepStats {
                                  ///< of the non-finite check, clipping and LAMB not counted)
   int64_t gather_elements = 0;   ///< the parameter all-gathers' part of comm_elements (stage 3:
                                  ///< every gather of a unit in forward and backward)
+  int64_t reduce_elements = 0;   ///< the gradient reductions' part of comm_elements (each bucket
+                                 ///< reduced once a step: stage 1's count, whatever the stage)
 };
 
 /// Bytes this rank holds for the model state, by category (the memory model, docs/stages.md).

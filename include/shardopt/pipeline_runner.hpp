@@ -11,6 +11,7 @@
 
 #include "shardopt/comm.hpp"
 #include "shardopt/pipeline.hpp"
+#include "shardopt/pipeline_optimizer.hpp"
 
 namespace shardopt {
 
@@ -78,9 +79,16 @@ struct PipelineRunOptions {
   c10::Device activation_device = c10::kCPU;
   /// Where to record each action's timing (overwritten on every call); null: no timing.
   PipelineTrace* trace = nullptr;
+  /// The optimizer of this rank's stage (DistributedOptimizer), told when the step's backward
+  /// passes run and when each chunk's are over (Note [Pipeline handshake] in
+  /// src/pipeline/runner.cpp): it takes the step's v*m passes from the call (no
+  /// grad_accumulation_steps to set), counts a zero-bubble weight pass as one and reduces each
+  /// bucket once a step. Null: the optimizer sees autograd alone (then set
+  /// grad_accumulation_steps = v*m and wrap the weight pass below).
+  PipelineOptimizer* optimizer = nullptr;
   /// Runs a zero-bubble weight pass, given as a function: it takes one autograd run per split
-  /// node, which an optimizer counting backward passes must count as one, e.g.
-  /// [&](const auto& pass) { opt.as_one_backward(pass); } (DistributedOptimizer). Empty: run it.
+  /// node, which an optimizer counting backward passes must count as one. Not needed with
+  /// `optimizer`, which does it. Empty: run it.
   std::function<void(const std::function<void()>& pass)> weight_pass;
   // Note [Paired exchanges] (shardopt/pipeline.hpp): a Send followed directly by a Recv from the
   // same peer goes as one batch_isend_irecv. Auto: where the engine needs it (NCCL); Always:
@@ -99,8 +107,8 @@ struct PipelineRunOptions {
 /// rank that holds stage 0 only). Gradients accumulate into the parameters' .grad as the
 /// micro-batches' backward passes run, in micro-batch order on every stage, so fp32 results are
 /// bitwise those of one process running the m micro-batches one after the other. An optimizer that
-/// counts backward passes (DistributedOptimizer) sees one per chunk and micro-batch: its
-/// grad_accumulation_steps is v*m (README "Pipeline parallelism" composes it with ZeRO). Returns
+/// counts backward passes (DistributedOptimizer) sees one per chunk and micro-batch, v*m, which
+/// PipelineRunOptions::optimizer tells it (README "Pipeline parallelism" composes it with ZeRO). Returns
 /// the m losses (detached) on the rank that holds the last stage, an empty vector elsewhere. Call
 /// on every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters'
 /// own branches of the graph, from the gradients its input pass kept where they leave the chain to

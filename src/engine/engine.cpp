@@ -130,7 +130,11 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   plan_ = StagePlan::make(options_.stage, options_.precision, options_.offload,
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
-  plan_.defer_reduction = options_.defer_reduction;
+  // Under pipelines bucketed gradients are reduced once a step, as Megatron's: each chunk's
+  // buckets once its last backward pass is over (Note [Pipeline handshake] in runner.cpp).
+  plan_.defer_reduction =
+      options_.defer_reduction || (options_.grid.pp && options_.grid.pp->size() > 1);
+  accumulation_ = options_.grad_accumulation_steps;
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
   if (plan_.per_part()) {
     unit_plan_ = options_.units;
@@ -348,9 +352,11 @@ void Engine::mark_for_backward(int unit, const at::Tensor& output) {
   });
 }
 
-// First event of a backward pass: arrange for on_backward_end when autograd finishes.
+// First event of a backward pass: arrange for on_backward_end when autograd finishes. In a
+// pipeline step the runner says where passes are (chunk_backward): a zero-bubble input pass,
+// whose units' output hooks fire too, is none.
 void Engine::begin_pass() {
-  if (tracker_->in_pass()) return;
+  if (tracker_->in_pass() || (pipeline_ && !in_chunk_)) return;
   check_micro_step_open();
   tracker_->begin_pass();
   // Past any nested backward of a recomputation (recompute.hpp): its end is not the pass's.
@@ -369,6 +375,46 @@ void Engine::as_one_backward(const std::function<void()>& fn) {
   }
   if (--held_passes_ == 0 && tracker_->in_pass()) on_backward_end();
 }
+
+// The pipeline's passes are the step's (Note [Pipeline handshake] in src/pipeline/runner.cpp).
+void Engine::begin_pipeline(int chunks, int microbatches) {
+  SHARDOPT_CHECK(chunks >= 1 && microbatches >= 1, InvalidArgument,
+                 "optimizer: a pipeline step of {} chunks and {} micro-batches, expected at "
+                 "least one of each",
+                 chunks, microbatches);
+  SHARDOPT_CHECK(tracker_->micro_steps() == 0 && !tracker_->in_pass(), InvalidArgument,
+                 "optimizer: run_pipeline with PipelineRunOptions::optimizer began after {} "
+                 "backward pass(es) since the last step(); a pipeline step's backward passes all "
+                 "come from one run_pipeline call (call step() or zero_grad() first)",
+                 tracker_->micro_steps() + (tracker_->in_pass() ? 1 : 0));
+  pipeline_ = true;
+  accumulation_ = chunks * microbatches;
+  reducer_->begin_pipeline(accumulation_);
+}
+
+void Engine::chunk_backward(int chunk, bool last, const std::function<void()>& pass) {
+  (void)chunk;  // the buckets know their parameters; the chunk names nothing more yet
+  SHARDOPT_CHECK(pipeline_, InvalidArgument,
+                 "optimizer: chunk_backward outside a pipeline step (begin_pipeline first)");
+  in_chunk_ = true;
+  reducer_->set_last_pass_of_chunk(last);
+  try {
+    // Opened here, a pass even where no gradient reaches this optimizer; closed by
+    // as_one_backward, not by autograd's final callback (none is queued).
+    SHARDOPT_CHECK(!tracker_->in_pass(), InvalidArgument,
+                   "optimizer: a pipeline chunk's backward pass began inside another pass");
+    check_micro_step_open();
+    tracker_->begin_pass();
+    as_one_backward(pass);
+  } catch (...) {
+    in_chunk_ = false;
+    throw;
+  }
+  in_chunk_ = false;
+  reducer_->set_last_pass_of_chunk(false);
+}
+
+void Engine::end_pipeline() { pipeline_ = false; }
 
 // The path of a gradient: hook -> tracker (once per pass) -> reducer (Note [Bucket completion]) ->
 // at stage 3, the scheduler's post-backward moment once all of a part is in.
@@ -391,12 +437,12 @@ void Engine::on_backward_end() {
 // before autograd runs when the pass comes through backward(), and by the first hook of a plain
 // loss.backward() (in-place gradients of one parameter may already hold the extra pass then).
 void Engine::check_micro_step_open() const {
-  const int k = options_.grad_accumulation_steps;
+  const int k = accumulation_;
   SHARDOPT_CHECK(tracker_->micro_steps() < k, InvalidArgument,
-                 "optimizer: backward pass {} since the last step(), but "
-                 "grad_accumulation_steps is {}; call backward() at most grad_accumulation_steps "
-                 "times per step() (zero_grad() starts over)",
-                 tracker_->micro_steps() + 1, k);
+                 "optimizer: backward pass {} since the last step(), but {} is {}; call "
+                 "backward() at most that many times per step() (zero_grad() starts over)",
+                 tracker_->micro_steps() + 1,
+                 pipeline_ ? "the pipeline's v*m" : "grad_accumulation_steps", k);
 }
 
 // Note [Gradient accumulation convention]: gradients of the k = grad_accumulation_steps
@@ -416,6 +462,7 @@ void Engine::backward(const at::Tensor& loss) {
 // itself starts the gradients and the micro-step count over (end_step); zero_grad() repeats that,
 // discarding a backward's gradients (Note [Gradients start over without a zeroing pass]).
 void Engine::zero_grad() {
+  end_pipeline_step();
   reducer_->start_over();
   update_->forget_early();
   tracker_->reset_micro_steps();
@@ -528,9 +575,11 @@ void Engine::after_update() {
 void Engine::end_step(Clock::time_point t0) {
   stats_.step = steps_;
   tracker_->reset_micro_steps();
+  end_pipeline_step();
   reducer_->start_over();  // Note [step() consumes the gradients]
   stats_.gather_elements = store_->take_comm_elements();
-  stats_.comm_elements = reducer_->take_comm_elements() + stats_.gather_elements;
+  stats_.reduce_elements = reducer_->take_comm_elements();
+  stats_.comm_elements = stats_.reduce_elements + stats_.gather_elements;
   stats_.step_s = seconds_since(t0);
 }
 

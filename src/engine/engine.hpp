@@ -47,6 +47,10 @@ class Engine final : public UnitRuntime {
   void zero_grad();
   void backward(const at::Tensor& loss);
   void as_one_backward(const std::function<void()>& fn);
+  // PipelineOptimizer (Note [Pipeline handshake] in src/pipeline/runner.cpp).
+  void begin_pipeline(int chunks, int microbatches);
+  void chunk_backward(int chunk, bool last, const std::function<void()>& pass);
+  void end_pipeline();
   const StepStats& last_step() const { return stats_; }
   MemoryReport memory() const;
   const ZeroOptions& options() const { return options_; }
@@ -91,6 +95,11 @@ class Engine final : public UnitRuntime {
   void update();
   void after_update();
   void end_step(Clock::time_point t0);
+  // The step's micro-steps are grad_accumulation_steps again (the reducer's: start_over()).
+  void end_pipeline_step() {
+    pipeline_ = in_chunk_ = false;
+    accumulation_ = options_.grad_accumulation_steps;
+  }
 
   torch::optim::Optimizer& owner_;
   Ranks ranks_;
@@ -118,8 +127,12 @@ class Engine final : public UnitRuntime {
   std::vector<Hook> hooks_;
   int64_t steps_ = 0;
   int bucket_tag_ = 0, step_tag_ = 0;  // MemoryScope tags (Note [Peak attribution])
-  int nonfinite_run_ = 0;
-  int held_passes_ = 0;  // as_one_backward() calls in progress: autograd's end is not the pass's  // consecutive steps skipped for non-finite gradients (no loss scaler)
+  int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
+  int held_passes_ = 0;  // as_one_backward() calls in progress: autograd's end is not the pass's
+  // The step's micro-steps: grad_accumulation_steps, or a pipeline's v*m (begin_pipeline).
+  int accumulation_ = 1;
+  bool pipeline_ = false;  // between begin_pipeline and end_pipeline
+  bool in_chunk_ = false;  // inside chunk_backward
   StepStats stats_;
 };
 

@@ -15,7 +15,8 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
                                  CommunicatorPtr comm, bool overlap, int accumulation,
                                  Duration timeout)
     : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
-      overlap_(overlap), accumulation_(accumulation), timeout_(timeout), rank_(flat.rank()) {
+      overlap_(overlap), accumulation_(accumulation), options_accumulation_(accumulation),
+      timeout_(timeout), rank_(flat.rank()) {
   const auto& layout = flat_.layout();
   buckets_.resize(layout.buckets.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -23,6 +24,7 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
     max_bucket_numel_ = std::max(max_bucket_numel_, layout.buckets[b].padded);
   }
   own_buffer_.assign(buckets_.size(), -1);
+  final_.assign(params_.size(), 0);
   at::NoGradGuard no_grad;
   if (plan_.bucketed()) {
     grad_reduced_ = at::zeros({flat_.update_numel()}, flat_.master_options());
@@ -76,6 +78,9 @@ struct InBackward {
 void GradientReducer::accept(int index, int micro) {
   InBackward in_backward(in_backward_);
   const auto& layout = flat_.layout();
+  // Its pieces count as final one by one, as they reach their buckets (a bucketed piece must be
+  // in its buffer before the bucket can go out).
+  const bool final = handshake_ && mark_final(index);
   at::Tensor& grad = params_[index].mutable_grad();
   if (!plan_.bucketed()) {
     // Autograd accumulated in place unless .grad was not the view (the first gradient of the
@@ -94,6 +99,7 @@ void GradientReducer::accept(int index, int micro) {
     grad = view;
     for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
       --buckets_[p->bucket].pending;
+      if (final) ++buckets_[p->bucket].final_pieces;
     }
     launch_ready(micro, /*pass_end=*/false);
     complete_landed(micro);
@@ -113,6 +119,7 @@ void GradientReducer::accept(int index, int micro) {
       dst.zero_();
     }
     --b.pending;
+    if (final) ++b.final_pieces;
     // Piece by piece: a bucket this piece completes is launched before the next piece needs a
     // buffer, so the pool keeps its bound however many buckets the parameter spans.
     launch_ready(micro, /*pass_end=*/false);
@@ -121,7 +128,45 @@ void GradientReducer::accept(int index, int micro) {
 }
 
 bool GradientReducer::reduces(int micro) const {
-  return plan_.reduces_every_micro_step() || micro + 1 >= accumulation_;
+  return plan_.reduces_every_micro_step() || micro + 1 >= accumulation_ ||
+         (handshake_ && last_of_chunk_);
+}
+
+// A parameter's gradient is final after its chunk's last pass (Note [Pipeline handshake] in
+// src/pipeline/runner.cpp). One that reaches a bucket already launched came from a later pass of
+// another chunk: a parameter used by two chunks of one rank, whose last pass is not known.
+bool GradientReducer::mark_final(int index) {
+  const auto& layout = flat_.layout();
+  for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
+    SHARDOPT_CHECK(buckets_[p->bucket].launched_micro < 0, Unsupported,
+                   "optimizer: parameter {} of the layout got a gradient after its bucket was "
+                   "reduced for the step, at the last backward pass of the chunk that first "
+                   "used it; under run_pipeline's optimizer handshake each parameter belongs to "
+                   "one chunk of the rank (Note [Pipeline handshake])",
+                   index);
+  }
+  if (!last_of_chunk_ || final_[index]) return false;
+  final_[index] = 1;
+  return true;
+}
+
+void GradientReducer::begin_pipeline(int accumulation) {
+  accumulation_ = accumulation;
+  handshake_ = !plan_.reduces_every_micro_step();
+  last_of_chunk_ = false;
+}
+
+// Without the handshake a bucket goes out once per reducing pass: when its pieces of the pass are
+// in, or at the pass's end. With it (in place, deferred), once per step: when every piece is
+// final, or at the step's last pass.
+bool GradientReducer::launched(const Bucket& b, int micro) const {
+  return handshake_ ? b.launched_micro >= 0 : b.launched_micro == micro;
+}
+bool GradientReducer::due(const Bucket& b) const {
+  return handshake_ ? b.final_pieces == b.pieces : b.pending == 0;
+}
+bool GradientReducer::started(const Bucket& b) const {
+  return handshake_ ? b.final_pieces > 0 : b.pending < b.pieces;
 }
 
 // Note [Bucket completion]: the one place that decides when buckets go out. Without overlap_comm,
@@ -130,15 +175,18 @@ bool GradientReducer::reduces(int micro) const {
 // its bound (Note [Bucket pool bound]).
 void GradientReducer::launch_ready(int micro, bool pass_end) {
   if (!reduces(micro) || (!overlap_ && !pass_end && !plan_.bucketed())) return;
+  // A pass's end flushes every bucket, but under the handshake (Note [Pipeline handshake]) only
+  // the step's last pass does: a chunk's last pass launches those that are due.
+  const bool flush = pass_end && (!handshake_ || micro + 1 >= accumulation_);
   for (int b = next_; b < buckets(); ++b) {
     auto& k = buckets_[b];
-    if (k.launched_micro != micro && (pass_end || k.pending == 0)) {
+    if (!launched(k, micro) && (flush || due(k))) {
       launch(b, micro);
       if (!overlap_) complete(b);
     }
-    if (k.launched_micro == micro) {
+    if (launched(k, micro)) {
       if (b == next_) ++next_;
-    } else if (k.pending < k.pieces && !k.passed_over) {
+    } else if (!pass_end && started(k) && !k.passed_over) {
       break;  // started, not complete: holds back the buckets after it
     }
   }
@@ -171,7 +219,9 @@ bool GradientReducer::pass_over_waiting(int micro) {
 void GradientReducer::end_pass(int micro) {
   InBackward in_backward(in_backward_);
   launch_ready(micro, /*pass_end=*/true);
-  if (!plan_.bucketed() && reduces(micro)) {
+  // Under the handshake, buckets launched at a chunk's last pass land while the other chunks'
+  // passes run (they write other buckets' ranges); the step's last pass waits for them all.
+  if (!plan_.bucketed() && micro + 1 >= accumulation_) {
     const auto t = std::chrono::steady_clock::now();
     for (const int b : landing_) buckets_[b].work->wait(timeout_);
     backward_wait_s_ +=
@@ -303,7 +353,8 @@ void GradientReducer::complete(int bucket) {
   b.work->wait(timeout_);
   b.work.reset();
   // Landed while backward runs, in the step's last micro-step: these gradients are final.
-  const bool final = in_backward_ && on_reduced_ && b.launched_micro + 1 >= accumulation_;
+  const bool final = in_backward_ && on_reduced_ &&
+                     (handshake_ || b.launched_micro + 1 >= accumulation_);
   if (!plan_.bucketed()) {
     const auto it = std::find(landing_.begin(), landing_.end(), bucket);
     if (it != landing_.end()) landing_.erase(it);
@@ -390,7 +441,10 @@ void GradientReducer::start_over() {
     }
     b.launched_micro = -1;
     b.folded = false;
+    b.final_pieces = 0;
   }
+  std::fill(final_.begin(), final_.end(), 0);
+  end_pipeline();
   in_flight_.clear();
   landing_.clear();
   std::fill(written_.begin(), written_.end(), 0);

@@ -52,6 +52,21 @@ class GradientReducer {
   void accept(int index, int micro);
   // End of backward pass `micro`: reduces what is still pending when this micro-step reduces.
   void end_pass(int micro);
+
+  // Under the handshake (Note [Pipeline handshake] in src/pipeline/runner.cpp) the step's
+  // micro-steps (`accumulation`, v*m) come from the pipeline, and from here to the next start_over() a bucket is reduced once,
+  // when every parameter in it had its chunk's last backward pass (or at the step's last pass),
+  // not at every pass's end. The bucket pool (never under pipelines: the engine defers them)
+  // keeps reducing every bucket every micro-step.
+  void begin_pipeline(int accumulation);
+  // Whether the next backward pass is its chunk's last in the step.
+  void set_last_pass_of_chunk(bool last) { last_of_chunk_ = last; }
+  // Back to grad_accumulation_steps (start_over() calls it).
+  void end_pipeline() {
+    accumulation_ = options_accumulation_;
+    handshake_ = false;
+    last_of_chunk_ = false;
+  }
   // Nothing launched in this step: step() then reduces gradients set by hand with reduce_manual.
   bool nothing_launched() const;
   void reduce_manual(int micro);
@@ -84,10 +99,17 @@ class GradientReducer {
     WorkPtr work;
     int buffer = -1;  // Bucketed: pool index while filling or in flight
     bool folded = false;  // Bucketed: folded into grad_reduced_ in this step (next fold adds)
+    int final_pieces = 0;  // handshake: pieces whose chunk had its last pass in this step
   };
 
   int buckets() const { return static_cast<int>(buckets_.size()); }
   bool reduces(int micro) const;
+  // The rules of launch_ready(), with and without the handshake.
+  bool launched(const Bucket& b, int micro) const;
+  bool due(const Bucket& b) const;
+  bool started(const Bucket& b) const;
+  // Whether this arrival makes parameter `index`'s gradient final for the step.
+  bool mark_final(int index);
   void launch_ready(int micro, bool pass_over);
   bool pass_over_waiting(int micro);
   void launch(int bucket, int micro);
@@ -103,6 +125,10 @@ class GradientReducer {
   CommunicatorPtr comm_;
   bool overlap_ = true;
   int accumulation_ = 1;
+  int options_accumulation_ = 1;  // grad_accumulation_steps, outside a pipeline step
+  bool handshake_ = false;        // Note [Pipeline handshake], in place or deferred
+  bool last_of_chunk_ = false;    // the current pass is its chunk's last in the step
+  std::vector<char> final_;       // handshake: parameter i's gradient is final for the step
   Duration timeout_;
   int rank_ = 0;
   std::vector<Bucket> buckets_;

@@ -23,6 +23,25 @@
 #include "shardopt/memory_tracker.hpp"
 
 namespace shardopt {
+
+// Note [Pipeline handshake]
+// Autograd alone tells an optimizer little about a pipeline step: every backward pass looks like a
+// micro-step of the whole model, so the caller had to set grad_accumulation_steps = v*m, wrap
+// ZB-H1's weight pass (one autograd run per split node) to count it once, and every pass's end
+// reduced every bucket: interleaved stage 2 at m = 8 sent its gradients 16 times a step, half of
+// them buckets of zeros for the chunk the pass did not run. Given PipelineRunOptions::optimizer,
+// the runner says what it knows, as torch pipelining's REDUCE_GRAD actions: begin_pipeline(v, m)
+// (the step's passes), chunk_backward(chunk, last, pass) around each Backward or BackwardWeight
+// (ZB-H1's input pass computes no parameter gradient and is no pass; its units' output hooks
+// no longer open one), end_pipeline(). The optimizer then reduces each bucket once a step: in
+// place (stages 0-1) and in deferred buckets (stages 2-3, deferred by default under pipelines:
+// Note [Deferred reduction]) a parameter's gradient is final after its chunk's last pass, and a
+// bucket whose every parameter is final goes out (in layout order, Note [Bucket completion])
+// while the other chunks' passes still run; the step's last pass flushes the rest (parameters
+// that got no gradient). A parameter that gets a gradient in two chunks of one rank is refused by
+// name when its second chunk's gradient arrives. Counted: StepStats::reduce_elements is the same
+// at every stage and schedule (PipelineZero.Stage2SendsStage1GradientElements).
+
 namespace {
 
 // What one (chunk, micro-batch) keeps between its passes on this rank.
@@ -359,10 +378,25 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
   const std::vector<Action>& list = schedule.actions.at(rank);
   std::map<std::pair<int, int>, int> uses;
   bool split_backward = false;
-  for (const Action& a : list) {
+  // Each chunk's last pass that produces parameter gradients (Note [Pipeline handshake]).
+  std::vector<size_t> last_pass(chunks.size(), list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Action& a = list[i];
     ++uses[{a.chunk, a.microbatch}];
     split_backward = split_backward || a.type == ActionType::BackwardInput;
+    if (a.type == ActionType::Backward || a.type == ActionType::BackwardWeight) {
+      last_pass[a.chunk] = i;
+    }
   }
+  PipelineOptimizer* const optimizer = options.optimizer;
+  if (optimizer) optimizer->begin_pipeline(schedule.chunks, schedule.microbatches);
+  const auto backward_pass = [&](size_t i, const std::function<void()>& pass) {
+    if (optimizer) {
+      optimizer->chunk_backward(list[i].chunk, i == last_pass[list[i].chunk], pass);
+    } else {
+      pass();
+    }
+  };
 
   PipelineTrace* const trace = options.trace;
   if (trace) {
@@ -424,7 +458,9 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
           outs.push_back(f.outputs[k]);
           grads.push_back(k < f.grads.size() ? f.grads[k] : at::Tensor());
         }
-        if (!outs.empty()) torch::autograd::backward(outs, grads);
+        backward_pass(i, [&] {
+          if (!outs.empty()) torch::autograd::backward(outs, grads);
+        });
         break;
       }
       case ActionType::BackwardInput: {
@@ -448,11 +484,13 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
         const auto pass = [&] {
           f.split.backward_weight(f.outputs, f.grads, f.inputs, chunk.parameters);
         };
-        if (options.weight_pass) {
-          options.weight_pass(pass);
-        } else {
-          pass();
-        }
+        backward_pass(i, [&] {
+          if (options.weight_pass) {
+            options.weight_pass(pass);
+          } else {
+            pass();
+          }
+        });
         break;
       }
     }
@@ -463,6 +501,7 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
     }
   }
   for (auto& work : sends) work->wait();
+  if (optimizer) optimizer->end_pipeline();
   return losses;
 }
 

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -141,11 +142,11 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
       const Reference ref = reference_run(rule, rows);
       const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
       const int stages = schedule.stages();
-      // ZeRO stages 0-3, stages 2-3 with the reduction deferred to the last backward pass (Note
-      // [Deferred reduction]), stage 3 also released between uses (the default under pipelines
-      // holds it: Note [Parts held through a step]) and, with two data-parallel ranks, stage 2
-      // sharded within groups of one rank (hybrid: the shared gradient's pieces come from the
-      // first replica alone).
+      // ZeRO stages 0-3 through the optimizer handshake, stages 2-3 with the reduction deferred
+      // and the passes counted by the caller (no handshake: Note [Deferred reduction]), stage 3
+      // also released between uses (the default under pipelines holds it: Note [Parts held
+      // through a step]) and, with two data-parallel ranks, stage 2 sharded within groups of one
+      // rank (hybrid: the shared gradient's pieces come from the first replica alone).
       std::vector<std::tuple<int, int, bool, bool>> zero_runs{
           {0, 0, false, false}, {1, 0, false, false}, {2, 0, false, false},
           {3, 0, false, false}, {3, 0, false, true},  {2, 0, true, false},
@@ -207,7 +208,8 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         zo.bucket_bytes = 512;
         zo.unit_policy.persist_below = 0;  // stage 3: gathered on use
         zo.timeout = std::chrono::seconds(60);
-        zo.grad_accumulation_steps = c.m * c.v;  // one backward pass per chunk and micro-batch
+        // The deferred runs go without the handshake: the caller counts the passes.
+        if (defer) zo.grad_accumulation_steps = c.m * c.v;
         zo.max_grad_norm = kMaxNorm;
         zo.grid = g;
         if (reshard) zo.reshard_between_uses = true;
@@ -215,7 +217,13 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         PipelineRunOptions run;
         run.activation_shape = {kRows, kHidden};
         run.activation_dtype = at::kDouble;
-        run.weight_pass = [&](const std::function<void()>& pass) { opt.as_one_backward(pass); };
+        // The handshake (Note [Pipeline handshake]): one backward pass per chunk and
+        // micro-batch, the weight pass as one, each chunk's buckets reduced after its last.
+        if (defer) {
+          run.weight_pass = [&](const std::function<void()>& pass) { opt.as_one_backward(pass); };
+        } else {
+          run.optimizer = &opt;
+        }
         double norm_error = 0.0;
         bool clipped = true;
         int64_t elements = 0;  // the last step's all-gathered parameter elements
@@ -251,6 +259,147 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         all_ok = all_ok && diff <= 1e-10 && norm_error <= 1e-9 && clipped && counted;
       }
     }
+  }
+  EXPECT_TRUE(test::all_ranks(all_ok));
+}
+
+// The gradient elements one step of `kind` at (p = 2, d = 2) sends into the reductions on this
+// rank, at ZeRO `zero_stage` (the last of two steps).
+int64_t reduced_elements(const ParallelGroups& g, PipelineScheduleKind kind, int m, int v,
+                         int zero_stage) {
+  const int p = g.layout.pp, d = g.layout.dp;
+  const PipelineSchedule schedule = compile_schedule(kind, p, m, v);
+  const int stages = schedule.stages();
+  const Model init = initial_model();
+  ParamGroup group;
+  std::vector<at::Tensor> weight, bias;
+  weight.reserve(kLayers);
+  bias.reserve(kLayers);
+  std::vector<PipelineChunk> chunks;
+  at::Tensor inputs, targets;
+  for (int chunk = 0; chunk < v; ++chunk) {
+    const int s = chunk * p + g.pp_rank;
+    const size_t first = weight.size();
+    PipelineChunk pc;
+    for (int l = s * kLayers / stages; l < (s + 1) * kLayers / stages; ++l) {
+      weight.push_back(init.weight[l].clone().requires_grad_(true));
+      bias.push_back(init.bias[l].clone().requires_grad_(true));
+      group.params.push_back({fmt::format("layer{}.weight", l), weight.back()});
+      group.params.push_back({fmt::format("layer{}.bias", l), bias.back()});
+      pc.parameters.push_back(weight.back());
+      pc.parameters.push_back(bias.back());
+    }
+    const size_t last = weight.size();
+    pc.forward = [&, first, last, s](const at::Tensor& input, int mb) {
+      at::Tensor h = s == 0 ? at::narrow(input, 1, 0, kHidden) : input;
+      for (size_t i = first; i < last; ++i) h = layer(h, weight[i], bias[i]);
+      if (s != stages - 1) return h;
+      return (h - at::narrow(rows_of(targets, g.dp_rank, m, mb), 1, 0, kHidden)).pow(2).mean();
+    };
+    chunks.push_back(std::move(pc));
+  }
+  ZeroOptions zo;
+  zo.stage = stage_from_int(zero_stage);
+  zo.bucket_bytes = 512;
+  zo.timeout = std::chrono::seconds(60);
+  zo.grid = g;
+  DistributedOptimizer opt({group}, AdamW(0.01), g.dp, zo);
+  PipelineRunOptions run;
+  run.activation_shape = {kRows, kHidden};
+  run.activation_dtype = at::kDouble;
+  run.optimizer = &opt;  // v*m passes, the weight pass as one, each chunk's last pass
+  for (int step = 0; step < 2; ++step) {
+    std::tie(inputs, targets) = global_batch(step, int64_t{d} * m * kRows);
+    run_pipeline(schedule, *g.pp, chunks,
+                 [&](int mb) { return rows_of(inputs, g.dp_rank, m, mb); }, run);
+    opt.step();
+  }
+  return opt.last_step().reduce_elements;
+}
+
+// Each bucket is reduced once a step whatever the stage and the schedule (Note [Pipeline
+// handshake] in src/pipeline/runner.cpp), so stage 2 sends stage 1's gradient elements. Before the
+// handshake, m = 8: 16x interleaved (a bucket of zeros for the chunk a pass did not run), 8x 1F1B
+// and ZB-H1.
+DIST_TEST(PipelineZero, Stage2SendsStage1GradientElements) {
+  auto world = test::world();
+  if (world->size() != 4) GTEST_SKIP() << "counted at p = 2, d = 2";
+  const ParallelGroups g = make_parallel_groups(world, ParallelLayout{1, 2, 2});
+  bool all_ok = true;
+  for (const auto& [kind, v] : {std::pair{PipelineScheduleKind::Interleaved1F1B, 2},
+                                std::pair{PipelineScheduleKind::OneFOneB, 1},
+                                std::pair{PipelineScheduleKind::ZeroBubbleH1, 1}}) {
+    const int64_t one = reduced_elements(g, kind, 8, v, 1);
+    const int64_t two = reduced_elements(g, kind, 8, v, 2);
+    EXPECT_EQ(two, one) << to_string(kind) << " m = 8 v = " << v << ": stage 2 sends "
+                        << static_cast<double>(two) / static_cast<double>(one)
+                        << "x stage 1's gradient elements";
+    all_ok = all_ok && one > 0 && two == one;
+    if (world->rank() == 0) {
+      fmt::print("{} m = 8 v = {}: stage 1 sends {}, stage 2 {} gradient elements a step\n",
+                 to_string(kind), v, one, two);
+    }
+  }
+  EXPECT_TRUE(test::all_ranks(all_ok));
+}
+
+// What the runner tells an optimizer (Note [Pipeline handshake]): begin_pipeline(v, m) once, then
+// per chunk m passes, the last of which alone says so, then end_pipeline() once.
+class RecordingOptimizer final : public PipelineOptimizer {
+ public:
+  void begin_pipeline(int chunks, int microbatches) override {
+    calls.push_back(fmt::format("begin {} {}", chunks, microbatches));
+  }
+  void chunk_backward(int chunk, bool last, const std::function<void()>& pass) override {
+    pass();
+    calls.push_back(fmt::format("pass {}{}", chunk, last ? " last" : ""));
+  }
+  void end_pipeline() override { calls.push_back("end"); }
+  std::vector<std::string> calls;
+};
+
+DIST_TEST(PipelineZero, HandshakeAnnouncesEachChunksLastPass) {
+  auto world = test::world();
+  const int p = world->size();
+  bool all_ok = true;
+  for (const auto& [kind, v] : {std::pair{PipelineScheduleKind::GPipe, 1},
+                                std::pair{PipelineScheduleKind::OneFOneB, 1},
+                                std::pair{PipelineScheduleKind::ZeroBubbleH1, 1},
+                                std::pair{PipelineScheduleKind::Interleaved1F1B, 2}}) {
+    if (kind == PipelineScheduleKind::Interleaved1F1B && p < 2) continue;
+    const int m = 2 * p;
+    const PipelineSchedule schedule = compile_schedule(kind, p, m, v);
+    std::vector<PipelineChunk> chunks(v);
+    std::vector<at::Tensor> weights;
+    for (int c = 0; c < v; ++c) {
+      weights.push_back(at::ones({kHidden, kHidden}, at::kDouble).requires_grad_(true));
+      const at::Tensor w = weights.back();
+      const bool last_stage = c * p + world->rank() == schedule.stages() - 1;
+      chunks[c].parameters = {w};
+      chunks[c].forward = [w, last_stage](const at::Tensor& x, int) {
+        const at::Tensor h = at::tanh(at::mm(x, w));
+        return last_stage ? h.sum() : h;
+      };
+    }
+    RecordingOptimizer rec;
+    PipelineRunOptions run;
+    run.activation_shape = {kRows, kHidden};
+    run.activation_dtype = at::kDouble;
+    run.optimizer = &rec;
+    run_pipeline(schedule, *world, chunks,
+                 [](int) { return at::ones({kRows, kHidden}, at::kDouble); }, run);
+    // The expected sequence: the passes in the order of this rank's list.
+    std::vector<std::string> expected{fmt::format("begin {} {}", v, m)};
+    const auto& list = schedule.actions[world->rank()];
+    std::vector<int> left(v, m);
+    for (const Action& a : list) {
+      if (a.type != ActionType::Backward && a.type != ActionType::BackwardWeight) continue;
+      expected.push_back(fmt::format("pass {}{}", a.chunk, --left[a.chunk] == 0 ? " last" : ""));
+    }
+    expected.push_back("end");
+    EXPECT_EQ(rec.calls, expected) << to_string(kind);
+    EXPECT_EQ(static_cast<int>(expected.size()), v * m + 2) << to_string(kind);
+    all_ok = all_ok && rec.calls == expected && static_cast<int>(expected.size()) == v * m + 2;
   }
   EXPECT_TRUE(test::all_ranks(all_ok));
 }

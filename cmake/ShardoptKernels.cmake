@@ -12,6 +12,10 @@ set_source_files_properties(src/kernels/cpu_scalar.cpp PROPERTIES
 target_sources(shardopt PRIVATE src/kernels/adam8bit_cpu.cpp)
 set_source_files_properties(src/kernels/adam8bit_cpu.cpp PROPERTIES
   COMPILE_OPTIONS "${_shardopt_kernel_flags}" SKIP_PRECOMPILE_HEADERS ON)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")  # GCC bug 105593, as for cpu_avx512.cpp below
+  set_property(SOURCE src/kernels/adam8bit_cpu.cpp APPEND PROPERTY COMPILE_OPTIONS
+               -Wno-maybe-uninitialized)
+endif()
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   target_sources(shardopt PRIVATE src/kernels/cpu_avx2.cpp src/kernels/cpu_avx512.cpp)
   target_compile_definitions(shardopt PRIVATE SHARDOPT_KERNELS_X86)

@@ -8,7 +8,7 @@
 
 namespace shardopt::detail {
 
-Adam8bitUpdate::Adam8bitUpdate(FlatState& flat, RuleOf rule_of)
+Adam8bitUpdate::Adam8bitUpdate(FlatState& flat, const AdamW8bit& rule, RuleOf rule_of)
     : flat_(flat), rule_of_(std::move(rule_of)) {
   const auto& opts = flat_.master_options();
   SHARDOPT_CHECK(opts.device().is_cpu() && opts.dtype() == at::kFloat, Unsupported,
@@ -24,7 +24,6 @@ Adam8bitUpdate::Adam8bitUpdate(FlatState& flat, RuleOf rule_of)
   int64_t compact = 0;
   for (size_t k = 0; k < segments.size(); ++k) {
     const auto& s = segments[k];
-    const auto& rule = std::get<AdamW8bit>(rule_of_(s.group));
     for_each_param_piece(layout, s, [&](int param, int64_t begin, int64_t length, int64_t) {
       Piece p{static_cast<int>(k), begin, length, false, 0};
       p.small = static_cast<double>(layout.slots[param].numel) < rule.min_8bit_size();

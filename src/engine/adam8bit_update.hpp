@@ -31,8 +31,9 @@ class Adam8bitUpdate {
  public:
   using RuleOf = std::function<const Rule&(int group)>;
   // Allocates the state buffers in `flat` (Note [Blockwise 8-bit state]); the master weights must
-  // be fp32 on the CPU (Unsupported otherwise).
-  Adam8bitUpdate(FlatState& flat, RuleOf rule_of);
+  // be fp32 on the CPU (Unsupported otherwise). `rule`: the optimizer's, whose min_8bit_size every
+  // group shares (groups set only lr and weight decay); `rule_of` is read from the first step on.
+  Adam8bitUpdate(FlatState& flat, const AdamW8bit& rule, RuleOf rule_of);
   void update(int64_t step);
 
   // One parameter piece of a segment: 8-bit blocks, or fp32 moments at `compact`.

@@ -39,7 +39,7 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
   }
   const auto* ada = std::get_if<Adagrad>(&rule);
   if (std::holds_alternative<AdamW8bit>(rule)) {
-    adam8bit_ = std::make_unique<Adam8bitUpdate>(flat_, rule_of_);
+    adam8bit_ = std::make_unique<Adam8bitUpdate>(flat_, std::get<AdamW8bit>(rule), rule_of_);
     return;
   }
   flat_.init_state(state_count(rule), ada ? ada->initial_accumulator_value() : 0.0);

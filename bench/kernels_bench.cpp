@@ -7,7 +7,7 @@
 //
 // 8-bit AdamW (src/kernels/adam8bit.hpp) against the fp32 fused AdamW, interleaved:
 //   build/bench/kernels_bench --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
-//     --benchmark_filter='fused_adamw(8bit)?/threads:[0-9]+/isa:0(/bf16:0)?$'
+//     --benchmark_filter='fused_adamw(8bit)?/threads:[0-9]+/isa:0(/bf16:0)?/real_time'
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>

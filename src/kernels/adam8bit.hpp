@@ -7,8 +7,10 @@
 // The moments are stored as bytes indexing bitsandbytes' dynamic maps (create_dynamic_map): seven
 // decades i = 0..6 of equally spaced codes 10^(i-6) * (0.1 + (k + 0.5) * 0.9 / n_i), k < n_i,
 // with n_i = 2^i for the signed map (first moment, plus zero and 1.0: 256 values) and 2^(i+1) for
-// the unsigned one (second moment, plus zero and 1.0). Values are computed in double and rounded
-// once (bitsandbytes rounds its float32 linspace: the codes may differ in the last bit). Bytes:
+// the unsigned one (second moment, plus zero and 1.0). A code's value is computed in float as
+// (0.1 + (k + 0.5) * float(0.9 / n_i)) * float(10^(i-6)), so the AVX-512 kernel derives it from
+// the byte without a table (bitsandbytes rounds its float32 linspace instead: values may differ
+// in the last bits). Bytes:
 // unsigned 0 = 0, 1 + base_i + k = code (base_i = 2^(i+1) - 2), 255 = 1.0; signed sign bit | 
 // magnitude index (0 = zero, 1 + 2^i - 1 + k = code), with 0x80 (negative zero) holding +1.0, as
 // bitsandbytes' signed map has +1.0 and no -1.0. A value x of a block with maximum |x| = a is
@@ -55,10 +57,10 @@ uint8_t quantize_dynamic(float y, bool is_signed);
 
 // The per-element update both the kernels and the fp32 path of small parameters perform, on
 // floats, in this order: p *= decay; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2);
-// p += (neg_step_size * m) / (sqrt(v) / sqrt_bc2 + eps).
+// p += (neg_step_size * m) / (sqrt(v) * inv_sqrt_bc2 + eps), inv_sqrt_bc2 = float(1/sqrt(bc2)).
 struct Adam8bitCoeffs {
   float decay = 1, beta1 = 0, one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
-  float sqrt_bc2 = 1, eps = 0, neg_step_size = 0;
+  float inv_sqrt_bc2 = 1, eps = 0, neg_step_size = 0;
 };
 Adam8bitCoeffs adam8bit_coeffs(const Adam8bitHyper& h);
 

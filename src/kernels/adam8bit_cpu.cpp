@@ -35,6 +35,16 @@ struct MapConsts {
 
 double code_value(int d, int k, int n) { return std::pow(10.0, d - 6) * (0.1 + (k + 0.5) * 0.9 / n); }
 
+// Per decade: the code spacing 0.9 / n_d and 10^(d-6), as floats (the kernels' dequantisation).
+float code_width(int d, bool is_signed) {
+  return static_cast<float>(0.9 / (is_signed ? (1 << d) : (2 << d)));
+}
+float decade_scale(int d) { return static_cast<float>(std::pow(10.0, d - 6)); }
+// A code's value as the kernels compute it: three float operations (Note [Dynamic 8-bit map]).
+float code_float(int d, int k, bool is_signed) {
+  return (0.1f + (static_cast<float>(k) + 0.5f) * code_width(d, is_signed)) * decade_scale(d);
+}
+
 MapConsts make_map(bool is_signed) {
   MapConsts c{};
   int base = 1;
@@ -48,7 +58,7 @@ MapConsts make_map(bool is_signed) {
     c.base[d] = base;
     c.last[d] = n - 1;
     for (int k = 0; k < n; ++k) {
-      const float v = static_cast<float>(code_value(d, k, n));
+      const float v = code_float(d, k, is_signed);
       c.values[base + k] = v;
       if (is_signed) c.values[0x80 | (base + k)] = -v;
     }
@@ -97,7 +107,7 @@ void block_scalar(const Adam8bitCoeffs& c, float* p, const float* g, uint8_t* q1
     const float gi = g[i];
     m[i] = s.values[q1[i]] * a1 * c.beta1 + gi * c.one_minus_beta1;
     v[i] = u.values[q2[i]] * a2 * c.beta2 + gi * gi * c.one_minus_beta2;
-    const float denom = std::sqrt(v[i]) / c.sqrt_bc2 + c.eps;
+    const float denom = std::sqrt(v[i]) * c.inv_sqrt_bc2 + c.eps;
     p[i] = p[i] * c.decay + c.neg_step_size * m[i] / denom;
     max1 = std::max(max1, std::fabs(m[i]));
     max2 = std::max(max2, v[i]);
@@ -112,11 +122,12 @@ void block_scalar(const Adam8bitCoeffs& c, float* p, const float* g, uint8_t* q1
 }
 
 #if defined(SHARDOPT_KERNELS_X86)
-#define SHARDOPT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define SHARDOPT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd")))
 
 struct VecMap {
   __m512 lower[kDecades], scale, per_unit, below_mid, top_mid;
   __m512i base, last;
+  __m512 width, decade;  // code_width, decade_scale by decade (dequantisation)
 };
 
 SHARDOPT_AVX512 inline __m512 table16(const float* t) {
@@ -140,6 +151,39 @@ SHARDOPT_AVX512 VecMap vec_map(const MapConsts& c) {
   m.base = table16i(c.base);
   m.last = table16i(c.last);
   return m;
+}
+
+SHARDOPT_AVX512 void set_dequant(VecMap& m, bool is_signed) {
+  float w[kDecades], s[kDecades];
+  for (int d = 0; d < kDecades; ++d) w[d] = code_width(d, is_signed), s[d] = decade_scale(d);
+  m.width = table16(w);
+  m.decade = table16(s);
+}
+
+// The map's value of each code byte without a table: the decade of magnitude index j is the
+// position of its highest bit (signed: j in [2^d, 2^(d+1)); unsigned: j + 1 in [2^(d+1),
+// 2^(d+2))), then code_float's three operations; zero and 1.0 by comparison.
+template <bool kSigned>
+SHARDOPT_AVX512 inline __m512 dequantize16(const VecMap& c, __m512i b) {
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i j = kSigned ? _mm512_and_si512(b, _mm512_set1_epi32(0x7F)) : _mm512_add_epi32(b, one);
+  const __m512i hi = _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(j));  // log2
+  const __m512i d = kSigned ? hi : _mm512_sub_epi32(hi, one);
+  const __m512i k = _mm512_sub_epi32(j, _mm512_sllv_epi32(one, hi));
+  const __m512 kf = _mm512_add_ps(_mm512_cvtepi32_ps(k), _mm512_set1_ps(0.5f));
+  __m512 v = _mm512_mul_ps(
+      _mm512_add_ps(_mm512_set1_ps(0.1f), _mm512_mul_ps(kf, _mm512_permutexvar_ps(d, c.width))),
+      _mm512_permutexvar_ps(d, c.decade));
+  if constexpr (kSigned) {
+    v = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(j, _mm512_setzero_si512()), _mm512_setzero_ps());
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0x80)), _mm512_set1_ps(1.0f));
+  } else {
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_setzero_ps());
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(1.0f));
+  }
+  return v;
 }
 
 // The scalar quantize_scalar, 16 lanes: the same float operations.
@@ -177,13 +221,11 @@ SHARDOPT_AVX512 inline float hmax(__m512 x) { return _mm512_reduce_max_ps(x); }
 SHARDOPT_AVX512 void block_avx512(const Adam8bitCoeffs& c, const VecMap& vs, const VecMap& vu,
                                   float* p, const float* g, uint8_t* q1, uint8_t* q2,
                                   float* absmax1, float* absmax2, int64_t n) {
-  const float* t1 = map_consts(true).values.data();
-  const float* t2 = map_consts(false).values.data();
   alignas(64) float m[kQuantBlock], v[kQuantBlock];
   const __m512 a1 = _mm512_set1_ps(*absmax1), a2 = _mm512_set1_ps(*absmax2);
   const __m512 b1 = _mm512_set1_ps(c.beta1), omb1 = _mm512_set1_ps(c.one_minus_beta1);
   const __m512 b2 = _mm512_set1_ps(c.beta2), omb2 = _mm512_set1_ps(c.one_minus_beta2);
-  const __m512 sbc2 = _mm512_set1_ps(c.sqrt_bc2), eps = _mm512_set1_ps(c.eps);
+  const __m512 isbc2 = _mm512_set1_ps(c.inv_sqrt_bc2), eps = _mm512_set1_ps(c.eps);
   const __m512 decay = _mm512_set1_ps(c.decay), nss = _mm512_set1_ps(c.neg_step_size);
   __m512 max1 = _mm512_setzero_ps(), max2 = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
@@ -191,12 +233,12 @@ SHARDOPT_AVX512 void block_avx512(const Adam8bitCoeffs& c, const VecMap& vs, con
     const __m512i c1 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, q1 + i));
     const __m512i c2 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, q2 + i));
     const __m512 gi = _mm512_maskz_loadu_ps(k, g + i);
-    const __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(c1, t1, 4), a1);
-    const __m512 vo = _mm512_mul_ps(_mm512_i32gather_ps(c2, t2, 4), a2);
+    const __m512 mo = _mm512_mul_ps(dequantize16<true>(vs, c1), a1);
+    const __m512 vo = _mm512_mul_ps(dequantize16<false>(vu, c2), a2);
     const __m512 mi = _mm512_add_ps(_mm512_mul_ps(mo, b1), _mm512_mul_ps(gi, omb1));
     const __m512 vi =
         _mm512_add_ps(_mm512_mul_ps(vo, b2), _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), sbc2), eps);
+    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), isbc2), eps);
     __m512 pi = _mm512_maskz_loadu_ps(k, p + i);
     pi = _mm512_add_ps(_mm512_mul_ps(pi, decay), _mm512_div_ps(_mm512_mul_ps(nss, mi), denom));
     _mm512_mask_storeu_ps(p + i, k, pi);
@@ -218,7 +260,9 @@ SHARDOPT_AVX512 void block_avx512(const Adam8bitCoeffs& c, const VecMap& vs, con
 
 SHARDOPT_AVX512 void blocks_avx512(const Adam8bitCoeffs& c, const Adam8bitSegment& s, int64_t b0,
                                    int64_t b1) {
-  const VecMap vs = vec_map(map_consts(true)), vu = vec_map(map_consts(false));
+  VecMap vs = vec_map(map_consts(true)), vu = vec_map(map_consts(false));
+  set_dequant(vs, true);
+  set_dequant(vu, false);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = b * kQuantBlock;
     block_avx512(c, vs, vu, s.param + at, s.grad + at, s.state1 + at, s.state2 + at,
@@ -229,7 +273,12 @@ SHARDOPT_AVX512 void blocks_avx512(const Adam8bitCoeffs& c, const Adam8bitSegmen
 
 bool use_avx512(CpuIsa isa) {
   const CpuIsa resolved = resolve_cpu_isa(isa);
-  return resolved == CpuIsa::Avx512;
+#if defined(SHARDOPT_KERNELS_X86)
+  static const bool extra = __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq");
+  return resolved == CpuIsa::Avx512 && extra;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -248,7 +297,7 @@ Adam8bitCoeffs adam8bit_coeffs(const Adam8bitHyper& h) {
   c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  c.sqrt_bc2 = static_cast<float>(std::sqrt(1.0 - std::pow(h.beta2, step)));
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(h.beta2, step)));
   c.eps = static_cast<float>(h.eps);
   c.neg_step_size = static_cast<float>(-h.lr / (1.0 - std::pow(h.beta1, step)));
   return c;
@@ -286,7 +335,7 @@ void adam8bit_fp32(const Adam8bitHyper& hyper, float* p, const float* g, float* 
     const float gi = g[i];
     m[i] = m[i] * c.beta1 + gi * c.one_minus_beta1;
     v[i] = v[i] * c.beta2 + gi * gi * c.one_minus_beta2;
-    const float denom = std::sqrt(v[i]) / c.sqrt_bc2 + c.eps;
+    const float denom = std::sqrt(v[i]) * c.inv_sqrt_bc2 + c.eps;
     p[i] = p[i] * c.decay + c.neg_step_size * m[i] / denom;
   }
 }

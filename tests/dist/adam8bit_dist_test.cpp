@@ -46,8 +46,9 @@ struct RefMap {
       below_mid[d] = static_cast<float>((prev + code(d, 0, n)) / 2);
       base[d] = b;
       last[d] = n - 1;
+      const float width = static_cast<float>(0.9 / n), ten = static_cast<float>(std::pow(10.0, d - 6));
       for (int k = 0; k < n; ++k) {
-        value[b + k] = static_cast<float>(code(d, k, n));
+        value[b + k] = (0.1f + (static_cast<float>(k) + 0.5f) * width) * ten;
         if (s) value[0x80 | (b + k)] = -value[b + k];
       }
       prev = code(d, n - 1, n);
@@ -80,18 +81,18 @@ struct RefState {
 };
 
 struct RefCoeffs {
-  float decay, b1, omb1, b2, omb2, sbc2, eps, nss;
+  float decay, b1, omb1, b2, omb2, isbc2, eps, nss;
   RefCoeffs(const AdamW8bit& r, int64_t step) {
     const double s = static_cast<double>(step);
     decay = static_cast<float>(1.0 - r.lr() * r.weight_decay());
     b1 = static_cast<float>(r.beta1()), omb1 = static_cast<float>(1.0 - r.beta1());
     b2 = static_cast<float>(r.beta2()), omb2 = static_cast<float>(1.0 - r.beta2());
-    sbc2 = static_cast<float>(std::sqrt(1.0 - std::pow(r.beta2(), s)));
+    isbc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(r.beta2(), s)));
     eps = static_cast<float>(r.eps());
     nss = static_cast<float>(-r.lr() / (1.0 - std::pow(r.beta1(), s)));
   }
   void apply(float& p, float g, float m, float v) const {
-    p = p * decay + nss * m / (std::sqrt(v) / sbc2 + eps);
+    p = p * decay + nss * m / (std::sqrt(v) * isbc2 + eps);
     (void)g;
   }
 };

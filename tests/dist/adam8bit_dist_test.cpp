@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/adam8bit.hpp"
+#include "shardopt/estimate.hpp"
 #include "shardopt/optimizer.hpp"
 #include "support/dist_env.hpp"
 #include "support/expect_error.hpp"
@@ -260,6 +261,21 @@ DIST_TEST_P(Adam8bitParity, BitwiseAtEveryN) {
 
 INSTANTIATE_TEST_SUITE_P(Stages, Adam8bitParity, ::testing::Values(0, 1, 2, 3),
                          [](const auto& info) { return fmt::format("stage{}", info.param); });
+
+// memory() is what the estimator predicts (every parameter 8-bit here: min_8bit_size 0), at most
+// the 2.05 bytes per parameter of the rank's shard: 2 + 8/256.
+DIST_TEST(Adam8bitMemory, MatchesEstimator) {
+  Net net;
+  DistributedOptimizer opt(net.groups(), rule().min_8bit_size(0), test::world(), options(2));
+  const int64_t shard = opt.padded_numel() / test::world()->size();
+  const int64_t want =
+      estimate::state_bytes(estimate::Optimizer::AdamW8bit, Precision::FP32) * shard +
+      estimate::block_bytes(estimate::Optimizer::AdamW8bit, shard);
+  EXPECT_EQ(want, 2 * shard + 8 * (shard / 256));
+  EXPECT_LE(static_cast<double>(want), 2.05 * static_cast<double>(shard));
+  EXPECT_EQ(opt.memory().optimizer_state_bytes, want);
+  EXPECT_TRUE(test::all_ranks(opt.memory().optimizer_state_bytes == want));
+}
 
 // Checkpoints of the quantised state are not written yet: refused by name on every rank, not a
 // silently wrong file.

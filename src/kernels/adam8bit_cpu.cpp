@@ -33,7 +33,10 @@ struct MapConsts {
   std::array<float, 256> values;
 };
 
-double code_value(int d, int k, int n) { return std::pow(10.0, d - 6) * (0.1 + (k + 0.5) * 0.9 / n); }
+// A code's exact value (the quantiser's midpoints are between exact values).
+double code_value(int d, int k, int n) {
+  return std::pow(10.0, d - 6) * (0.1 + (k + 0.5) * 0.9 / n);
+}
 
 // Per decade: the code spacing 0.9 / n_d and 10^(d-6), as floats (the kernels' dequantisation).
 float code_width(int d, bool is_signed) {
@@ -174,14 +177,17 @@ SHARDOPT_AVX512 inline __m512 dequantize16(const VecMap& c, __m512i b) {
   __m512 v = _mm512_mul_ps(
       _mm512_add_ps(_mm512_set1_ps(0.1f), _mm512_mul_ps(kf, _mm512_permutexvar_ps(d, c.width))),
       _mm512_permutexvar_ps(d, c.decade));
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
   if constexpr (kSigned) {
-    v = _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(j, _mm512_setzero_si512()), _mm512_setzero_ps());
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0x80)), _mm512_set1_ps(1.0f));
+    v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(j, zero), _mm512_setzero_ps());
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0x80)),
+                           _mm512_set1_ps(1.0f));
   } else {
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_setzero_ps());
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)), _mm512_set1_ps(1.0f));
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, zero), _mm512_setzero_ps());
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)),
+                           _mm512_set1_ps(1.0f));
   }
   return v;
 }
@@ -198,7 +204,8 @@ SHARDOPT_AVX512 inline __m128i quantize16(const VecMap& c, __m512 y) {
   const __m512 t = _mm512_mul_ps(
       _mm512_sub_ps(_mm512_mul_ps(a, _mm512_permutexvar_ps(d, c.scale)), _mm512_set1_ps(0.1f)),
       _mm512_permutexvar_ps(d, c.per_unit));
-  __m512i k = _mm512_cvtps_epi32(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  __m512i k =
+      _mm512_cvtps_epi32(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
   k = _mm512_min_epi32(_mm512_max_epi32(k, _mm512_setzero_si512()),
                        _mm512_permutexvar_epi32(d, c.last));
   __m512i mag = _mm512_add_epi32(_mm512_permutexvar_epi32(d, c.base), k);
@@ -251,8 +258,10 @@ SHARDOPT_AVX512 void block_avx512(const Adam8bitCoeffs& c, const VecMap& vs, con
   const __m512 r1 = _mm512_set1_ps(reciprocal(mx1)), r2 = _mm512_set1_ps(reciprocal(mx2));
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    _mm_mask_storeu_epi8(q1 + i, k, quantize16<true>(vs, _mm512_mul_ps(_mm512_load_ps(m + i), r1)));
-    _mm_mask_storeu_epi8(q2 + i, k, quantize16<false>(vu, _mm512_mul_ps(_mm512_load_ps(v + i), r2)));
+    const __m512 y1 = _mm512_mul_ps(_mm512_load_ps(m + i), r1);
+    const __m512 y2 = _mm512_mul_ps(_mm512_load_ps(v + i), r2);
+    _mm_mask_storeu_epi8(q1 + i, k, quantize16<true>(vs, y1));
+    _mm_mask_storeu_epi8(q2 + i, k, quantize16<false>(vu, y2));
   }
   *absmax1 = mx1;
   *absmax2 = mx2;
@@ -274,7 +283,8 @@ SHARDOPT_AVX512 void blocks_avx512(const Adam8bitCoeffs& c, const Adam8bitSegmen
 bool use_avx512(CpuIsa isa) {
   const CpuIsa resolved = resolve_cpu_isa(isa);
 #if defined(SHARDOPT_KERNELS_X86)
-  static const bool extra = __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq");
+  static const bool extra =
+      __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq");
   return resolved == CpuIsa::Avx512 && extra;
 #else
   return false;

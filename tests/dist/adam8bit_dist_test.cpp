@@ -38,7 +38,9 @@ struct RefMap {
   explicit RefMap(bool s) : is_signed(s) {
     int b = 1;
     double prev = 0.0;
-    auto code = [](int d, int k, int n) { return std::pow(10.0, d - 6) * (0.1 + (k + 0.5) * 0.9 / n); };
+    auto code = [](int d, int k, int n) {
+      return std::pow(10.0, d - 6) * (0.1 + (k + 0.5) * 0.9 / n);
+    };
     for (int d = 0; d < 7; ++d) {
       const int n = s ? 1 << d : 2 << d;
       lower[d] = static_cast<float>(std::pow(10.0, d - 7));
@@ -47,7 +49,8 @@ struct RefMap {
       below_mid[d] = static_cast<float>((prev + code(d, 0, n)) / 2);
       base[d] = b;
       last[d] = n - 1;
-      const float width = static_cast<float>(0.9 / n), ten = static_cast<float>(std::pow(10.0, d - 6));
+      const float width = static_cast<float>(0.9 / n);
+      const float ten = static_cast<float>(std::pow(10.0, d - 6));
       for (int k = 0; k < n; ++k) {
         value[b + k] = (0.1f + (static_cast<float>(k) + 0.5f) * width) * ten;
         if (s) value[0x80 | (b + k)] = -value[b + k];
@@ -92,9 +95,8 @@ struct RefCoeffs {
     eps = static_cast<float>(r.eps());
     nss = static_cast<float>(-r.lr() / (1.0 - std::pow(r.beta1(), s)));
   }
-  void apply(float& p, float g, float m, float v) const {
+  void apply(float& p, float m, float v) const {
     p = p * decay + nss * m / (std::sqrt(v) * isbc2 + eps);
-    (void)g;
   }
 };
 
@@ -106,7 +108,7 @@ void reference_step(const AdamW8bit& r, int64_t step, float* p, const float* g, 
     for (int64_t i = 0; i < n; ++i) {
       st.m[i] = st.m[i] * c.b1 + g[i] * c.omb1;
       st.v[i] = st.v[i] * c.b2 + g[i] * g[i] * c.omb2;
-      c.apply(p[i], g[i], st.m[i], st.v[i]);
+      c.apply(p[i], st.m[i], st.v[i]);
     }
     return;
   }
@@ -120,7 +122,7 @@ void reference_step(const AdamW8bit& r, int64_t step, float* p, const float* g, 
     for (int64_t i = lo; i < hi; ++i) {
       m[i - lo] = s1.value[st.q1[i]] * st.a1[b] * c.b1 + g[i] * c.omb1;
       v[i - lo] = s2.value[st.q2[i]] * st.a2[b] * c.b2 + g[i] * g[i] * c.omb2;
-      c.apply(p[i], g[i], m[i - lo], v[i - lo]);
+      c.apply(p[i], m[i - lo], v[i - lo]);
       max1 = std::max(max1, std::fabs(m[i - lo]));
       max2 = std::max(max2, v[i - lo]);
     }

@@ -4,6 +4,10 @@
 // when --benchmark_repetitions > 1), the one bench/README.md records.
 //
 //   build/bench/kernels_bench --benchmark_repetitions=5 [--numel=100000000]
+//
+// 8-bit AdamW (src/kernels/adam8bit.hpp) against the fp32 fused AdamW, interleaved:
+//   build/bench/kernels_bench --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
+//     --benchmark_filter='fused_adamw(8bit)?/threads:[0-9]+/isa:0(/bf16:0)?/real_time'
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -19,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/adam8bit.hpp"
 #include "kernels/fused.hpp"
 #include "triad.hpp"
 
@@ -29,11 +34,13 @@ namespace k = shardopt::detail::kernels;
 int64_t g_numel = 100'000'000;
 constexpr double kAdamBytes = 28;     // read p, g, m, v; write p, m, v (fp32)
 constexpr double kAdamLowBytes = 30;  // + the bf16 copy
+constexpr double kAdam8bitBytes = 16;  // read p, g, two codes; write p, two codes (+8/256)
 using shardopt::bench::kTriadBytes;
 
 // One set of pre-faulted buffers shared by every benchmark (first touch is slow, docs/design.md).
 struct Data {
   at::Tensor p, g, m, v, low, triad_a;
+  at::Tensor q1, q2, a1, a2;  // 8-bit AdamW's state (allocated by its first run)
   std::unique_ptr<torch::optim::AdamW> torch_opt;
 };
 Data& data() {
@@ -91,6 +98,33 @@ void BM_FusedAdamW(benchmark::State& state) {
   int64_t step = 0;
   for (auto _ : state) k::fused_adam(hyper(++step), s, isa);
   set_counters(state, low ? kAdamLowBytes : kAdamBytes);
+  state.SetLabel(k::to_string(k::resolve_cpu_isa(isa)));
+}
+
+// args: threads, isa (index into kIsas). The same p and g as the fp32 kernel's.
+void BM_FusedAdamW8bit(benchmark::State& state) {
+  const k::CpuIsa isa = kIsas[state.range(1)];
+  if (!k::cpu_isa_supported(isa)) {
+    state.SkipWithError("this CPU lacks the instruction set");
+    return;
+  }
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  Data& d = data();
+  if (!d.q1.defined()) {
+    const int64_t blocks = (g_numel + k::kQuantBlock - 1) / k::kQuantBlock;
+    d.q1 = at::zeros({g_numel}, at::kByte), d.q2 = at::zeros({g_numel}, at::kByte);
+    d.a1 = at::zeros({blocks}), d.a2 = at::zeros({blocks});
+  }
+  const k::Adam8bitSegment s{d.p.data_ptr<float>(),    d.g.data_ptr<float>(),
+                             d.q1.data_ptr<uint8_t>(), d.q2.data_ptr<uint8_t>(),
+                             d.a1.data_ptr<float>(),   d.a2.data_ptr<float>(), g_numel};
+  int64_t step = 0;
+  for (auto _ : state) {
+    k::Adam8bitHyper h;
+    h.lr = 1e-4, h.weight_decay = 0.01, h.step = ++step;
+    k::fused_adam8bit(h, s, isa);
+  }
+  set_counters(state, kAdam8bitBytes);
   state.SetLabel(k::to_string(k::resolve_cpu_isa(isa)));
 }
 
@@ -167,6 +201,9 @@ void register_benchmarks() {
               ->Args({t, 0, 1})
               ->ArgNames({"threads", "isa", "bf16"}));
     setup(benchmark::RegisterBenchmark("torch_adamw", BM_TorchAdamW)->Arg(t)->ArgName("threads"));
+    setup(benchmark::RegisterBenchmark("fused_adamw8bit", BM_FusedAdamW8bit)
+              ->Args({t, 0})
+              ->ArgNames({"threads", "isa"}));
   }
   // Every instruction set on one thread (isa: 1 scalar, 2 avx2, 3 avx512).
   for (int64_t isa = 1; isa <= 3; ++isa) {
@@ -244,6 +281,19 @@ class TableReporter : public benchmark::ConsoleReporter {
         std::printf("| %s | %.3f | %.1f | %s |\n", e->label.c_str(), e->params / 1e9,
                     e->bytes / 1e9, l2 ? fmt(l2->params / 1e9).c_str() : "-");
       }
+    }
+    std::printf(
+        "\n| threads | fused AdamW ms/step (28 B/param) | fused 8-bit AdamW ms/step (16 B/param) |"
+        " 8-bit speed-up |\n|---:|---:|---:|---:|\n");
+    for (int t = 1; t <= 64; ++t) {
+      const std::string ts = std::to_string(t);
+      const Entry* fused = find("fused_adamw/threads:" + ts + "/isa:0/bf16:0");
+      const Entry* q8 = find("fused_adamw8bit/threads:" + ts + "/isa:0");
+      if (fused == nullptr || q8 == nullptr) continue;
+      const double n = static_cast<double>(g_numel);
+      std::printf("| %d | %.1f (%s) | %.1f (%s) | %.2fx |\n", t, 1e3 * n / fused->params,
+                  fused->label.c_str(), 1e3 * n / q8->params, q8->label.c_str(),
+                  q8->params / fused->params);
     }
     std::printf("\nnumel %lld; %s\n", static_cast<long long>(g_numel),
                 any_median_ ? "medians over repetitions" : "single runs");

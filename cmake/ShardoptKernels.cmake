@@ -8,6 +8,14 @@ target_sources(shardopt PRIVATE src/kernels/cpu_dispatch.cpp src/kernels/cpu_sca
 set(_shardopt_kernel_flags -ffp-contract=off -fno-math-errno)
 set_source_files_properties(src/kernels/cpu_scalar.cpp PROPERTIES
   COMPILE_OPTIONS "${_shardopt_kernel_flags}" SKIP_PRECOMPILE_HEADERS ON)
+# 8-bit AdamW: scalar and AVX-512 (function-level target) in one unit, with its own driver.
+target_sources(shardopt PRIVATE src/kernels/adam8bit_cpu.cpp)
+set_source_files_properties(src/kernels/adam8bit_cpu.cpp PROPERTIES
+  COMPILE_OPTIONS "${_shardopt_kernel_flags}" SKIP_PRECOMPILE_HEADERS ON)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")  # GCC bug 105593, as for cpu_avx512.cpp below
+  set_property(SOURCE src/kernels/adam8bit_cpu.cpp APPEND PROPERTY COMPILE_OPTIONS
+               -Wno-maybe-uninitialized)
+endif()
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   target_sources(shardopt PRIVATE src/kernels/cpu_avx2.cpp src/kernels/cpu_avx512.cpp)
   target_compile_definitions(shardopt PRIVATE SHARDOPT_KERNELS_X86)
@@ -47,8 +55,8 @@ if(SHARDOPT_PARALLEL_OPENMP)
   find_package(OpenMP COMPONENTS CXX)
   if(OpenMP_CXX_FOUND)
     # Not through the precompiled header: parsed without _OPENMP, its ATen would be serial.
-    set_property(SOURCE src/kernels/cpu_dispatch.cpp APPEND PROPERTY COMPILE_OPTIONS
-                 ${OpenMP_CXX_FLAGS})
+    set_property(SOURCE src/kernels/cpu_dispatch.cpp src/kernels/adam8bit_cpu.cpp APPEND
+                 PROPERTY COMPILE_OPTIONS ${OpenMP_CXX_FLAGS})
     set_property(SOURCE src/kernels/cpu_dispatch.cpp PROPERTY SKIP_PRECOMPILE_HEADERS ON)
     target_link_libraries(shardopt PRIVATE OpenMP::OpenMP_CXX)
   else()

@@ -145,6 +145,9 @@ shardopt::Rule optimizer_rule(const Args& a) {
     return shardopt::Lamb(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(a.weight_decay);
   }
   if (a.optimizer == "adafactor") return shardopt::Adafactor(a.lr).weight_decay(a.weight_decay);
+  if (a.optimizer == "adamw8bit") {
+    return shardopt::AdamW8bit(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(a.weight_decay);
+  }
   return shardopt::AdamW(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(a.weight_decay);
 }
 

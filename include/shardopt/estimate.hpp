@@ -78,8 +78,10 @@ inline const char* to_string(Offload o) { return shardopt::detail::offload_name(
 /// Optimizer state per parameter (fp32 bytes, without the master copy):
 /// Adam/AdamW/Lamb 8 (m, v), SGD with momentum 4, Adagrad 4, SGD without momentum 0, Adafactor 4
 /// (its factors packed into one element per parameter: Note [Factored state in flat shards] in
-/// src/engine/adafactor_update.hpp).
-enum class Optimizer { Adam, AdamW, Lamb, SGD, Adagrad, SGDNoMomentum, Adafactor };
+/// src/engine/adafactor_update.hpp), AdamW8bit 2 (one byte per moment) plus two fp32 block
+/// maxima per 256 parameters (kBlockBytes below; the fp32 moments of parameters under its
+/// min_8bit_size, 8 bytes each, are not counted: Note [Blockwise 8-bit state]).
+enum class Optimizer { Adam, AdamW, Lamb, SGD, Adagrad, SGDNoMomentum, Adafactor, AdamW8bit };
 
 /// The name of an optimizer as the CLI spells it ("adamw", "sgd-nomomentum", ...).
 inline const char* to_string(Optimizer o) {
@@ -91,6 +93,7 @@ inline const char* to_string(Optimizer o) {
     case Optimizer::Adagrad: return "adagrad";
     case Optimizer::SGDNoMomentum: return "sgd-nomomentum";
     case Optimizer::Adafactor: return "adafactor";
+    case Optimizer::AdamW8bit: return "adamw8bit";
   }
   return "?";
 }
@@ -109,12 +112,13 @@ inline Offload parse_offload(const std::string& s) {
 /// otherwise.
 inline Optimizer parse_optimizer(const std::string& s) {
   for (Optimizer o : {Optimizer::Adam, Optimizer::AdamW, Optimizer::Lamb, Optimizer::SGD,
-                      Optimizer::Adagrad, Optimizer::SGDNoMomentum, Optimizer::Adafactor}) {
+                      Optimizer::Adagrad, Optimizer::SGDNoMomentum, Optimizer::Adafactor,
+                      Optimizer::AdamW8bit}) {
     if (s == to_string(o)) return o;
   }
   throw std::invalid_argument("estimate: unknown optimizer '" + s +
-                              "', expected adam, adamw, lamb, sgd, adagrad, sgd-nomomentum or "
-                              "adafactor");
+                              "', expected adam, adamw, lamb, sgd, adagrad, sgd-nomomentum, "
+                              "adafactor or adamw8bit");
 }
 
 /// Bytes per parameter of the compute copy (P) and of a gradient (G).
@@ -128,8 +132,13 @@ inline int state_bytes(Optimizer o, Precision p) {
     case Optimizer::Adam: case Optimizer::AdamW: case Optimizer::Lamb: k = 8; break;
     case Optimizer::SGD: case Optimizer::Adagrad: case Optimizer::Adafactor: k = 4; break;
     case Optimizer::SGDNoMomentum: k = 0; break;
+    case Optimizer::AdamW8bit: k = 2; break;
   }
   return k + (p == Precision::FP32 ? 0 : 4);
+}
+/// AdamW8bit's fp32 maxima of m and v per 256-parameter block (on top of K); 0 for the others.
+inline int64_t block_bytes(Optimizer o, int64_t elements) {
+  return o == Optimizer::AdamW8bit ? 8 * ((elements + 255) / 256) : 0;
 }
 
 /// Which model to count: the engine's (padding, the bucket pool, gathered units: what
@@ -220,6 +229,7 @@ inline void zero_paper(const Options& o, Estimate& e, int64_t psi, int64_t shard
       dev.params = p * (e.persistent_params + shard_of(psi - e.persistent_params, o.world));
       dev.grads = g * shard; dev.optimizer_state = k * shard; break;
   }
+  if (o.state_bytes < 0) dev.optimizer_state += block_bytes(o.optimizer, o.stage == 0 ? psi : shard);
   // Bounded buffers.
   if (o.stage == 2) {
     // The bucket pool (Note [Bucket pool bound]), never more than the whole gradient (a parameter
@@ -253,7 +263,8 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
   dev.params = p * (plan.per_part()
                         ? e.persistent_params + shard_of(psi - e.persistent_params, o.world)
                         : psi);
-  on_master.optimizer_state = e.k * update;
+  on_master.optimizer_state =
+      e.k * update + (o.state_bytes < 0 ? block_bytes(o.optimizer, update) : 0);
   if (plan.bucketed()) {
     on_master.grads = master * update;  // reduced gradients
     const int64_t bucket = detail::bucket_numel(o.bucket_bytes, o.params, o.world, given);

@@ -14,6 +14,7 @@
 /// A new rule is its struct here, an entry in `Rule`, and its update code in the engine.
 #pragma once
 
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <variant>
@@ -247,8 +248,43 @@ struct Adafactor {
   static constexpr double kAnyValue = -std::numeric_limits<double>::infinity();
 };
 
+/// 8-bit AdamW (bitsandbytes' blockwise 8-bit Adam, Dettmers et al. 2022): AdamW's update, its
+/// two moments stored as one byte per element, quantised in blocks of 256 elements of a parameter
+/// with bitsandbytes' dynamic maps (signed for the first moment, unsigned for the second) scaled
+/// by the block's absolute maximum (fp32). Parameters of fewer than `min_8bit_size` (4096)
+/// elements keep fp32 moments, as bitsandbytes does. Blocks are parameter-relative and the flat
+/// layout starts every parameter at a multiple of 256, so a block never straddles a shard and the
+/// result does not depend on the number of ranks (Note [Blockwise 8-bit state],
+/// src/engine/adam8bit_update.hpp). Hyper-parameters `lr` (1e-3), `beta1` (0.9), `beta2`
+/// (0.999), `eps` (1e-8), `weight_decay` (0.01, decoupled) and `min_8bit_size` (4096).
+struct AdamW8bit {
+  explicit AdamW8bit(double lr = 1e-3) : lr_(lr) {}  ///< With this learning rate.
+  /// The rule's name: checkpoints, Python, errors.
+  static constexpr const char* kName = "adamw8bit";
+  static constexpr int64_t kBlock = 256;  ///< elements per quantisation block
+  SHARDOPT_ARG(double, lr, 1e-3);
+  SHARDOPT_ARG(double, beta1, 0.9);
+  SHARDOPT_ARG(double, beta2, 0.999);
+  SHARDOPT_ARG(double, eps, 1e-8);
+  SHARDOPT_ARG(double, weight_decay, 1e-2);  ///< decoupled
+  SHARDOPT_ARG(double, min_8bit_size, 4096.0);  ///< smaller parameters keep fp32 moments
+
+ public:
+  /// Visits every hyper-parameter (Note [One place per rule]), bitsandbytes' names.
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v("beta1", r.beta1_); v("beta2", r.beta2_); v("eps", r.eps_);
+    v("weight_decay", r.weight_decay_); v("min_8bit_size", r.min_8bit_size_);
+  }
+  /// The state buffers, bitsandbytes' names: the codes of m and v (one byte per element), the
+  /// per-block absolute maxima of m and v, and the fp32 m and v of the small parameters.
+  std::vector<std::string> state_names() const {
+    return {"state1", "state2", "absmax1", "absmax2", "state1_fp32", "state2_fp32"};
+  }
+};
+
 /// The order is the one error messages list the rules in.
-using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb, Adafactor>;
+using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb, Adafactor, AdamW8bit>;
 
 /// "adamw", "sgd", ... of whichever rule `rule` holds.
 const char* rule_name(const Rule& rule);

@@ -4,12 +4,23 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 
+#include "shardopt/error.hpp"
+
 namespace shardopt::detail {
 
 // The master weights: the separate (fp32 / host) copy, or the model's own storage.
 at::Tensor CheckpointAccess::owned_param_slice(int bucket) {
   return flat_.plan().separate_master() ? flat_.owned_master_slice(bucket)
                                         : store_.owned_slice(bucket);
+}
+
+at::Tensor CheckpointAccess::owned_state_slice(int state, int bucket) {
+  // Every checkpoint path (save, load, state dicts) reads or writes the state through here.
+  SHARDOPT_CHECK(!std::holds_alternative<AdamW8bit>(group_rule(0)), Unsupported,
+                 "checkpoint: adamw8bit's state (per-block maxima, fp32 moments of small "
+                 "parameters) is not element-indexed like the other rules' state; saving and "
+                 "loading it is not supported yet (Note [Blockwise 8-bit state])");
+  return flat_.owned_state_slice(state, bucket);
 }
 
 void CheckpointAccess::after_load() {

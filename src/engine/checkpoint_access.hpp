@@ -57,9 +57,7 @@ class CheckpointAccess final : public ShardAccess {
   bool has_factory_optimizer() const override { return update_.factory_optimizer(); }
   int state_buffer_count() const override { return static_cast<int>(flat_.state().size()); }
   at::Tensor owned_param_slice(int bucket) override;
-  at::Tensor owned_state_slice(int state, int bucket) override {
-    return flat_.owned_state_slice(state, bucket);
-  }
+  at::Tensor owned_state_slice(int state, int bucket) override;
   int64_t step_count() const override { return steps_; }
   void set_step_count(int64_t steps) override { steps_ = steps; }
   int group_count() const override { return static_cast<int>(owner_.param_groups().size()); }

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <numeric>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -181,9 +182,11 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   }
   const auto& proto = params().front().tensor;
   const int64_t elem = static_cast<int64_t>(proto.element_size());
-  FlatLayout layout =
-      make_layout(numels, groups, world_, std::max<int64_t>(1, options_.align_bytes / elem),
-                  bucket_numel(options_.bucket_bytes, total, world_, elem), parts);
+  // 8-bit AdamW: parameters start, and shards end, on whole blocks (Note [Blockwise 8-bit state]).
+  const int64_t block = std::holds_alternative<AdamW8bit>(rule) ? AdamW8bit::kBlock : 1;
+  FlatLayout layout = make_layout(
+      numels, groups, world_, std::lcm(block, std::max<int64_t>(1, options_.align_bytes / elem)),
+      bucket_numel(options_.bucket_bytes, total, world_, elem), parts, block);
   const BufferOptions where = buffer_options(
       Placement::make(plan_, options_.precision, options_.reduce_dtype, options_.reduce_in_fp32,
                       proto.is_cpu()),

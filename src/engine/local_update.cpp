@@ -38,6 +38,10 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
     return;
   }
   const auto* ada = std::get_if<Adagrad>(&rule);
+  if (std::holds_alternative<AdamW8bit>(rule)) {
+    adam8bit_ = std::make_unique<Adam8bitUpdate>(flat_, std::get<AdamW8bit>(rule), rule_of_);
+    return;
+  }
   flat_.init_state(state_count(rule), ada ? ada->initial_accumulator_value() : 0.0);
   if (std::holds_alternative<Adafactor>(rule)) {
     adafactor_ = std::make_unique<AdafactorUpdate>(flat_, comm_, timeout_, rule_of_, shapes);
@@ -137,6 +141,10 @@ void LocalUpdate::update(int64_t step) {
   }
   if (adafactor_) {
     adafactor_->update(step);
+    return;
+  }
+  if (adam8bit_) {
+    adam8bit_->update(step);
     return;
   }
   auto& state = flat_.state();

@@ -1,8 +1,9 @@
 // LocalUpdate: everything that happens to this rank's segments between the end of the reduction
 // and the new parameters: unscaling, the non-finite check, global-norm clipping, and the update
 // itself (native rules through the fused kernels or torch's ops, LAMB's two phases with its
-// all-reduced per-tensor norms, Adafactor's all-reduced factors (adafactor_update.hpp), or a
-// factory-built torch optimizer over the shard).
+// all-reduced per-tensor norms, Adafactor's all-reduced factors (adafactor_update.hpp), 8-bit
+// AdamW's blockwise quantised moments (adam8bit_update.hpp), or a factory-built torch optimizer
+// over the shard).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "engine/adafactor_update.hpp"
+#include "engine/adam8bit_update.hpp"
 #include "engine/finalize_grads.hpp"
 #include "engine/finite_check.hpp"
 #include "engine/flat_state.hpp"
@@ -85,6 +87,7 @@ class LocalUpdate {
   const FusedKernels* kernels_ = nullptr;
   std::unique_ptr<torch::optim::Optimizer> inner_;
   std::unique_ptr<AdafactorUpdate> adafactor_;
+  std::unique_ptr<Adam8bitUpdate> adam8bit_;  // allocates its own state buffers
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
   std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
   std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early

@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   app.add_option("--offload", offload_arg, "none | cpu (optimizer state and fp32 grad shard on host)")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "cpu"}));
-  app.add_option("--optimizer", optimizer_arg, "adam | adamw | lamb | sgd | adagrad | sgd-nomomentum | adafactor")
+  app.add_option("--optimizer", optimizer_arg, "adam | adamw | lamb | sgd | adagrad | sgd-nomomentum | adafactor | adamw8bit")
       ->capture_default_str()
       ->check(CLI::IsMember({"adam", "adamw", "lamb", "sgd", "adagrad", "sgd-nomomentum",
                             "adafactor"}));

@@ -121,6 +121,20 @@ lamb)
   cat "$WORK/adafactor.log"
   grep -q "adafactor (torch's beta2_decay -0.8" "$WORK/adafactor.log" ||
       fail "the log does not name Adafactor"
+  # 8-bit AdamW trains; what needs a checkpoint of its state is refused by name.
+  rm -rf "$WORK/adamw8bit"
+  mpi 2 "$EXE" "${COMMON[@]}" --preset tiny --steps 30 --lr 5e-3 --optimizer adamw8bit \
+      --warmup-steps 3 --weight-decay 0.01 --corpus "$CORPUS" --eval-fraction 0 \
+      --check-loss-decrease --out "$WORK/adamw8bit" >"$WORK/adamw8bit.log" 2>&1 ||
+      { cat "$WORK/adamw8bit.log"; fail "8-bit AdamW did not train (exit $?)"; }
+  cat "$WORK/adamw8bit.log"
+  grep -q "adamw8bit (betas 0.9, 0.999" "$WORK/adamw8bit.log" || fail "the log does not name adamw8bit"
+  if "$EXE" "${COMMON[@]}" --preset tiny --steps 2 --optimizer adamw8bit --checkpoint-every 1 \
+      --corpus "$CORPUS" --out "$WORK/adamw8bit_ckpt" >"$WORK/adamw8bit_ckpt.log" 2>&1; then
+    fail "--optimizer adamw8bit --checkpoint-every was accepted"
+  fi
+  grep -q "optimizer adamw8bit: --checkpoint-every needs checkpoints" "$WORK/adamw8bit_ckpt.log" ||
+      { cat "$WORK/adamw8bit_ckpt.log"; fail "the refusal does not name the flag"; }
   ;;
 device)
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then

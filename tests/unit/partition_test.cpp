@@ -85,6 +85,28 @@ TEST(FlatLayout, LargeParameterSpansBucketsSplitAtTheQuantum) {
   EXPECT_EQ(u.slots[1].piece_count, 4);
 }
 
+// 8-bit AdamW's layout (param_align 256, align 256): every parameter starts on a block of its
+// bucket, and every piece of a split parameter starts on a block of the parameter, so shard and
+// bucket boundaries never cut a block (Note [Blockwise 8-bit state]).
+TEST(FlatLayout, ParamAlignStartsParametersOnBlocks) {
+  const std::vector<int64_t> numels = {10, 5000, 300, 256, 4097, 1, 700};
+  for (int world : {1, 2, 3, 4}) {
+    const FlatLayout l = make_layout(numels, std::vector<int>(numels.size(), 0), world, 256,
+                                     3000, {}, 256);
+    for (int i = 0; i < static_cast<int>(numels.size()); ++i) {
+      EXPECT_EQ(l.slots[i].offset % 256, 0) << "world " << world << " param " << i;
+      for (const ParamPiece* p = l.pieces_begin(i); p != l.pieces_end(i); ++p) {
+        EXPECT_EQ(p->offset % 256, 0);
+        EXPECT_EQ(p->param_offset % 256, 0);
+      }
+    }
+    for (const auto& b : l.buckets) EXPECT_EQ(b.shard % 256, 0);
+  }
+  // Without it, parameters pack back to back as before.
+  EXPECT_EQ(make_layout({10, 20}, {0, 0}, 1, 1, 100).slots[1].offset, 10);
+  EXPECT_EQ(make_layout({10, 20}, {0, 0}, 1, 1, 100, {}, 16).slots[1].offset, 16);
+}
+
 TEST(FlatLayout, MoreRanksThanElementsGivesPaddingOnlyShards) {
   const FlatLayout l = make_layout({1}, {0}, 8, 1, 100);
   ASSERT_EQ(l.buckets.size(), 1u);

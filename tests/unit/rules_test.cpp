@@ -27,6 +27,7 @@ TEST(RuleTraits, StateNamesFollowTheHyperParameters) {
       {RMSprop().momentum(0.5).centered(true), {"square_avg", "momentum_buffer", "grad_avg"}},
       {Lamb(), {"exp_avg", "exp_avg_sq"}},
       {Adafactor(), {"factored_variance"}},
+      {AdamW8bit(), {"state1", "state2", "absmax1", "absmax2", "state1_fp32", "state2_fp32"}},
   };
   for (const auto& [rule, names] : cases) {
     EXPECT_EQ(detail::state_names(rule), names) << rule_name(rule);
@@ -35,7 +36,8 @@ TEST(RuleTraits, StateNamesFollowTheHyperParameters) {
 }
 
 TEST(RuleTraits, NamesInTheOrderOfRule) {
-  EXPECT_EQ(detail::rule_names(), (Names{"adamw", "adam", "sgd", "adagrad", "rmsprop", "lamb", "adafactor"}));
+  EXPECT_EQ(detail::rule_names(), (Names{"adamw", "adam", "sgd", "adagrad", "rmsprop", "lamb", "adafactor",
+                                          "adamw8bit"}));
   std::string seen;
   EXPECT_TRUE(detail::with_rule_named("rmsprop", [&](auto type) {
     seen = decltype(type)::type::kName;
@@ -103,7 +105,8 @@ TEST(RuleJson, RoundTripKeepsEveryField) {
       RMSprop(0.2).alpha(0.9).eps(1e-6).weight_decay(0.1).momentum(0.3).centered(true),
       Lamb(0.2).beta1(0.7).beta2(0.9).eps(1e-5).weight_decay(0.05),
       Adafactor(0.2).beta2_decay(-0.5).eps1(1e-30).eps2(1e-4).d(2).weight_decay(0.1)
-          .maximize(true)};
+          .maximize(true),
+      AdamW8bit(0.2).beta1(0.8).beta2(0.95).eps(1e-7).weight_decay(0.2).min_8bit_size(100)};
   for (const Rule& rule : rules) {
     const detail::json j = detail::rule_to_json(rule);
     const Rule back = detail::rule_from_json(j);

@@ -85,9 +85,11 @@ inline int64_t round_up(int64_t x, int64_t multiple) {
 // parameter. A bucket never spans two groups, nor two stage-3 parts when `parts` is given (it is
 // closed, padded to a multiple of world * align, before the next group or part). `numels[i]`,
 // `groups[i]` (and `parts[i]`) describe parameter i. Empty shards are allowed (world > numel).
+// `param_align` (dividing world * align_numel): every parameter starts at a multiple of it in its
+// bucket (8-bit AdamW: Note [Blockwise 8-bit state] in src/engine/adam8bit_update.hpp).
 inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vector<int>& groups,
                               int world, int64_t align_numel, int64_t bucket_numel,
-                              const std::vector<int>& parts = {}) {
+                              const std::vector<int>& parts = {}, int64_t param_align = 1) {
   FlatLayout layout;
   layout.slots.resize(numels.size());
   const int64_t quantum = static_cast<int64_t>(world) * std::max<int64_t>(1, align_numel);
@@ -116,6 +118,9 @@ inline FlatLayout make_layout(const std::vector<int64_t>& numels, const std::vec
       close(open);
       has_open = false;
     }
+    // A parameter starts at a multiple of param_align of its bucket (the gap is padding); the
+    // capacity is a multiple of it, so rounding up never overflows the bucket.
+    if (has_open) open.numel = round_up(open.numel, param_align);
     ParamSlot& slot = layout.slots[i];
     slot.first_piece = static_cast<int>(layout.pieces.size());
     slot.piece_count = 0;

@@ -1,0 +1,74 @@
+// The fused CPU kernel of 8-bit AdamW (rules.hpp: AdamW8bit): one pass per 256-element block that
+// reads the one-byte codes of both moments, dequantises them with the block's absolute maxima,
+// steps the parameter, and writes the moments back quantised with the block's new maxima.
+// Torch-free apart from the thread pool; the engine calls it per parameter piece.
+//
+// Note [Dynamic 8-bit map]
+// The moments are stored as bytes indexing bitsandbytes' dynamic maps (create_dynamic_map): seven
+// decades i = 0..6 of equally spaced codes 10^(i-6) * (0.1 + (k + 0.5) * 0.9 / n_i), k < n_i,
+// with n_i = 2^i for the signed map (first moment, plus zero and 1.0: 256 values) and 2^(i+1) for
+// the unsigned one (second moment, plus zero and 1.0). A code's value is computed in float as
+// (0.1 + (k + 0.5) * float(0.9 / n_i)) * float(10^(i-6)), so the AVX-512 kernel derives it from
+// the byte without a table (bitsandbytes rounds its float32 linspace instead: values may differ
+// in the last bits). Bytes:
+// unsigned 0 = 0, 1 + base_i + k = code (base_i = 2^(i+1) - 2), 255 = 1.0; signed sign bit | 
+// magnitude index (0 = zero, 1 + 2^i - 1 + k = code), with 0x80 (negative zero) holding +1.0, as
+// bitsandbytes' signed map has +1.0 and no -1.0. A value x of a block with maximum |x| = a is
+// stored as the code nearest x / a, found arithmetically (no table search): the decade from six
+// threshold comparisons, the code inside it as floor((|y| * 10^(6-d) - 0.1) * n_d / 0.9), one
+// comparison with the midpoint to the decade below, one with the midpoint to 1.0. These are a
+// fixed sequence of float operations, the same in the scalar and AVX-512 code, so the result does
+// not depend on the ISA (in the last bit near a midpoint it may pick the second nearest code).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/fused.hpp"  // CpuIsa
+
+namespace shardopt::detail::kernels {
+
+constexpr int64_t kQuantBlock = 256;  // elements per block (one absmax per moment)
+
+struct Adam8bitHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // decoupled: p *= 1 - lr*wd
+  int64_t step = 1;           // 1-based, already incremented
+};
+
+// `numel` elements in blocks of kQuantBlock from `param`'s first (the last one may be short);
+// absmax1/absmax2 hold one float per block. Step 1 expects zero codes and maxima (zero moments).
+struct Adam8bitSegment {
+  float* param = nullptr;
+  const float* grad = nullptr;
+  uint8_t* state1 = nullptr;  // first moment's codes (signed map)
+  uint8_t* state2 = nullptr;  // second moment's codes (unsigned map)
+  float* absmax1 = nullptr;
+  float* absmax2 = nullptr;
+  int64_t numel = 0;
+};
+
+// The 256 values of the signed (first moment) or unsigned (second moment) map, by byte.
+const float* dynamic_map(bool is_signed);
+// The byte the kernels store for y (|y| <= 1: a value divided by its block's maximum).
+uint8_t quantize_dynamic(float y, bool is_signed);
+
+// The per-element update both the kernels and the fp32 path of small parameters perform, on
+// floats, in this order: p *= decay; m = m*b1 + g*(1-b1); v = v*b2 + (g*g)*(1-b2);
+// p += (neg_step_size * m) / (sqrt(v) * inv_sqrt_bc2 + eps), inv_sqrt_bc2 = float(1/sqrt(bc2)).
+struct Adam8bitCoeffs {
+  float decay = 1, beta1 = 0, one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
+  float inv_sqrt_bc2 = 1, eps = 0, neg_step_size = 0;
+};
+Adam8bitCoeffs adam8bit_coeffs(const Adam8bitHyper& h);
+
+// Multi-threaded over blocks (results do not depend on the thread count or the ISA).
+void fused_adam8bit(const Adam8bitHyper& hyper, const Adam8bitSegment& segment,
+                    CpuIsa isa = CpuIsa::Auto);
+// fp32 moments (parameters under min_8bit_size), the same arithmetic without quantisation.
+void adam8bit_fp32(const Adam8bitHyper& hyper, float* param, const float* grad, float* exp_avg,
+                   float* exp_avg_sq, int64_t numel);
+
+}  // namespace shardopt::detail::kernels

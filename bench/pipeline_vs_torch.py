@@ -153,12 +153,20 @@ def main():
     p.add_argument("--parity-only", action="store_true")
     p.add_argument("--log", default="", help="raw output of every run (default: none kept)")
     a = p.parse_args()
+    model = next((l.split(":", 1)[1].strip() for l in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        if l.startswith("Model name")), "?")
+    print(f"[pipeline_vs_torch] {model}, {os.cpu_count()} CPUs; load at start: "
+          f"{subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}\n"
+          f"[pipeline_vs_torch] command: {' '.join(sys.argv)}\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="pipeline_vs_torch_") as tmp, \
             open(a.log or os.devnull, "w") as log:
         if not parity(a, tmp, log):
             sys.exit("pipeline_vs_torch: parity FAILED: no timing")
         if not a.parity_only:
             timing(a, tmp, log)
+    print(f"[pipeline_vs_torch] load at end: "
+          f"{subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 
 if __name__ == "__main__":

@@ -114,9 +114,9 @@ def timing(a, tmp, log):
                       f"{', '.join(f'{m:.0f}' for m in run['max_rss_mb'])} MB", flush=True)
     print(f"\n## Step time (float32, median of steps {a.warmup + 1}-{a.steps} per run, median "
           f"over {a.rounds} rounds) and max RSS per rank\n")
-    print("| schedule | shardopt step (s) | torch step (s) | shardopt / torch | "
+    print("| schedule | shardopt step (s) | torch step (s) | shardopt / torch | per round | "
           "shardopt max RSS r0, r1 (MB) | torch max RSS r0, r1 (MB) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for s in SCHEDULES:
         mine = statistics.median(median_step(r, a.warmup) for r in res[s]["shardopt"])
         theirs = statistics.median(median_step(r, a.warmup) for r in res[s]["torch"])
@@ -124,8 +124,10 @@ def timing(a, tmp, log):
         def rss(side):
             return ", ".join(f"{max(r['max_rss_mb'][i] for r in res[s][side]):.0f}"
                              for i in range(2))
-        print(f"| {s} | {mine:.4f} | {theirs:.4f} | {mine / theirs:.3f}x | {rss('shardopt')} | "
-              f"{rss('torch')} |")
+        rounds = ", ".join(f"{median_step(x, a.warmup) / median_step(y, a.warmup):.2f}"
+                           for x, y in zip(res[s]["shardopt"], res[s]["torch"]))
+        print(f"| {s} | {mine:.4f} | {theirs:.4f} | {mine / theirs:.3f}x | {rounds} | "
+              f"{rss('shardopt')} | {rss('torch')} |")
     print(flush=True)
 
 

@@ -21,7 +21,8 @@ What is reproduced from examples/gpt, and where it is defined there:
 Dropout is 0 on both sides (their streams differ).
 
 Run without --rank it launches its 2 ranks (subprocesses over Gloo) and prints one JSON line per
-step of rank 0's view: {"step", "loss", "grad_norm", "lr", "step_s"}, then one "summary" line with
+step of rank 0's view: {"step", "loss", "grad_norm", "lr", "step_s"} and its phases ("data_s":
+the rows, "schedule_s": schedule.step, "tail_s": the tied gradient, clipping, AdamW and the loss), then one "summary" line with
 each rank's max RSS. --dump-weights DIR writes each rank's initial parameters (torch.save) for a
 bitwise check against gpt_train's.
 """
@@ -242,10 +243,12 @@ def rank_main(a):
             group["lr"] = lr_at(a, step)
         opt.zero_grad(set_to_none=False)
         losses = []
+        t1 = time.perf_counter()
         if first_stage:
             schedule.step(ids)
         else:
             schedule.step(target=targets, losses=losses)
+        t2 = time.perf_counter()
         dist.all_reduce(wte.grad)  # the tied embedding: both copies' gradients summed
         sq = torch.zeros(1, dtype=torch.float64)
         for p in counted:
@@ -264,7 +267,9 @@ def rank_main(a):
         seconds = time.perf_counter() - t0
         if out:
             out.write(json.dumps({"step": step + 1, "loss": loss.item(), "grad_norm": norm,
-                                  "lr": lr_at(a, step), "step_s": seconds}) + "\n")
+                                  "lr": lr_at(a, step), "step_s": seconds,
+                                  "data_s": t1 - t0, "schedule_s": t2 - t1,
+                                  "tail_s": seconds - (t2 - t0)}) + "\n")
             out.flush()
     if out:
         out.write(json.dumps({"summary": True, "rank": rank, "max_rss_mb": max_rss_mb(),

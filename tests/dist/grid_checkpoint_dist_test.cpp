@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "shardopt/async_checkpoint.hpp"
+#include "shardopt/estimate.hpp"
 #include "shardopt/grid_checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
@@ -370,6 +371,33 @@ DIST_TEST(GridCheckpoint, AsynchronousSaves) {
     std::printf("[grid checkpoint] async save: %.4f s blocking, %.4f s in the background, "
                 "%lld bytes of snapshot\n",
                 t.blocking_s, t.background_s, static_cast<long long>(bytes));
+  }
+  remove_shared(dir);
+}
+
+// The estimator counts the snapshot an AsyncCheckpoint keeps (Estimate::checkpoint_snapshot, with
+// Options::async_checkpoint): the rank's slice of the master parameters and of the optimizer
+// state, at every stage.
+DIST_TEST(GridCheckpoint, EstimateCountsTheAsyncSnapshot) {
+  if (test::world()->size() != 4) GTEST_SKIP() << "a grid of 4 ranks";
+  const std::string dir = test::shared_dir("grid_async_snapshot");
+  for (int stage = 0; stage <= 3; ++stage) {
+    GridModel run(ParallelLayout{1, 1, 4}, stage);
+    run.train(0, 1);
+    AsyncCheckpoint saver(*run.opt, run.g);
+    EXPECT_EQ(saver.snapshot_bytes(), 0);
+    saver.save_checkpoint_async(dir);
+    saver.wait();
+    estimate::Options o;
+    o.params = run.opt->padded_numel();  // the layout's padding, per bucket
+    o.world = 4;
+    o.stage = stage;
+    o.params_on_host = true;
+    o.async_checkpoint = true;
+    const estimate::Estimate e = estimate::model_states(o);
+    EXPECT_EQ(saver.snapshot_bytes(), e.checkpoint_snapshot) << "stage " << stage;
+    o.async_checkpoint = false;
+    EXPECT_EQ(e.total() - estimate::model_states(o).total(), e.checkpoint_snapshot);
   }
   remove_shared(dir);
 }

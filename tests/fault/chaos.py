@@ -15,7 +15,8 @@ failure).
 Every run must: end within --job-deadline seconds of the kill with no process of the job left
 (mpirun, daemons, ranks: found by a tag in their environment); keep the newest checkpoint whose
 save rank 0 reported (a "lost checkpoint" otherwise); leave a checkpoint that verifies
-(shardopt-consolidate reads every shard and checks its CRC-32); resume from it with --resume
+(shardopt-consolidate reads every shard of every folder the commit names and checks its
+CRC-32); resume from it with --resume
 (from scratch when the kill came before the first save) and then hold, in metrics.jsonl, the
 uninterrupted run's losses bitwise.
 
@@ -90,6 +91,14 @@ def checkpoint_step(out):
             return json.load(f)["trainer"]["step"]
     except OSError:
         return None
+
+
+def committed_folders(out):
+    """Every (pipeline, tensor) folder of the committed save, each verified on its own."""
+    base = os.path.join(out, "checkpoint")
+    with open(os.path.join(base, "commit.json")) as f:
+        commit = json.load(f)
+    return [os.path.join(base, commit["path"], folder["path"]) for folder in commit["folders"]]
 
 
 def reported_saves(log):
@@ -257,10 +266,9 @@ class Campaign:
             fig["lost"] = True
             failures.append(f"the checkpoint of step {reported[-1]} was reported written but the "
                             f"checkpoint holds step {saved}")
-        if saved is not None:
-            v = subprocess.run([self.a.consolidate, os.path.join(out, "checkpoint"),
-                                os.path.join(out, "verify.pt"), "--optimizer-state",
-                                os.path.join(out, "verify-optim.pt")],
+        for folder in committed_folders(out) if saved is not None else []:
+            v = subprocess.run([self.a.consolidate, folder, os.path.join(out, "verify.pt"),
+                                "--optimizer-state", os.path.join(out, "verify-optim.pt")],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if v.returncode != 0:
                 failures.append(f"the checkpoint of step {saved} does not verify: {v.stdout}")

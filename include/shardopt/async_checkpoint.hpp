@@ -38,7 +38,7 @@ struct AsyncSaveTiming {
 struct AsyncCheckpointOptions {
   /// Added to the writer thread's nice value (Linux; 0..19): on cores the training keeps busy the
   /// step then loses less time to the writer's checksums and copies, and the write takes longer
-  /// (bench/RESULTS.md, "Asynchronous checkpoints"). The communicators' threads keep theirs.
+  /// (bench/README.md, "Asynchronous checkpoints"). The communicators' threads keep theirs.
   int writer_niceness = 0;
 };
 

@@ -14,7 +14,8 @@
 #                 commit): rank 1's background thread SIGKILLs the process once its folder of step
 #                 6 is complete, before the commit, while rank 0's folder is written or complete:
 #                 step 4's commit must stay the one that loads, never a mix of the two saves;
-#   async_pp_saving  the same, killed inside the write of rank 1's shard file.
+#   async_pp_saving  the same, both stages' background threads killed once their shard file is
+#                 written, before their folder's manifest.
 # Each time the last checkpoint must load, and resuming from it must reproduce the uninterrupted
 # run's losses bitwise. Then a resume of the finished run must say there is nothing to train.
 # Usage: bert_fault_test.sh <bert_pretrain> <mpiexec> <corpus dir>. Kills what it started on exit.
@@ -113,7 +114,9 @@ train "$WORK/whole_pp" "${PP_ASYNC[@]}" >"$WORK/whole_pp.log" 2>&1 ||
 grep -q "checkpoint: step 4 committed" "$WORK/whole_pp.log" || fail "no asynchronous commit reported"
 REF=whole_pp faulty async_pp_between_folders 1:6:kill-before-commit $((TIMEOUT_S + 10)) "signal 9" 4 \
   "${PP_ASYNC[@]}"
-REF=whole_pp faulty async_pp_saving 1:6:kill-in-save $((TIMEOUT_S + 10)) "signal 9" 4 "${PP_ASYNC[@]}"
+# kill-in-save names the rank in its data-parallel group (SaveOptions::after_shard_written): rank 0
+# of each stage, both processes here.
+REF=whole_pp faulty async_pp_saving 0:6:kill-in-save $((TIMEOUT_S + 10)) "signal 9" 4 "${PP_ASYNC[@]}"
 
 # A finished run resumed: nothing to train, exit 0 on every rank at once, the log unchanged.
 before=$(losses "$WORK/whole")

@@ -5,12 +5,14 @@
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 #include <fmt/format.h>
 
+#ifdef __linux__
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#endif
 #include <chrono>
 #include <exception>
 #include <mutex>

@@ -174,10 +174,8 @@ int main(int argc, char** argv) {
       std::vector<double> q;
       for (int s = 0; s < quiet_steps; ++s) q.push_back(step());
       comm->barrier();
-      const auto t_save = Clock::now();
       saver.save_checkpoint_async(base.string());
       const double blocking = saver.last_timing().blocking_s;
-      const double returned_at = since(t_save);
       // Steps until the save has finished on every rank (the step's end after it: one more at
       // most); each rank's flag reaches every rank through an all-reduce.
       std::vector<double> w;
@@ -189,7 +187,6 @@ int main(int argc, char** argv) {
       }
       saver.wait();
       double background = saver.last_timing().background_s;
-      (void)returned_at;
       auto slowest = torch::tensor({background});
       comm->all_reduce(slowest, shardopt::ReduceOp::Max)->wait();
       background = slowest.item<double>();

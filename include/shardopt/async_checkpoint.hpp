@@ -34,12 +34,21 @@ struct AsyncSaveTiming {
   double background_s = 0;  ///< the background thread: write, fsync, agreement, commit
 };
 
+/// How an AsyncCheckpoint runs its background saves.
+struct AsyncCheckpointOptions {
+  /// Added to the writer thread's nice value (Linux; 0..19): on cores the training keeps busy the
+  /// step then loses less time to the writer's checksums and copies, and the write takes longer
+  /// (bench/README.md, "Asynchronous checkpoints"). The communicators' threads keep theirs.
+  int writer_niceness = 0;
+};
+
 /// Saves `optimizer`'s grid checkpoints in the background (Note [Asynchronous saves]). One per
 /// optimizer; keeps references to both (they must outlive it).
 class AsyncCheckpoint {
  public:
   /// Collective over groups.world: splits the private communicators of the background saves.
-  AsyncCheckpoint(DistributedOptimizer& optimizer, const ParallelGroups& groups);
+  AsyncCheckpoint(DistributedOptimizer& optimizer, const ParallelGroups& groups,
+                  const AsyncCheckpointOptions& options = {});
   /// Joins a save in flight; its failure, if any, is dropped (call wait() to see it).
   ~AsyncCheckpoint();
   AsyncCheckpoint(const AsyncCheckpoint&) = delete;

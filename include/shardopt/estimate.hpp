@@ -179,6 +179,8 @@ struct Options {
   /// Elements of the largest parameter. Buckets split parameters, so it no longer sizes the
   /// bucket buffers (bucket_bytes does); kept so that callers setting it still compile.
   int64_t largest_param = 0;
+  /// Count an AsyncCheckpoint's host snapshot (Estimate::checkpoint_snapshot).
+  bool async_checkpoint = false;
 };
 
 /// Bytes of one kind of memory (device or host) per rank.
@@ -207,7 +209,12 @@ struct Estimate {
   int64_t wire_bytes = 0;     ///< what a rank actually sends with ring/pairwise algorithms
   int64_t gathered_units_params = 0;  ///< stage 3: the unit elements assumed gathered at once
   int64_t persistent_params = 0;      ///< stage 3: the elements held whole for good
-  int64_t total() const { return device.total() + host.total(); }  ///< device and host, everything
+  /// Options::async_checkpoint: host bytes of AsyncCheckpoint's snapshot, this rank's slice of
+  /// the master parameters and of every optimizer state buffer (Note [Asynchronous saves]),
+  /// allocated by the first save and kept; what AsyncCheckpoint::snapshot_bytes() reports.
+  int64_t checkpoint_snapshot = 0;
+  /// Device and host, everything (the checkpoint snapshot included).
+  int64_t total() const { return device.total() + host.total() + checkpoint_snapshot; }
   /// Device and host, model state only.
   int64_t model_state() const { return device.model_state() + host.model_state(); }
 };
@@ -335,6 +342,14 @@ inline Estimate model_states(const Options& o) {
     detail_estimate::engine(o, plan, place, given, e, psi, shard);
   }
 
+  if (o.async_checkpoint) {
+    // Every rank snapshots its 1/N of the flat layout at every stage (a checkpoint is sharded
+    // where the step is not), for the master copy and each state buffer in the master's dtype.
+    const int64_t master = bytes_of(place.master, given);
+    const int64_t state = o.state_bytes >= 0 ? e.k - (plan.separate_master() ? master : 0)
+                                             : state_bytes(o.optimizer, Precision::FP32);
+    e.checkpoint_snapshot = (master + state) * shard;
+  }
   e.comm_elements = (o.stage == 3 ? 3 : 2) * psi;
   // Gradients: one reduce-scatter (or all-reduce) in the reduce dtype; parameters: all-gathers
   // in P bytes.

@@ -5,6 +5,14 @@
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 #include <fmt/format.h>
 
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#endif
 #include <chrono>
 #include <exception>
 #include <mutex>
@@ -137,14 +145,21 @@ struct AsyncCheckpoint::State {
   std::exception_ptr failure;
   AsyncSaveTiming timing;
 
-  State(ShardAccess& a, const ParallelGroups& g) : real(a), groups(g) {}
+  AsyncCheckpointOptions options;
+
+  State(ShardAccess& a, const ParallelGroups& g, AsyncCheckpointOptions o)
+      : real(a), groups(g), options(o) {}
   void join() {
     if (thread.joinable()) thread.join();
   }
 };
 
-AsyncCheckpoint::AsyncCheckpoint(DistributedOptimizer& optimizer, const ParallelGroups& groups)
-    : state_(std::make_unique<State>(detail::shard_access(optimizer), groups)) {
+AsyncCheckpoint::AsyncCheckpoint(DistributedOptimizer& optimizer, const ParallelGroups& groups,
+                                 const AsyncCheckpointOptions& options)
+    : state_(std::make_unique<State>(detail::shard_access(optimizer), groups, options)) {
+  SHARDOPT_CHECK(options.writer_niceness >= 0 && options.writer_niceness <= 19, InvalidArgument,
+                 "checkpoint: AsyncCheckpointOptions::writer_niceness must be in [0, 19], got {}",
+                 options.writer_niceness);
   SHARDOPT_CHECK(groups.world != nullptr, InvalidArgument,
                  "checkpoint: AsyncCheckpoint needs ParallelGroups::world (make_parallel_groups)");
   ShardAccess& a = state_->real;
@@ -173,6 +188,16 @@ void AsyncCheckpoint::save_checkpoint_async(const std::string& base, const Train
   }
   s.thread = std::thread([&s, base, trainer = copied(trainer), saved, grid] {
     const auto start = std::chrono::steady_clock::now();
+#ifdef __linux__
+    // Linux's nice value is per thread: the step's threads keep theirs (best effort: a refused
+    // change leaves the writer at the training's priority).
+    if (s.options.writer_niceness != 0) {
+      const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+      errno = 0;
+      const int now = getpriority(PRIO_PROCESS, tid);
+      if (errno == 0) setpriority(PRIO_PROCESS, tid, std::min(19, now + s.options.writer_niceness));
+    }
+#endif
     try {
       detail::save_grid(*s.snapshot, *s.world, s.groups, base, trainer, saved, grid);
     } catch (...) {

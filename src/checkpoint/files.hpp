@@ -56,7 +56,7 @@ class FileWriter {
   void write_tensor(const at::Tensor& t);
   void sync_and_close();
   int64_t bytes() const { return bytes_; }
-  uint32_t crc() const { return static_cast<uint32_t>(crc_); }
+  uint32_t crc() const;
   // The CRC-32 of every kBlockBytes block written so far (the last one possibly partial), as
   // hexadecimal text: 8 characters a block.
   std::string block_crcs_text() const;
@@ -65,7 +65,7 @@ class FileWriter {
   std::filesystem::path path_;
   int fd_ = -1;
   int64_t bytes_ = 0;
-  uLong crc_ = crc32_z(0L, Z_NULL, 0);
+  uLong crc_ = crc32_z(0L, Z_NULL, 0);  // of the finished blocks (combined from theirs)
   std::vector<uint32_t> blocks_;  // finished blocks
   uLong block_crc_ = crc32_z(0L, Z_NULL, 0);  // of the block being written
 };

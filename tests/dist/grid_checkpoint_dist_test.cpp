@@ -7,7 +7,13 @@
 // save, a missing folder and a piece whose shape disagrees. World of 4 ranks (threads or mpirun).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +21,7 @@
 #include <vector>
 
 #include "shardopt/async_checkpoint.hpp"
+#include "shardopt/estimate.hpp"
 #include "shardopt/grid_checkpoint.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
@@ -373,6 +380,59 @@ DIST_TEST(GridCheckpoint, AsynchronousSaves) {
   }
   remove_shared(dir);
 }
+
+// The estimator counts the snapshot an AsyncCheckpoint keeps (Estimate::checkpoint_snapshot, with
+// Options::async_checkpoint): the rank's slice of the master parameters and of the optimizer
+// state, at every stage.
+DIST_TEST(GridCheckpoint, EstimateCountsTheAsyncSnapshot) {
+  if (test::world()->size() != 4) GTEST_SKIP() << "a grid of 4 ranks";
+  const std::string dir = test::shared_dir("grid_async_snapshot");
+  for (int stage = 0; stage <= 3; ++stage) {
+    GridModel run(ParallelLayout{1, 1, 4}, stage);
+    run.train(0, 1);
+    AsyncCheckpoint saver(*run.opt, run.g);
+    EXPECT_EQ(saver.snapshot_bytes(), 0);
+    saver.save_checkpoint_async(dir);
+    saver.wait();
+    estimate::Options o;
+    o.params = run.opt->padded_numel();  // the layout's padding, per bucket
+    o.world = 4;
+    o.stage = stage;
+    o.params_on_host = true;
+    o.async_checkpoint = true;
+    const estimate::Estimate e = estimate::model_states(o);
+    EXPECT_EQ(saver.snapshot_bytes(), e.checkpoint_snapshot) << "stage " << stage;
+    o.async_checkpoint = false;
+    EXPECT_EQ(e.total() - estimate::model_states(o).total(), e.checkpoint_snapshot);
+  }
+  remove_shared(dir);
+}
+
+#ifdef __linux__
+// AsyncCheckpointOptions::writer_niceness lowers the background thread's priority only: the
+// callbacks of a save run on it (GridSaveOptions::after_folder_written), the caller keeps its own.
+DIST_TEST(GridCheckpoint, WriterNiceness) {
+  if (test::world()->size() != 4) GTEST_SKIP() << "a grid of 4 ranks";
+  const std::string dir = test::shared_dir("grid_async_nice");
+  GridModel run(ParallelLayout{1, 1, 4}, 2);
+  test::expect_error([&] { AsyncCheckpoint bad(*run.opt, run.g, {20}); },
+                     ErrorKind::InvalidArgument, {"writer_niceness must be in [0, 19], got 20"});
+  auto nice_of_this_thread = [] {
+    return getpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)));
+  };
+  const int caller = nice_of_this_thread();
+  AsyncCheckpoint saver(*run.opt, run.g, {5});
+  int writer = -100;
+  GridSaveOptions grid;
+  grid.after_folder_written = [&](int) { writer = nice_of_this_thread(); };
+  run.train(0, 1);
+  saver.save_checkpoint_async(dir, {}, {}, grid);
+  saver.wait();
+  EXPECT_EQ(writer, std::min(19, caller + 5));
+  EXPECT_EQ(nice_of_this_thread(), caller);
+  remove_shared(dir);
+}
+#endif
 
 }  // namespace
 }  // namespace shardopt

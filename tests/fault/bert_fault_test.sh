@@ -9,7 +9,13 @@
 #   killed_committing  rank 1 SIGKILLs itself in the save of step 6 once its folder is complete,
 #                 before the commit: step 4's commit must stay the one that loads;
 #   raised        rank 1 raises an error before step 3, outside any collective, with a 120 s
-#                 timeout: the job must end within 10 s with the message (shardopt::run_or_abort).
+#                 timeout: the job must end within 10 s with the message (shardopt::run_or_abort);
+#   async_pp_between_folders  --pp 2 --async-checkpoints (two folders, pp0-of-2 and pp1-of-2, one
+#                 commit): rank 1's background thread SIGKILLs the process once its folder of step
+#                 6 is complete, before the commit, while rank 0's folder is written or complete:
+#                 step 4's commit must stay the one that loads, never a mix of the two saves;
+#   async_pp_saving  the same, both stages' background threads killed once their shard file is
+#                 written, before their folder's manifest.
 # Each time the last checkpoint must load, and resuming from it must reproduce the uninterrupted
 # run's losses bitwise. Then a resume of the finished run must say there is nothing to train.
 # Usage: bert_fault_test.sh <bert_pretrain> <mpiexec> <corpus dir>. Kills what it started on exit.
@@ -66,7 +72,8 @@ echo "[bert_fault] uninterrupted run: $STEPS steps in ${WHOLE_S} s"
 
 # faulty <name> <BERT_TEST_FAULT> <allowed s beyond the uninterrupted run> <message> <checkpoint
 # step> [extra args]: runs with the fault, checks the job failed in time with the message and
-# kept the checkpoint of that step, then resumes and compares every loss.
+# kept the checkpoint of that step, then resumes (with the same extra args) and compares every
+# loss with those of the uninterrupted run $WORK/$REF (default: whole).
 faulty() {
   local name=$1 fault=$2 slack=$3 message=$4 kept=$5 out=$WORK/$1
   shift 5
@@ -89,10 +96,10 @@ c = json.load(open(os.path.join(sys.argv[1], "commit.json")))
 print(json.load(open(os.path.join(sys.argv[1], c["path"], c["folders"][0]["path"], "manifest.json")))["trainer"]["step"])' \
          "$out/checkpoint" 2>/dev/null)
   [ "$step" = "$kept" ] || fail "$name: the surviving checkpoint is at step '$step', expected $kept"
-  BERT_TEST_FAULT= train "$out" --resume >"$WORK/$name.resume.log" 2>&1 ||
+  BERT_TEST_FAULT= train "$out" "$@" --resume >"$WORK/$name.resume.log" 2>&1 ||
     { cat "$WORK/$name.resume.log"; fail "$name: resuming from the last checkpoint"; }
   grep "resumed from" "$WORK/$name.resume.log"
-  diff <(losses "$WORK/whole") <(losses "$out") ||
+  diff <(losses "$WORK/${REF:-whole}") <(losses "$out") ||
     fail "$name: the resumed run's losses differ from the uninterrupted run's"
   echo "[bert_fault] $name: resumed and reproduced all $STEPS losses"
 }
@@ -100,6 +107,16 @@ faulty stalled 1:5:stop $((TIMEOUT_S + 10)) "did not complete within $((TIMEOUT_
 faulty killed_saving 1:6:kill-in-save $((TIMEOUT_S + 10)) "signal 9" 4  # OpenMPI 5 wraps its line before it
 faulty killed_committing 1:6:kill-before-commit $((TIMEOUT_S + 10)) "signal 9" 4
 faulty raised 1:3:throw 10 "test fault (BERT_TEST_FAULT): rank 1 fails before step 3" 2 --timeout 120
+# Asynchronous saves over two pipeline folders (pipelines at stage 1, as bert_pp_test.sh).
+PP_ASYNC=(--pp 2 --micro-batches 2 --stage 1 --async-checkpoints)
+train "$WORK/whole_pp" "${PP_ASYNC[@]}" >"$WORK/whole_pp.log" 2>&1 ||
+  { cat "$WORK/whole_pp.log"; fail "the uninterrupted run at --pp 2 --async-checkpoints"; }
+grep -q "checkpoint: step 4 committed" "$WORK/whole_pp.log" || fail "no asynchronous commit reported"
+REF=whole_pp faulty async_pp_between_folders 1:6:kill-before-commit $((TIMEOUT_S + 10)) "signal 9" 4 \
+  "${PP_ASYNC[@]}"
+# kill-in-save names the rank in its data-parallel group (SaveOptions::after_shard_written): rank 0
+# of each stage, both processes here.
+REF=whole_pp faulty async_pp_saving 0:6:kill-in-save $((TIMEOUT_S + 10)) "signal 9" 4 "${PP_ASYNC[@]}"
 
 # A finished run resumed: nothing to train, exit 0 on every rank at once, the log unchanged.
 before=$(losses "$WORK/whole")

@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Chaos campaign on the BERT trainer: SIGKILL a random rank at a random moment, then --resume.
 
-Each run draws, from its own seed, the number of ranks (--ranks), the victim rank and a moment
-uniform over the uninterrupted run's wall time (start-up gets a fifth of the moments). The moment
+Each run draws, from its own seed, the number of ranks (--ranks), the layout (--layouts: dp, the
+ranks all data-parallel; tp2, --tp 2; pp2, --pp 2 at stage 1), whether checkpoints are written in
+the background (--async: off, on = --async-checkpoints), the victim rank and a moment uniform over
+the uninterrupted run's wall time (start-up gets a fifth of the moments). With
+--async-checkpoints the moments fall inside the background's writes, syncs, agreements and commit
+too, and with tp2/pp2 between one folder's completion and another's. The moment
 is anchored to progress, not to the launch: it is replayed as "d seconds after step k's metrics
 line" (or after the victim process appeared, k = 0), with k and d from the uninterrupted run's
 timeline, so a failing seed replays the same place in training (`--seed S --runs 1`, printed on
@@ -11,13 +15,14 @@ failure).
 Every run must: end within --job-deadline seconds of the kill with no process of the job left
 (mpirun, daemons, ranks: found by a tag in their environment); keep the newest checkpoint whose
 save rank 0 reported (a "lost checkpoint" otherwise); leave a checkpoint that verifies
-(shardopt-consolidate reads every shard and checks its CRC-32); resume from it with --resume
+(shardopt-consolidate reads every shard of every folder the commit names and checks its
+CRC-32); resume from it with --resume
 (from scratch when the kill came before the first save) and then hold, in metrics.jsonl, the
 uninterrupted run's losses bitwise.
 
 Usage: chaos.py --exe bert_pretrain --mpiexec mpirun --consolidate shardopt-consolidate
                 --corpus tests/assets/corpus [--runs N] [--seed S] [--ranks 2,4] [--steps 10]
-                [--work DIR] [--summary FILE]
+                [--layouts dp,tp2,pp2] [--async off,on] [--work DIR] [--summary FILE]
 Exit status: 0 when every run passed, 1 otherwise."""
 import argparse
 import json
@@ -88,14 +93,31 @@ def checkpoint_step(out):
         return None
 
 
+def committed_folders(out):
+    """Every (pipeline, tensor) folder of the committed save, each verified on its own."""
+    base = os.path.join(out, "checkpoint")
+    with open(os.path.join(base, "commit.json")) as f:
+        commit = json.load(f)
+    return [os.path.join(base, commit["path"], folder["path"]) for folder in commit["folders"]]
+
+
 def reported_saves(log):
-    """Steps whose checkpoint rank 0 reported written ("[bert] checkpoint: step N -> DIR")."""
+    """Steps whose checkpoint rank 0 reported committed: "[bert] checkpoint: step N -> DIR (s)"
+    (a synchronous save) or "[bert] checkpoint: step N committed" (an asynchronous one, joined;
+    its "-> DIR (... writing in the background)" line comes before the commit)."""
     steps = []
     for line in log.splitlines():
         at = line.find("[bert] checkpoint: step ")
-        if at >= 0 and " -> " in line[at:]:
-            steps.append(int(line[at:].split()[3]))
+        if at < 0:
+            continue
+        rest = line[at:]
+        if (" -> " in rest and "in the background" not in rest) or " committed" in rest:
+            steps.append(int(rest.split()[3]))
     return steps
+
+
+# The trainer's arguments of each layout (pipelines at stage 1, as tests/example/bert_pp_test.sh).
+LAYOUTS = {"dp": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--micro-batches", "2"]}
 
 
 class Campaign:
@@ -104,7 +126,8 @@ class Campaign:
         self.work = a.work or tempfile.mkdtemp(prefix="shardopt-chaos.")
         os.makedirs(self.work, exist_ok=True)
         self.current = None  # the out dir of the run under way
-        self.reference = {}  # ranks -> (losses, [(event, seconds since launch)], wall seconds)
+        # (ranks, layout, async) -> (losses, [(event, seconds since launch)], wall seconds)
+        self.reference = {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         self.env.setdefault("OMPI_MCA_btl", "self,vader")
@@ -124,11 +147,15 @@ class Campaign:
                        "create-data")
         self.vocab, self.data = vocab, data
 
-    def launch(self, out, ranks, log, *extra):
-        """Starts the job in the background, its output into file `log`; returns the Popen."""
+    def launch(self, out, config, log, *extra):
+        """Starts the job of config (ranks, layout, async) in the background, its output into
+        file `log`; returns the Popen."""
+        ranks, layout, background = config
         env = dict(self.env, **{TAG: out + "/"})
+        stage = 1 if layout == "pp2" else self.a.stage
+        extra = LAYOUTS[layout] + (["--async-checkpoints"] if background else []) + list(extra)
         cmd = [self.a.mpiexec, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "-np", str(ranks), self.a.exe, "--preset", "tiny", "--stage", str(self.a.stage),
+               "-np", str(ranks), self.a.exe, "--preset", "tiny", "--stage", str(stage),
                "--steps", str(self.a.steps), "--warmup-steps", "2", "--lr", "2e-3",
                "--batch-size", "4", "--max-seq-length", "64", "--vocab", self.vocab,
                "--data", self.data, "--no-plot", "--progress", "lines", "--log-every", "1",
@@ -149,12 +176,17 @@ class Campaign:
         kill_all(out + "/")
         return rc, strays
 
-    def uninterrupted(self, ranks):
+    @staticmethod
+    def name(config):
+        ranks, layout, background = config
+        return f"np{ranks}-{layout}" + ("-async" if background else "")
+
+    def uninterrupted(self, config):
         """The reference run: its losses and the timeline the moments are drawn from."""
-        out = os.path.join(self.work, f"whole-np{ranks}")
+        out = os.path.join(self.work, "whole-" + self.name(config))
         t0 = time.monotonic()
         log = out + ".log"
-        proc = self.launch(out, ranks, log)
+        proc = self.launch(out, config, log)
         events, seen = [], 0
         while proc.poll() is None:
             if not events and any(r is not None for r, _ in tagged(out + "/").values()):
@@ -166,37 +198,41 @@ class Campaign:
             time.sleep(0.002)
         wall = time.monotonic() - t0
         if proc.returncode != 0 or metrics_lines(out) != self.a.steps:
-            sys.exit(f"[chaos] the uninterrupted run at {ranks} ranks failed:\n" + open(log).read())
-        self.reference[ranks] = (losses(out), events, wall)
-        print(f"[chaos] uninterrupted run, {ranks} ranks: {self.a.steps} steps in {wall:.1f} s",
+            sys.exit(f"[chaos] the uninterrupted run {self.name(config)} failed:\n" + open(log).read())
+        self.reference[config] = (losses(out), events, wall)
+        print(f"[chaos] uninterrupted run {self.name(config)}: {self.a.steps} steps in {wall:.1f} s",
               flush=True)
 
     def draw(self, seed):
         rng = random.Random(seed)
         ranks = rng.choice(self.a.ranks)
-        if ranks not in self.reference:
-            self.uninterrupted(ranks)
+        layouts = [l for l in self.a.layouts if l == "dp" or ranks % 2 == 0]
+        config = (ranks, rng.choice(layouts), rng.choice(self.a.background))
+        if config not in self.reference:
+            self.uninterrupted(config)
         victim = rng.randrange(ranks)
-        _, events, wall = self.reference[ranks]
+        _, events, wall = self.reference[config]
         # Start-up (MPI, data, model) is half the wall time of a short run: it gets a fifth of
         # the moments, the steps and their saves the rest.
         start, first = events[0][1], events[1][1]
         u = rng.uniform(start, first) if rng.random() < 0.2 else rng.uniform(first, wall)
         anchor, at = max((e for e in events if e[1] <= u), key=lambda e: e[1])
-        return ranks, victim, anchor, u - at
+        return config, victim, anchor, u - at
 
     def chaos_run(self, seed):
         """One run; returns (list of failures, figures for the summary)."""
-        ranks, victim, anchor, delay = self.draw(seed)
+        config, victim, anchor, delay = self.draw(seed)
+        ranks = config[0]
         out = os.path.join(self.work, f"run-{seed}")
         self.current = out
         shutil.rmtree(out, ignore_errors=True)
-        what = f"seed {seed}, {ranks} ranks: SIGKILL rank {victim} {delay:.3f} s after " + (
+        what = f"seed {seed}, {self.name(config)}: SIGKILL rank {victim} {delay:.3f} s after " + (
             f"step {anchor}'s line" if anchor else "it started")
-        failures, fig = [], {"ranks": ranks, "missed": False, "hung": False, "lost": False,
-                             "strays": 0, "from_scratch": False}
+        failures, fig = [], {"ranks": ranks, "layout": config[1], "async": config[2],
+                             "missed": False, "hung": False, "lost": False, "strays": 0,
+                             "from_scratch": False}
         log, rlog = out + ".log", out + ".resume.log"
-        proc = self.launch(out, ranks, log)
+        proc = self.launch(out, config, log)
         pid = None
         while pid is None and proc.poll() is None:  # the anchor, then the victim's pid
             ready = metrics_lines(out) >= anchor
@@ -230,22 +266,21 @@ class Campaign:
             fig["lost"] = True
             failures.append(f"the checkpoint of step {reported[-1]} was reported written but the "
                             f"checkpoint holds step {saved}")
-        if saved is not None:
-            v = subprocess.run([self.a.consolidate, os.path.join(out, "checkpoint"),
-                                os.path.join(out, "verify.pt"), "--optimizer-state",
-                                os.path.join(out, "verify-optim.pt")],
+        for folder in committed_folders(out) if saved is not None else []:
+            v = subprocess.run([self.a.consolidate, folder, os.path.join(out, "verify.pt"),
+                                "--optimizer-state", os.path.join(out, "verify-optim.pt")],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if v.returncode != 0:
                 failures.append(f"the checkpoint of step {saved} does not verify: {v.stdout}")
         fig["from_scratch"] = saved is None
-        proc = self.launch(out, ranks, rlog, *(["--resume"] if saved is not None else []))
+        proc = self.launch(out, config, rlog, *(["--resume"] if saved is not None else []))
         rrc, rstrays = self.finish(proc, out, self.a.resume_deadline)
         if rrc != 0:
             failures.append(f"the resumed job exited with {rrc} (log {rlog}):\n" + open(rlog).read())
         if rstrays:
             failures.append(f"the resumed job left processes behind: {rstrays}")
         try:
-            same = losses(out) == self.reference[ranks][0]
+            same = losses(out) == self.reference[config][0]
         except (OSError, ValueError, KeyError) as e:
             same, text = False, f"{text}\nmetrics.jsonl unreadable: {e}"
         if not same:
@@ -270,7 +305,8 @@ class Campaign:
     def replay(self, seed):
         a = self.a
         return (f"{sys.argv[0]} --exe {a.exe} --mpiexec {a.mpiexec} --consolidate {a.consolidate} "
-                f"--corpus {a.corpus} --ranks {','.join(map(str, a.ranks))} --steps {a.steps} "
+                f"--corpus {a.corpus} --ranks {','.join(map(str, a.ranks))} "
+                f"--layouts {','.join(a.layouts)} --async {','.join(a.async_)} --steps {a.steps} "
                 f"--stage {a.stage} --timeout {a.timeout} --seed {seed} --runs 1")
 
 
@@ -283,6 +319,10 @@ def main():
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--seed", type=int, default=1, help="run i uses seed S + i")
     p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    p.add_argument("--layouts", type=lambda s: s.split(","), default=["dp", "tp2", "pp2"],
+                   help="drawn from: dp, tp2, pp2 (tp2 and pp2 at an even number of ranks)")
+    p.add_argument("--async", dest="async_", type=lambda s: s.split(","), default=["off", "on"],
+                   help="drawn from: off (synchronous saves), on (--async-checkpoints)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--timeout", type=int, default=10, help="the trainer's collective --timeout")
@@ -292,6 +332,10 @@ def main():
     p.add_argument("--work", help="working directory (default: a new temporary one)")
     p.add_argument("--summary", help="append the campaign's figures to this JSON-lines file")
     a = p.parse_args()
+    bad = [l for l in a.layouts if l not in LAYOUTS] + [m for m in a.async_ if m not in ("off", "on")]
+    if bad:
+        p.error(f"unknown --layouts/--async values: {bad}")
+    a.background = [m == "on" for m in a.async_]
     c = Campaign(a)
     t0 = time.monotonic()
     figs, failed = [], []
@@ -307,7 +351,7 @@ def main():
     except KeyboardInterrupt:
         print(f"[chaos] stopped after {len(figs)} of {a.runs} runs", flush=True)
     finally:  # nothing of ours survives the campaign, whatever happened
-        for tag in [os.path.join(c.work, f"whole-np{r}") for r in a.ranks] + [c.current]:
+        for tag in [os.path.join(c.work, "whole-" + c.name(k)) for k in c.reference] + [c.current]:
             if tag:
                 kill_all(tag + "/")
     wall = time.monotonic() - t0
@@ -318,6 +362,8 @@ def main():
                "missed_kills": sum(f["missed"] for f in figs),
                "from_scratch": sum(f["from_scratch"] for f in figs),
                "runs_by_ranks": {str(r): sum(f["ranks"] == r for f in figs) for r in a.ranks},
+               "runs_by_layout": {l: sum(f["layout"] == l for f in figs) for l in a.layouts},
+               "async_runs": sum(f["async"] for f in figs),
                "seeds": [a.seed, a.seed + len(figs) - 1], "steps": a.steps, "stage": a.stage,
                "wall_s": round(wall, 1)}
     print("[chaos] summary: " + json.dumps(summary), flush=True)

@@ -1,0 +1,228 @@
+// async_checkpoint_bench: AsyncCheckpoint::save_checkpoint_async on the example's BERT (issue 55,
+// acceptance (a)), each figure against a reference measured in the same run, interleaved round by
+// round:
+//   - blocking time per save (inside save_checkpoint_async) vs one memcpy of the rank's state (the
+//     owned slices of the master parameters and of every optimizer state buffer, into a buffer
+//     allocated once, as the snapshot is);
+//   - the step that runs while the save writes vs the steps with no save in flight;
+//   - the background write (the world's checkpoint bytes over the slowest rank's background time)
+//     vs `dd conv=fsync` of as many bytes into the same folder, run by rank 0 alone.
+//
+//   mpirun -np 2 build/bench/async_checkpoint_bench --preset base --dir /tmp/ackpt   # fp32, stage 2
+//
+// Steps are forward + backward + step() on one synthetic MLM batch (--batch x --seq), with
+// --threads intra-op threads per rank. Prints one line per round and a summary with the ratios.
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "model.hpp"
+#include "shardopt/async_checkpoint.hpp"
+#include "shardopt/detail/shard_access.hpp"
+#include "shardopt/job.hpp"
+#include "shardopt/shardopt.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// One memcpy of this rank's state (what a snapshot copies) into `dst`, allocated once.
+double memcpy_state(shardopt::detail::ShardAccess& a, std::vector<char>& dst) {
+  std::vector<at::Tensor> parts;
+  for (size_t b = 0; b < a.layout().buckets.size(); ++b) {
+    parts.push_back(a.owned_param_slice(static_cast<int>(b)));
+    for (int k = 0; k < a.state_buffer_count(); ++k) {
+      parts.push_back(a.owned_state_slice(k, static_cast<int>(b)));
+    }
+  }
+  size_t bytes = 0;
+  for (const auto& t : parts) bytes += t.nbytes();
+  if (dst.size() < bytes) dst.assign(bytes, 1);  // touched once, outside the timing
+  const auto t0 = Clock::now();
+  size_t at = 0;
+  for (const auto& t : parts) {
+    std::memcpy(dst.data() + at, t.data_ptr(), t.nbytes());
+    at += t.nbytes();
+  }
+  return since(t0);
+}
+
+// Seconds dd takes to write `bytes` into `dir` with conv=fsync (8 MiB blocks); the file removed.
+double dd_seconds(const fs::path& dir, int64_t bytes) {
+  const fs::path file = dir / "dd.bench";
+  const int64_t blocks = (bytes + (8 << 20) - 1) / (8 << 20);
+  const std::string cmd = fmt::format("dd if=/dev/zero of='{}' bs=8M count={} conv=fsync 2>/dev/null",
+                                      file.string(), blocks);
+  const auto t0 = Clock::now();
+  const int rc = std::system(cmd.c_str());
+  const double s = since(t0);
+  fs::remove(file);
+  if (rc != 0) throw std::runtime_error("dd failed: " + cmd);
+  return s * static_cast<double>(bytes) / static_cast<double>(blocks * (8 << 20));
+}
+
+int64_t folder_bytes(const fs::path& dir) {
+  int64_t n = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) n += static_cast<int64_t>(e.file_size());
+  }
+  return n;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"AsyncCheckpoint on the example's BERT: blocking, step and write times"};
+  std::string preset = "base", dir = "/tmp/async_checkpoint_bench";
+  int64_t batch = 1, seq = 128;
+  int rounds = 3, quiet_steps = 2, threads = 1, stage = 2, niceness = 0;
+  app.add_option("--preset", preset, "BERT preset (tiny | mini | small | base | large)");
+  app.add_option("--batch", batch, "rows per step and rank");
+  app.add_option("--seq", seq, "sequence length");
+  app.add_option("--rounds", rounds, "measured rounds (after one unmeasured save)");
+  app.add_option("--quiet-steps", quiet_steps, "steps without a save per round");
+  app.add_option("--threads", threads, "intra-op threads per rank");
+  app.add_option("--stage", stage, "ZeRO stage");
+  app.add_option("--writer-niceness", niceness, "AsyncCheckpointOptions::writer_niceness");
+  app.add_option("--dir", dir, "checkpoint folder (the filesystem measured)");
+  CLI11_PARSE(app, argc, argv);
+
+  auto comm = shardopt::init_from_env();
+  return shardopt::run_or_abort(*comm, [&] {
+    at::set_num_threads(threads);
+    const bool lead = comm->rank() == 0;
+    auto groups = shardopt::make_parallel_groups(comm, shardopt::ParallelLayout{1, 1, 0});
+    torch::manual_seed(0);
+    bert::BertConfig config = bert::BertConfig::preset(preset);
+    bert::BertForPreTraining model(config);
+    shardopt::ZeroOptions zo;
+    zo.stage = shardopt::stage_from_int(stage);
+    zo.grid = groups;
+    auto pg = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
+      return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
+    });
+    shardopt::DistributedOptimizer opt(pg, shardopt::AdamW(1e-4).weight_decay(0.01), groups.dp, zo);
+    torch::manual_seed(1 + comm->rank());
+    const int64_t predictions = (seq * 15 + 99) / 100;
+    bert::BertInputs in;
+    const auto ids = torch::TensorOptions().dtype(torch::kLong);
+    in.input_ids = torch::randint(config.vocab_size, {batch, seq}, ids);
+    in.token_type_ids = torch::zeros({batch, seq}, ids);
+    in.attention_mask = torch::ones({batch, seq}, ids);
+    in.masked_positions = torch::randint(seq, {batch, predictions}, ids);
+    in.masked_labels = torch::randint(config.vocab_size, {batch, predictions}, ids);
+    in.nsp_labels = torch::zeros({batch}, ids);
+    auto step = [&] {
+      const auto t0 = Clock::now();
+      opt.zero_grad();
+      auto out = model->forward(in);
+      opt.backward(out.loss);
+      opt.step();
+      return since(t0);
+    };
+
+    const fs::path base = fs::path(dir) / "checkpoint";
+    if (lead) fs::create_directories(dir);
+    comm->barrier();
+    shardopt::AsyncCheckpointOptions ao;
+    ao.writer_niceness = niceness;
+    shardopt::AsyncCheckpoint saver(opt, groups, ao);
+    auto& access = shardopt::detail::shard_access(opt);
+    std::vector<char> copy_buffer;
+    for (int s = 0; s < 2; ++s) step();  // warm-up: the optimizer's state exists
+    saver.save_checkpoint_async(base.string());  // the first save allocates the snapshot
+    const double first_blocking = saver.last_timing().blocking_s;
+    saver.wait();
+    if (lead) {
+      fmt::print("# {} ranks ({}), stage {}, BERT-{} fp32, batch {} x seq {}, {} thread(s) per "
+                 "rank, writer niceness +{}; snapshot {:.1f} MiB per rank; first save blocked "
+                 "{:.3f} s (allocation)\n",
+                 comm->size(), comm->backend(), stage, preset, batch, seq, threads, niceness,
+                 static_cast<double>(saver.snapshot_bytes()) / (1 << 20), first_blocking);
+      fmt::print("round  memcpy_s  blocking_s  quiet_step_s  writing_step_s  background_s  "
+                 "bytes  dd_s  write_MBps  dd_MBps\n");
+    }
+    std::vector<double> memcpys, blockings, quiet, writing, rates, dd_rates;
+    for (int round = 0; round < rounds; ++round) {
+      comm->barrier();
+      const double copy_s = memcpy_state(access, copy_buffer);
+      std::vector<double> q;
+      for (int s = 0; s < quiet_steps; ++s) q.push_back(step());
+      comm->barrier();
+      saver.save_checkpoint_async(base.string());
+      const double blocking = saver.last_timing().blocking_s;
+      // Steps until the save has finished on every rank (the step's end after it: one more at
+      // most); each rank's flag reaches every rank through an all-reduce.
+      std::vector<double> w;
+      for (;;) {
+        w.push_back(step());
+        auto done = torch::tensor({saver.last_timing().background_s > 0 ? 0.0f : 1.0f});
+        comm->all_reduce(done, shardopt::ReduceOp::Sum)->wait();
+        if (done.item<float>() == 0) break;
+      }
+      saver.wait();
+      double background = saver.last_timing().background_s;
+      auto slowest = torch::tensor({background});
+      comm->all_reduce(slowest, shardopt::ReduceOp::Max)->wait();
+      background = slowest.item<double>();
+      comm->barrier();
+      int64_t bytes = 0;
+      double dd = 0;
+      if (lead) {
+        bytes = folder_bytes(shardopt::committed_folder(base.string()));
+        dd = dd_seconds(dir, bytes);
+      }
+      comm->barrier();
+      memcpys.push_back(copy_s);
+      blockings.push_back(blocking);
+      for (double x : q) quiet.push_back(x);
+      // The first step after the save ran with the write in flight from its start.
+      writing.push_back(w.front());
+      if (lead) {
+        const double rate = static_cast<double>(bytes) / background / 1e6;
+        const double dd_rate = static_cast<double>(bytes) / dd / 1e6;
+        rates.push_back(rate);
+        dd_rates.push_back(dd_rate);
+        fmt::print("{:5d}  {:8.4f}  {:10.4f}  {:12.3f}  {:14.3f}  {:12.3f}  {}  {:.3f}  {:10.1f}  "
+                   "{:7.1f}  (steps while writing: {})\n",
+                   round, copy_s, blocking, median(q), w.front(), background, bytes, dd, rate,
+                   dd_rate, w.size());
+        std::fflush(stdout);
+      }
+    }
+    if (lead) {
+      const double m = median(memcpys), b = median(blockings), qs = median(quiet),
+                   ws = median(writing), r = median(rates), d = median(dd_rates);
+      fmt::print("summary (medians, rank 0): memcpy {:.4f} s, blocking {:.4f} s -> {:.2f}x memcpy "
+                 "(aim <= 1.2); step {:.3f} s quiet, {:.3f} s while writing -> {:.3f}x (aim <= "
+                 "1.05); write {:.1f} MB/s, dd conv=fsync {:.1f} MB/s -> {:.0f}% (aim >= 80%)\n",
+                 m, b, b / m, qs, ws, ws / qs, r, d, 100 * r / d);
+    }
+    return 0;
+  });
+}

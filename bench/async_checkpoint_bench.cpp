@@ -34,22 +34,14 @@
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/job.hpp"
 #include "shardopt/shardopt.hpp"
+#include "timing.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using shardopt::bench::Clock;
+using shardopt::bench::median;
+double since(Clock::time_point t0) { return shardopt::bench::seconds_since(t0); }
 
 // One memcpy of this rank's state (what a snapshot copies) into `dst`, allocated once.
 double memcpy_state(shardopt::detail::ShardAccess& a, std::vector<char>& dst) {

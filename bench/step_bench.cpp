@@ -28,22 +28,14 @@
 #include <fmt/format.h>
 
 #include "shardopt/shardopt.hpp"
+#include "timing.hpp"
 #include "triad.hpp"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using shardopt::bench::Clock;
+using shardopt::bench::median;
+double seconds(Clock::time_point t0) { return shardopt::bench::seconds_since(t0); }
 
 // The phases of StepStats, in step() order.
 struct Phase {

@@ -1,4 +1,5 @@
-// Wall-clock helpers of the whole-process benchmarks (profile_bert_step, tp_step).
+// Wall-clock helpers of the benchmark programs (step_bench, async_checkpoint_bench,
+// profile_bert_step, tp_step).
 #pragma once
 
 #include <algorithm>
@@ -13,10 +14,12 @@ inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// The upper median (v's middle element once sorted; 0 for none).
+// The median (the mean of the middle two for an even count; 0 for none).
 inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 }  // namespace shardopt::bench

@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
                  comm->size(), comm->backend(), stage, preset, batch, seq, threads, niceness,
                  static_cast<double>(saver.snapshot_bytes()) / (1 << 20), first_blocking);
       fmt::print("round  memcpy_s  blocking_s  quiet_step_s  writing_step_s  background_s  "
-                 "bytes  dd_s  write_MBps  dd_MBps\n");
+                 "bytes  dd_s  write_MBps  dd_MBps  writer_cpu_s\n");
     }
     std::vector<double> memcpys, blockings, quiet, writing, rates, dd_rates;
     for (int round = 0; round < rounds; ++round) {
@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
       }
       saver.wait();
       double background = saver.last_timing().background_s;
+      const double writer_cpu = saver.last_timing().background_cpu_s;
       auto slowest = torch::tensor({background});
       comm->all_reduce(slowest, shardopt::ReduceOp::Max)->wait();
       background = slowest.item<double>();
@@ -201,9 +202,9 @@ int main(int argc, char** argv) {
         rates.push_back(rate);
         dd_rates.push_back(dd_rate);
         fmt::print("{:5d}  {:8.4f}  {:10.4f}  {:12.3f}  {:14.3f}  {:12.3f}  {}  {:.3f}  {:10.1f}  "
-                   "{:7.1f}  (steps while writing: {})\n",
+                   "{:7.1f}  {:12.3f}  (steps while writing: {})\n",
                    round, copy_s, blocking, median(q), w.front(), background, bytes, dd, rate,
-                   dd_rate, w.size());
+                   dd_rate, writer_cpu, w.size());
         std::fflush(stdout);
       }
     }

@@ -4,10 +4,12 @@
 #include <fmt/ranges.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bindings.hpp"
@@ -92,6 +94,48 @@ class HyperReader {
     set(e1, e2);
     items_.erase(it);
   }
+  // Muon's ns_coefficients = (a, b, c).
+  void triple(const char* key, const std::function<void(double, double, double)>& set) {
+    known_.push_back(key);
+    auto it = items_.find(key);
+    if (it == items_.end()) return;
+    SHARDOPT_CHECK(py::isinstance<py::sequence>(it->second) && py::len(it->second) == 3,
+                   InvalidArgument, "optimizer: {} hyper-parameter '{}' must be a tuple of "
+                   "exactly 3 values (a, b, c), got {}", rule_, key,
+                   py::str(py::repr(it->second)).cast<std::string>());
+    py::sequence abc = it->second;
+    set(to_double("ns_coefficients[0]", abc[0]), to_double("ns_coefficients[1]", abc[1]),
+        to_double("ns_coefficients[2]", abc[2]));
+    items_.erase(it);
+  }
+  // A name among `choices` (None: the first) stored as its index; `extra` are the numbers also
+  // accepted as themselves (Muon's adjust_lr_fn: None, "original", "match_rms_adamw",
+  // "spectral_unclamped"; ns_dtype: "bfloat16", "float32", "float64" or 16, 32, 64).
+  void choice(const char* key, const std::vector<std::string>& choices,
+              const std::vector<double>& codes, const std::function<void(double)>& set) {
+    known_.push_back(key);
+    auto it = items_.find(key);
+    if (it == items_.end()) return;
+    double code = -1;
+    if (it->second.is_none()) {
+      code = codes[0];
+    } else if (py::isinstance<py::str>(it->second) || py::hasattr(it->second, "is_floating_point")) {
+      std::string name = py::str(it->second).cast<std::string>();
+      if (name.rfind("torch.", 0) == 0) name = name.substr(6);  // a torch.dtype
+      for (size_t k = 0; k < choices.size(); ++k) {
+        if (name == choices[k]) code = codes[k];
+      }
+    } else if (!py::isinstance<py::bool_>(it->second) &&
+               (PyFloat_Check(it->second.ptr()) || PyLong_Check(it->second.ptr()))) {
+      const double v = it->second.cast<double>();
+      if (std::find(codes.begin(), codes.end(), v) != codes.end()) code = v;
+    }
+    SHARDOPT_CHECK(code >= 0, InvalidArgument, "optimizer: {} hyper-parameter '{}' must be one "
+                   "of {}, got {}", rule_, key, fmt::join(choices, ", "),
+                   py::str(py::repr(it->second)).cast<std::string>());
+    set(code);
+    items_.erase(it);
+  }
   // Unknown names are an error when strict (what the user wrote), ignored otherwise (what LR
   // schedulers add to param_groups: initial_lr, max_lr, ...).
   void finish() const {
@@ -128,13 +172,28 @@ Rule read_rule_of(HyperReader& h, const py::dict& values, bool strict) {
                    "optimizer: {} needs a learning rate, e.g. lr=0.1", R::kName);
   }
   R r = detail::blank_rule<R>();
-  double* first = nullptr;  // beta1 or eps1, set with the second of the pair
+  double* first = nullptr;  // beta1, eps1 or ns_a, set with the second of the pair
+  double* second = nullptr;  // ns_b
   R::fields(r, [&](const detail::Field& f, auto& value) {
     const std::string name = f.name;
     if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
       h.flag(f.name, [&](bool v) { value = v; });
-    } else if (name == "beta1" || name == "eps1") {
+    } else if (name == "beta1" || name == "eps1" || name == "ns_a") {
       first = &value;
+    } else if (name == "ns_b") {
+      second = &value;
+    } else if (name == "ns_c") {
+      h.triple("ns_coefficients", [&](double a, double b, double c) {
+        *first = a;
+        *second = b;
+        value = c;
+      });
+    } else if (name == "adjust_lr_fn") {
+      h.choice("adjust_lr_fn", {"original", "match_rms_adamw", "spectral_unclamped"}, {0, 1, 2},
+               [&](double v) { value = v; });
+    } else if (name == "ns_dtype") {
+      h.choice("ns_dtype", {"bfloat16", "float32", "float64"}, {16, 32, 64},
+               [&](double v) { value = v; });
     } else if (name == "beta2" || name == "eps2") {
       auto set = [&](double v1, double v2) {
         *first = v1;
@@ -170,11 +229,26 @@ Rule read_rule(const std::string& name, const py::dict& values, bool strict) {
 py::dict rule_dict(const Rule& rule) {
   py::dict d;
   detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
+    using V = std::decay_t<decltype(value)>;
+    if constexpr (std::is_same_v<V, std::pair<double, double>>) {
       // Adafactor's eps: a negative eps1 is torch's None.
       const bool none = std::string(name) == "eps" && value.first < 0;
       d[name] = py::make_tuple(none ? py::object(py::none()) : py::float_(value.first),
                                value.second);
+    } else if constexpr (std::is_same_v<V, std::tuple<double, double, double>>) {
+      d[name] = py::make_tuple(std::get<0>(value), std::get<1>(value), std::get<2>(value));
+    } else if constexpr (std::is_same_v<V, double>) {
+      // Muon's codes as torch spells them: adjust_lr_fn None (original) or a name; ns_dtype.
+      if (std::string(name) == "adjust_lr_fn") {
+        const char* names[] = {"original", "match_rms_adamw", "spectral_unclamped"};
+        d[name] = value == 0 ? py::object(py::none()) : py::str(names[static_cast<int>(value)]);
+      } else if (std::string(name) == "ns_steps") {  // torch iterates range(ns_steps)
+        d[name] = static_cast<int64_t>(value);
+      } else if (std::string(name) == "ns_dtype") {
+        d[name] = value == 64 ? "float64" : value == 32 ? "float32" : "bfloat16";
+      } else {
+        d[name] = value;
+      }
     } else {
       d[name] = value;
     }

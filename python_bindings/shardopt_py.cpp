@@ -386,6 +386,11 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("comm_elements", &StepStats::comm_elements)
       .def_readonly("gather_elements", &StepStats::gather_elements)
       .def_readonly("reduce_elements", &StepStats::reduce_elements)
+      .def_readonly("orthogonalized", &StepStats::orthogonalized,
+                    "Muon: matrices this rank orthogonalised in the step (each once over the ranks)")
+      .def_readonly("exchange_bytes", &StepStats::exchange_bytes,
+                    "Muon: bytes this rank sent to exchange updates with the matrices' owners")
+      .def_readonly("orthogonalize_s", &StepStats::orthogonalize_s)
       .def("__repr__", [](const StepStats& s) {
         return fmt::format("StepStats(step={}, grad_norm={}, clipped={}, skipped={}, "
                            "loss_scale={}, step_s={:.6f}, comm_elements={})",

@@ -35,6 +35,32 @@ std::string Adafactor::problem() const {
   return {};
 }
 
+std::string Muon::problem() const {
+  // torch.optim.Muon's checks (its words where it has them), then shardopt's codes.
+  if (!(momentum_ >= 0.0)) return fmt::format("momentum should be >= 0 but is: {}", momentum_);
+  if (!(weight_decay_ >= 0.0)) {
+    return fmt::format("weight decay should be >= 0 but is: {}", weight_decay_);
+  }
+  if (!(ns_steps_ >= 0 && ns_steps_ < 100 && ns_steps_ == static_cast<int>(ns_steps_))) {
+    return fmt::format("ns_steps must be an integer in [0, 100) (fewer than 100 Newton-Schulz "
+                       "steps, as torch), got {}", ns_steps_);
+  }
+  if (adjust_lr_fn_ != kOriginal && adjust_lr_fn_ != kMatchRmsAdamW &&
+      adjust_lr_fn_ != kSpectralUnclamped) {
+    return fmt::format("Adjust learning rate function {} is not supported (0: original, 1: "
+                       "match_rms_adamw, 2: spectral_unclamped)", adjust_lr_fn_);
+  }
+  if (ns_dtype_ != 16 && ns_dtype_ != 32 && ns_dtype_ != 64) {
+    return fmt::format("ns_dtype must be 16 (bfloat16), 32 (float32) or 64 (float64), got {}",
+                       ns_dtype_);
+  }
+  if (!(adamw_beta1_ < 1.0 && adamw_beta2_ < 1.0)) {
+    return fmt::format("adamw_beta1 and adamw_beta2 must lie in [0, 1), got {} and {}",
+                       adamw_beta1_, adamw_beta2_);
+  }
+  return {};
+}
+
 namespace detail {
 
 std::vector<std::string> state_names(const Rule& rule) {

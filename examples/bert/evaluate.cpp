@@ -27,7 +27,7 @@ std::string EvalResult::line(int64_t step, bool nsp) const {
 }
 
 EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
-                    shardopt::Communicator& comm, int64_t chunk_rows) {
+                    shardopt::Communicator& comm, int64_t chunk_rows, PipelineStages* pipeline) {
   const auto t0 = std::chrono::steady_clock::now();
   const int rank = comm.rank(), world = comm.size();
   const int64_t n = data.size();
@@ -47,8 +47,10 @@ EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
       std::vector<int64_t> rows;
       for (int64_t i = first; i < std::min(n, first + chunk_rows); ++i) rows.push_back(i);
       const BertInputs inputs = to_inputs(data.batch(rows), model->word_embeddings().device());
-      const BertOutputs out = model->forward(inputs);
-      if (!real) continue;  // a stand-in forward that keeps stage 3's gathers in step
+      const std::optional<BertOutputs> result =
+          pipeline ? pipeline->forward_only(inputs) : std::optional<BertOutputs>(model->forward(inputs));
+      if (!real || !result) continue;  // a stand-in forward keeps stage 3's gathers in step
+      const BertOutputs& out = *result;
       const auto masked = out.mlm_labels.ne(-100);
       const double count = masked.sum().item<double>();
       t[c][kMlmLoss] = out.mlm_loss.item<double>() * count;
@@ -64,6 +66,8 @@ EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
   }
   if (was_training) model->train();
   comm.all_reduce(table, shardopt::ReduceOp::Sum);
+  // Pipelines: only the last stage has sums; its table, the same on its tensor ranks, to all.
+  if (pipeline) pipeline->group()->broadcast(table, pipeline->group()->size() - 1);
   double sums[kFields] = {};
   for (int64_t c = 0; c < chunks; ++c) {
     for (int f = 0; f < kFields; ++f) sums[f] += t[c][f];

@@ -8,6 +8,7 @@
 
 #include "data.hpp"
 #include "model.hpp"
+#include "pipeline_stages.hpp"
 #include "shardopt/comm.hpp"
 
 namespace bert {
@@ -29,8 +30,12 @@ struct EvalResult {
 // the sum is exact), and every rank adds the rows in order. A chunk's forward does not depend on
 // N, so neither does the result. Collective: call on all ranks (stage 3 gathers in forward, so
 // every rank runs the same number of forwards, repeating chunk 0 where it has none left).
+// Under pipelines (`pipeline` given) each chunk goes through the stages
+// (PipelineStages::forward_only) and the last stage's sums reach every stage by a broadcast over
+// the pipeline group: the same numbers as one process's, up to the rounding of the layers.
 EvalResult evaluate(BertForPreTraining& model, const PretrainingData& data,
-                    shardopt::Communicator& comm, int64_t chunk_rows);
+                    shardopt::Communicator& comm, int64_t chunk_rows,
+                    PipelineStages* pipeline = nullptr);
 
 // The first `rows` instances of `data` through the model in eval mode, written by the rank whose
 // `path` is not empty as a safetensors file: the inputs (input_ids, token_type_ids,

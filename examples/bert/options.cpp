@@ -85,8 +85,9 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
                  "a shardopt checkpoint directory, a model.safetensors or a Hugging Face "
                  "directory (fresh optimizer, step 0)");
   app.add_option("--export-hf", a.export_hf, "at the end, write a Hugging Face BertForPreTraining "
-                 "directory here: config.json, model.safetensors, vocab.txt, tokenizer files "
-                 "(--save-model: OUT/hf)");
+                 "directory here, from any --tp/--pp/stage: config.json, model.safetensors (or "
+                 "model-0000k-of-0000n.safetensors and model.safetensors.index.json), vocab.txt, "
+                 "tokenizer files (--save-model: OUT/hf)");
   app.add_option("--dump-logits", a.dump_logits, "with --eval-only: write the first eval batch's "
                  "inputs, MLM logits (at its masked positions) and NSP logits to this safetensors "
                  "file");
@@ -107,8 +108,10 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_option("--optimizer", a.optimizer, "adamw | lamb (LAMB: Adam's update scaled per tensor "
                  "by ||w|| / ||update||, for large batches) | adafactor (torch.optim.Adafactor's "
                  "defaults but --lr and --weight-decay; no betas or eps) | adamw8bit (AdamW with "
-                 "blockwise 8-bit moments, bitsandbytes' AdamW8bit; no checkpoints yet)")
-      ->check(CLI::IsMember({"adamw", "lamb", "adafactor", "adamw8bit"}));
+                 "blockwise 8-bit moments, bitsandbytes' AdamW8bit; no checkpoints yet) | muon "
+                 "(torch.optim.Muon on the encoder's matrices, Newton-Schulz in bf16, the update "
+                 "RMS matched to AdamW's; AdamW on embeddings, biases and LayerNorm)")
+      ->check(CLI::IsMember({"adamw", "lamb", "adafactor", "adamw8bit", "muon"}));
   app.add_option("--adam-eps", a.adam_eps, "Adam's epsilon (default: adamw 1e-8 as torch, lamb "
                  "1e-6; BERT's recipe: 1e-6)")->check(number(0, true));
   app.add_option("--adam-betas", a.adam_betas, "Adam's beta1,beta2")
@@ -279,14 +282,14 @@ static std::string check_pipeline_args(const Args& a) {
     return "--virtual-stages: V >= 2 goes with --schedule interleaved, and only with it";
   }
   const int m = a.micro_batches > 0 ? a.micro_batches : a.grad_accum;
-  if (a.schedule == "interleaved" && m % a.pp != 0) {
-    return fmt::format("--schedule interleaved: --micro-batches {} must be a multiple of --pp {}",
+  if (a.schedule == "interleaved" && m < a.pp) {
+    // Megatron-core's rule (Note [Micro-batch groups]): any m >= p runs, in groups of N.
+    return fmt::format("--schedule interleaved: --micro-batches {} must be at least --pp {} "
+                       "(Megatron-core: p <= microbatch_group_size_per_vp_stage <= m)",
                        m, a.pp);
   }
   const std::pair<bool, const char*> unsupported[] = {
-      {a.save_model, "--save-model"}, {!a.export_hf.empty(), "--export-hf"},
-      {a.eval_only, "--eval-only"}, {!a.eval_data.empty(), "--eval-data"},
-      {a.eval_every > 0, "--eval-every"},
+      {!a.dump_logits.empty(), "--dump-logits"},
       {a.recompute && a.schedule == "zb-h1", "--recompute with --schedule zb-h1 (its weight pass "
                                              "cannot reach a recomputed layer's parameters; use "
                                              "1f1b or interleaved)"}};
@@ -339,7 +342,6 @@ std::string check_args(const Args& a, const Commands& c) {
     // Not built yet for split models: refused rather than done wrongly.
     if (a.shard_group_size > 0) return "--tp: hybrid sharding (--shard-group-size) is not supported with tensor parallelism yet";
     if (!a.dump_logits.empty()) return "--tp: --dump-logits is not supported with tensor parallelism yet (the logits are split over the vocabulary)";
-    if (a.save_model) return "--tp: --save-model (a consolidated model.pt) is not supported with tensor parallelism yet; --export-hf writes the unsplit model";
   }
   // Refused rather than ignored: stages 0-2 keep every parameter whole, so a run asking for
   // automatic units there would measure or test something other than what it names.

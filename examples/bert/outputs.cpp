@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 
 #include "pretrained.hpp"
+#include "shardopt/hf_export.hpp"
 #include "progress.hpp"
 #include "report.hpp"
 
@@ -83,31 +84,46 @@ void save(Run& r, int64_t done) {
   }
 }
 
-// With a checkpoint, its parameters and module state (buffers, frozen parameters); else the
-// model's parameters and buffers.
-void export_model(Run& r, const std::string& checkpoint) {
+void export_model(Run& r) {
   r.hf_export = r.a.export_hf.empty() ? (fs::path(r.a.out) / "hf").string() : r.a.export_hf;
-  StateDict params;
-  if (checkpoint.empty()) {
-    r.opt->gather_full_parameters();
-    // Under tensor parallelism every rank gathers its tensor group's slices (Note
-    // [Tensor-parallel BERT]); rank 0 writes.
-    const auto unsplit = r.tp() > 1 ? r.model->unsplit_parameters() : r.model->named_parameters();
-    if (r.lead) {
-      params = unsplit;
-      for (const auto& b : r.model->named_buffers()) params.insert(b.key(), b.value());
-    }
-  } else if (r.lead) {
-    shardopt::FullState full = shardopt::read_full_state(checkpoint);
-    params = std::move(full.params);
-    for (const auto& [name, t] : full.module_state) params.insert(name, t);
+  // This rank's tensors: its stages' parameters (tensor-parallel slices under --tp) and buffers;
+  // the library gathers each one in turn from the ranks that hold its pieces (Note [Streaming
+  // Hugging Face export] in shardopt/hf_export.hpp).
+  torch::OrderedDict<std::string, at::Tensor> tensors;
+  for (const auto& p : r.model->named_parameters()) {
+    if (!r.pipeline || r.pipeline->holds(p.key())) tensors.insert(p.key(), p.value());
   }
-  shardopt::agree_on_errors(*r.comm, "writing the Hugging Face export", [&] {
-    if (!r.lead) return;
-    const auto files =
-        export_hf(r.hf_export, r.config, params, r.prepared.vocab_path, r.prepared.lower_case);
-    fmt::print("[bert] Hugging Face export: {} ({})\n", r.hf_export, fmt::join(files, ", "));
-  });
+  for (const auto& b : r.model->named_buffers()) {
+    if (!r.pipeline || r.pipeline->holds(b.key())) tensors.insert(b.key(), b.value());
+  }
+  std::vector<std::string> extra;
+  const auto options = hf_export_options(r.config, r.prepared.vocab_path, r.prepared.lower_case, &extra);
+  // Tensor bytes the export adds to each rank's model and optimizer (the tracker's peak window
+  // is the export's; the run's peak so far is kept in tracked_peak).
+  auto& tracker = r.tracking->tracker();
+  r.tracked_peak = std::max(r.tracked_peak, tracker.reset_peak());
+  const int64_t before = tracker.live_bytes();
+  const auto t0 = Clock::now();
+  const auto report = shardopt::export_hf_safetensors(r.hf_export, tensors, r.groups, r.opt.get(), options);
+  const double seconds = seconds_since(t0);
+  r.tracked_peak = std::max(r.tracked_peak, tracker.peak_bytes());
+  auto mine = torch::tensor({static_cast<double>(tracker.peak_bytes() - before)}, torch::kDouble);
+  auto all = torch::zeros({r.world}, torch::kDouble);
+  r.comm->all_gather(mine, all);
+  if (!r.lead) return;
+  const auto extra_bytes = all.max().item<double>();
+  const auto worst = all.argmax().item<int64_t>();
+  std::vector<std::string> files = extra;
+  files.insert(files.end(), report.files.begin(), report.files.end());
+  fmt::print("[bert] Hugging Face export: {} ({}) in {:.2f} s\n", r.hf_export, fmt::join(files, ", "),
+             seconds);
+  const auto mib = [](double bytes) { return bytes / (1 << 20); };
+  fmt::print("[bert] Hugging Face export: extra memory per rank at most {:.3f} MiB (rank {}); one "
+             "tensor gathered takes at most {:.3f} MiB (the largest, {:.3f} MiB unsplit, with the "
+             "vocabulary's padding); {:.3f} MiB of tensors\n",
+             mib(extra_bytes), worst, mib(static_cast<double>(report.largest_buffer_bytes)),
+             mib(static_cast<double>(report.largest_tensor_bytes)),
+             mib(static_cast<double>(report.total_bytes)));
 }
 
 void finish(Run& r) {
@@ -123,17 +139,13 @@ void finish(Run& r) {
     shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
       if (!r.lead) return;
       const fs::path model_path = fs::path(r.a.out) / "model.pt";
-      shardopt::consolidate_checkpoint(shardopt::committed_folder(r.checkpoint_dir.string()),
-                                       model_path.string());
+      // Any layout: every (pipeline, tensor) folder of the committed save, split parameters
+      // put back together (consolidate_checkpoint of a grid's base).
+      shardopt::consolidate_checkpoint(r.checkpoint_dir.string(), model_path.string());
       fmt::print("[bert] model: {} (consolidated parameters of step {})\n", model_path.string(), step);
     });
   }
-  if (r.a.save_model || !r.a.export_hf.empty()) {
-    // A checkpoint at --tp > 1 holds one tensor rank's slices: the export comes from the model.
-    export_model(r, r.last_saved == step && r.tp() == 1
-                        ? shardopt::committed_folder(r.checkpoint_dir.string())
-                        : "");
-  }
+  if (r.a.save_model || !r.a.export_hf.empty()) export_model(r);
 }
 
 // ---- summary: summary.json, the closing lines, the exit code ------------------------------------

@@ -14,9 +14,10 @@ namespace bert {
 // skipped, with a line, when a parameter is NaN/Inf.
 void save(Run& r, int64_t done);
 
-// --export-hf DIR (and OUT/hf with --save-model): the fp32 master parameters of `checkpoint` when
-// given, else the model's own, gathered; rank 0 writes.
-void export_model(Run& r, const std::string& checkpoint);
+// --export-hf DIR (and OUT/hf with --save-model), from any layout: the optimizer's fp32 master
+// parameters streamed by shardopt::export_hf_safetensors, each stage's file(s) written by its
+// data-parallel rank 0 of tensor rank 0; prints the files and the extra memory per rank.
+void export_model(Run& r);
 
 // The end of training: the final state is always saved (a stopped run too: --resume continues
 // it), model.pt and the Hugging Face export with --save-model / --export-hf.

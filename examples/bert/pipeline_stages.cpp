@@ -106,6 +106,42 @@ at::Tensor PipelineStages::forward(const StageLayers& stage, const at::Tensor& i
   return out.loss / micro_batches_;
 }
 
+std::optional<BertOutputs> PipelineStages::forward_only(const BertInputs& in) {
+  torch::NoGradGuard no_grad;
+  const int p = pp_->size(), me = pp_->rank();
+  const auto device = in.input_ids.device();
+  at::Tensor x;
+  for (int s = 0; s < static_cast<int>(all_.size()); ++s) {
+    if (s % p != me) continue;  // stage s lives on pipeline rank s mod P
+    const StageLayers& stage = all_[s];
+    if (s > 0) {  // stage s-1's output, from the rank before (P >= 2: never this one)
+      const int from = (s - 1) % p;
+      at::Tensor header = torch::empty({4}, torch::TensorOptions().dtype(torch::kLong).device(device));
+      pp_->recv(header, from);
+      const at::Tensor h = header.cpu();
+      const int64_t* v = h.data_ptr<int64_t>();
+      x = torch::empty({v[1], v[2], v[3]},
+                       torch::TensorOptions().dtype(static_cast<at::ScalarType>(v[0])).device(device));
+      pp_->recv(x, from);
+    }
+    if (stage.embeddings) x = model_->embed(in.input_ids, in.token_type_ids);
+    x = model_->run_layers(x, model_->mask_bias(in.attention_mask, x.scalar_type()), stage.first,
+                           stage.last);
+    if (stage.heads) {
+      x = model_->whole_sequence(x);
+      return model_->heads(x, model_->pool(x), in);
+    }
+    const int to = (s + 1) % p;
+    x = x.contiguous();
+    const at::Tensor header =
+        torch::tensor({static_cast<int64_t>(x.scalar_type()), x.size(0), x.size(1), x.size(2)},
+                      torch::kLong).to(device);
+    pp_->send(header, to);
+    pp_->send(x, to);
+  }
+  return std::nullopt;
+}
+
 StepSums PipelineStages::run(std::vector<BertInputs> inputs, shardopt::DistributedOptimizer& opt,
                              std::vector<int64_t> activation_shape, at::ScalarType dtype) {
   inputs_ = std::move(inputs);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,13 @@ class PipelineStages {
   // [batch, sequence, hidden]; `dtype`: the compute dtype.
   StepSums run(std::vector<BertInputs> inputs, shardopt::DistributedOptimizer& opt,
                std::vector<int64_t> activation_shape, at::ScalarType dtype);
+  // Evaluation: `in` through every stage in order, forward only, no gradients; each stage's
+  // output goes to the next stage's rank (its dtype and shape first, so a sequence-parallel
+  // shard or another compute dtype needs no agreement beforehand). The last stage's rank returns
+  // the heads' outputs, the others nothing. Collective over the pipeline group.
+  std::optional<BertOutputs> forward_only(const BertInputs& in);
+  // The pipeline group (its last rank holds the last stage).
+  const shardopt::CommunicatorPtr& group() const { return pp_; }
 
  private:
   at::Tensor forward(const StageLayers& stage, const at::Tensor& input, int mb);

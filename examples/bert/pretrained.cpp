@@ -9,14 +9,18 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
-#include "safetensors.hpp"
+#include "shardopt/safetensors.hpp"
 #include "shardopt/checkpoint.hpp"
+#include "shardopt/hf_export.hpp"
+#include "shardopt/parallel_layout.hpp"
 
 namespace bert {
 namespace fs = std::filesystem;
+namespace safetensors = shardopt::safetensors;
 
 namespace {
 
@@ -80,6 +84,45 @@ StateDict read_safetensors(const std::string& path) {
   return out;
 }
 
+namespace {
+
+// A sharded Hugging Face directory: every file the index names, each tensor where it says.
+StateDict read_sharded_safetensors(const std::string& dir) {
+  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+  std::ifstream in(index_path);
+  const auto index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (index.is_discarded() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    throw std::invalid_argument(fmt::format("{}: no weight_map object", index_path.string()));
+  }
+  std::map<std::string, std::string> where;
+  std::set<std::string> files;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string()) throw std::invalid_argument(fmt::format("{}: '{}' names no file", index_path.string(), name));
+    where[name] = file.get<std::string>();
+    files.insert(file.get<std::string>());
+  }
+  StateDict out;
+  for (const auto& file : files) {
+    if (file.find('/') != std::string::npos || file == "..") {
+      throw std::invalid_argument(fmt::format("{}: '{}' is not a file of the directory", index_path.string(), file));
+    }
+    for (const auto& item : read_safetensors((fs::path(dir) / file).string())) {
+      const auto it = where.find(item.key());
+      if (it == where.end() || it->second != file) {
+        throw std::invalid_argument(fmt::format("{}: '{}' is in {} but the index says {}", dir, item.key(),
+                                                file, it == where.end() ? "nothing" : it->second));
+      }
+      out.insert(item.key(), item.value());
+    }
+  }
+  for (const auto& [name, file] : where) {
+    if (!out.contains(name)) throw std::invalid_argument(fmt::format("{}: '{}' is not in {}", dir, name, file));
+  }
+  return out;
+}
+
+}  // namespace
+
 StateDict read_init_checkpoint(const std::string& path, std::string* kind) {
   std::error_code ec;
   auto say = [&](const std::string& k) {
@@ -91,14 +134,18 @@ StateDict read_init_checkpoint(const std::string& path, std::string* kind) {
         say("Hugging Face directory (model.safetensors)");
         return read_safetensors((fs::path(path) / "model.safetensors").string());
       }
+      if (fs::is_regular_file(fs::path(path) / "model.safetensors.index.json", ec)) {
+        say("Hugging Face directory (model.safetensors.index.json)");
+        return read_sharded_safetensors(path);
+      }
       // A checkpoint folder, or a grid's base of one folder (commit.json: --tp 1 --pp 1).
       if (fs::is_regular_file(fs::path(path) / "manifest.json", ec) ||
           fs::is_regular_file(fs::path(path) / "commit.json", ec)) {
         say("shardopt checkpoint (fp32 master parameters)");
         return shardopt::read_full_state(path).params;
       }
-      throw std::invalid_argument("a directory with neither model.safetensors nor a shardopt "
-                                  "checkpoint (manifest.json or commit.json)");
+      throw std::invalid_argument("a directory with neither model.safetensors(.index.json) nor a "
+                                  "shardopt checkpoint (manifest.json or commit.json)");
     }
     if (!fs::is_regular_file(path, ec)) throw std::invalid_argument("no such file or directory");
     if (ends_with(path, ".safetensors") || safetensors::looks_like(path)) {
@@ -220,42 +267,50 @@ void print_init_report(const std::string& path, const std::string& kind, const I
   list("ignored (tied copies, buffers)", r.ignored);
 }
 
+std::map<std::string, std::vector<std::string>> hf_names() {
+  std::map<std::string, std::vector<std::string>> names;
+  // Note [Tied MLM decoder] (model.hpp): transformers' state dict names both tied tensors.
+  for (const auto& [alias, source] : tied_aliases()) {
+    if (names.count(source) == 0) names[source] = {source};
+    names[source].push_back(alias);
+  }
+  return names;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> hf_state_dict(const StateDict& params) {
+  const auto names = hf_names();
+  for (const auto& [source, out] : names) {
+    if (!params.contains(source)) throw std::invalid_argument("export: the parameters lack " + source);
+  }
   std::vector<std::pair<std::string, at::Tensor>> out;
-  auto fp32 = [](const at::Tensor& t) { return t.detach().to(at::kCPU, at::kFloat).contiguous(); };
   for (const auto& item : params) {
-    out.emplace_back(item.key(), fp32(item.value()));
-    // Note [Tied MLM decoder] (model.hpp): transformers' state dict names both tied tensors.
-    if (item.key() == "cls.predictions.transform.LayerNorm.bias") {
-      for (const char* alias : {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}) {
-        const std::string& name = tied_aliases().at(alias);
-        const auto* t = params.find(name);
-        if (!t) throw std::invalid_argument("export: the parameters lack " + name);
-        out.emplace_back(alias, fp32(*t).clone());
-      }
+    const auto fp32 = item.value().detach().to(at::kCPU, at::kFloat).contiguous();
+    const auto it = names.find(item.key());
+    if (it == names.end()) {
+      out.emplace_back(item.key(), fp32);
+      continue;
     }
+    for (const auto& name : it->second) out.emplace_back(name, fp32.clone());
   }
   return out;
 }
 
-std::vector<std::string> export_hf(const std::string& dir, const BertConfig& config,
-                                   const StateDict& params, const std::string& vocab_path,
-                                   bool lower_case) {
-  fs::create_directories(dir);
-  const fs::path d(dir);
-  std::vector<std::string> files;
-  auto json_file = [&](const char* name, const nlohmann::json& j) {
-    std::ofstream out(d / name);
-    out << j.dump(2) << '\n';
-    if (!out) throw std::runtime_error(fmt::format("cannot write {}", (d / name).string()));
-    files.push_back(name);
-  };
-  json_file("config.json", config.to_hf_json());
-  write_safetensors((d / "model.safetensors").string(), hf_state_dict(params));
-  files.push_back("model.safetensors");
-  if (!vocab_path.empty()) {
+shardopt::HfExportOptions hf_export_options(const BertConfig& config, const std::string& vocab_path,
+                                            bool lower_case, std::vector<std::string>* extra_files) {
+  shardopt::HfExportOptions o;
+  o.names = hf_names();
+  o.write_extra = [config, vocab_path, lower_case, extra_files](const std::string& dir) {
+    const fs::path d(dir);
+    auto json_file = [&](const char* name, const nlohmann::json& j) {
+      std::ofstream out(d / name);
+      out << j.dump(2) << '\n';
+      if (!out) throw std::runtime_error(fmt::format("cannot write {}", (d / name).string()));
+      if (extra_files) extra_files->push_back(name);
+    };
+    json_file("config.json", config.to_hf_json());
+    if (vocab_path.empty()) return;
     fs::copy_file(vocab_path, d / "vocab.txt", fs::copy_options::overwrite_existing);
-    files.push_back("vocab.txt");
+    if (extra_files) extra_files->push_back("vocab.txt");
     json_file("tokenizer_config.json",
               {{"tokenizer_class", "BertTokenizer"}, {"do_lower_case", lower_case},
                {"strip_accents", nullptr}, {"tokenize_chinese_chars", true},
@@ -265,7 +320,19 @@ std::vector<std::string> export_hf(const std::string& dir, const BertConfig& con
     json_file("special_tokens_map.json",
               {{"unk_token", "[UNK]"}, {"sep_token", "[SEP]"}, {"pad_token", "[PAD]"},
                {"cls_token", "[CLS]"}, {"mask_token", "[MASK]"}});
-  }
+  };
+  return o;
+}
+
+std::vector<std::string> export_hf(const std::string& dir, const BertConfig& config,
+                                   const StateDict& params, const std::string& vocab_path,
+                                   bool lower_case) {
+  // The one writer of exports (shardopt/hf_export.hpp), on a grid of one process.
+  std::vector<std::string> files;
+  const auto groups = shardopt::make_parallel_groups(shardopt::make_single_communicator(), {});
+  const auto report = shardopt::export_hf_safetensors(
+      dir, params, groups, nullptr, hf_export_options(config, vocab_path, lower_case, &files));
+  files.insert(files.end(), report.files.begin(), report.files.end());
   return files;
 }
 

@@ -109,11 +109,7 @@ void load_data(Run& r) {
     const bert::Vocab vocab = bert::Vocab::load(r.prepared.vocab_path);
     r.loader.data = std::make_unique<bert::PretrainingData>(r.prepared.data_path);
     if (!r.prepared.eval_path.empty()) {
-      if (a.pp > 1) {
-        if (r.lead) fmt::print("[bert] --pp: evaluation is not supported with pipelines yet; skipped\n");
-      } else {
-        r.eval_data = std::make_unique<bert::PretrainingData>(r.prepared.eval_path);
-      }
+      r.eval_data = std::make_unique<bert::PretrainingData>(r.prepared.eval_path);
     }
     r.loader.loader =
         std::make_unique<bert::BatchLoader>(*r.loader.data, a.batch_size, r.dp->rank(), r.dp->size(), a.seed);
@@ -148,7 +144,37 @@ shardopt::Rule optimizer_rule(const Args& a) {
   if (a.optimizer == "adamw8bit") {
     return shardopt::AdamW8bit(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(a.weight_decay);
   }
+  if (a.optimizer == "muon") {
+    // Moonshot's setting: the update's RMS matched to AdamW's, so --lr and --weight-decay serve
+    // both the matrices (Muon) and the rest (AdamW with --adam-betas, --adam-eps).
+    return shardopt::Muon(a.lr).weight_decay(a.weight_decay)
+        .adjust_lr_fn(shardopt::Muon::kMatchRmsAdamW).adamw_beta1(beta1).adamw_beta2(beta2)
+        .adamw_eps(eps);
+  }
   return shardopt::AdamW(a.lr).beta1(beta1).beta2(beta2).eps(eps).weight_decay(a.weight_decay);
+}
+
+// --optimizer muon: the encoder's matrices in group 0 (Muon), the embeddings and the MLM head's
+// transform in group 1 and biases and LayerNorm in group 2 (AdamW, as torch.optim.Muon's docs
+// recommend for embeddings, heads, biases and norms; group 2 without weight decay).
+// Empty groups (a pipeline stage without embeddings) are left out; `muon[g]`: group g runs Muon.
+std::vector<shardopt::ParamGroup> muon_groups(
+    const torch::OrderedDict<std::string, at::Tensor>& params, std::vector<bool>* muon) {
+  std::vector<shardopt::ParamGroup> groups(3);
+  groups[2].weight_decay = 0.0;
+  for (const auto& p : params) {
+    const std::string& n = p.key();
+    const bool no_decay = n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
+    const bool encoder_matrix = p.value().dim() == 2 && n.find("encoder") != std::string::npos;
+    groups[no_decay ? 2 : encoder_matrix ? 0 : 1].params.push_back({n, p.value()});
+  }
+  std::vector<shardopt::ParamGroup> kept;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].params.empty()) continue;
+    kept.push_back(std::move(groups[g]));
+    muon->push_back(g == 0);
+  }
+  return kept;
 }
 
 void print_plan(const Run& r) {
@@ -296,10 +322,21 @@ void build_model(Run& r) {
     if (held(p.key())) params.insert(p.key(), p.value());
   }
   // BERT: no weight decay on biases and LayerNorm.
-  auto groups = shardopt::weight_decay_groups(params, [](const std::string& n) {
-    return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
-  });
+  std::vector<bool> muon;
+  auto groups = a.optimizer == "muon" ? muon_groups(params, &muon)
+                                      : shardopt::weight_decay_groups(params, [](const std::string& n) {
+                                          return n.find("bias") != std::string::npos ||
+                                                 n.find("LayerNorm") != std::string::npos;
+                                        });
   r.opt = std::make_unique<shardopt::DistributedOptimizer>(groups, optimizer_rule(a), r.dp, zo);
+  if (a.optimizer == "muon") {
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (muon[g]) continue;
+      auto rule = std::get<shardopt::Muon>(optimizer_rule(a)).use_muon(false);
+      if (groups[g].weight_decay) rule.weight_decay(*groups[g].weight_decay);
+      r.opt->set_group_rule(g, rule);
+    }
+  }
   r.global_batch = a.batch_size * r.dp->size() * a.grad_accum;
   r.state.rows_per_position = a.batch_size * r.dp->size();
   if (r.lead) print_plan(r);
@@ -382,7 +419,8 @@ void restore(Run& r) {
 
 // ---- evaluation ---------------------------------------------------------------------------------
 nlohmann::json evaluate(Run& r, int64_t done) {
-  const auto e = bert::evaluate(r.model, *r.eval_data, *r.dp, r.a.eval_batch_size);
+  // Under --pp the eval batches go through the stages (PipelineStages::forward_only).
+  const auto e = bert::evaluate(r.model, *r.eval_data, *r.dp, r.a.eval_batch_size, r.pipeline.get());
   if (r.lead) fmt::print("{}{}\n", r.clear(), e.line(done, r.config.nsp));
   nlohmann::json j = e.to_json();
   j["step"] = done;
@@ -411,7 +449,7 @@ int evaluate_only(Run& r) {
       if (r.lead) fmt::print("[bert] logits of the first eval batch: {}\n", r.a.dump_logits);
     });
   }
-  if (!r.a.export_hf.empty()) bert::export_model(r, "");
+  if (!r.a.export_hf.empty()) bert::export_model(r);
   return 0;
 }
 

@@ -126,8 +126,10 @@ std::string check_args(const Args& a) {
       return "--virtual-stages: V >= 2 goes with --schedule interleaved, and only with it";
     }
     const int m = a.micro_batches > 0 ? a.micro_batches : a.grad_accum;
-    if (a.schedule == "interleaved" && m % a.pp != 0) {
-      return fmt::format("--schedule interleaved: --micro-batches {} must be a multiple of --pp {}",
+    if (a.schedule == "interleaved" && m < a.pp) {
+      // Megatron-core's rule (Note [Micro-batch groups]): any m >= p runs, in groups of N.
+      return fmt::format("--schedule interleaved: --micro-batches {} must be at least --pp {} "
+                         "(Megatron-core: p <= microbatch_group_size_per_vp_stage <= m)",
                          m, a.pp);
     }
   }

@@ -32,6 +32,9 @@ namespace shardopt {
 struct AsyncSaveTiming {
   double blocking_s = 0;    ///< inside save_checkpoint_async: joining the previous save, the copy
   double background_s = 0;  ///< the background thread: write, fsync, agreement, commit
+  /// CPU seconds the background thread used (its checks, checksums and copies; not the
+  /// communicators' threads): what a save takes from the training's cores.
+  double background_cpu_s = 0;
 };
 
 /// How an AsyncCheckpoint runs its background saves.

@@ -158,8 +158,11 @@ struct ConsolidateOptions {
 
 /// Writes the full fp32 state dict {name: tensor} of checkpoint `dir` to file `out` in torch's
 /// zip/pickle format, with the module state and aliases the save was given (SaveOptions):
-/// `torch::pickle_load` in C++ and `torch.load` in Python read it. The write is atomic (temporary
-/// file + rename). One process, not collective (shardopt-consolidate CLI).
+/// `torch::pickle_load` in C++ and `torch.load` in Python read it. `dir` may also be a grid
+/// checkpoint's base (save_grid_checkpoint): its committed save, whatever (t, p, V, d) wrote it,
+/// with split parameters put back together and a tied parameter taken once; the optimizer state
+/// (`optimizer_state_out`) only from a grid of one folder. The write is atomic (temporary file +
+/// rename). One process, not collective (shardopt-consolidate CLI).
 void consolidate_checkpoint(const std::string& dir, const std::string& out,
                             const ConsolidateOptions& options = {});
 

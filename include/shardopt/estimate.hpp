@@ -59,6 +59,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -80,8 +81,11 @@ inline const char* to_string(Offload o) { return shardopt::detail::offload_name(
 /// (its factors packed into one element per parameter: Note [Factored state in flat shards] in
 /// src/engine/adafactor_update.hpp), AdamW8bit 2 (one byte per moment) plus two fp32 block
 /// maxima per 256 parameters (kBlockBytes below; the fp32 moments of parameters under its
-/// min_8bit_size, 8 bytes each, are not counted: Note [Blockwise 8-bit state]).
-enum class Optimizer { Adam, AdamW, Lamb, SGD, Adagrad, SGDNoMomentum, Adafactor, AdamW8bit };
+/// min_8bit_size, 8 bytes each, are not counted: Note [Blockwise 8-bit state]), Muon 8 (a
+/// momentum per element, and AdamW's second moment for the parameters AdamW steps, both held in
+/// flat buffers of one element per parameter: Note [Muon over flat shards] in
+/// src/engine/muon_update.hpp).
+enum class Optimizer { Adam, AdamW, Lamb, SGD, Adagrad, SGDNoMomentum, Adafactor, AdamW8bit, Muon };
 
 /// The name of an optimizer as the CLI spells it ("adamw", "sgd-nomomentum", ...).
 inline const char* to_string(Optimizer o) {
@@ -94,6 +98,7 @@ inline const char* to_string(Optimizer o) {
     case Optimizer::SGDNoMomentum: return "sgd-nomomentum";
     case Optimizer::Adafactor: return "adafactor";
     case Optimizer::AdamW8bit: return "adamw8bit";
+    case Optimizer::Muon: return "muon";
   }
   return "?";
 }
@@ -113,12 +118,12 @@ inline Offload parse_offload(const std::string& s) {
 inline Optimizer parse_optimizer(const std::string& s) {
   for (Optimizer o : {Optimizer::Adam, Optimizer::AdamW, Optimizer::Lamb, Optimizer::SGD,
                       Optimizer::Adagrad, Optimizer::SGDNoMomentum, Optimizer::Adafactor,
-                      Optimizer::AdamW8bit}) {
+                      Optimizer::AdamW8bit, Optimizer::Muon}) {
     if (s == to_string(o)) return o;
   }
   throw std::invalid_argument("estimate: unknown optimizer '" + s +
                               "', expected adam, adamw, lamb, sgd, adagrad, sgd-nomomentum, "
-                              "adafactor or adamw8bit");
+                              "adafactor, adamw8bit or muon");
 }
 
 /// Bytes per parameter of the compute copy (P) and of a gradient (G).
@@ -129,7 +134,9 @@ inline int grad_bytes(Precision p) { return param_bytes(p); }
 inline int state_bytes(Optimizer o, Precision p) {
   int k = 0;
   switch (o) {
-    case Optimizer::Adam: case Optimizer::AdamW: case Optimizer::Lamb: k = 8; break;
+    case Optimizer::Adam: case Optimizer::AdamW: case Optimizer::Lamb: case Optimizer::Muon:
+      k = 8;
+      break;
     case Optimizer::SGD: case Optimizer::Adagrad: case Optimizer::Adafactor: k = 4; break;
     case Optimizer::SGDNoMomentum: k = 0; break;
     case Optimizer::AdamW8bit: k = 2; break;
@@ -181,6 +188,12 @@ struct Options {
   int64_t largest_param = 0;
   /// Count an AsyncCheckpoint's host snapshot (Estimate::checkpoint_snapshot).
   bool async_checkpoint = false;
+  /// The grid's pipeline size (ZeroOptions::grid.pp; `params` are then one rank's stage): above 1,
+  /// stages 2-3 defer their reduction and stage 3 holds every unit of the stage gathered through
+  /// the step (Note [Pipelines decide two defaults] in shardopt/detail/plan.hpp).
+  int pipeline_ranks = 1;
+  /// ZeroOptions::reshard_between_uses; unset: the pipeline's default.
+  std::optional<bool> reshard_between_uses;
 };
 
 /// Bytes of one kind of memory (device or host) per rank.
@@ -295,6 +308,7 @@ inline void engine(const Options& o, const shardopt::detail::StagePlan& plan,
 inline Estimate model_states(const Options& o) {
   if (o.params < 0) throw std::invalid_argument("estimate: params must be >= 0");
   if (o.world < 1) throw std::invalid_argument("estimate: world must be >= 1");
+  if (o.pipeline_ranks < 1) throw std::invalid_argument("estimate: pipeline_ranks must be >= 1");
   if (o.stage < 0 || o.stage > 3) throw std::invalid_argument("estimate: stage must be 0..3");
   if (o.bucket_bytes < 0 || o.align_bytes < 0 || o.gathered_units_params < 0 ||
       o.largest_param < 0 || o.persistent_params < 0 || o.persistent_params > o.params) {
@@ -307,7 +321,7 @@ inline Estimate model_states(const Options& o) {
   const bool paper = o.accounting == Accounting::ZeroPaper;
   StagePlan plan = StagePlan::make(static_cast<Stage>(o.stage), o.precision, o.offload,
                                    o.params_on_host, o.reduce_dtype != Precision::FP32);
-  plan.defer_reduction = o.defer_reduction;
+  plan.defer_reduction = detail::defers_reduction(o.defer_reduction, o.pipeline_ranks);
   const Placement place =
       Placement::make(plan, o.precision, o.reduce_dtype, o.reduce_in_fp32, o.params_on_host);
   const int given = 4;  // the engine's layout counts in the parameters' own (fp32) elements
@@ -333,6 +347,10 @@ inline Estimate model_states(const Options& o) {
   if (o.stage == 3) {
     int64_t units = o.gathered_units_params;
     if (units == 0) units = 2 * detail::bucket_numel(o.bucket_bytes, o.params, o.world, e.p);
+    // Held through the step, every unit this rank runs is whole at once.
+    if (detail::holds_parts_through_step(o.reshard_between_uses, o.pipeline_ranks)) {
+      units = psi - o.persistent_params;
+    }
     e.gathered_units_params = std::min(units, psi);
     e.persistent_params = o.persistent_params;
   }

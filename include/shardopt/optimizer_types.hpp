@@ -70,6 +70,11 @@ struct StepStats {
                                  ///< every gather of a unit in forward and backward)
   int64_t reduce_elements = 0;   ///< the gradient reductions' part of comm_elements (each bucket
                                  ///< reduced once a step: stage 1's count, whatever the stage)
+  int64_t orthogonalized = 0;    ///< Muon: matrices this rank orthogonalised (Newton-Schulz) in
+                                 ///< this step; over the ranks, each Muon matrix once
+  int64_t exchange_bytes = 0;    ///< Muon: bytes this rank sent to exchange updates with the
+                                 ///< matrices' owners (not in comm_elements)
+  double orthogonalize_s = 0.0;  ///< Muon: Newton-Schulz time of this rank (part of update_s)
 };
 
 /// Bytes this rank holds for the model state, by category (the memory model, docs/stages.md).

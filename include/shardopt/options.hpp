@@ -44,7 +44,9 @@ struct ZeroOptions {
   /// Those bucketed gradients summed in their buckets over the micro-steps and reduced once per
   /// step instead (Note [Deferred reduction] in shardopt/detail/plan.hpp; Megatron's way with
   /// pipelines): one reduction per step for the full gradients held until the last micro-step.
-  /// No effect where gradients are reduced once per step already.
+  /// No effect where gradients are reduced once per step already. Under pipelines (`grid` with
+  /// pp > 1) stages 2-3 defer whatever this says (Note [Pipelines decide two defaults] in
+  /// shardopt/detail/plan.hpp).
   bool defer_reduction = false;
   /// Global gradient-norm clipping across all shards; 0 disables it.
   double max_grad_norm = 0.0;
@@ -96,7 +98,8 @@ struct ZeroOptions {
   /// update: gathered once per step instead of twice per micro-batch, at the memory of every unit
   /// this rank runs held whole during the step (Note [Parts held through a step] in
   /// src/engine/part_scheduler.cpp). Unset: false under pipelines (`grid` with pp > 1), where a
-  /// stage runs the same units for every micro-batch (torchtitan's choice), true otherwise.
+  /// stage runs the same units for every micro-batch (torchtitan's choice), true otherwise (Note
+  /// [Pipelines decide two defaults] in shardopt/detail/plan.hpp).
   std::optional<bool> reshard_between_uses;
   /// Stage 3, automatic units: in forward, when a unit starts, a gathered unit stays gathered if
   /// the order recorded in the last pass (its forward, then its backward) uses it again within

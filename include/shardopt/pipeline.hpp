@@ -19,24 +19,50 @@ namespace shardopt {
 //   - Compute actions: Forward, Backward (input and weight gradients together), or the two halves
 //     of a zero-bubble backward, BackwardInput (the gradient sent upstream) and BackwardWeight
 //     (the parameters' gradients, needing only local state: it can be deferred to fill bubbles).
-//   - Communication actions: a SendActivation right after the Forward that produced it (towards
-//     stage s+1), a RecvActivation right before the Forward that consumes it; SendGrad and
-//     RecvGrad likewise around backward (towards stage s-1). There are no tags: the messages
-//     from one rank to another match in the order issued (Note [Point-to-point messages]).
+//   - Communication actions: SendActivation after the Forward that produced it (towards stage
+//     s+1), RecvActivation before the Forward that consumes it; SendGrad and RecvGrad likewise
+//     around backward (towards stage s-1). GPipe, 1F1B and ZB-H1 put each message right next to
+//     its compute; interleaved 1F1B places them as Megatron does (Note [Batched exchanges]).
+//     There are no tags: the messages from one rank to another match in the order issued (Note
+//     [Point-to-point messages]).
 //   - Semantics the validator and the simulator assume and an executor must give: a Send never
 //     blocks (isend; its Work is waited for before the step ends), a Recv blocks until its message
 //     has arrived. Under these rules validate_schedule() proves the lists deadlock-free by running
 //     them (simulate_schedule), so no timing can hang an executor that follows them.
 //
-// Note [Paired exchanges]: where a lone send and a lone receive queue on one stream (NCCL), two
-// ranks sending to each other at once wait on each other. A Send followed directly by a Recv from
-// the same peer (1F1B's steady state: send the activation on, receive its gradient back) is then
-// issued as one batch, Megatron's send_forward_recv_backward (pairs_with_next); the batch ends
-// when both have, so such a Send waits until the peer has posted the matching Recv.
-// simulate_schedule(s, costs, /*paired=*/true) runs the lists under these semantics: GPipe, 1F1B
-// and ZB-H1 finish; interleaved 1F1B with m > p deadlocks (rank r waits for r+1 to post a
-// receive that comes after r+1's own pair, around the ring), so run_pipeline refuses to pair it
-// (paired_deadlock) rather than hang; Megatron batches all four messages of a step there.
+// Note [Batched exchanges]: where a lone send and a lone receive queue on one stream (NCCL), two
+// ranks sending to each other at once wait on each other; Megatron issues the messages between two
+// compute passes as one batch_isend_irecv. Exchanges::Batched is that: each run of communication
+// actions between two compute actions of a rank's list goes as one batch, which completes when
+// every send in it has its receive posted on the peer and every receive in it has arrived
+// (exchange_end() finds the run). Interleaved 1F1B needs Megatron's placement for it (the former
+// pairing, a Send with the Recv right after it, deadlocks there with m > p: rank r waits for r+1
+// to post a receive that comes after r+1's own pair, around the ring): compile_schedule lays it
+// out in Megatron's iterations (forward_backward_pipelining_with_interleaving: warm-up iterations
+// of one F, steady ones of F then B, cool-down ones of B), each iteration's sends (the F's
+// activation and the B's gradient) in the batch after it; a receive goes in the receiver's batch
+// of the same time, rank r's iteration t running at time t + r: the next F's and next B's inputs
+// from the neighbours, and, across the ring (p-1 -> 0 forward, 0 -> p-1 backward), a tensor that
+// waits a few iterations for its chunk (Megatron's recv_tensor_from_previous_stage). Every rank's
+// batch then meets the peers' batches of the same time. simulate_schedule(s, costs, Batched)
+// proves every compiled schedule deadlock-free so (GPipe, 1F1B and ZB-H1 as laid out before;
+// interleaved for p 2-4, v 2-3, m p..4p in pipeline_tests); with unit costs GPipe, 1F1B and
+// interleaved keep their Note [Bubble], ZB-H1 loses a little (p = 2, m = 4: makespan 14 against
+// 13: a batch of one send waits for the peer's receive, listed after its weight pass). Batching
+// only groups the messages: the computes, hence the results, are the same bitwise. The one owner
+// of the choice is run_pipeline (PipelineRunOptions::batch_exchanges): Auto batches on NCCL, every
+// schedule (one rule; the pairing it replaces could not run interleaved); Always batches on any
+// engine (MPI, Gloo, threads: tests), Never issues each message alone.
+/// How an executor issues a rank's messages (Note [Batched exchanges]).
+enum class Exchanges {
+  Separate,  ///< each Send an isend that never blocks, each Recv blocking alone (MPI, Gloo)
+  Batched,   ///< each run of messages between two computes as one batch (NCCL: Megatron's way)
+  Paired,    ///< a Send and the Recv right after it from the same peer as one batch: the former
+             ///< NCCL mode, kept to show what Batched fixes (interleaved m > p deadlocks)
+};
+/// "separate", "batched" or "paired".
+const char* to_string(Exchanges exchanges);
+
 /// The pipeline schedules compile_schedule() knows (torch.distributed.pipelining's names).
 enum class PipelineScheduleKind { GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1 };
 /// "gpipe", "1f1b", "interleaved" or "zb-h1".
@@ -78,6 +104,7 @@ struct PipelineSchedule {
   int ranks = 1;          ///< p
   int microbatches = 1;   ///< m
   int chunks = 1;         ///< v (model chunks per rank; 1 except for interleaved)
+  int group = 1;          ///< interleaved: N micro-batches per group (Note [Micro-batch groups])
   std::vector<std::vector<Action>> actions;  ///< per rank, in execution order
   int stages() const { return ranks * chunks; }  ///< S = p * v, the model's stages
   /// The rank holding global stage `stage` (stage mod p).
@@ -86,10 +113,24 @@ struct PipelineSchedule {
 
 /// Compiles `kind` for p ranks, m micro-batches and v chunks per rank. Throws
 /// Error{InvalidArgument} naming the rule on a bad combination: p, m, v >= 1; v > 1 only for
-/// Interleaved1F1B (v >= 2 there) and, as Megatron requires, m a multiple of p for it; ZB-H1 and
-/// the others take any m.
+/// Interleaved1F1B (v >= 2 and p >= 2 there); ZB-H1 and the others take any m. Interleaved runs
+/// the micro-batches through the chunks in groups of `group` (Megatron-core's
+/// microbatch_group_size_per_vp_stage, Note [Micro-batch groups]); 0 picks
+/// interleaved_group_size(p, m).
 PipelineSchedule compile_schedule(PipelineScheduleKind kind, int ranks, int microbatches,
-                                  int chunks = 1);
+                                  int chunks = 1, int group = 0);
+
+// Note [Micro-batch groups]: interleaved 1F1B runs micro-batches through a rank's chunks in groups
+// of N consecutive ones (all chunk-0 forwards of a group, then its chunk-1 forwards, ...), the last
+// group taking what remains. Megatron-core's rule (megatron/core/pipeline_parallel/schedules.py,
+// forward_backward_pipelining_with_interleaving; N is microbatch_group_size_per_vp_stage, p by
+// default): p <= N <= m, and the last group m % N is 0 or at least p (fewer would idle the
+// pipeline waiting on itself). So m >= p is needed, and any such m has an N: N = p when p divides
+// m (Megatron's default), else the smallest valid N above p (N = m always is).
+/// Megatron-core's microbatch_group_size_per_vp_stage that compile_schedule picks for interleaved
+/// at p ranks and m micro-batches (Note [Micro-batch groups]); throws Error{InvalidArgument}
+/// naming the rule when m < p.
+int interleaved_group_size(int ranks, int microbatches);
 
 /// Compute costs of one action on one chunk, in arbitrary integer units; Backward costs
 /// backward_input + backward_weight. Communication costs nothing.
@@ -104,9 +145,9 @@ struct SimulatedRun {
   int64_t makespan = 0;                  ///< when the last rank finishes its last action
   std::vector<int64_t> compute;          ///< per rank: the sum of its compute costs
   std::vector<int64_t> finish;           ///< per rank: when its last action ended
-  /// Per rank: most micro-batch-chunks whose Forward ran and.
+  /// Per rank: most micro-batch-chunks whose Forward ran and whose backward (Backward or
+  /// BackwardWeight) had not.
   std::vector<int> peak_in_flight;
-                                         ///< whose backward (Backward or BackwardWeight) had not
   std::vector<std::vector<int64_t>> start;  ///< per rank and action: its start time
   // Note [Bubble]: idle over useful time, (makespan - C) / C, C being the largest per-rank
   // compute (every rank computes the same in these schedules): Megatron's t_bubble / t_ideal,
@@ -122,17 +163,22 @@ struct SimulatedRun {
 /// (p-1)/(v*m) interleaved, (p-1)/(3m) for ZB-H1.
 double bubble_formula(PipelineScheduleKind kind, int ranks, int microbatches, int chunks = 1);
 
-/// Whether action i of a rank's list is a Send that Note [Paired exchanges] issues together with
-/// action i + 1, a Recv from the same peer.
+/// Whether action i of a rank's list is a Send that Exchanges::Paired issues together with action
+/// i + 1, a Recv from the same peer.
 bool pairs_with_next(const std::vector<Action>& list, size_t i);
 
+/// The end of the run of communication actions that starts at `i` (the next compute action's
+/// index, or the list's size): what Exchanges::Batched issues as one batch.
+size_t exchange_end(const std::vector<Action>& list, size_t i);
+
 /// Runs every rank's list with `costs`: a compute action starts when its rank is free, a Recv when
-/// its message was sent, a Send takes no time. `paired`: a Send that pairs_with_next also waits
-/// until the peer has posted its matching Recv (Note [Paired exchanges]). Throws
-/// Error{InvalidArgument} naming each rank's blocked action when no rank can progress (a deadlock,
-/// or a Recv that no Send matches).
+/// its message was sent, a Send takes no time. `exchanges` says what else a message waits for
+/// (Note [Batched exchanges]): Batched, a batch ends when every send in it has its receive posted
+/// on the peer and every receive in it has arrived; Paired, a Send that pairs_with_next waits
+/// until the peer has posted its matching Recv. Throws Error{InvalidArgument} naming each rank's
+/// blocked action when no rank can progress (a deadlock, or a Recv that no Send matches).
 SimulatedRun simulate_schedule(const PipelineSchedule& schedule, const ActionCosts& costs = {},
-                               bool paired = false);
+                               Exchanges exchanges = Exchanges::Separate);
 
 /// Checks the lists against the rules of Note [Pipeline action lists]: each (stage, micro-batch)
 /// has one Forward and one backward (Backward, or BackwardInput then BackwardWeight) on the rank
@@ -147,8 +193,8 @@ void validate_schedule(const PipelineSchedule& schedule);
 /// exchange messages the others never expect.
 uint64_t fingerprint(const PipelineSchedule& schedule);
 
-/// Empty when the lists run without deadlock with paired exchanges (Note [Paired exchanges]), else
+/// Empty when the lists run without deadlock under `exchanges` (Note [Batched exchanges]), else
 /// the simulator's message naming each rank's blocked action.
-std::string paired_deadlock(const PipelineSchedule& schedule);
+std::string exchange_deadlock(const PipelineSchedule& schedule, Exchanges exchanges);
 
 }  // namespace shardopt

@@ -90,12 +90,17 @@ struct PipelineRunOptions {
   /// node, which an optimizer counting backward passes must count as one. Not needed with
   /// `optimizer`, which does it. Empty: run it.
   std::function<void(const std::function<void()>& pass)> weight_pass;
-  // Note [Paired exchanges] (shardopt/pipeline.hpp): a Send followed directly by a Recv from the
-  // same peer goes as one batch_isend_irecv. Auto: where the engine needs it (NCCL); Always:
-  // also elsewhere (tests run the paired path on MPI and Gloo).
-  /// When a Send and the next Recv from the same peer go as one batch (Note [Paired exchanges]).
-  enum class Pairing { Auto, Never, Always };
-  Pairing pair_exchanges = Pairing::Auto;  ///< Auto: where the engine needs it (NCCL)
+  // Note [Batched exchanges] (shardopt/pipeline.hpp): each run of sends and receives between two
+  // compute passes goes as one batch_isend_irecv, for every schedule. Auto: where the engine
+  // needs it (NCCL); Always: on any engine (tests run it on MPI, Gloo and threads); Never: each
+  // message alone (isend, blocking recv). The results are the same bitwise either way.
+  /// When the messages between two compute passes go as one batch (Note [Batched exchanges]).
+  enum class Batching { Auto, Never, Always };
+  using Pairing = Batching;  ///< the former name
+  Batching batch_exchanges = Batching::Auto;  ///< Auto: where the engine needs it (NCCL)
+  /// The former name of batch_exchanges (it paired a send with the receive after it, which
+  /// deadlocked interleaved 1F1B with m > p); read only while batch_exchanges is Auto.
+  Batching pair_exchanges = Batching::Auto;
 };
 
 /// Runs rank comm.rank()'s list of `schedule` (its ranks must equal comm.size()). Before any
@@ -113,9 +118,9 @@ struct PipelineRunOptions {
 /// on every rank of `comm` with the same schedule. ZB-H1's weight pass runs only the parameters'
 /// own branches of the graph, from the gradients its input pass kept where they leave the chain to
 /// the input (src/pipeline/split_backward.hpp); a parameter used at several places of a chunk, or
-/// stage 0 data that is not floating point, falls back to re-traversing the graph. On NCCL a Send
-/// and the Recv right after it from the same peer go as one batch (Note [Paired exchanges]);
-/// tested on MPI and Gloo both ways (NCCL's pairing path needs a GPU per rank). Sent tensors are
+/// stage 0 data that is not floating point, falls back to re-traversing the graph. On NCCL the
+/// messages between two compute passes go as one batch (Note [Batched exchanges]); tested
+/// on MPI, Gloo and threads both ways (NCCL's path needs a GPU per rank). Sent tensors are
 /// released once their sends report completion; c10d's Gloo sends report it only when waited
 /// for, so there they live to the end of the call.
 std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communicator& comm,

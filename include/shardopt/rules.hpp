@@ -283,8 +283,69 @@ struct AdamW8bit {
   }
 };
 
+/// torch.optim.Muon's rule (torch >= 2.9) for the 2-D parameters, AdamW for the others, in one
+/// optimizer (torch's docs pair Muon with AdamW for embeddings, heads, biases and norms). A 2-D
+/// parameter of a group whose rule has `use_muon` (true) runs Muon: its momentum buffer lerps
+/// towards the gradient, the (Nesterov) update is orthogonalised by `ns_steps` Newton-Schulz
+/// iterations with coefficients (`ns_a`, `ns_b`, `ns_c`) in `ns_dtype` (16: bfloat16 as torch; 32
+/// or 64: float32, float64), then decoupled weight decay and the update at lr scaled by
+/// `adjust_lr_fn` (kOriginal: sqrt(max(1, A/B)), torch's None and "original"; kMatchRmsAdamW:
+/// 0.2 sqrt(max(A, B)); kSpectralUnclamped: sqrt(A/B)). Every other parameter (vectors, scalars,
+/// tensors of 3+ dimensions, and every parameter of a group with use_muon(false)) runs
+/// torch.optim.AdamW at the group's lr and weight_decay with `adamw_beta1` (0.9), `adamw_beta2`
+/// (0.999) and `adamw_eps` (1e-8). Torch's defaults: lr 1e-3, weight_decay 0.1, momentum 0.95,
+/// nesterov, (3.4445, -4.775, 2.0315), eps 1e-7, 5 steps. Newton-Schulz needs the whole matrix:
+/// each one has one owner rank that orthogonalises it once (Note [Muon over flat shards],
+/// src/engine/muon_update.hpp).
+struct Muon {
+  explicit Muon(double lr = 1e-3) : lr_(lr) {}  ///< With this learning rate.
+  /// The rule's name: checkpoints, Python, errors.
+  static constexpr const char* kName = "muon";
+  static constexpr double kOriginal = 0;  ///< adjust_lr_fn: torch's None or "original"
+  static constexpr double kMatchRmsAdamW = 1;  ///< adjust_lr_fn: "match_rms_adamw" (Moonshot's)
+  static constexpr double kSpectralUnclamped = 2;  ///< adjust_lr_fn: "spectral_unclamped"
+  SHARDOPT_ARG(double, lr, 1e-3);
+  SHARDOPT_ARG(double, weight_decay, 0.1);  ///< decoupled
+  SHARDOPT_ARG(double, momentum, 0.95);
+  SHARDOPT_ARG(bool, nesterov, true);
+  SHARDOPT_ARG(double, ns_a, 3.4445);
+  SHARDOPT_ARG(double, ns_b, -4.775);
+  SHARDOPT_ARG(double, ns_c, 2.0315);
+  SHARDOPT_ARG(double, eps, 1e-7);
+  SHARDOPT_ARG(double, ns_steps, 5.0);      ///< an integer in [0, 100)
+  SHARDOPT_ARG(double, adjust_lr_fn, 0.0);  ///< kOriginal, kMatchRmsAdamW or kSpectralUnclamped
+  SHARDOPT_ARG(double, ns_dtype, 16.0);     ///< Newton-Schulz in bfloat16 (16), float32, float64
+  SHARDOPT_ARG(bool, use_muon, true);       ///< false: the group's parameters all run AdamW
+  SHARDOPT_ARG(double, adamw_beta1, 0.9);
+  SHARDOPT_ARG(double, adamw_beta2, 0.999);
+  SHARDOPT_ARG(double, adamw_eps, 1e-8);
+
+ public:
+  /// Visits every hyper-parameter, torch.optim.Muon's in its order (its ns_coefficients as
+  /// ns_a, ns_b, ns_c), then shardopt's (Note [One place per rule]).
+  template <class Self, class Visit>
+  static void fields(Self& r, Visit&& v) {
+    v("lr", r.lr_); v("weight_decay", r.weight_decay_); v("momentum", r.momentum_);
+    v("nesterov", r.nesterov_); v({"ns_a", kAnyValue}, r.ns_a_); v({"ns_b", kAnyValue}, r.ns_b_);
+    v({"ns_c", kAnyValue}, r.ns_c_); v("eps", r.eps_); v("ns_steps", r.ns_steps_);
+    v("adjust_lr_fn", r.adjust_lr_fn_); v({"ns_dtype", 16.0}, r.ns_dtype_);
+    v("use_muon", r.use_muon_); v("adamw_beta1", r.adamw_beta1_);
+    v("adamw_beta2", r.adamw_beta2_); v("adamw_eps", r.adamw_eps_);
+  }
+  /// The state buffers, element by element in the flat layout: torch.optim.Muon's
+  /// momentum_buffer for Muon's matrices and torch.optim.AdamW's exp_avg for the others share
+  /// the first; the second is AdamW's exp_avg_sq (unused by the matrices).
+  std::vector<std::string> state_names() const { return {"momentum_buffer", "exp_avg_sq"}; }
+  /// torch.optim.Muon's constraints and shardopt's on the codes, checked where rules come from
+  /// users (Python) and when an optimizer is built: empty when met.
+  std::string problem() const;
+
+ private:
+  static constexpr double kAnyValue = -std::numeric_limits<double>::infinity();
+};
+
 /// The order is the one error messages list the rules in.
-using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb, Adafactor, AdamW8bit>;
+using Rule = std::variant<AdamW, Adam, SGD, Adagrad, RMSprop, Lamb, Adafactor, AdamW8bit, Muon>;
 
 /// "adamw", "sgd", ... of whichever rule `rule` holds.
 const char* rule_name(const Rule& rule);

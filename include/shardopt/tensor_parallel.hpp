@@ -17,8 +17,9 @@
 /// backward a reduce-scatter) and the exit a reduce-scatter (its backward an all-gather): the same
 /// bytes, and activations outside the regions cut by t. A parameter used on sequence shards (a
 /// LayerNorm's, a RowParallelLinear's bias) then gets only its shard's gradient: mark it with
-/// mark_sequence_parallel, which sums its gradient over the group as autograd produces it (before
-/// DistributedOptimizer's hooks reduce it over the data-parallel group).
+/// mark_sequence_parallel. A DistributedOptimizer holding it sums the parts over the group once a
+/// step, before the norm and the update; without one, a hook sums them as autograd produces each
+/// gradient (Note [Sequence-parallel sums] in src/parallel/split_record.cpp).
 ///
 /// Note [Split records]
 /// Each parameter under tensor parallelism carries a record of how it is split, kept by the library
@@ -88,7 +89,8 @@ struct Split {
 struct SplitRecord {
   CommunicatorPtr group;       ///< its tensor-parallel group
   std::optional<Split> split;  ///< none: every rank of the group holds it whole (replicated)
-  /// Its gradient is summed over the group as autograd produces it (mark_sequence_parallel).
+  /// Used on sequence shards: its gradient's parts are summed over the group
+  /// (mark_sequence_parallel).
   bool sequence_parallel = false;
 };
 
@@ -102,8 +104,9 @@ void mark_split(const at::Tensor& param, const CommunicatorPtr& group, int64_t d
 /// norm counts it once). Parameters without a record are taken as replicated already; marking
 /// says so explicitly and names the group. Local.
 void mark_replicated(const at::Tensor& param, const CommunicatorPtr& group);
-/// Records `param` as replicated and used on sequence shards, and sums its gradient over `group`
-/// as autograd produces it (Note [Split regions]).
+/// Records `param` as replicated and used on sequence shards: its gradient is summed over `group`
+/// by the DistributedOptimizer holding it, once a step, or else by a hook as autograd produces it
+/// (Note [Split regions]).
 void mark_sequence_parallel(const at::Tensor& param, const CommunicatorPtr& group);
 /// The record of `param`, if it has one. Thread-safe, as are the mark functions.
 std::optional<SplitRecord> record_of(const at::Tensor& param);

@@ -46,7 +46,9 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             a module, tensors, or a list of parameter-group dicts ``{"params": ..., "lr": ...}``.
             Parameters become views into shardopt's flat buffers; frozen ones are left alone.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"lamb"``,
-            ``"adafactor"``, ``"adamw8bit"`` (blockwise 8-bit moments); a spec dict ``{"name": "sgd", "momentum": 0.9}``; a ``torch.optim``
+            ``"adafactor"``, ``"adamw8bit"`` (blockwise 8-bit moments), ``"muon"``
+            (``torch.optim.Muon`` on 2-D parameters, AdamW on the rest and on groups with
+            ``"use_muon": False``); a spec dict ``{"name": "sgd", "momentum": 0.9}``; a ``torch.optim``
             class (those of the rules above run natively, any other runs over this rank's shard, like
             ``ZeroRedundancyOptimizer``'s ``optimizer_class``); or a factory
             ``f(list_of_shard_tensors) -> torch.optim.Optimizer``.

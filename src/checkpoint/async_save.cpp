@@ -14,6 +14,7 @@
 #include <cerrno>
 #endif
 #include <chrono>
+#include <ctime>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -125,6 +126,13 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The calling thread's CPU time (0 where the clock is missing).
+double thread_cpu_seconds() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0.0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 TrainerState copied(const TrainerState& t) {
   TrainerState out{t.json, {}};
   for (const auto& [key, value] : t.tensors) {
@@ -205,6 +213,7 @@ void AsyncCheckpoint::save_checkpoint_async(const std::string& base, const Train
     }
     std::lock_guard<std::mutex> lock(s.mutex);
     s.timing.background_s = seconds_since(start);
+    s.timing.background_cpu_s = thread_cpu_seconds();
   });
 }
 

@@ -8,10 +8,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>  // fmt::join
 
+#include <filesystem>
 #include <map>
 #include <set>
 
 #include "checkpoint/files.hpp"
+#include "checkpoint/grid_files.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
@@ -20,6 +22,7 @@
 #include "comm/agreement.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
+#include "shardopt/grid_checkpoint.hpp"
 
 namespace shardopt {
 
@@ -106,7 +109,21 @@ FullState read_full_state(const std::string& dir, bool with_optimizer_state) {
 
 void consolidate_checkpoint(const std::string& dir, const std::string& out,
                             const ConsolidateOptions& options) {
-  const FullState full = read_full_state(dir, !options.optimizer_state_out.empty());
+  // Parameters only: a grid of any layout, its split parameters put back together
+  // (read_grid_full_state); with the optimizer state, one folder (or a grid of one).
+  std::string folder = dir;
+  if (!options.optimizer_state_out.empty() &&
+      !std::filesystem::exists(std::filesystem::path(dir) / kManifest)) {
+    const GridCommit c = read_grid_commit(dir);
+    SHARDOPT_CHECK(c.layout.tp * c.layout.pp == 1, Unsupported,
+                   "checkpoint: {}: the optimizer state is consolidated from one folder, and this "
+                   "grid checkpoint has {} (tp={} x pp={}); consolidate the parameters alone, or "
+                   "load the checkpoint into an optimizer of that layout and take its state dict",
+                   dir, c.layout.tp * c.layout.pp, c.layout.tp, c.layout.pp);
+    folder = committed_folder(dir);
+  }
+  const FullState full = options.optimizer_state_out.empty() ? read_grid_full_state(dir)
+                                                             : read_full_state(folder, true);
   c10::Dict<std::string, at::Tensor> model;
   for (const auto& item : full.params) model.insert(item.key(), item.value());
   for (const auto& [alias, name] : full.aliases) {

@@ -15,6 +15,7 @@
 
 #include "checkpoint/files.hpp"
 #include "checkpoint/element_sums.hpp"
+#include "kernels/finite.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/saving.hpp"
@@ -36,8 +37,25 @@ namespace {
 // Never publish NaN/Inf over the last good checkpoint: every slice a rank writes is checked first
 // (one extra read of the shard; saves are rare), and agree() makes every rank fail together,
 // leaving the previous checkpoint in place. The error names the first parameter affected.
+// Whether every element of `slice` is finite: the fused kernel where it takes the dtype (one read,
+// no allocation: Note [Exact non-finite check]), else ATen.
+bool all_finite(const at::Tensor& slice) {
+  const auto dtype = slice.scalar_type();
+  if (slice.device().is_cpu() && slice.is_contiguous() &&
+      (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf)) {
+    kernels::CheckSegment segment;
+    segment.kind = dtype == at::kFloat      ? kernels::ValueKind::Float32
+                   : dtype == at::kBFloat16 ? kernels::ValueKind::BFloat16
+                                            : kernels::ValueKind::Float16;
+    segment.data = slice.data_ptr();
+    segment.numel = slice.numel();
+    return !kernels::check_finite(segment).non_finite;
+  }
+  return at::isfinite(slice).all().item<bool>();
+}
+
 void check_finite(ShardAccess& a, int bucket, const at::Tensor& slice, const std::string& section) {
-  if (!at::isFloatingType(slice.scalar_type()) || at::isfinite(slice).all().item<bool>()) return;
+  if (!at::isFloatingType(slice.scalar_type()) || all_finite(slice)) return;
   const auto& layout = a.layout();
   const auto& bl = layout.buckets[bucket];
   const int rank = a.comm()->rank();
@@ -59,7 +77,7 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
   const auto& layout = a.layout();
   const int rank = a.comm()->rank(), world = a.comm()->size();
   const std::string file = shard_file_name(rank, world);
-  FileWriter w(tmp / file);
+  FileWriter w(tmp / file, /*direct=*/true);  // Note [Direct shard writes]
   char header[kAlign] = {};
   std::memcpy(header, kMagic, sizeof(kMagic));
   const uint32_t fields[3] = {static_cast<uint32_t>(kCheckpointFormatVersion),

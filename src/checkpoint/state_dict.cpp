@@ -12,6 +12,7 @@
 #include "checkpoint/staging.hpp"
 #include "comm/agreement.hpp"
 #include "engine/adafactor_update.hpp"
+#include "engine/muon_update.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
@@ -98,6 +99,11 @@ void DistributedOptimizer::consolidate_state_dict(int to) {
       if (std::holds_alternative<Adafactor>(group.rule) && !param.state.empty()) {
         param.state = detail::adafactor_torch_state(param.state.begin()->second);
       }
+      // Muon: torch.optim.Muon's momentum_buffer or torch.optim.AdamW's exp_avg, exp_avg_sq.
+      if (const auto* m = std::get_if<Muon>(&group.rule); m && p.index >= 0) {
+        param.state = detail::muon_torch_state(
+            std::move(param.state), m->use_muon() && a.param_shape(p.index).size() == 2);
+      }
       group.params.push_back(std::move(param));
     }
     out->groups.push_back(std::move(group));
@@ -163,7 +169,13 @@ void DistributedOptimizer::load_state_dict(const OptimizerStateDict& state) {
                   saved.params[j].state, a.param_shape(slot), name,
                   at::TensorOptions().dtype(a.master_dtype()));
             }
-            const auto& buffers = std::holds_alternative<Adafactor>(current)
+            const auto* muon = std::get_if<Muon>(&current);
+            if (muon) {  // torch's Muon / AdamW buffers into the two flat buffers
+              packed[slot] = detail::muon_flat_state(
+                  saved.params[j].state, muon->use_muon() && a.param_shape(slot).size() == 2,
+                  a.param_shape(slot), name, at::TensorOptions().dtype(a.master_dtype()));
+            }
+            const auto& buffers = std::holds_alternative<Adafactor>(current) || muon
                                       ? packed[slot] : saved.params[j].state;
             by_slot[slot] = &buffers;
             (buffers.empty() ? without_state : with_state) = name;

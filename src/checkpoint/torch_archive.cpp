@@ -37,7 +37,7 @@ using torch::serialize::OutputArchive;
 bool keeps_step(const Rule& rule) { return !std::holds_alternative<SGD>(rule); }
 
 // A rule's hyper-parameters under torch::optim's option names (beta1, beta2 are "betas";
-// Adafactor's eps1, eps2 "eps").
+// Adafactor's eps1, eps2 "eps"; Muon's ns_a, ns_b, ns_c "ns_coefficients").
 void write_options(OutputArchive& archive, const Rule& rule) {
   detail::visit_torch_options(rule, [&](const char* name, const auto& value) {
     if constexpr (std::is_same_v<std::decay_t<decltype(value)>, std::pair<double, double>>) {
@@ -55,7 +55,12 @@ void read_options(InputArchive& archive, Rule& rule) {
         std::decay_t<decltype(r)>::fields(r, [&](const detail::Field& f, auto& value) {
           const std::string name = f.name;
           c10::IValue v;
-          if (name == "beta1" || name == "beta2" || name == "eps1" || name == "eps2") {
+          if (name == "ns_a" || name == "ns_b" || name == "ns_c") {  // Muon's ns_coefficients
+            if (!archive.try_read("ns_coefficients", v)) return;
+            const auto abc = v.to<std::tuple<double, double, double>>();
+            value = name == "ns_a" ? std::get<0>(abc) : name == "ns_b" ? std::get<1>(abc)
+                                                                     : std::get<2>(abc);
+          } else if (name == "beta1" || name == "beta2" || name == "eps1" || name == "eps2") {
             const bool betas = name[0] == 'b';
             if (!archive.try_read(betas ? "betas" : "eps", v)) return;
             const auto pair = v.to<std::tuple<double, double>>();

@@ -42,10 +42,12 @@
 #include "engine/group_options.hpp"
 #include "engine/placement.hpp"
 #include "engine/whole_parameters.hpp"
+#include "parallel/sequence_sums.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/memory_tracker.hpp"
 #include "shardopt/pipeline_runner.hpp"
 #include "shardopt/recompute.hpp"
+#include "shardopt/tensor_parallel.hpp"
 
 namespace shardopt::detail {
 namespace {
@@ -131,10 +133,8 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   plan_ = StagePlan::make(options_.stage, options_.precision, options_.offload,
                           first_trainable_on_host(groups),
                           options_.reduce_dtype != Precision::FP32);
-  // Under pipelines bucketed gradients are reduced once a step, as Megatron's: each chunk's
-  // buckets once its last backward pass is over (Note [Pipeline handshake] in runner.cpp).
-  plan_.defer_reduction =
-      options_.defer_reduction || (options_.grid.pp && options_.grid.pp->size() > 1);
+  // Note [Pipelines decide two defaults] in shardopt/detail/plan.hpp.
+  plan_.defer_reduction = defers_reduction(options_.defer_reduction, pipeline_ranks());
   accumulation_ = options_.grad_accumulation_steps;
   if (plan_.loss_scaling) scaler_.emplace(options_.loss_scale);
   if (plan_.per_part()) {
@@ -159,8 +159,16 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   if (unit_plan_ && !automatic_) unit_plan_->attach(this);
 }
 
+int Engine::pipeline_ranks() const { return options_.grid.pp ? options_.grid.pp->size() : 1; }
+
 Engine::~Engine() {
   if (unit_plan_ && !automatic_) unit_plan_->detach(this);
+  if (claimed_sequence_sums_) {  // the hooks sum again (Note [Sequence-parallel sums])
+    for (const auto& p : params()) {
+      const auto record = tp::record_of(p.tensor);
+      if (record && record->sequence_parallel) release_sequence_sum(p.tensor);
+    }
+  }
   for (auto& h : hooks_) {
     if (h.accumulator && h.key) h.accumulator->del_post_hook(h.key);
   }
@@ -214,8 +222,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
       scheduler_ = std::make_unique<DeclaredUnits>(*parts, model_.unit_parts, comm_,
                                                    options_.timeout, options_.prefetch);
     }
-    const bool pipelines = options_.grid.pp && options_.grid.pp->size() > 1;
-    scheduler_->hold_through_step(!options_.reshard_between_uses.value_or(!pipelines));
+    scheduler_->hold_through_step(
+        holds_parts_through_step(options_.reshard_between_uses, pipeline_ranks()));
     store_ = std::move(parts);
   } else {
     store_ = std::make_unique<WholeParameters>(*flat_, tensors_of(params()), comm_,
@@ -237,6 +245,13 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   flat_->build_segments(
       [&](int b, const UpdatedRange& r) { return store_->model_slice(b, r); },
       [&](int b, const UpdatedRange& r) { return reducer_->reduced(b, r); });
+  // Muon's update exchange is point-to-point, which the hybrid communicator does not carry.
+  SHARDOPT_CHECK(!std::holds_alternative<Muon>(rule) || factory || comm_ == ranks_.world,
+                 Unsupported,
+                 "optimizer: muon does not run with hybrid sharding (shard_group_size {}) yet: its "
+                 "update exchange needs point-to-point messages within the shard group; use "
+                 "shard_group_size 0",
+                 options_.shard_group_size);
   update_ = std::make_unique<LocalUpdate>(
       *flat_, comm_, options_.timeout, rule, factory,
       [this](int group) -> const Rule& { return group_rule_of(owner_, group); },
@@ -245,28 +260,7 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
         for (const auto& p : params()) shapes.push_back(p.tensor.sizes().vec());
         return shapes;
       }());
-  // Note [Split records] (shardopt/tensor_parallel.hpp): the parameters say how they are split.
-  const ParallelGroups& grid = options_.grid;
-  if (auto tensors = tensor_grid_of(params(), grid.tp && grid.tp->size() > 1 ? grid.tp : nullptr);
-      tensors.group) {
-    for (size_t i = 0; i < tensors.replicated.size(); ++i) {
-      // Adafactor's statistics span whole tensors; over a split one they would not (yet).
-      SHARDOPT_CHECK(tensors.replicated[i] != 0 || !std::holds_alternative<Adafactor>(rule),
-                     Unsupported,
-                     "optimizer: adafactor does not step parameters split by tensor parallelism "
-                     "yet: '{}' is split over {} ranks, and its row and column statistics would "
-                     "cover only this rank's part; use adamw or lamb with tensor parallelism",
-                     params()[i].name, tensors.group->size());
-    }
-    update_->grid().set_tensor_group(std::move(tensors.group), std::move(tensors.replicated));
-  }
-  if (grid.pp && grid.pp->size() > 1) update_->grid().set_pipeline(grid.pp);
-  if (grid.embedding) {
-    // The tied parameters' sum (Note [Finalizing gradients over the grid] in finalize_grads.cpp).
-    update_->finalize().set_pipeline_shared(
-        grid.embedding, pipeline_shared_slots(),
-        ranks_.replica == 0 && (plan_.sharded() || comm_->rank() == 0), grid.pp->rank() == 0);
-  }
+  wire_grid(rule);  // engine_grid.cpp
   // Note [The non-finite check during backward] in local_update.cpp.
   reducer_->set_on_reduced([this](int bucket) {
     update_->check_early(bucket, grad_divisor(), options_.max_grad_norm > 0);
@@ -279,60 +273,6 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
         store_->take_comm_elements();
         zero_grad();
       });
-}
-
-// The parameters marked with mark_pipeline_shared, as a flag per layout slot. Marks mean nothing
-// without a pipeline (one stage holds the tied tensor once); on a middle stage, which holds no
-// tied copy, a mark is an error (the model placed it wrongly, or the grid is not the model's).
-std::vector<char> Engine::pipeline_shared_slots() const {
-  std::vector<char> flags(params().size(), 0);
-  const ParallelGroups& grid = options_.grid;
-  if (!grid.pp || grid.pp->size() == 1) return flags;
-  for (size_t i = 0; i < params().size(); ++i) {
-    if (!is_pipeline_shared(params()[i].tensor)) continue;
-    SHARDOPT_CHECK(grid.embedding != nullptr, InvalidArgument,
-                   "optimizer: parameter '{}' is marked with mark_pipeline_shared, but this rank "
-                   "is on pipeline stage {} of {}, which holds no tied copy (ZeroOptions::grid "
-                   "has no embedding group): only the first and the last stage may hold it",
-                   params()[i].name, grid.pp->rank(), grid.pp->size());
-    flags[i] = 1;
-  }
-  return flags;
-}
-
-// Both copies of a tied parameter start as the first stage's (Note [Finalizing gradients over the
-// grid] in finalize_grads.cpp).
-void Engine::copy_shared_from_first_stage() {
-  const auto shared = pipeline_shared_slots();
-  const CommunicatorPtr& group = options_.grid.embedding;
-  if (!group) return;
-  // Both stages must hold the same shapes, or the sum would mix parameters (or never meet).
-  std::vector<int64_t> shapes;
-  std::vector<std::string> names;
-  for (size_t i = 0; i < params().size(); ++i) {
-    if (!shared[i]) continue;
-    const auto sizes = params()[i].tensor.sizes();
-    shapes.push_back(static_cast<int64_t>(sizes.size()));
-    shapes.insert(shapes.end(), sizes.begin(), sizes.end());
-    names.push_back(params()[i].name);
-  }
-  const std::string mine = fmt::format("{}", fmt::join(shapes, ","));
-  const int64_t digest = static_cast<int64_t>(std::hash<std::string>{}(mine) >> 12);
-  at::Tensor range = at::tensor({digest, -digest}, at::kLong);
-  group->all_reduce(range, ReduceOp::Max);
-  SHARDOPT_CHECK(range[0].item<int64_t>() == -range[1].item<int64_t>(), InvalidArgument,
-                 "optimizer: the parameters marked with mark_pipeline_shared differ between the "
-                 "first and the last pipeline stage (here: [{}] of shapes [{}]); mark the same "
-                 "tied parameters, in the same order, on both",
-                 fmt::join(names, ", "), mine);
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params().size(); ++i) {
-    if (!shared[i]) continue;
-    const at::Tensor& t = params()[i].tensor;
-    at::Tensor buffer = t.contiguous();
-    group->broadcast(buffer, 0);
-    if (!buffer.is_same(t)) t.copy_(buffer);
-  }
 }
 
 void Engine::attach_hooks() {
@@ -558,7 +498,7 @@ void Engine::clip() {
 void Engine::update() {
   RECORD_FUNCTION("shardopt::update", std::vector<c10::IValue>());
   const auto t = Clock::now();
-  update_->update(steps_ + 1);
+  update_->update(steps_ + 1, &stats_);
   stats_.update_s = seconds_since(t);
   const auto w = Clock::now();
   update_->write_back();

@@ -77,9 +77,14 @@ class Engine final : public UnitRuntime {
  private:
   using Clock = std::chrono::steady_clock;
   const std::vector<ModelParam>& params() const { return model_.params; }
+  // The grid's pipeline size (1 without one): Note [Pipelines decide two defaults].
+  int pipeline_ranks() const;
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
+  // engine_grid.cpp: the grid's groups and sums, wired once by build().
+  void wire_grid(const Rule& rule);
   std::vector<char> pipeline_shared_slots() const;
+  void claim_sequence_sums();
   void copy_shared_from_first_stage();
   void attach_hooks();
   // Autograd events.
@@ -128,6 +133,7 @@ class Engine final : public UnitRuntime {
   int64_t steps_ = 0;
   int bucket_tag_ = 0, step_tag_ = 0;  // MemoryScope tags (Note [Peak attribution])
   int nonfinite_run_ = 0;  // consecutive steps skipped for non-finite gradients (no loss scaler)
+  bool claimed_sequence_sums_ = false;  // Note [Sequence-parallel sums]
   int held_passes_ = 0;  // as_one_backward() calls in progress: autograd's end is not the pass's
   // The step's micro-steps: grad_accumulation_steps, or a pipeline's v*m (begin_pipeline).
   int accumulation_ = 1;

@@ -46,6 +46,9 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
   if (std::holds_alternative<Adafactor>(rule)) {
     adafactor_ = std::make_unique<AdafactorUpdate>(flat_, comm_, timeout_, rule_of_, shapes);
   }
+  if (std::holds_alternative<Muon>(rule)) {
+    muon_ = std::make_unique<MuonUpdate>(flat_, comm_, timeout_, rule_of_, shapes);
+  }
 }
 
 FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
@@ -130,7 +133,7 @@ bool LocalUpdate::clip(double max_norm, double norm) {
   return true;
 }
 
-void LocalUpdate::update(int64_t step) {
+void LocalUpdate::update(int64_t step, StepStats* stats) {
   if (inner_) {
     inner_->step();
     return;
@@ -145,6 +148,10 @@ void LocalUpdate::update(int64_t step) {
   }
   if (adam8bit_) {
     adam8bit_->update(step);
+    return;
+  }
+  if (muon_) {
+    muon_->update(step, stats);
     return;
   }
   auto& state = flat_.state();

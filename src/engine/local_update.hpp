@@ -2,8 +2,8 @@
 // and the new parameters: unscaling, the non-finite check, global-norm clipping, and the update
 // itself (native rules through the fused kernels or torch's ops, LAMB's two phases with its
 // all-reduced per-tensor norms, Adafactor's all-reduced factors (adafactor_update.hpp), 8-bit
-// AdamW's blockwise quantised moments (adam8bit_update.hpp), or a factory-built torch optimizer
-// over the shard).
+// AdamW's blockwise quantised moments (adam8bit_update.hpp), Muon's owner-orthogonalised
+// matrices (muon_update.hpp), or a factory-built torch optimizer over the shard).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -20,6 +20,7 @@
 #include "engine/flat_state.hpp"
 #include "engine/fused_kernels.hpp"
 #include "engine/grid_norm.hpp"
+#include "engine/muon_update.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/optimizer_types.hpp"
 #include "shardopt/rules.hpp"
@@ -57,8 +58,8 @@ class LocalUpdate {
   // Scales the gradients down to `max_norm` given their global `norm`; returns whether it did.
   bool clip(double max_norm, double norm);
   // Optimizer step number `step` (1-based) into the segments' params (and, where the kernels wrote
-  // it, their compute-dtype copies).
-  void update(int64_t step);
+  // it, their compute-dtype copies); Muon's counters go to `stats` when given.
+  void update(int64_t step, StepStats* stats = nullptr);
   // Separate master: casts the result into the model's storage where the kernels did not (also
   // after a checkpoint load overwrote the master weights).
   void write_back();
@@ -88,6 +89,7 @@ class LocalUpdate {
   std::unique_ptr<torch::optim::Optimizer> inner_;
   std::unique_ptr<AdafactorUpdate> adafactor_;
   std::unique_ptr<Adam8bitUpdate> adam8bit_;  // allocates its own state buffers
+  std::unique_ptr<MuonUpdate> muon_;
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
   std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
   std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early

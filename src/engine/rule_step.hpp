@@ -74,6 +74,9 @@ struct RuleStep {
   void operator()(const AdamW8bit&, at::Tensor&, at::Tensor&, std::vector<at::Tensor>&) const {
     SHARDOPT_INTERNAL_ASSERT(false, "8-bit AdamW has its own path (adam8bit_update.hpp)");
   }
+  void operator()(const Muon&, at::Tensor&, at::Tensor&, std::vector<at::Tensor>&) const {
+    SHARDOPT_INTERNAL_ASSERT(false, "Muon has its own path (muon_update.hpp)");
+  }
 
   void adam(double lr, double beta1, double beta2, double eps, bool amsgrad, at::Tensor& p,
             const at::Tensor& grad, std::vector<at::Tensor>& st) const {

@@ -2,6 +2,7 @@
 // shardopt/tensor_parallel.hpp), kept in a TensorRegistry (parallel/tensor_registry.hpp).
 #include <fmt/format.h>
 
+#include "parallel/sequence_sums.hpp"
 #include "parallel/tensor_registry.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/tensor_parallel.hpp"
@@ -12,6 +13,12 @@ namespace {
 detail::TensorRegistry<SplitRecord>& registry() {
   // Never destroyed: parameters may outlive static teardown.
   static auto* r = new detail::TensorRegistry<SplitRecord>();
+  return *r;
+}
+
+// Sequence-parallel parameters whose sum an optimizer owns (Note [Sequence-parallel sums]).
+detail::TensorRegistry<bool>& claims() {
+  static auto* r = new detail::TensorRegistry<bool>();
   return *r;
 }
 
@@ -58,12 +65,41 @@ void mark_sequence_parallel(const at::Tensor& param, const CommunicatorPtr& grou
   if (before && before->sequence_parallel) return;
   registry().put(param, SplitRecord{group, std::nullopt, true});
   if (group->size() == 1) return;
-  param.register_hook([group](const at::Tensor& grad) {
+  // The hook holds the tensor weakly: it is stored on the tensor itself.
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weak(
+      param.getIntrusivePtr());
+  param.register_hook([group, weak](const at::Tensor& grad) {
+    auto strong = weak.lock();
+    if (strong && claims().get(at::Tensor(std::move(strong))).value_or(false)) {
+      return at::Tensor();  // DistributedOptimizer sums it once a step (FinalizeGrads)
+    }
     at::Tensor out = grad.contiguous().clone();
     group->all_reduce(out);
     return out;
   });
 }
+
+// Note [Sequence-parallel sums]
+// A parameter used on sequence shards (Note [Split regions]) gets only its shard's part of the
+// gradient on each tensor rank; the parts must be summed over the tensor group. On its own, the
+// hook mark_sequence_parallel registers does it as autograd produces each gradient: a blocking
+// all-reduce per parameter and backward pass (per micro-batch). A DistributedOptimizer holding the
+// parameter claims it instead (Engine::build) and sums once a step, after the data-parallel
+// reduction, in FinalizeGrads (Megatron's finalize_model_grads does the same for its LayerNorms):
+// one all-reduce of this rank's pieces of all such parameters, whose layout is the same on every
+// rank of the tensor group. The sum is linear, so summing after the micro-batches and the
+// data-parallel reduction gives the same gradient; before step() the parameters' .grad hold the
+// unsummed parts. Destroying the optimizer hands the sum back to the hook.
+}  // namespace shardopt::tp
+
+namespace shardopt::detail {
+
+void claim_sequence_sum(const at::Tensor& param) { tp::claims().put(param, true); }
+void release_sequence_sum(const at::Tensor& param) { tp::claims().put(param, false); }
+
+}  // namespace shardopt::detail
+
+namespace shardopt::tp {
 
 std::optional<SplitRecord> record_of(const at::Tensor& param) {
   return registry().get(param);

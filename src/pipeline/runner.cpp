@@ -1,7 +1,7 @@
 // run_pipeline(): one loop over this rank's action list (Note [Pipeline action lists]). Sends are
 // isend (waited for at the end), receives block, which are the semantics the validator proved
-// deadlock-free; on NCCL a Send and the Recv right after it from the same peer go as one batch
-// (Note [Paired exchanges], proved likewise). Activations and their graphs live from a chunk's
+// deadlock-free; on NCCL the messages between two compute passes go as one batch (Note [Batched
+// exchanges], proved likewise). Activations and their graphs live from a chunk's
 // Forward to its last backward pass for that micro-batch. Nothing is sent before every rank of the
 // group has checked the call and agreed on the schedule.
 #include "shardopt/pipeline_runner.hpp"
@@ -81,7 +81,7 @@ BoundarySpec spec_of(const std::vector<at::Tensor>& tensors) {
 // n, then per tensor its dtype, its rank and its sizes. The receiver's first Recv of that boundary
 // takes the header, then the tensors; later micro-batches send the tensors alone, checked by the
 // sender against the header (torch.distributed.pipelining infers shapes once, likewise). The
-// header has a fixed size so that a paired exchange can post its receive before knowing what
+// header has a fixed size so that a batched exchange can post its receive before knowing what
 // follows. Gradients need none: the sender of the activations knows their shapes.
 constexpr int64_t kHeaderInts = 64;
 constexpr int64_t kHeaderMagic = 0x5348504950;  // "SHPIP"
@@ -336,42 +336,67 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
     store(a, std::move(into));
   };
 
-  const bool pair =
-      options.pair_exchanges == PipelineRunOptions::Pairing::Always ||
-      (options.pair_exchanges == PipelineRunOptions::Pairing::Auto &&
-       comm.backend().find("nccl") != std::string::npos);
-  if (pair) {
-    const std::string deadlock = paired_deadlock(schedule);
+  // Note [Batched exchanges]: the one place that decides, for every schedule.
+  using Batching = PipelineRunOptions::Batching;
+  const Batching batching = options.batch_exchanges != Batching::Auto ? options.batch_exchanges
+                                                                      : options.pair_exchanges;
+  const bool nccl = comm.backend().find("nccl") != std::string::npos;
+  const bool batch = batching == Batching::Always || (batching == Batching::Auto && nccl);
+  if (batch) {
+    const std::string deadlock = exchange_deadlock(schedule, Exchanges::Batched);
     SHARDOPT_CHECK(deadlock.empty(), Unsupported,
-                   "pipeline: {} pairs each send with the receive after it (Note [Paired "
-                   "exchanges]: NCCL's way), under which this schedule would hang: {}",
+                   "pipeline: {} issues the messages between two compute passes as one batch "
+                   "(Note [Batched exchanges]: NCCL's way), under which this schedule would hang: "
+                   "{}",
                    comm.backend(), deadlock);
   }
-  // Sends this rank's messages and, where they pair with the next action, that Recv's in one
-  // batch (Note [Paired exchanges]); returns whether it did the latter. A Recv whose boundary
-  // header is still to come takes only the header in the batch, then the tensors it announces.
-  const auto send = [&](const std::vector<Action>& list, size_t i, InFlight& f) {
-    const std::vector<at::Tensor> msgs = outgoing(list[i], f);
-    if (!pair || !pairs_with_next(list, i)) {
-      for (const at::Tensor& t : msgs) isend(t, list[i].peer);
-      return false;
-    }
-    const Action& next = list[i + 1];
-    std::vector<at::Tensor> into = incoming(next);
-    const bool header = into.empty() && next.type == ActionType::RecvActivation &&
-                        !in_spec[next.chunk];
-    if (header) into = {at::empty({kHeaderInts}, at::TensorOptions(at::kLong).device(device))};
+  // Issues actions [begin, end) of `list`, all messages, as one batch_isend_irecv (Note [Batched
+  // exchanges]). A Recv whose boundary header is still to come takes only the header in the
+  // batch, and the later receives from that peer wait for the batch: the tensors it announces
+  // come first on that link.
+  const auto exchange = [&](const std::vector<Action>& list, size_t begin, size_t end) {
     std::vector<P2pOp> ops;
-    for (const at::Tensor& t : msgs) ops.push_back({P2pOp::Kind::Send, t, list[i].peer});
-    for (const at::Tensor& t : into) ops.push_back({P2pOp::Kind::Recv, on_wire(t), next.peer});
-    comm.batch_isend_irecv(ops)->wait();
-    if (header) {
-      receive_header(next, into[0]);
-      into = incoming(next);
-      for (const at::Tensor& t : into) comm.recv(on_wire(t), next.peer);
+    std::vector<at::Tensor> keep;  // the sent tensors, alive until the batch ends
+    std::vector<std::vector<at::Tensor>> into(end - begin);
+    std::vector<bool> header(end - begin, false), after(end - begin, false);
+    std::map<int, bool> waits;  // peers whose later receives wait for a header
+    for (size_t i = begin; i < end; ++i) {
+      const Action& a = list[i];
+      if (a.type == ActionType::SendActivation || a.type == ActionType::SendGrad) {
+        for (at::Tensor& t : outgoing(a, live[{a.chunk, a.microbatch}])) {
+          keep.push_back(t);
+          ops.push_back({P2pOp::Kind::Send, keep.back(), a.peer});
+        }
+        continue;
+      }
+      if (waits[a.peer]) {
+        after[i - begin] = true;
+        continue;
+      }
+      into[i - begin] = incoming(a);
+      if (a.type == ActionType::RecvActivation && !in_spec[a.chunk]) {
+        header[i - begin] = waits[a.peer] = true;
+        into[i - begin] = {at::empty({kHeaderInts}, at::TensorOptions(at::kLong).device(device))};
+      }
+      for (const at::Tensor& t : into[i - begin]) {
+        ops.push_back({P2pOp::Kind::Recv, on_wire(t), a.peer});
+      }
     }
-    store(next, std::move(into));
-    return true;
+    comm.batch_isend_irecv(ops)->wait();
+    for (size_t i = begin; i < end; ++i) {
+      const Action& a = list[i];
+      if (a.type == ActionType::SendActivation || a.type == ActionType::SendGrad) continue;
+      if (after[i - begin]) {
+        recv(a);
+        continue;
+      }
+      if (header[i - begin]) {
+        receive_header(a, into[i - begin][0]);
+        into[i - begin] = incoming(a);
+        for (const at::Tensor& t : into[i - begin]) comm.recv(on_wire(t), a.peer);
+      }
+      store(a, std::move(into[i - begin]));
+    }
   };
 
   // A (chunk, micro-batch)'s tensors and graph are dropped after its last action here.
@@ -403,17 +428,34 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
     trace->actions.assign(list.size(), PipelineActionTiming{});
     trace->live_bytes_before = MemoryTracker::cpu().live_bytes();
   }
-  size_t received_with_send = list.size();  // the Recv that a paired Send received already
   for (size_t i = 0; i < list.size(); ++i) {
     const Action& a = list[i];
     const int64_t start_ns = trace ? steady_ns() : 0;
     const int64_t start_cpu_ns = trace ? thread_cpu_ns() : 0;
+    if (batch && !is_compute(a.type)) {
+      const size_t end = exchange_end(list, i);
+      exchange(list, i, end);
+      const size_t first = i;
+      for (; i < end; ++i) {
+        const Action& done = list[i];
+        if (--uses[{done.chunk, done.microbatch}] == 0) live.erase({done.chunk, done.microbatch});
+      }
+      if (trace) {  // the batch's time on its first action, the others take none after it
+        const int64_t end_ns = steady_ns(), cpu_ns = thread_cpu_ns() - start_cpu_ns;
+        for (size_t k = first; k < end; ++k) {
+          trace->actions[k] = {k == first ? start_ns : end_ns, end_ns, k == first ? cpu_ns : 0,
+                               MemoryTracker::cpu().live_bytes()};
+        }
+      }
+      --i;
+      continue;
+    }
     InFlight& f = live[{a.chunk, a.microbatch}];
     const PipelineChunk& chunk = chunks.at(a.chunk);
     switch (a.type) {
       case ActionType::RecvActivation:
       case ActionType::RecvGrad:
-        if (i != received_with_send) recv(a);
+        recv(a);
         break;
       case ActionType::Forward: {
         if (a.stage == 0) {
@@ -448,7 +490,7 @@ std::vector<at::Tensor> run_pipeline(const PipelineSchedule& schedule, Communica
       }
       case ActionType::SendActivation:
       case ActionType::SendGrad:
-        if (send(list, i, f)) received_with_send = i + 1;
+        for (const at::Tensor& t : outgoing(a, f)) isend(t, a.peer);
         break;
       case ActionType::Backward: {
         // Accumulates into the parameters' .grad and, off stage 0, into the inputs' .grad.

@@ -133,14 +133,31 @@ void check_local_order(const PipelineSchedule& s) {
 
 }  // namespace
 
+const char* to_string(Exchanges exchanges) {
+  switch (exchanges) {
+    case Exchanges::Separate: return "separate";
+    case Exchanges::Batched: return "batched";
+    case Exchanges::Paired: return "paired";
+  }
+  return "?";
+}
+
 bool pairs_with_next(const std::vector<Action>& list, size_t i) {
   return i + 1 < list.size() && is_send(list[i].type) && is_recv(list[i + 1].type) &&
          list[i].peer == list[i + 1].peer;
 }
 
-SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& costs, bool paired) {
+size_t exchange_end(const std::vector<Action>& list, size_t i) {
+  while (i < list.size() && !is_compute(list[i].type)) ++i;
+  return i;
+}
+
+SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& costs,
+                               Exchanges exchanges) {
   check_shape(s);
   const int p = s.ranks;
+  const bool paired = exchanges == Exchanges::Paired;
+  const bool batched = exchanges == Exchanges::Batched;
   SimulatedRun run;
   run.compute.assign(p, 0);
   run.finish.assign(p, 0);
@@ -153,8 +170,9 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
   std::map<std::pair<int, int>, std::deque<std::pair<Action, int64_t>>> wire;
   size_t left = 0;
   for (const auto& list : s.actions) left += list.size();
-  // Note [Paired exchanges]: each Send's place among the messages to its peer, the positions of
-  // each rank's Recvs per sender, and whether a rank's pair has put its Send on the wire yet.
+  // Note [Batched exchanges]: each Send's place among the messages to its peer, the positions of
+  // each rank's Recvs per sender, and whether a rank has put its batch's (or pair's) sends on the
+  // wire yet, and when.
   std::vector<std::vector<size_t>> send_index(p);
   std::vector<std::map<int, std::vector<size_t>>> recv_at(p);
   for (int r = 0; r < p; ++r) {
@@ -166,12 +184,20 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
       if (is_recv(a.type)) recv_at[r][a.peer].push_back(i);
     }
   }
-  std::vector<bool> pair_sent(p, false);
+  std::vector<bool> issued(p, false);
+  std::vector<int64_t> issued_at(p, 0);
   // Rank q has posted its Recv at position j: it is done with it, blocked at it, or waiting in
-  // the pair whose Recv it is.
+  // the batch (or pair) whose Recv it is.
   const auto posted = [&](int q, size_t j) {
     const auto& list = s.actions[q];
-    return j <= (next[q] < list.size() && pairs_with_next(list, next[q]) ? next[q] + 1 : next[q]);
+    size_t end = next[q];
+    if (batched && issued[q]) end = exchange_end(list, next[q]);
+    if (paired && next[q] < list.size() && pairs_with_next(list, next[q])) end = next[q] + 1;
+    return j <= end && (j < end || !batched);
+  };
+  // When rank q posted its Recv at j (for the sender's clock): now, or its batch's issue time.
+  const auto posted_time = [&](int q, size_t j) {
+    return j >= next[q] && issued[q] ? issued_at[q] : int64_t{0};
   };
   // Takes Recv `a` of rank r off the wire; false while its message has not been sent.
   const auto receive = [&](int r, size_t i, int64_t* start) {
@@ -187,6 +213,15 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
     queue.pop_front();
     return true;
   };
+  // Whether rank r's Send at i has its Recv posted on the peer.
+  const auto peer_posted = [&](int r, size_t i, int64_t* start) {
+    const Action& a = s.actions[r][i];
+    const auto& peer_recvs = recv_at[a.peer][r];
+    const size_t k = send_index[r][i];
+    if (k >= peer_recvs.size() || !posted(a.peer, peer_recvs[k])) return false;
+    *start = std::max(*start, posted_time(a.peer, peer_recvs[k]));
+    return true;
+  };
   while (left > 0) {
     bool progressed = false;
     for (int r = 0; r < p; ++r) {
@@ -194,15 +229,48 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
       while (next[r] < list.size()) {
         const Action& a = list[next[r]];
         int64_t start = clock[r];
+        if (batched && !is_compute(a.type)) {
+          // One batch: post every send and receive, end when all have met their peers.
+          const size_t end = exchange_end(list, next[r]);
+          if (!issued[r]) {
+            for (size_t i = next[r]; i < end; ++i) {
+              if (is_send(list[i].type)) wire[{r, list[i].peer}].emplace_back(list[i], start);
+            }
+            issued[r] = true;
+            issued_at[r] = start;
+            progressed = true;
+          }
+          int64_t done = start;
+          bool ready = true;
+          std::map<int, size_t> wanted;  // receives per sender
+          for (size_t i = next[r]; i < end && ready; ++i) {
+            if (is_send(list[i].type)) ready = peer_posted(r, i, &done);
+            if (is_recv(list[i].type)) {
+              ready = wire[{list[i].peer, r}].size() > wanted[list[i].peer]++;
+            }
+          }
+          if (!ready) break;
+          for (size_t i = next[r]; i < end; ++i) {
+            if (is_recv(list[i].type)) receive(r, i, &done);
+          }
+          for (size_t i = next[r]; i < end; ++i) run.start[r].push_back(done);
+          issued[r] = false;
+          clock[r] = done;
+          left -= end - next[r];
+          next[r] = end;
+          progressed = true;
+          continue;
+        }
         if (paired && pairs_with_next(list, next[r])) {
-          if (!pair_sent[r]) wire[{r, a.peer}].emplace_back(a, start);
-          pair_sent[r] = true;
-          const auto& peer_recvs = recv_at[a.peer][r];
-          const size_t k = send_index[r][next[r]];
-          if (k >= peer_recvs.size() || !posted(a.peer, peer_recvs[k])) break;
+          if (!issued[r]) {
+            wire[{r, a.peer}].emplace_back(a, start);
+            issued[r] = true;
+            issued_at[r] = start;
+          }
+          if (!peer_posted(r, next[r], &start)) break;
           int64_t received = start;
           if (!receive(r, next[r] + 1, &received)) break;
-          pair_sent[r] = false;
+          issued[r] = false;
           run.start[r].push_back(start);
           run.start[r].push_back(received);
           clock[r] = received;
@@ -237,12 +305,13 @@ SimulatedRun simulate_schedule(const PipelineSchedule& s, const ActionCosts& cos
                                  next[r], to_string(s.actions[r][next[r]]));
         }
       }
+      const bool waits = exchanges != Exchanges::Separate;
       SHARDOPT_FAIL(InvalidArgument,
                     "pipeline: the {} schedule (p = {}, m = {}, v = {}) deadlocks{}: every rank "
                     "left waits for a message never sent{}: {}",
                     to_string(s.kind), s.ranks, s.microbatches, s.chunks,
-                    paired ? " with paired exchanges" : "",
-                    paired ? " or a receive never posted" : "", blocked);
+                    waits ? fmt::format(" with {} exchanges", to_string(exchanges)) : "",
+                    waits ? " or a receive never posted" : "", blocked);
     }
   }
   for (const auto& [pair, queue] : wire) {
@@ -269,9 +338,9 @@ double bubble_formula(PipelineScheduleKind kind, int p, int m, int v) {
   return -1;
 }
 
-std::string paired_deadlock(const PipelineSchedule& schedule) {
+std::string exchange_deadlock(const PipelineSchedule& schedule, Exchanges exchanges) {
   try {
-    simulate_schedule(schedule, {}, /*paired=*/true);
+    simulate_schedule(schedule, {}, exchanges);
   } catch (const Error& e) {
     return e.what();
   }
@@ -290,6 +359,7 @@ uint64_t fingerprint(const PipelineSchedule& s) {
   mix(s.ranks);
   mix(s.microbatches);
   mix(s.chunks);
+  mix(s.group);
   for (const auto& list : s.actions) {
     mix(static_cast<int64_t>(list.size()));  // so that no action moves between two lists unseen
     for (const Action& a : list) {

@@ -73,10 +73,10 @@ int main(int argc, char** argv) {
   app.add_option("--offload", offload_arg, "none | cpu (optimizer state and fp32 grad shard on host)")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "cpu"}));
-  app.add_option("--optimizer", optimizer_arg, "adam | adamw | lamb | sgd | adagrad | sgd-nomomentum | adafactor | adamw8bit")
+  app.add_option("--optimizer", optimizer_arg, "adam | adamw | lamb | sgd | adagrad | sgd-nomomentum | adafactor | adamw8bit | muon")
       ->capture_default_str()
       ->check(CLI::IsMember({"adam", "adamw", "lamb", "sgd", "adagrad", "sgd-nomomentum",
-                            "adafactor"}));
+                            "adafactor", "adamw8bit", "muon"}));
   app.add_option("--state-bytes", state_bytes, "override K, optimizer bytes per parameter");
   app.add_option("--bucket-mib", bucket_mib, "gradient bucket size in MiB (ZeroOptions::bucket_bytes; 0: sized from the model as "
                  "the optimizer does)")
@@ -92,6 +92,15 @@ int main(int argc, char** argv) {
   app.add_flag("--defer-reduction", defer_reduction,
                "stages 2-3: gradients summed in every bucket over the micro-steps, reduced once "
                "(ZeroOptions::defer_reduction: the pool holds all buckets)");
+  int pipeline_ranks = 1;
+  app.add_option("--pp", pipeline_ranks,
+                 "pipeline ranks: above 1, --params is one rank's stage; stages 2-3 defer their "
+                 "reduction and stage 3 holds the stage's units through the step (Note [Pipelines "
+                 "decide two defaults])")
+      ->check(CLI::PositiveNumber);
+  bool reshard_between_uses = false;
+  app.add_flag("--reshard-between-uses", reshard_between_uses,
+               "stage 3 under --pp: release units between uses (ZeroOptions::reshard_between_uses)");
   app.add_flag("--json", json, "machine-readable output");
   CLI11_PARSE(app, argc, argv);
 
@@ -129,6 +138,9 @@ int main(int argc, char** argv) {
     base.persistent_params = static_cast<int64_t>(std::llround(persistent_params));
     base.largest_param = largest;
     base.defer_reduction = defer_reduction;
+    base.pipeline_ranks = pipeline_ranks;
+    if (reshard_between_uses) base.reshard_between_uses = true;
+    const bool deferred = shardopt::detail::defers_reduction(defer_reduction, pipeline_ranks);
 
     std::vector<est::Estimate> rows;
     for (int stage : stages) {
@@ -146,7 +158,7 @@ int main(int argc, char** argv) {
                  "\"offload\": \"{}\", \"bucket_bytes\": {}, \"align_bytes\": {}, "
                  "\"defer_reduction\": {}, \"rows\": [\n",
                  preset.empty() ? "custom" : "bert-" + preset, psi, precision_arg, optimizer_arg,
-                 offload_arg, base.bucket_bytes, base.align_bytes, defer_reduction);
+                 offload_arg, base.bucket_bytes, base.align_bytes, deferred);
       for (size_t i = 0; i < rows.size(); ++i) {
         const auto& e = rows[i];
         fmt::print("  {{\"stage\": {}, \"ranks\": {}, \"padded_params\": {}, \"P\": {}, \"G\": {}, "
@@ -172,7 +184,9 @@ int main(int argc, char** argv) {
                                  rows.back().gathered_units_params / 1e6,
                                  units == 0 ? " (two buckets)" : "")
                    : std::string(),
-               defer_reduction ? ", reduction deferred (every bucket kept for the step)" : "");
+               deferred ? fmt::format(", reduction deferred{} (every bucket kept for the step)",
+                                      pipeline_ranks > 1 ? " under --pp" : "")
+                        : std::string());
     fmt::print("Per rank, MB = 10^6 bytes{}.\n\n", offload ? "; device + host (offloaded)" : "");
     if (offload) {
       fmt::print("| stage | ranks | params | grads | optim state | buffers | device total | host "

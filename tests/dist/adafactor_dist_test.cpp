@@ -373,6 +373,9 @@ DIST_TEST(AdafactorErrors, TensorParallelSplitsAreRefused) {
   zo.grid = g;
   test::expect_error([&] { DistributedOptimizer opt({group}, Adafactor(), g.dp, zo); },
                      ErrorKind::Unsupported, {"adafactor", "'col.", "is split over"});
+  // Muon's Newton-Schulz needs the whole matrix too: the same refusal.
+  test::expect_error([&] { DistributedOptimizer opt({group}, Muon(), g.dp, zo); },
+                     ErrorKind::Unsupported, {"muon", "'col.", "is split over"});
 }
 
 // memory() and the estimator agree on Adafactor's state: K = 4 bytes per fp32 parameter.

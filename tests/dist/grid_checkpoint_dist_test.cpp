@@ -278,6 +278,17 @@ DIST_TEST(GridCheckpoint, OneCommitForTheGrid) {
   EXPECT_EQ(c.kept, (std::vector<std::string>{"save-000002", "save-000003"}));
   EXPECT_TRUE(test::all_ranks(!fs::exists(fs::path(dir) / "save-000001")));
   test::world()->barrier();
+  // Consolidation takes a grid's parameters, but its optimizer state only from one folder.
+  if (world_rank == 0) {
+    ConsolidateOptions with_state;
+    with_state.optimizer_state_out = dir + "-state.pt";
+    test::expect_error([&] { consolidate_checkpoint(dir, dir + "-model.pt", with_state); },
+                       ErrorKind::Unsupported, {"consolidated from one folder", "tp=2 x pp=2"});
+    consolidate_checkpoint(dir, dir + "-model.pt");
+    EXPECT_GT(read_state_dict(dir + "-model.pt").size(), 0u);
+    fs::remove(dir + "-model.pt");
+  }
+  test::world()->barrier();
   // A flipped bit in a piece another layout reads: its element checksum names the parameter.
   const fs::path shard =
       fs::path(dir) / "save-000003" / "pp0-of-2" / "tp1-of-2" / "shard-00000-of-00001.bin";

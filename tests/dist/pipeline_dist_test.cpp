@@ -57,13 +57,17 @@ struct Case {
   int m, v;
 };
 
-// Every schedule at p ranks (interleaved at v = 2 from p = 2), 1F1B also with m not a multiple of p.
+// Every schedule at p ranks (interleaved at v = 2 from p = 2), 1F1B and interleaved also with m not
+// a multiple of p (interleaved in groups of N = p + 1, Note [Micro-batch groups]).
 std::vector<Case> cases_for(int p) {
   std::vector<Case> cases{{PipelineScheduleKind::GPipe, 4, 1},
                           {PipelineScheduleKind::OneFOneB, 4, 1},
                           {PipelineScheduleKind::OneFOneB, 2 * p + 1, 1},
                           {PipelineScheduleKind::ZeroBubbleH1, 2 * p, 1}};
-  if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
+  if (p >= 2) {
+    cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
+    cases.push_back({PipelineScheduleKind::Interleaved1F1B, 2 * p + 1, 2});
+  }
   return cases;
 }
 
@@ -92,14 +96,14 @@ std::vector<PipelineChunk> chunks_of(const std::vector<Layer>& model,
   return chunks;
 }
 
-// Each case run with its sends and receives apart and paired (Note [Paired exchanges]: NCCL's
-// way, here on MPI and Gloo).
-std::vector<std::pair<Case, PipelineRunOptions::Pairing>> with_both_pairings(
+// Each case run with its messages apart and batched (Note [Batched exchanges]: NCCL's way, here on
+// MPI and Gloo).
+std::vector<std::pair<Case, PipelineRunOptions::Batching>> with_both_batchings(
     const std::vector<Case>& cases) {
-  std::vector<std::pair<Case, PipelineRunOptions::Pairing>> out;
+  std::vector<std::pair<Case, PipelineRunOptions::Batching>> out;
   for (const Case& c : cases) {
-    out.emplace_back(c, PipelineRunOptions::Pairing::Never);
-    out.emplace_back(c, PipelineRunOptions::Pairing::Always);
+    out.emplace_back(c, PipelineRunOptions::Batching::Never);
+    out.emplace_back(c, PipelineRunOptions::Batching::Always);
   }
   return out;
 }
@@ -141,10 +145,10 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
   auto comm = test::communicator(GetParam());
   const int p = comm->size(), r = comm->rank();
   bool ok = true;
-  using Pairing = PipelineRunOptions::Pairing;
-  for (const auto& [c, pairing] : with_both_pairings(cases_for(p))) {
+  using Batching = PipelineRunOptions::Batching;
+  for (const auto& [c, batching] : with_both_batchings(cases_for(p))) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}{}", to_string(c.kind), p, c.m, c.v,
-                             pairing == Pairing::Always ? " paired" : ""));
+                             batching == Batching::Always ? " batched" : ""));
     // One process: m micro-batches of gradient accumulation on the whole model.
     auto reference = make_model();
     std::vector<at::Tensor> reference_losses;
@@ -161,18 +165,54 @@ TEST_P(PipelineParity, GradientsBitwiseEqualOneProcessAccumulating) {
     const std::vector<PipelineChunk> chunks = chunks_of(model, schedule, r, &mine);
     PipelineRunOptions options;
     options.activation_shape = {kBatch, kHidden};
-    options.pair_exchanges = pairing;
-    if (pairing == Pairing::Always && !paired_deadlock(schedule).empty()) {
-      // Refused on every rank before any message (Note [Paired exchanges]), rather than a hang.
-      test::expect_error([&] { run_pipeline(schedule, *comm, chunks, data, options); },
-                         ErrorKind::Unsupported, {"would hang", "deadlocks with paired exchanges"});
-      continue;
-    }
+    options.batch_exchanges = batching;
     const auto losses = run_pipeline(schedule, *comm, chunks, data, options);
     ok = matches_one_process(model, reference, mine, losses, reference_losses) && ok;
     EXPECT_EQ(losses.size(), r == schedule.rank_of(stages - 1) ? size_t(c.m) : size_t{0});
   }
   EXPECT_TRUE(test::all_ranks(ok));
+}
+
+// Note [Batched exchanges]: a list valid with separate messages that would hang batched (interleaved
+// with each message next to its compute, the placement the former pairing ran) is refused by name
+// on every rank when batching, and runs with separate messages. pair_exchanges, the option's
+// former name, still asks for batching; batch_exchanges, when set, decides.
+TEST_P(PipelineParity, BatchingRefusesWhatWouldHang) {
+  auto comm = test::communicator(GetParam());
+  const int p = comm->size(), r = comm->rank();
+  if (p < 2) GTEST_SKIP() << "interleaved needs two ranks";
+  PipelineSchedule schedule = compile_schedule(PipelineScheduleKind::Interleaved1F1B, p, 2 * p, 2);
+  for (auto& list : schedule.actions) {  // each message next to its compute
+    std::vector<Action> adjacent;
+    for (const Action& a : list) {
+      if (!is_compute(a.type)) continue;
+      const bool forward = a.type == ActionType::Forward;
+      const int from = forward ? a.stage - 1 : a.stage + 1, to = forward ? a.stage + 1 : a.stage - 1;
+      if (from >= 0 && from < schedule.stages()) {
+        adjacent.push_back({forward ? ActionType::RecvActivation : ActionType::RecvGrad,
+                            a.microbatch, a.chunk, a.stage, from % p});
+      }
+      adjacent.push_back(a);
+      if (to >= 0 && to < schedule.stages()) {
+        adjacent.push_back({forward ? ActionType::SendActivation : ActionType::SendGrad,
+                            a.microbatch, a.chunk, a.stage, to % p});
+      }
+    }
+    list = adjacent;
+  }
+  ASSERT_NO_THROW(validate_schedule(schedule));
+  auto model = make_model();
+  const auto chunks = chunks_of(model, schedule, r);
+  PipelineRunOptions options;
+  options.activation_shape = {kBatch, kHidden};
+  options.pair_exchanges = PipelineRunOptions::Pairing::Always;
+  const std::string what =
+      test::expect_error([&] { run_pipeline(schedule, *comm, chunks, data, options); },
+                         ErrorKind::Unsupported, {"would hang", "deadlocks with batched exchanges"});
+  EXPECT_TRUE(test::all_ranks(!what.empty()));
+  options.batch_exchanges = PipelineRunOptions::Batching::Never;
+  EXPECT_EQ(run_pipeline(schedule, *comm, chunks, data, options).size(),
+            r == schedule.rank_of(schedule.stages() - 1) ? size_t(2 * p) : size_t{0});
 }
 
 // run_pipeline checks the schedule before any message: an invalid one is the validator's
@@ -260,7 +300,7 @@ TEST_P(PipelineParity, ZeroBubbleOwesForgottenParameters) {
 
 // Several tensors per boundary: each stage passes (hidden [b, h] float, running sum [b] float,
 // mask [b] bool), shapes agreed on the first micro-batch (no activation_shape). Gradients flow
-// back through both floating tensors; the mask carries none. Every schedule, both pairings,
+// back through both floating tensors; the mask carries none. Every schedule, batched and not,
 // bitwise against one process.
 struct Carry {
   at::Tensor hidden, sum, mask;
@@ -280,13 +320,13 @@ TEST_P(PipelineParity, SeveralTensorsPerBoundary) {
   auto comm = test::communicator(GetParam());
   const int p = comm->size(), r = comm->rank();
   bool ok = true;
-  using Pairing = PipelineRunOptions::Pairing;
+  using Batching = PipelineRunOptions::Batching;
   std::vector<Case> cases = cases_for(p);
-  // Interleaved with m = p pairs a chunk's first receive (its boundary header) with a send.
+  // Interleaved with m = p batches a chunk's first receive (its boundary header) with sends.
   if (p >= 2) cases.push_back({PipelineScheduleKind::Interleaved1F1B, p, 2});
-  for (const auto& [c, pairing] : with_both_pairings(cases)) {
+  for (const auto& [c, batching] : with_both_batchings(cases)) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}{}", to_string(c.kind), p, c.m, c.v,
-                             pairing == Pairing::Always ? " paired" : ""));
+                             batching == Batching::Always ? " batched" : ""));
     auto reference = make_model();
     std::vector<at::Tensor> reference_losses;
     for (int mb = 0; mb < c.m; ++mb) {
@@ -296,7 +336,6 @@ TEST_P(PipelineParity, SeveralTensorsPerBoundary) {
     }
     auto model = make_model();
     const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
-    if (pairing == Pairing::Always && !paired_deadlock(schedule).empty()) continue;
     const int stages = schedule.stages(), per_stage = kLayers / stages;
     std::vector<PipelineChunk> chunks;
     std::vector<int> mine;
@@ -318,7 +357,7 @@ TEST_P(PipelineParity, SeveralTensorsPerBoundary) {
       chunks.push_back(std::move(pc));
     }
     PipelineRunOptions options;
-    options.pair_exchanges = pairing;
+    options.batch_exchanges = batching;
     const auto losses = run_pipeline(schedule, *comm, chunks, data, options);
     ok = matches_one_process(model, reference, mine, losses, reference_losses) && ok;
   }
@@ -338,10 +377,10 @@ TEST_P(PipelineTrace, EveryActionRecordedOnceInOrder) {
   auto comm = test::communicator(GetParam());
   const int p = comm->size(), r = comm->rank();
   bool ok = true;
-  using Pairing = PipelineRunOptions::Pairing;
-  for (const auto& [c, pairing] : with_both_pairings(cases_for(p))) {
+  using Batching = PipelineRunOptions::Batching;
+  for (const auto& [c, batching] : with_both_batchings(cases_for(p))) {
     SCOPED_TRACE(fmt::format("{} p={} m={} v={}{}", to_string(c.kind), p, c.m, c.v,
-                             pairing == Pairing::Always ? " paired" : ""));
+                             batching == Batching::Always ? " batched" : ""));
     auto model = make_model();
     const PipelineSchedule schedule = compile_schedule(c.kind, p, c.m, c.v);
     const std::vector<PipelineChunk> chunks = chunks_of(model, schedule, r);
@@ -349,6 +388,7 @@ TEST_P(PipelineTrace, EveryActionRecordedOnceInOrder) {
     PipelineRunOptions options;
     options.activation_shape = {kBatch, kHidden};
     options.trace = &trace;
+    options.batch_exchanges = batching;
     for (int call = 0; call < 2; ++call) {
       run_pipeline(schedule, *comm, chunks, data, options);
       const auto& list = schedule.actions[r];

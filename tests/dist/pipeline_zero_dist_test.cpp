@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardopt/estimate.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/parallel_layout.hpp"
 #include "shardopt/pipeline.hpp"
@@ -105,6 +106,7 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
 struct Case {
   PipelineScheduleKind kind;
   int m, v;
+  bool batched = false;  // Note [Batched exchanges] on this engine (PipelineRunOptions::Batching)
 };
 
 // The grids (p, d) with p in {2, 4} this world holds.
@@ -136,7 +138,13 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
     std::vector<Case> cases{Case{PipelineScheduleKind::GPipe, 4, 1},
                             Case{PipelineScheduleKind::OneFOneB, 4, 1},
                             Case{PipelineScheduleKind::ZeroBubbleH1, 4, 1}};
-    if (p > 1) cases.push_back(Case{PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
+    if (p > 1) {
+      // Interleaved with its messages apart and batched (NCCL's way), and with m = p + 1, not a
+      // multiple of p (one group of N = m: Note [Micro-batch groups]).
+      cases.push_back(Case{PipelineScheduleKind::Interleaved1F1B, 2 * p, 2});
+      cases.push_back(Case{PipelineScheduleKind::Interleaved1F1B, 2 * p, 2, true});
+      cases.push_back(Case{PipelineScheduleKind::Interleaved1F1B, p + 1, 2, true});
+    }
     for (const Case& c : cases) {
       const int64_t rows = int64_t{d} * c.m * kRows;
       const Reference ref = reference_run(rule, rows);
@@ -153,9 +161,10 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
           {3, 0, true, false}};
       if (d == 2) zero_runs.push_back({2, 1, false, false});
       for (const auto [zero_stage, shard_group_size, defer, reshard] : zero_runs) {
-        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={} ZeRO stage {} shard group {}{}{}", p, d,
-                                 to_string(c.kind), c.m, c.v, zero_stage, shard_group_size,
-                                 defer ? " deferred" : "", reshard ? " resharded" : ""));
+        SCOPED_TRACE(fmt::format("p={} d={} {} m={} v={}{} ZeRO stage {} shard group {}{}{}", p,
+                                 d, to_string(c.kind), c.m, c.v, c.batched ? " batched" : "",
+                                 zero_stage, shard_group_size, defer ? " deferred" : "",
+                                 reshard ? " resharded" : ""));
         const Model init = initial_model();
         // This rank's chunks' layers and, on the first and the last stage, a copy of the tied
         // embedding (the last stage's starts as zeros: the optimizer copies the first stage's).
@@ -217,6 +226,8 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
         PipelineRunOptions run;
         run.activation_shape = {kRows, kHidden};
         run.activation_dtype = at::kDouble;
+        run.batch_exchanges = c.batched ? PipelineRunOptions::Batching::Always
+                                        : PipelineRunOptions::Batching::Never;
         // The handshake (Note [Pipeline handshake]): one backward pass per chunk and
         // micro-batch, the weight pass as one, each chunk's buckets reduced after its last.
         if (defer) {
@@ -238,6 +249,27 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
           norm_error =
               std::max(norm_error, std::abs(opt.last_step().grad_norm / ref.norms[step] - 1));
         }
+        bool estimated = true;
+        if (shard_group_size == 0) {
+          // The estimator knows the pipeline's defaults (Note [Pipelines decide two defaults]):
+          // the kept gradients exactly, the buffers as a bound.
+          estimate::Options o;
+          o.params = opt.padded_numel();
+          o.world = d;
+          o.stage = zero_stage;
+          o.params_on_host = true;
+          o.bucket_bytes = zo.bucket_bytes;
+          o.defer_reduction = defer;
+          o.pipeline_ranks = p;
+          o.reshard_between_uses = zo.reshard_between_uses;
+          const estimate::Estimate e = estimate::model_states(o);
+          const MemoryReport mem = opt.memory();
+          const int64_t wide = 2;  // the estimator counts fp32 elements, these are float64
+          EXPECT_EQ(mem.grad_bytes, wide * e.device.grads);
+          EXPECT_LE(mem.buffer_bytes, wide * e.device.buffers);
+          estimated = mem.grad_bytes == wide * e.device.grads &&
+                      mem.buffer_bytes <= wide * e.device.buffers;
+        }
         opt.gather_full_parameters();
         double diff = holds_embedding ? max_diff(embedding, ref.after.embedding) : 0.0;
         for (size_t i = 0; i < layers.size(); ++i) {
@@ -256,7 +288,7 @@ DIST_TEST(PipelineZero, GridMatchesTorchAdamWOnTheWholeModel) {
           EXPECT_TRUE(counted) << elements << " elements all-gathered in a step, the layout holds "
                                << opt.padded_numel() << (held ? " (held)" : "");
         }
-        all_ok = all_ok && diff <= 1e-10 && norm_error <= 1e-9 && clipped && counted;
+        all_ok = all_ok && diff <= 1e-10 && norm_error <= 1e-9 && clipped && counted && estimated;
       }
     }
   }

@@ -13,6 +13,7 @@
 #include <torch/optim/adamw.h>
 
 #include <cmath>
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -354,6 +355,56 @@ DIST_TEST(TensorParallelLayers, EncoderBackwardMakesTwoInputGradientAllReduces) 
     EXPECT_EQ(forward_calls, split ? 2 : 0) << "the two row-parallel sums";
     EXPECT_EQ(backward_calls, split ? 2 : 0) << "input-gradient all-reduces of one layer";
     EXPECT_GT(x.grad().abs().max().item<double>(), 0.0);
+  });
+}
+
+// Note [Sequence-parallel sums]: a DistributedOptimizer holding the sequence-parallel parameters
+// (the LayerNorms' and the row-parallel biases': 6 in a layer) sums their gradients once a step,
+// so the backward pass makes 6 all-reduces fewer than the hooks alone; with the optimizer gone the
+// hooks sum again. The sums' values are checked by the sequence-parallel runs of
+// TensorParallelZero.DataParallelOptimizerOverSplitLayersMatchesTorch.
+DIST_TEST(TensorParallelLayers, OptimizerTakesOverSequenceParallelSums) {
+  for_each_layout([](const ParallelGroups& base, bool sp) {
+    if (!sp || base.tp->size() == 1) return;
+    auto counting = std::make_shared<test::CountingCommunicator>(base.tp);
+    ParallelGroups g = base;
+    g.tp = counting;
+    const EncoderWeights w;
+    auto draws = test::seeded_draws(24);
+    SplitEncoder enc(w, g, sp);
+    const at::Tensor x = at::randn({kBatch, kSeq / g.tp->size(), kHidden}, at::kDouble);
+    draws.unlock();
+    const auto backward_calls = [&](const std::function<void(const at::Tensor&)>& backward) {
+      const at::Tensor y = enc.forward(x);
+      const int64_t before = counting->traffic().calls;
+      backward(y.sum());
+      return counting->traffic().calls - before;
+    };
+    const auto plain = [](const at::Tensor& loss) { loss.backward(); };
+    const int64_t hooks = backward_calls(plain);
+    ParamGroup group;
+    int index = 0;
+    for (const at::Tensor& t : {enc.q->weight, enc.q->bias, enc.k->weight, enc.k->bias,
+                                enc.v->weight, enc.v->bias, enc.up->weight, enc.up->bias,
+                                enc.o->weight, enc.o->bias, enc.down->weight, enc.down->bias,
+                                enc.ln1_w, enc.ln1_b, enc.ln2_w, enc.ln2_b}) {
+      group.params.push_back({fmt::format("p{}", index++), t});
+    }
+    {
+      ZeroOptions zo;
+      zo.stage = Stage::Gradients;
+      zo.grid = g;
+      zo.grid.tp = counting;
+      DistributedOptimizer opt({group}, AdamW(1e-3), g.dp, zo);
+      opt.zero_grad();
+      const int64_t claimed = backward_calls([&](const at::Tensor& loss) { opt.backward(loss); });
+      EXPECT_EQ(hooks - claimed, 6) << "the LayerNorms' and row-parallel biases' sums";
+      const int64_t before_step = counting->traffic().calls;
+      opt.step();
+      EXPECT_GE(counting->traffic().calls - before_step, 1) << "the optimizer's one sum";
+    }
+    for (const auto& p : group.params) p.tensor.mutable_grad() = at::Tensor();
+    EXPECT_EQ(backward_calls(plain), hooks) << "the optimizer released the sums to the hooks";
   });
 }
 

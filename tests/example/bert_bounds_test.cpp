@@ -15,11 +15,13 @@
 
 #include "bert_config.hpp"
 #include "data.hpp"
-#include "safetensors.hpp"
+#include "shardopt/safetensors.hpp"
 #include "tokenizer.hpp"
 
 namespace bert {
 namespace {
+
+namespace safetensors = shardopt::safetensors;  // the library's reader and writer
 
 namespace fs = std::filesystem;
 

@@ -13,10 +13,12 @@
 #include "bert_config.hpp"
 #include "model.hpp"
 #include "pretrained.hpp"
-#include "safetensors.hpp"
+#include "shardopt/safetensors.hpp"
 
 namespace bert {
 namespace {
+
+namespace safetensors = shardopt::safetensors;  // the library's reader and writer
 
 namespace fs = std::filesystem;
 

@@ -8,6 +8,9 @@
 #   equal those of the (1, 1, d) run with --grad-accum 4 on the same data within 1e-4 (--golden),
 #   and their gradient norms within 1e-6 relative; (2, 2, 1) with sequence parallelism at stages 1
 #   and 3.
+#   At stages 1 and 3 with --save-model: model.pt (consolidated from the grid checkpoint) and the
+#   streamed Hugging Face export have the (1, 1, 1) run's keys and unsplit shapes, equal each other
+#   bitwise and the (1, 1, 1) run's model.pt within 1e-4 (tests/python/compare_model_outputs.py).
 #   Bad combinations are refused with one line naming the flag (exit 2). 1f1b also runs stage 2
 #   with --recompute (the same losses, a lower peak of tensor memory on every rank) and with
 #   --shard-group-size 1 (hybrid sharding of each stage's data-parallel ranks).
@@ -18,6 +21,9 @@
 #   4). In its own folder it continues within 1e-6. Another layout into the same folder, and a
 #   checkpoint with a stage folder of another save (not the one its commit.json names), are
 #   refused; a rank killed before the commit of step 10 (its folder written) leaves step 5's.
+#   Evaluation through the stages: --eval-only of the (2, 2, 1) run's export at (1, 1, 1),
+#   (2, 2, 1) with sequence parallelism and (1, 4, 1) interleaved stage 3: held-out losses within
+#   1e-5.
 # Usage: bert_pp_test.sh reference|gpipe|1f1b|interleaved|zb-h1|resume BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS [PYTHON]]
 #   reference: the (1, 1, d) runs' golden files in WORKDIR, and the refusals; a schedule: its 12
 #   runs against them (in WORKDIR/SCHEDULE).
@@ -62,7 +68,7 @@ if [ "$MODE" = resume ]; then
   T2P2=(--tp 2 --pp 2 --schedule 1f1b --micro-batches 4 --stage 1)
   D4=(--stage 3)                    # 4 rows on each of 4 data-parallel ranks = 4 micro-batches of 4
   P4=(--pp 4 --schedule zb-h1 --micro-batches 4 --stage 0)
-  train 4 full "${T2P2[@]}"
+  train 4 full "${T2P2[@]}" --export-hf "$WORK/full_hf"
   train 4 part "${T2P2[@]}" --stop-after 10
   ls -d "$WORK"/part/checkpoint/commit.json "$WORK"/part/checkpoint/save-*/pp{0,1}-of-2/tp{0,1}-of-2 >/dev/null ||
     fail "no commit and folder per (pipeline, tensor) rank"
@@ -109,14 +115,34 @@ for name in ("d4_from_part", "p4_from_part", "from_d4", "from_p4"):
 for name in ("d4_part", "p4_part"):  # the runs the last two resumed, against (2, 2, 1) up to step 10
     gap(name, 1e-4, range(1, 11))
 PY
-  echo "resume: (2,2,1) stage 1 <-> (1,1,4) stage 3 and (1,4,1) stage 0 within 1e-4; bad checkpoints refused"
+  # Evaluation through the pipeline stages (--eval-only; PipelineStages::forward_only): the
+  # weights of full's export at (1, 1, 1), at (2, 2, 1) stage 1 with sequence parallelism and at
+  # (1, 4, 1) interleaved (v = 2) stage 3 give the same held-out losses within 1e-5.
+  E=(--eval-only --init-checkpoint "$WORK/full_hf" --eval-fraction 0.2 --eval-batch-size 4)
+  train 1 eval_d1 "${E[@]}"
+  train 4 eval_t2p2 "${E[@]}" --tp 2 --pp 2 --sequence-parallel --schedule 1f1b --micro-batches 4 --stage 1
+  train 4 eval_p4v2 "${E[@]}" --pp 4 --schedule interleaved --virtual-stages 2 --micro-batches 4 --stage 3
+  "$PY" - "$WORK" <<'PY' || fail "evaluation under --pp differs from the (1, 1, 1) run's"
+import json, sys
+ev = lambda name: json.load(open(f"{sys.argv[1]}/{name}/eval.json"))
+ref = ev("eval_d1")
+assert ref["instances"] > 0 and ref["masked"] > 0, ref
+for name in ("eval_t2p2", "eval_p4v2"):
+    e = ev(name)
+    gap = max(abs(e[k] - ref[k]) for k in ("mlm_loss", "nsp_loss"))
+    print(f"{name}: MLM loss {e['mlm_loss']:.9f} NSP loss {e['nsp_loss']:.9f} over {e['instances']} "
+          f"instances; (1, 1, 1): {ref['mlm_loss']:.9f} {ref['nsp_loss']:.9f}; largest gap {gap:.2e} (1e-5)")
+    assert e["instances"] == ref["instances"] and e["masked"] == ref["masked"], (e, ref)
+    assert gap <= 1e-5, (name, gap)
+PY
+  echo "resume: (2,2,1) stage 1 <-> (1,1,4) stage 3 and (1,4,1) stage 0 within 1e-4; bad checkpoints refused; evaluation under --pp"
   exit 0
 fi
 if [ "$MODE" = reference ]; then
-  train 1 d1 --stage 0 --grad-accum 4 --write-golden "$BASE/d1.txt"
+  train 1 d1 --stage 0 --grad-accum 4 --write-golden "$BASE/d1.txt" --save-model
   train 2 d2 --stage 0 --grad-accum 4 --write-golden "$BASE/d2.txt"
   refused 2 bad_layers "each stage needs at least one" --pp 2 --schedule interleaved --virtual-stages 8 --micro-batches 4
-  refused 2 bad_export "--export-hf is not supported with pipeline parallelism" --pp 2 --export-hf "$WORK/hf"
+  refused 2 bad_dump "--dump-logits is not supported with pipeline parallelism" --pp 2 --eval-only --dump-logits "$WORK/logits.safetensors"
   refused 2 bad_v "--virtual-stages" --pp 2 --virtual-stages 2
   refused 1 bad_mb "--micro-batches: needs --pp" --micro-batches 2
   echo "reference: $BASE/d1.txt, $BASE/d2.txt; 4 bad combinations refused"
@@ -132,9 +158,17 @@ for stage in 0 1 2 3; do
   P=(--schedule "$schedule" "${v[@]}" --micro-batches 4 --stage "$stage" --golden-tol 1e-4)
   train 4 "p2d2_s$stage" --pp 2 "${P[@]}" --golden "$BASE/d2.txt"
   sp=(); [ $((stage % 2)) -eq 1 ] && sp=(--sequence-parallel)  # stages 1 and 3
-  train 4 "t2p2_s$stage" --tp 2 --pp 2 "${P[@]}" "${units[@]}" "${sp[@]}" --golden "$BASE/d1.txt"
-  train 4 "p4_s$stage" --pp 4 "${P[@]}" "${units[@]}" --golden "$BASE/d1.txt"
+  # --save-model (model.pt from the grid checkpoint, OUT/hf streamed): at stages 1 and 3.
+  save=(); [ $((stage % 2)) -eq 1 ] && save=(--save-model)
+  train 4 "t2p2_s$stage" --tp 2 --pp 2 "${P[@]}" "${units[@]}" "${sp[@]}" "${save[@]}" --golden "$BASE/d1.txt"
+  train 4 "p4_s$stage" --pp 4 "${P[@]}" "${units[@]}" "${save[@]}" --golden "$BASE/d1.txt"
 done
+# model.pt (consolidated from every folder of the grid checkpoint) and the streamed Hugging Face
+# export of (2, 2, 1) and (1, 4, 1): the (1, 1, 1) run's keys and shapes, the export equal to the
+# run's own model.pt bitwise, within 1e-4 of the reference's model.pt.
+"$PY" "$(dirname "${BASH_SOURCE[0]}")/../python/compare_model_outputs.py" "$BASE/reference/d1" \
+    "$WORK/t2p2_s1" "$WORK/t2p2_s3" "$WORK/p4_s1" "$WORK/p4_s3" --tol 1e-4 \
+  || fail "--save-model / --export-hf under --pp differ from the (1, 1, 1) run's"
 # The gradient norm too (a uniform scale error in the gradients leaves AdamW's losses alone): each
 # step's within 1e-6 relative of the (1, 1, d) run's (measured: at most 1.3e-7 over 20 steps).
 "$PY" - "$BASE" "$schedule" <<'PY' || fail "a pipelined run's gradient norm is not its (1, 1, d) run's"

@@ -14,7 +14,9 @@
 #           continues with the uninterrupted run's losses, and so do runs resumed from it at
 #           (4, 1) stage 3 and (1, 2) stage 1 (within 1e-4; checkpoints across layouts,
 #           shardopt/grid_checkpoint.hpp); resuming at another --tp into the same folder is refused.
-#           Its Hugging Face export is the unsplit model (the vocabulary's padding rows dropped).
+#           Its Hugging Face export is the unsplit model (the vocabulary's padding rows dropped), and
+#           so is its --save-model model.pt (both tensor ranks' folders put together), equal to
+#           the export bitwise and to the (1, 1) run's model.pt within 1e-4.
 #           With dropout 0.1 at (2, 1), a run resumed at step 5 repeats the uninterrupted losses
 #           bitwise (the checkpoint keeps each tensor rank's dropout stream).
 # Usage: bert_tp_test.sh golden|clip BERT_PRETRAIN MPIEXEC WORKDIR [CORPUS] [PYTHON]
@@ -76,15 +78,18 @@ fi
 sed -i 's/"vocab_size": 1000/"vocab_size": 2000/' "$WORK/config.json"
 D=(--corpus "$CORPUS" --vocab-size 2000 --dupe-factor 2 --eval-fraction 0.1 --max-seq-length 64
    --steps 10 --stage 2 --max-grad-norm 1)
-train 1 d1_accum2 "${D[@]}" --grad-accum 2
-train 4 t2d2 "${D[@]}" --tp 2 --export-hf "$WORK/t2d2_hf"
+train 1 d1_accum2 "${D[@]}" --grad-accum 2 --save-model
+train 4 t2d2 "${D[@]}" --tp 2 --save-model
+# --save-model at --tp 2: model.pt from both tensor ranks' folders, unsplit; OUT/hf streamed.
+"$PY" "$(dirname "${BASH_SOURCE[0]}")/../python/compare_model_outputs.py" "$WORK/d1_accum2" \
+    "$WORK/t2d2" --tol 1e-4 || fail "--save-model / --export-hf at --tp 2 differ from (1, 1)'s"
 # The export, unsplit, loads at --tp 1 and 4 (--init-checkpoint splits it) and evaluates as the
 # (2, 2) run did at its last step.
 cache=("$WORK"/t2d2/cache/pretrain-*.eval.bin)
 for t in 1 4; do
   train $t "eval_tp$t" --eval-only --data "${cache[0]%.eval.bin}.bin" --eval-data "${cache[0]}" \
-    --vocab "$WORK/t2d2_hf/vocab.txt" --bert-config "$WORK/t2d2_hf/config.json" \
-    --init-checkpoint "$WORK/t2d2_hf" --tp $t
+    --vocab "$WORK/t2d2/hf/vocab.txt" --bert-config "$WORK/t2d2/hf/config.json" \
+    --init-checkpoint "$WORK/t2d2/hf" --tp $t
 done
 train 4 t2d2_part "${D[@]}" --tp 2 --stop-after 5
 # Across layouts from its step-5 checkpoint: (4, 1) at stage 3 with 2 micro-batches (the same 8
@@ -127,7 +132,7 @@ for t in (1, 4):
     assert abs(e["mlm_loss"] - last["mlm_loss"]) <= 1e-5 and e["mlm_acc"] == last["mlm_acc"]
     assert abs(e["nsp_loss"] - last["nsp_loss"]) <= 1e-5
 # The export: safetensors header of the unsplit model, vocabulary 2000 (padding dropped).
-with open(f"{work}/t2d2_hf/model.safetensors", "rb") as f:
+with open(f"{work}/t2d2/hf/model.safetensors", "rb") as f:
     header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
 shape = header["bert.embeddings.word_embeddings.weight"]["shape"]
 print("exported word embeddings:", shape, "decoder bias:", header["cls.predictions.bias"]["shape"])

@@ -9,7 +9,8 @@
 #   quick (CTest gpt_parallel): (1,1,1) with --grad-accum 8 against (1,1,2) (the same rows);
 #     (2,1,1) at stages 0-3; (1,2,1), (2,2,1), (1,2,2), (1,4,1) x gpipe, 1f1b, interleaved (V = 2),
 #     zb-h1, each pair at one stage so that every layout and every schedule meets every stage once
-#     (a Latin square; 20 runs against a reference in all); bad combinations refused with one line
+#     (a Latin square; 20 runs against a reference in all); (1,2,1) interleaved with 3 micro-batches
+#     against --grad-accum 3 (m not a multiple of p); bad combinations refused with one line
 #     naming them (exit 2); a (2,2,1) run with dropout 0.1 stopped after step 2 resumes from its
 #     checkpoints with the uninterrupted run's losses and norms (within 1e-6; bitwise here); a
 #     (2,2,1) checkpoint at step 2 continues at (1,4,1) and (1,1,4) with the reference's; building
@@ -67,6 +68,11 @@ for i in "${!NAMES[@]}"; do
     done
   done
 done
+# Interleaved with m not a multiple of p (Note [Micro-batch groups]: 3 micro-batches in one group
+# of N = 3 at p = 2, Megatron-core's rule) against --grad-accum 3.
+train 1 d1_m3 --stage 0 --grad-accum 3 --write-golden "$WORK/d1_m3.txt"
+train 2 p2_interleaved_m3 --pp 2 --schedule interleaved --virtual-stages 2 --micro-batches 3 \
+  --stage 1 --golden "$WORK/d1_m3.txt" "${G[@]}"
 grep -q "tp=2 x dp=1 x pp=2" "$WORK/t2p2_1f1b_s2.log" || fail "the plan does not state the layout"
 grep -q "stage 0: embeddings + layers 0-3; stage 1: layers 4-7 + head" "$WORK/p2_1f1b_s1.log" ||
   fail "the plan does not state the stages"
@@ -83,6 +89,8 @@ refused 1 bad_heads "4 attention heads are not divisible by the tensor-parallel 
 refused 1 bad_layers "6 pipeline stages do not divide the model's 8 layers" --pp 3 --micro-batches 3 \
   --schedule interleaved --virtual-stages 2
 refused 1 bad_v "--virtual-stages: V >= 2 goes with --schedule interleaved" --pp 2 --virtual-stages 2
+refused 1 bad_m "--micro-batches 1 must be at least --pp 2" --pp 2 --micro-batches 1 \
+  --schedule interleaved --virtual-stages 2
 
 # Resume at the same layout, with dropout (both streams checkpointed: the default generator's and
 # the tensor ranks' own): (2,2,1), 1F1B, stage 2, stopped after step 2, then continued, repeats

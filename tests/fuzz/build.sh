@@ -13,8 +13,8 @@ OUT="${SHARDOPT_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
 CXX="${FUZZ_CXX:-clang++}"
 mkdir -p "$OUT"
 flags=(-std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
-"$CXX" "${flags[@]}" -I"$ROOT/examples/bert" "$ROOT/tests/fuzz/safetensors_fuzz.cpp" \
-  "$ROOT/examples/bert/safetensors.cpp" -lfmt -o "$OUT/safetensors_fuzz"
+"$CXX" "${flags[@]}" -I"$ROOT/include" "$ROOT/tests/fuzz/safetensors_fuzz.cpp" \
+  "$ROOT/src/checkpoint/safetensors.cpp" -lfmt -o "$OUT/safetensors_fuzz"
 echo "[fuzz] built $OUT/safetensors_fuzz"
 # BERT's torch-free readers: config (JSON), vocab.txt (+ the tokenizer), the pretraining data file.
 B="$ROOT/examples/bert"

@@ -1,4 +1,4 @@
-// libFuzzer harness for the safetensors reader (examples/bert/safetensors.cpp): any bytes either
+// libFuzzer harness for the safetensors reader (src/checkpoint/safetensors.cpp): any bytes either
 // parse into entries that lie inside the data section, or throw std::runtime_error; never a
 // crash, a sanitizer report or an allocation beyond the input. Built by tests/fuzz/build.sh with
 // clang; replayed over corpus/safetensors by CTest with the ordinary build (replay_main.cpp).
@@ -7,12 +7,12 @@
 #include <cstdlib>
 #include <stdexcept>
 
-#include "safetensors.hpp"
+#include "shardopt/safetensors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  bert::safetensors::File f;
+  shardopt::safetensors::File f;
   try {
-    f = bert::safetensors::parse(reinterpret_cast<const char*>(data), size, "<fuzz input>");
+    f = shardopt::safetensors::parse(reinterpret_cast<const char*>(data), size, "<fuzz input>");
   } catch (const std::runtime_error&) {
     return 0;
   }

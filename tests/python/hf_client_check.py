@@ -17,6 +17,12 @@ it) and runs with HF_HUB_OFFLINE=1: everything is read from local directories.
       after --init-checkpoint HF_DIR --bert-config HF_DIR/config.json: its logits equal the
       trainer's, and its MLM and NSP losses on that batch (the whole eval set: one batch) equal
       EVAL_JSON's mlm_loss and nsp_loss, within --tol.
+  hf_client_check.py layouts UNSPLIT_DIR SPLIT_DIR... [--tol 1e-5]
+      The streamed exports of one training at several layouts (bert_pretrain --export-hf, issue
+      55): each SPLIT_DIR is sharded (model.safetensors.index.json and the k-of-n files it names,
+      at least two); every directory loads with no missing, unexpected or mismatched key, the same
+      keys as UNSPLIT_DIR's, and on one random batch gives UNSPLIT_DIR's MLM and NSP logits within
+      --tol.
 
 Each mode ends with "hf_client_check: 1 passed, 0 failed" or exits non-zero with the reason.
 """
@@ -168,6 +174,49 @@ def mode_import(args):
         fail(f"eval losses differ by more than {args.tol}")
 
 
+def mode_layouts(args):
+    ref, info = load_model(args.unsplit_dir)
+    check_loading_info(ref, info)
+    ref_keys = sorted(load_file(os.path.join(args.unsplit_dir, "model.safetensors")))
+    torch.manual_seed(0)
+    b, t = 4, 32
+    batch = dict(input_ids=torch.randint(0, ref.config.vocab_size, (b, t)),
+                 token_type_ids=torch.cat([torch.zeros(b, t // 2), torch.ones(b, t - t // 2)], 1).long(),
+                 attention_mask=torch.ones(b, t, dtype=torch.long))
+    batch["attention_mask"][1, t - 5:] = 0
+    with torch.no_grad():
+        want = ref(**batch)
+    for d in args.split_dirs:
+        index_path = os.path.join(d, "model.safetensors.index.json")
+        if not os.path.exists(index_path):
+            fail(f"{d}: no model.safetensors.index.json (a sharded export)")
+        index = json.load(open(index_path))
+        files = sorted(set(index["weight_map"].values()))
+        n = len(files)
+        expected = [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+        if n < 2 or files != expected:
+            fail(f"{d}: the index names {files}, expected {n} >= 2 files {expected}")
+        keys = sorted(index["weight_map"])
+        stored = sorted(k for f in files for k in load_file(os.path.join(d, f)))
+        if keys != ref_keys or stored != ref_keys:
+            fail(f"{d}: keys differ from {args.unsplit_dir}'s: index-only {sorted(set(keys) - set(ref_keys))}, "
+                 f"unsplit-only {sorted(set(ref_keys) - set(keys))}, files vs index "
+                 f"{sorted(set(stored) ^ set(keys))}")
+        total = sum(os.path.getsize(os.path.join(d, f)) for f in files)
+        if not (index["metadata"]["total_size"] <= total):
+            fail(f"{d}: total_size {index['metadata']['total_size']} beyond the files' {total} bytes")
+        model, info = load_model(d)
+        check_loading_info(model, info)
+        with torch.no_grad():
+            got = model(**batch)
+        mlm = (got.prediction_logits - want.prediction_logits).abs().max().item()
+        nsp = (got.seq_relationship_logits - want.seq_relationship_logits).abs().max().item()
+        print(f"{d}: {n} files, {len(keys)} keys as {args.unsplit_dir}; max |logits - unsplit "
+              f"export's|: MLM {mlm:.3g}, NSP {nsp:.3g} (tolerance {args.tol})")
+        if not (mlm <= args.tol and nsp <= args.tol):
+            fail(f"{d}: logits differ from the unsplit export's: MLM {mlm:.3g}, NSP {nsp:.3g} > {args.tol}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -186,9 +235,14 @@ def main():
     i.add_argument("logits")
     i.add_argument("eval_json")
     i.add_argument("--tol", type=float, default=1e-5)
+    lay = sub.add_parser("layouts")
+    lay.add_argument("unsplit_dir")
+    lay.add_argument("split_dirs", nargs="+")
+    lay.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    {"export": mode_export, "make": mode_make, "import": mode_import}[args.mode](args)
+    {"export": mode_export, "make": mode_make, "import": mode_import,
+     "layouts": mode_layouts}[args.mode](args)
     if args.mode != "make":
         print("hf_client_check: 1 passed, 0 failed")
     return 0

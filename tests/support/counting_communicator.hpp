@@ -4,7 +4,8 @@
 // Bytes follow the direct model, which is what the MPI engine's pairwise reduce-scatter does: a
 // reduce_scatter or all_gather of S elements per rank sends S to every other rank; an all_reduce
 // of n sends 2 * ceil(n / size) to every other rank; a broadcast's root sends n to every other.
-// A peer on this rank's host is an intra-host link, any other an inter-host link. Communicators
+// A peer on this rank's host is an intra-host link, any other an inter-host link. Point-to-point
+// sends count their bytes on the link to their peer (and in p2p_bytes), no elements. Communicators
 // split from it count into the same Traffic.
 #pragma once
 
@@ -23,6 +24,7 @@ struct Traffic {
   int64_t intra_host_bytes = 0;
   int64_t inter_host_bytes = 0;
   int64_t reduction_bytes = 0;  // of summing all_reduce and reduce_scatter (gradients), all links
+  int64_t p2p_bytes = 0;        // of point-to-point sends, all links
   int64_t sent_bytes() const { return intra_host_bytes + inter_host_bytes; }
 };
 
@@ -77,6 +79,16 @@ class CountingCommunicator final : public Communicator {
     return inner_->broadcast(t, root, true);
   }
   void do_barrier() override { inner_->barrier(); }
+  WorkPtr do_batch_isend_irecv(const std::vector<P2pOp>& ops) override {
+    for (const auto& op : ops) {
+      if (op.kind != P2pOp::Kind::Send) continue;
+      const int64_t bytes = op.tensor.numel() * op.tensor.element_size();
+      (host_of_[op.peer] == host_of_[rank()] ? traffic_->intra_host_bytes
+                                             : traffic_->inter_host_bytes) += bytes;
+      traffic_->p2p_bytes += bytes;
+    }
+    return inner_->batch_isend_irecv(ops);
+  }
   CommunicatorPtr do_split(int color, int key) override {
     return wrap(inner_->split(color, key));
   }

@@ -13,7 +13,13 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <tuple>
+#include <vector>
 
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/files.hpp"
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/error.hpp"
@@ -570,6 +576,67 @@ TEST(RemoveTree, RemovesATreeButNotWhatALinkPointsTo) {
   EXPECT_TRUE(fs::exists(kept));
   detail::remove_tree(dir.path(), ec);
   EXPECT_FALSE(ec) << "a missing path: " << ec.message();
+}
+
+// Note [Element checksums]: the vectorised loop over consecutive 4-byte elements sums what the
+// element-by-element hash sums, whatever the start and the tail.
+TEST(ElementSums, VectorisedLoopEqualsTheHashOfEachElement) {
+  std::vector<uint32_t> bits(1000);
+  std::mt19937 gen(3);
+  for (auto& b : bits) b = static_cast<uint32_t>(gen());
+  for (const uint64_t begin : {uint64_t{0}, uint64_t{5}, uint64_t{1} << 40}) {
+    for (const int64_t numel : {0, 1, 7, 8, 9, 63, 1000}) {
+      uint64_t expected = 0;
+      for (int64_t j = 0; j < numel; ++j) {
+        expected += detail::element_hash(begin + static_cast<uint64_t>(j), bits[j]);
+      }
+      EXPECT_EQ(detail::consecutive_element_sum_u32(
+                    begin, numel, reinterpret_cast<const unsigned char*>(bits.data())),
+                expected)
+          << "begin " << begin << ", " << numel << " elements";
+    }
+  }
+}
+
+// Note [Direct shard writes]: through O_DIRECT's page-aligned staging buffer or the page cache,
+// the same bytes, length and checksums; where the filesystem refuses O_DIRECT (tmpfs), the page
+// cache.
+TEST(FileWriter, DirectAndBufferedWriteTheSameFile) {
+  TempDir dir;
+  std::vector<unsigned char> bytes(detail::kDirectStaging * 2 + 12345);
+  std::mt19937 gen(7);
+  for (auto& b : bytes) b = static_cast<unsigned char>(gen());
+  // Odd pieces, so that writes straddle the staging buffer and the CRC blocks.
+  const std::vector<size_t> pieces{1, 4095, 4097, detail::kDirectStaging - 3, 100000};
+  const auto write = [&](const fs::path& path, bool direct) {
+    detail::FileWriter w(path, direct);
+    size_t at = 0;
+    for (size_t k = 0; at < bytes.size(); ++k) {
+      const size_t take = std::min(pieces[k % pieces.size()], bytes.size() - at);
+      w.write(bytes.data() + at, take);
+      at += take;
+    }
+    w.sync_and_close();
+    return std::make_tuple(w.direct(), w.crc(), w.block_crcs_text());
+  };
+  const auto read = [](const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::vector<unsigned char>(std::istreambuf_iterator<char>(in), {});
+  };
+  const auto buffered = write(dir.path() / "buffered.bin", false);
+  EXPECT_FALSE(std::get<0>(buffered));
+  std::vector<fs::path> places{dir.path()};
+  if (fs::is_directory("/dev/shm")) places.push_back("/dev/shm");
+  for (const fs::path& place : places) {
+    const fs::path path = place / fmt::format("shardopt-direct-{}.bin", ::getpid());
+    const auto direct = write(path, true);
+    EXPECT_EQ(std::get<1>(direct), std::get<1>(buffered)) << place;
+    EXPECT_EQ(std::get<2>(direct), std::get<2>(buffered)) << place;
+    EXPECT_EQ(read(path), bytes) << place << (std::get<0>(direct) ? " (O_DIRECT)" : "");
+    std::error_code ec;
+    fs::remove(path, ec);
+  }
+  EXPECT_EQ(read(dir.path() / "buffered.bin"), bytes);
 }
 
 }  // namespace

@@ -218,6 +218,41 @@ TEST(Estimate, EngineAccountingFollowsThePlan) {
   EXPECT_EQ(model_states(o).host.optimizer_state, 8 * o.params);
 }
 
+// Note [Pipelines decide two defaults]: under pp > 1, stages 2-3 count deferred buckets (Ψ
+// elements) and stage 3 every unit gathered; reshard_between_uses restores stage 3's two units;
+// stages 0-1 do not change.
+TEST(Estimate, PipelinesDeferAndHoldUnits) {
+  Options o;
+  o.params = 1 << 20;
+  o.world = 2;
+  o.bucket_bytes = 1 << 16;
+  for (int stage = 0; stage <= 3; ++stage) {
+    o.stage = stage;
+    o.pipeline_ranks = 1;
+    const Estimate alone = model_states(o);
+    Options deferred = o;
+    deferred.defer_reduction = true;
+    o.pipeline_ranks = 2;
+    const Estimate piped = model_states(o);
+    EXPECT_EQ(piped.device.model_state(), alone.device.model_state()) << "stage " << stage;
+    if (stage < 2) {
+      EXPECT_EQ(piped.device.buffers, alone.device.buffers) << "stage " << stage;
+    } else if (stage == 2) {
+      EXPECT_EQ(piped.device.buffers, model_states(deferred).device.buffers);
+      EXPECT_EQ(piped.device.buffers, 4 * o.params);  // fp32 buckets, every one kept
+    } else {
+      EXPECT_EQ(piped.gathered_units_params, o.params);
+      EXPECT_EQ(piped.device.buffers, 4 * o.params + 2 * 4 * o.params);
+      Options resharded = o;
+      resharded.reshard_between_uses = true;
+      EXPECT_EQ(model_states(resharded).gathered_units_params, alone.gathered_units_params);
+      EXPECT_EQ(model_states(resharded).device.buffers, model_states(deferred).device.buffers);
+    }
+  }
+  o.pipeline_ranks = 0;
+  EXPECT_THROW(model_states(o), std::invalid_argument);
+}
+
 TEST(Estimate, RejectsInvalidInput) {
   Options o;
   o.accounting = Accounting::ZeroPaper;

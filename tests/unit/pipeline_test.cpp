@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "shardopt/error.hpp"
@@ -28,8 +29,8 @@ std::string name(const ::testing::TestParamInfo<Case>& info) {
   return fmt::format("{}_p{}_m{}_v{}", kind == "1f1b" ? "one_f_one_b" : kind, c.p, c.m, c.v);
 }
 
-// Every schedule at p in {2, 4}, m in {1, 2, 4, 8}; interleaved at v = 2 where m % p == 0 (the
-// other combinations are errors: BadCombinations below).
+// Every schedule at p in {2, 4}, m in {1, 2, 4, 8}; interleaved at p in 2..4, v in 2..3 and every
+// m in p..4p, multiples of p or not (m < p: BadCombinations below).
 std::vector<Case> cases() {
   std::vector<Case> out;
   for (int p : {2, 4}) {
@@ -37,7 +38,11 @@ std::vector<Case> cases() {
       out.push_back({Kind::GPipe, p, m, 1});
       out.push_back({Kind::OneFOneB, p, m, 1});
       out.push_back({Kind::ZeroBubbleH1, p, m, 1});
-      if (m % p == 0) out.push_back({Kind::Interleaved1F1B, p, m, 2});
+    }
+  }
+  for (int p : {2, 3, 4}) {
+    for (int v : {2, 3}) {
+      for (int m = p; m <= 4 * p; ++m) out.push_back({Kind::Interleaved1F1B, p, m, v});
     }
   }
   return out;
@@ -88,9 +93,9 @@ int expected_peak(const Case& c, int r) {
     case Kind::OneFOneB: return std::min(c.p - r, c.m);  // p-1-r warm-up forwards, then one more
     case Kind::ZeroBubbleH1:  // 1F1B's warm-up, W deferred by r: p - r + r on every rank
       return std::min(c.p, c.m);
-    case Kind::Interleaved1F1B:  // Megatron's warm-up 2(p-1-r) + (v-1)p forwards, then one more
-      return c.m == c.p ? c.m * c.v
-                        : std::min(2 * (c.p - 1 - r) + (c.v - 1) * c.p + 1, c.m * c.v);
+    case Kind::Interleaved1F1B:  // Megatron's warm-up 2(p-1-r) + (v-1)N forwards, then one more
+      return std::min(2 * (c.p - 1 - r) + (c.v - 1) * interleaved_group_size(c.p, c.m) + 1,
+                      c.m * c.v);
   }
   return -1;
 }
@@ -100,7 +105,11 @@ TEST_P(Schedules, PeakInFlightPerRank) {
   const SimulatedRun run = simulate_schedule(compile_schedule(c.kind, c.p, c.m, c.v));
   for (int r = 0; r < c.p; ++r) EXPECT_EQ(run.peak_in_flight[r], expected_peak(c, r)) << "rank " << r;
   // What interleaving buys: with a steady state (m > p) the first rank holds fewer than all m*v.
-  if (c.kind == Kind::Interleaved1F1B && c.m > c.p) EXPECT_LT(run.peak_in_flight[0], c.m * c.v);
+  // What interleaving buys: with more than one micro-batch group (Note [Micro-batch groups]; m > p
+  // when p divides m) the first rank holds fewer than all m*v.
+  if (c.kind == Kind::Interleaved1F1B && c.m > interleaved_group_size(c.p, c.m)) {
+    EXPECT_LT(run.peak_in_flight[0], c.m * c.v);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, Schedules, ::testing::ValuesIn(cases()), name);
@@ -169,8 +178,13 @@ TEST(PipelineSchedule, BadCombinationsAreNamedErrors) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  expect([] { compile_schedule(Kind::Interleaved1F1B, 4, 2, 2); }, "m % p == 0");
-  expect([] { compile_schedule(Kind::Interleaved1F1B, 2, 1, 2); }, "m % p == 0");
+  // Note [Micro-batch groups]: Megatron-core's p <= N <= m, m % N == 0 or m % N >= p.
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 4, 2, 2); }, "at least as many micro");
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 2, 1, 2); }, "p <= microbatch_group_size");
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 2, 5, 2, 2); }, "m % N == 0 or m % N >= p");
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 4, 9, 2, 6); }, "got p = 4, m = 9");
+  expect([] { compile_schedule(Kind::Interleaved1F1B, 2, 4, 2, 5); }, "p <= N <= m");
+  expect([] { compile_schedule(Kind::OneFOneB, 2, 4, 1, 3); }, "only interleaved takes one");
   expect([] { compile_schedule(Kind::Interleaved1F1B, 2, 4, 1); }, "v >= 2");
   expect([] { compile_schedule(Kind::OneFOneB, 2, 4, 2); }, "only interleaved takes v > 1");
   expect([] { compile_schedule(Kind::GPipe, 0, 4); }, "pipeline ranks p");
@@ -220,38 +234,133 @@ TEST(PipelineSchedule, ValidatorNamesViolations) {
   }
 }
 
-// Note [Paired exchanges]: 1F1B's steady state pairs Megatron's send_forward_recv_backward and
-// send_backward_recv_forward on a middle rank, and runs without deadlock when each pair waits for
-// the peer's posted receive (validate_schedule checks every schedule so: ValidAndDeadlockFree).
-TEST(PipelineSchedule, PairedExchangesAreMegatrons) {
-  const PipelineSchedule s = compile_schedule(Kind::OneFOneB, 4, 8);
-  const auto& list = s.actions[1];
-  int forward_pairs = 0, backward_pairs = 0;
-  for (size_t i = 0; i < list.size(); ++i) {
-    if (!pairs_with_next(list, i)) continue;
-    EXPECT_EQ(list[i].peer, list[i + 1].peer);
-    forward_pairs += list[i].type == ActionType::SendActivation &&
-                     list[i + 1].type == ActionType::RecvGrad && list[i].peer == 2;
-    backward_pairs += list[i].type == ActionType::SendGrad &&
-                      list[i + 1].type == ActionType::RecvActivation && list[i].peer == 0;
+// Note [Batched exchanges]: the runs of messages between two computes are Megatron's batches. 1F1B
+// on a middle rank: send_forward_recv_backward and send_backward_recv_forward; interleaved:
+// send_forward_backward_recv_forward_backward, four messages, in the steady state.
+TEST(PipelineSchedule, BatchesAreMegatrons) {
+  const auto runs = [](const std::vector<Action>& list) {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < list.size();) {
+      const size_t end = exchange_end(list, i);
+      std::string run;
+      for (size_t k = i; k < end; ++k) {
+        run += std::string(run.empty() ? "" : " ") + to_string(list[k].type) + ">" +
+               std::to_string(list[k].peer);
+      }
+      if (!run.empty()) out.push_back(run);
+      i = std::max(end, i + 1);
+    }
+    return out;
+  };
+  const auto count = [](const std::vector<std::string>& runs, const std::string& run) {
+    return std::count(runs.begin(), runs.end(), run);
+  };
+  const auto one = runs(compile_schedule(Kind::OneFOneB, 4, 8).actions[1]);
+  EXPECT_GT(count(one, "sendA>2 recvG>2"), 0);
+  EXPECT_GT(count(one, "sendG>0 recvA>0"), 0);
+  const auto inter = runs(compile_schedule(Kind::Interleaved1F1B, 4, 8, 2).actions[1]);
+  // Rank 1 runs W = 2(p-1-r) + (v-1)N = 8 warm-up iterations, then v*m - W = 8 of F and B, the
+  // last of which receives no activation (rank 0's forwards are over).
+  EXPECT_EQ(count(inter, "sendA>2 sendG>0 recvA>0 recvG>2"), 8 - 1);
+  // Megatron's table for PP2 N3 M5 VP2 (schedules.py): micro-batches 0 1 2 0 1 2 3 4 3 4 on
+  // chunks 0 0 0 1 1 1 0 0 1 1.
+  std::string forwards;
+  const PipelineSchedule n3 = compile_schedule(Kind::Interleaved1F1B, 2, 5, 2, 3);
+  for (const Action& a : n3.actions[0]) {
+    if (a.type == ActionType::Forward) forwards += fmt::format("{}c{} ", a.microbatch, a.chunk);
   }
-  EXPECT_GT(forward_pairs, 0);
-  EXPECT_GT(backward_pairs, 0);
-  EXPECT_FALSE(pairs_with_next(list, list.size() - 1));
-  const SimulatedRun paired = simulate_schedule(s, {}, /*paired=*/true);
-  EXPECT_EQ(paired.start[1].size(), list.size());
+  EXPECT_EQ(forwards, "0c0 1c0 2c0 0c1 1c1 2c1 3c0 4c0 3c1 4c1 ");
+  EXPECT_EQ(interleaved_group_size(2, 4), 2);  // p divides m: Megatron's default, N = p
+  EXPECT_EQ(interleaved_group_size(2, 3), 3);
+  EXPECT_EQ(interleaved_group_size(2, 5), 3);  // 5 % 3 = 2 >= p
+  EXPECT_EQ(interleaved_group_size(4, 9), 5);  // 9 % 5 = 4 >= p
+  EXPECT_EQ(interleaved_group_size(4, 7), 7);  // 7 % 5 = 2 and 7 % 6 = 1 < p: one group
 }
 
-// Which schedules run paired: all but interleaved 1F1B with a steady state (m > p), whose ranks
-// would wait for each other's later receives around the ring (run_pipeline refuses it on NCCL
-// rather than hang).
-TEST_P(Schedules, PairedExchangesRunWithoutDeadlockButInterleavedSteadyState) {
+// Every compiled schedule runs batched, as Megatron's NCCL path issues it, without deadlock and,
+// with unit costs, in the time of separate messages (Note [Bubble] either way). ZB-H1 alone is
+// slower batched at m > p (p = 2, m = 4: 14 against 13): a batch of one send waits until the peer
+// posts its receive, which ZB-H1 lists after the weight pass W.
+TEST_P(Schedules, BatchedExchangesRunWithoutDeadlock) {
   const Case c = GetParam();
-  const std::string deadlock = paired_deadlock(compile_schedule(c.kind, c.p, c.m, c.v));
-  if (c.kind == Kind::Interleaved1F1B && c.m > c.p) {
-    EXPECT_NE(deadlock.find("deadlocks with paired exchanges"), std::string::npos) << deadlock;
+  const PipelineSchedule s = compile_schedule(c.kind, c.p, c.m, c.v);
+  EXPECT_EQ(exchange_deadlock(s, Exchanges::Batched), "");
+  const int64_t batched = simulate_schedule(s, {}, Exchanges::Batched).makespan;
+  const int64_t separate = simulate_schedule(s).makespan;
+  if (c.kind == Kind::ZeroBubbleH1) {
+    EXPECT_GE(batched, separate);
+    std::printf("[ batched  ] zb-h1 p=%d m=%d: makespan %lld batched, %lld separate\n", c.p, c.m,
+                static_cast<long long>(batched), static_cast<long long>(separate));
   } else {
-    EXPECT_EQ(deadlock, "");
+    EXPECT_EQ(batched, separate);
+  }
+}
+
+// The interleaved lists with each message next to its compute (the placement before Note
+// [Batched exchanges]): what the former pairing ran.
+PipelineSchedule adjacent_messages(PipelineSchedule s) {
+  const int S = s.stages();
+  for (int r = 0; r < s.ranks; ++r) {
+    std::vector<Action> list;
+    for (const Action& a : s.actions[r]) {
+      if (!is_compute(a.type)) continue;
+      const auto message = [&](ActionType type, int to) {
+        list.push_back(Action{type, a.microbatch, a.chunk, a.stage, to % s.ranks});
+      };
+      const bool forward = a.type == ActionType::Forward;
+      if (forward ? a.stage > 0 : a.stage < S - 1) {
+        message(forward ? ActionType::RecvActivation : ActionType::RecvGrad,
+                forward ? a.stage - 1 : a.stage + 1);
+      }
+      list.push_back(a);
+      if (forward ? a.stage < S - 1 : a.stage > 0) {
+        message(forward ? ActionType::SendActivation : ActionType::SendGrad,
+                forward ? a.stage + 1 : a.stage - 1);
+      }
+    }
+    s.actions[r] = list;
+  }
+  return s;
+}
+
+std::string outcome(const PipelineSchedule& s, Exchanges exchanges) {
+  const std::string error = exchange_deadlock(s, exchanges);
+  if (error.empty()) return "ok";
+  return error.find("deadlocks") != std::string::npos ? "deadlock" : "order";
+}
+
+// Which lists finish under which semantics (the table in the report): interleaved p 2-4, v 2-3,
+// m p..4p. The compiled lists finish separate and batched. The mutation: with each message next
+// to its compute, the former pairing (and batching too) deadlocks wherever micro-batches cross
+// the ring in more than one group (m > p, p dividing m), which is why run_pipeline refused
+// interleaved on NCCL before.
+TEST(PipelineSchedule, ExchangeSemanticsTable) {
+  std::printf("[ table    ] p v  m  N | compiled: separate batched paired | adjacent: separate "
+              "batched paired\n");
+  for (int p : {2, 3, 4}) {
+    for (int v : {2, 3}) {
+      for (int m = p; m <= 4 * p; ++m) {
+        SCOPED_TRACE(fmt::format("p={} v={} m={}", p, v, m));
+        const PipelineSchedule s = compile_schedule(Kind::Interleaved1F1B, p, m, v);
+        const PipelineSchedule old = adjacent_messages(s);
+        std::string row;
+        for (const auto* lists : {&s, &old}) {
+          row += " |";
+          for (Exchanges e : {Exchanges::Separate, Exchanges::Batched, Exchanges::Paired}) {
+            row += fmt::format(" {:>8}", outcome(*lists, e));
+          }
+        }
+        std::printf("[ table    ] %d %d %2d %2d%s\n", p, v, m, s.group, row.c_str());
+        EXPECT_EQ(outcome(s, Exchanges::Separate), "ok");
+        EXPECT_EQ(outcome(s, Exchanges::Batched), "ok");
+        if (m > p && m % p == 0) {
+          EXPECT_EQ(outcome(old, Exchanges::Paired), "deadlock");
+          EXPECT_EQ(outcome(old, Exchanges::Batched), "deadlock");
+          const std::string why = exchange_deadlock(old, Exchanges::Paired);
+          EXPECT_NE(why.find("deadlocks with paired exchanges"), std::string::npos) << why;
+        }
+      }
+    }
   }
 }
 

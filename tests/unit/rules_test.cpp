@@ -28,6 +28,7 @@ TEST(RuleTraits, StateNamesFollowTheHyperParameters) {
       {Lamb(), {"exp_avg", "exp_avg_sq"}},
       {Adafactor(), {"factored_variance"}},
       {AdamW8bit(), {"state1", "state2", "absmax1", "absmax2", "state1_fp32", "state2_fp32"}},
+      {Muon(), {"momentum_buffer", "exp_avg_sq"}},
   };
   for (const auto& [rule, names] : cases) {
     EXPECT_EQ(detail::state_names(rule), names) << rule_name(rule);
@@ -37,13 +38,24 @@ TEST(RuleTraits, StateNamesFollowTheHyperParameters) {
 
 TEST(RuleTraits, NamesInTheOrderOfRule) {
   EXPECT_EQ(detail::rule_names(), (Names{"adamw", "adam", "sgd", "adagrad", "rmsprop", "lamb", "adafactor",
-                                          "adamw8bit"}));
+                                          "adamw8bit", "muon"}));
   std::string seen;
   EXPECT_TRUE(detail::with_rule_named("rmsprop", [&](auto type) {
     seen = decltype(type)::type::kName;
   }));
   EXPECT_EQ(seen, "rmsprop");
   EXPECT_FALSE(detail::with_rule_named("adamax", [](auto) {}));
+}
+
+TEST(RuleTraits, MuonChecksItsCodes) {
+  EXPECT_EQ(detail::rule_problem(Muon()), "");
+  EXPECT_NE(detail::rule_problem(Muon().ns_steps(2.5)).find("ns_steps must be an integer"),
+            std::string::npos);
+  EXPECT_NE(detail::rule_problem(Muon().ns_steps(100)).find("[0, 100)"), std::string::npos);
+  EXPECT_NE(detail::rule_problem(Muon().adjust_lr_fn(3)).find("not supported"), std::string::npos);
+  EXPECT_NE(detail::rule_problem(Muon().ns_dtype(8)).find("ns_dtype must be 16"), std::string::npos);
+  EXPECT_NE(detail::rule_problem(Muon().adamw_beta2(1.0)).find("adamw_beta1 and adamw_beta2"),
+            std::string::npos);
 }
 
 TEST(RuleTraits, SgdNesterovNeedsMomentumAndNoDampening) {
@@ -106,7 +118,10 @@ TEST(RuleJson, RoundTripKeepsEveryField) {
       Lamb(0.2).beta1(0.7).beta2(0.9).eps(1e-5).weight_decay(0.05),
       Adafactor(0.2).beta2_decay(-0.5).eps1(1e-30).eps2(1e-4).d(2).weight_decay(0.1)
           .maximize(true),
-      AdamW8bit(0.2).beta1(0.8).beta2(0.95).eps(1e-7).weight_decay(0.2).min_8bit_size(100)};
+      AdamW8bit(0.2).beta1(0.8).beta2(0.95).eps(1e-7).weight_decay(0.2).min_8bit_size(100),
+      Muon(0.02).weight_decay(0.05).momentum(0.9).nesterov(false).ns_a(3).ns_b(-3.2).ns_c(1.2)
+          .eps(1e-9).ns_steps(4).adjust_lr_fn(Muon::kSpectralUnclamped).ns_dtype(32)
+          .use_muon(false).adamw_beta1(0.8).adamw_beta2(0.95).adamw_eps(1e-6)};
   for (const Rule& rule : rules) {
     const detail::json j = detail::rule_to_json(rule);
     const Rule back = detail::rule_from_json(j);

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "shardopt/precision.hpp"
 #include "shardopt/sharding.hpp"
@@ -144,6 +145,23 @@ inline constexpr int kBucketPoolBuffers = 2;
 // gradients and everything else keep their stage.
 // Interleaved pipelines gain most: a pass covers one chunk, and per-micro-step reduction sends
 // the other chunk's buckets as zeros (v times the reductions of a plain schedule).
+
+// Note [Pipelines decide two defaults]
+// Under a pipeline of more than one rank (ZeroOptions::grid.pp), each stage runs the same
+// parameters for every micro-batch of the step, so two defaults change, here and nowhere else
+// (the engine and the estimator both ask these functions):
+//   - bucketed gradients (stages 2-3) defer their reduction whatever defer_reduction says: each
+//     chunk's buckets once its last backward pass is over (Note [Pipeline handshake] in
+//     src/pipeline/runner.cpp), at the memory of Note [Deferred reduction] (Megatron's way);
+//   - stage 3 holds each unit gathered from its first use to the step's update unless
+//     reshard_between_uses is set (torchtitan's choice): every unit of the stage whole.
+constexpr bool defers_reduction(bool asked, int pipeline_ranks) {
+  return asked || pipeline_ranks > 1;
+}
+constexpr bool holds_parts_through_step(std::optional<bool> reshard_between_uses,
+                                        int pipeline_ranks) {
+  return !reshard_between_uses.value_or(pipeline_ranks <= 1);
+}
 
 // Note [Default bucket size]
 // Stage 2 frees (N-1)/N of the gradients but holds the bucket pool (two buffers of one bucket each:

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -57,16 +58,21 @@ R blank_rule() {
 // Every hyper-parameter of `rule` under torch's option names, in torch's order: v(name, value)
 // with a double or bool value, except the pairs torch spells as one: beta1 and beta2 as
 // v("betas", std::pair<double, double>), Adafactor's eps1 and eps2 as v("eps", pair) (a negative
-// eps1 is torch's None). The Python codec and torch::save archives use it.
+// eps1 is torch's None), and Muon's ns_a, ns_b, ns_c as v("ns_coefficients",
+// std::tuple<double, double, double>). The Python codec and torch::save archives use it.
 template <class Visit>
 void visit_torch_options(const Rule& rule, Visit&& v) {
   std::visit(
       [&](const auto& r) {
-        double first = 0;
+        double first = 0, second = 0;
         std::decay_t<decltype(r)>::fields(r, [&](const Field& f, const auto& value) {
           const std::string name = f.name;
-          if (name == "beta1" || name == "eps1") {
+          if (name == "beta1" || name == "eps1" || name == "ns_a") {
             first = value;
+          } else if (name == "ns_b") {
+            second = value;
+          } else if (name == "ns_c") {
+            v("ns_coefficients", std::make_tuple(first, second, static_cast<double>(value)));
           } else if (name == "beta2") {
             v("betas", std::make_pair(first, static_cast<double>(value)));
           } else if (name == "eps2") {

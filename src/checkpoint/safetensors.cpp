@@ -1,10 +1,13 @@
-// safetensors reader and writer (see safetensors.hpp).
-#include "safetensors.hpp"
+// safetensors reader and writer (see shardopt/safetensors.hpp).
+#include "shardopt/safetensors.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>  // fmt::join
 
+#include <unistd.h>  // fsync
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -12,7 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
-namespace bert::safetensors {
+namespace shardopt::safetensors {
 namespace {
 
 constexpr uint64_t kMaxHeader = uint64_t{100} << 20;  // the reference implementation's limit
@@ -39,36 +42,78 @@ size_t dtype_size(const std::string& dtype) {
   return it->second;
 }
 
-void write(const std::string& path, const std::vector<std::pair<std::string, TensorView>>& tensors,
-           const std::map<std::string, std::string>& metadata) {
+size_t TensorInfo::nbytes() const {
+  size_t n = dtype_size(dtype);
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+Writer::Writer(std::string path, const std::vector<TensorInfo>& tensors,
+               const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)) {
   need_little_endian();
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<size_t> sizes;
-  size_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    if (header.contains(name)) throw std::runtime_error(fmt::format("safetensors: '{}' twice", name));
-    size_t n = dtype_size(t.dtype);
-    for (int64_t d : t.shape) n *= static_cast<size_t>(d);
-    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + n}}};
-    sizes.push_back(n);
-    offset += n;
+  for (const auto& t : tensors) {
+    if (header.contains(t.name)) throw std::runtime_error(fmt::format("safetensors: '{}' twice", t.name));
+    const size_t n = t.nbytes();
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {total_, total_ + n}}};
+    total_ += n;
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
+  FILE* f = std::fopen(path_.c_str(), "wb");
+  if (f == nullptr) {
+    throw std::runtime_error(fmt::format("cannot write '{}': {}", path_, std::strerror(errno)));
+  }
+  const uint64_t n = text.size();
+  if (std::fwrite(&n, sizeof n, 1, f) != 1 || std::fwrite(text.data(), 1, text.size(), f) != text.size()) {
+    const int err = errno;
+    std::fclose(f);  // no destructor runs for a constructor that throws
+    throw std::runtime_error(fmt::format("cannot write '{}': {}", path_, std::strerror(err)));
+  }
+  file_ = f;
+}
+
+Writer::~Writer() {
+  if (file_ != nullptr) std::fclose(static_cast<FILE*>(file_));
+}
+
+void Writer::append(const void* bytes, size_t n) {
+  if (file_ == nullptr) throw std::runtime_error(fmt::format("'{}': written after close()", path_));
+  if (n > total_ - written_) {
+    throw std::runtime_error(fmt::format("'{}': {} more bytes than the {} its tensors declare",
+                                         path_, written_ + n - total_, total_));
+  }
+  if (n > 0 && std::fwrite(bytes, 1, n, static_cast<FILE*>(file_)) != n) {
+    throw std::runtime_error(fmt::format("cannot write '{}' (disk full?): {}", path_, std::strerror(errno)));
+  }
+  written_ += n;
+}
+
+void Writer::close() {
+  if (written_ != total_) {
+    throw std::runtime_error(fmt::format("'{}': {} bytes written of the {} its tensors declare",
+                                         path_, written_, total_));
+  }
+  FILE* f = static_cast<FILE*>(file_);
+  file_ = nullptr;
+  const bool ok = std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
+  const int err = errno;
+  if (std::fclose(f) != 0 || !ok) {
+    throw std::runtime_error(fmt::format("cannot write '{}' (disk full?): {}", path_, std::strerror(err)));
+  }
+}
+
+void write(const std::string& path, const std::vector<std::pair<std::string, TensorView>>& tensors,
+           const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorInfo> infos;
+  for (const auto& [name, t] : tensors) infos.push_back({name, t.dtype, t.shape});
   const std::string tmp = path + ".tmp";
   {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw std::runtime_error(fmt::format("cannot write '{}'", tmp));
-    const uint64_t n = text.size();
-    out.write(reinterpret_cast<const char*>(&n), sizeof n);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      out.write(static_cast<const char*>(tensors[i].second.data),
-                static_cast<std::streamsize>(sizes[i]));
-    }
-    out.flush();
-    if (!out) throw std::runtime_error(fmt::format("cannot write '{}' (disk full?)", tmp));
+    Writer out(tmp, infos, metadata);
+    for (size_t i = 0; i < tensors.size(); ++i) out.append(tensors[i].second.data, infos[i].nbytes());
+    out.close();
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
@@ -221,4 +266,4 @@ bool looks_like(const std::string& path) {
          in.read(&brace, 1) && brace == '{';
 }
 
-}  // namespace bert::safetensors
+}  // namespace shardopt::safetensors

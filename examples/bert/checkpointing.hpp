@@ -8,13 +8,17 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <stdexcept>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "options.hpp"
 #include "shardopt/checkpoint.hpp"
+#include "shardopt/snapshot.hpp"
 
 namespace bert {
 
@@ -37,6 +41,25 @@ inline void set_cpu_rng_state(const at::Tensor& state) {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
+}
+
+// --snapshot-dir (default /dev/shm/shardopt-<hash of the absolute OUT>, one job per OUT), with
+// `{host}` replaced by this rank's host number (rank / --ranks-per-host) to emulate hosts on one
+// machine; --ranks-per-host.
+inline shardopt::SnapshotOptions snapshot_options(const Args& a, int rank) {
+  std::string dir = a.snapshot_dir;
+  if (dir.empty()) {
+    const std::string out = std::filesystem::absolute(a.out).lexically_normal().string();
+    dir = "/dev/shm/shardopt-" + std::to_string(std::hash<std::string>{}(out) % 1000000007u);
+  }
+  if (const auto at = dir.find("{host}"); at != std::string::npos) {
+    if (a.ranks_per_host <= 0) {
+      throw std::invalid_argument("--snapshot-dir " + a.snapshot_dir +
+                                  ": {host} needs --ranks-per-host");
+    }
+    dir.replace(at, 6, std::to_string(rank / a.ranks_per_host));
+  }
+  return {dir, a.ranks_per_host};
 }
 
 // The tensor- and pipeline-parallel layout a checkpoint was written at: the grid from its commit

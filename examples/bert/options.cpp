@@ -142,6 +142,16 @@ void add_options(CLI::App& app, Args& a, Commands& c) {
   app.add_flag("--async-checkpoints", a.async_checkpoints, "write checkpoints on a background "
                "thread: a save blocks the step only for a copy of the state into host memory "
                "(shardopt::AsyncCheckpoint); the blocking and background times are printed");
+  app.add_option("--snapshot-every", a.snapshot_every, "keep the state in host memory every K "
+                 "steps, on this host (tmpfs) and on a buddy rank of the next host "
+                 "(shardopt::MemorySnapshots); a restarted run (scripts/shardopt-run) continues "
+                 "from the newest one, else from OUT/checkpoint (0: none)")
+      ->check(integer_at_least(0));
+  app.add_option("--snapshot-dir", a.snapshot_dir, "this host's directory of the snapshots "
+                 "(default: /dev/shm/shardopt-<hash of OUT>); `{host}` becomes the rank's host "
+                 "number (rank / --ranks-per-host), to emulate hosts on one machine");
+  app.add_option("--ranks-per-host", a.ranks_per_host, "ranks on each host, so that a rank's "
+                 "buddy (rank + H) is on the next host (0: counted)")->check(integer_at_least(0));
   app.add_flag("--save-model", a.save_model, "at the end, also write OUT/model.pt (the whole "
                "state dict, torch.load()-able, strict-loadable into Hugging Face's "
                "BertForPreTraining) and OUT/hf (--export-hf)");
@@ -326,10 +336,14 @@ std::string check_args(const Args& a, const Commands& c) {
   }
   if (!a.dump_logits.empty() && !a.eval_only) return "--dump-logits: needs --eval-only";
   if (a.sequence_parallel && a.tp < 2) return "--sequence-parallel: needs --tp 2 or more";
+  if (a.snapshot_dir.find("{host}") != std::string::npos && a.ranks_per_host == 0) {
+    return fmt::format("--snapshot-dir {}: {{host}} needs --ranks-per-host", a.snapshot_dir);
+  }
   if (a.optimizer == "adamw8bit") {
     // Its quantised state is not written to checkpoints yet (docs/optimizers.md).
     const std::pair<bool, const char*> needs_checkpoint[] = {
         {a.checkpoint_every > 0, "--checkpoint-every"}, {a.resume_requested, "--resume"},
+        {a.snapshot_every > 0, "--snapshot-every"},
         {a.save_model, "--save-model"}, {!a.export_hf.empty(), "--export-hf"},
         {a.eval_only, "--eval-only"}};
     for (const auto& [given, flag] : needs_checkpoint) {

@@ -52,6 +52,9 @@ struct Args {
   int64_t checkpoint_every = 0;  // 0: only the final checkpoint
   int keep_checkpoints = 1;      // committed saves kept under OUT/checkpoint
   bool async_checkpoints = false;  // write them on a background thread
+  int64_t snapshot_every = 0;      // 0: no snapshots in memory (shardopt::MemorySnapshots)
+  std::string snapshot_dir;        // empty: /dev/shm/shardopt-<hash of OUT>; {host}: rank / H
+  int ranks_per_host = 0;          // 0: counted from the hosts
   bool save_model = false;       // also OUT/model.pt, consolidated, at the end
   std::string resume;
   bool resume_requested = false;  // --resume given (its value may be empty: OUT/checkpoint)

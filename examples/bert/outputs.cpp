@@ -33,14 +33,39 @@ void join_async_save(Run& r) {
   }
 }
 
+shardopt::TrainerState run_trainer_state(Run& r, int64_t done) {
+  RunState s = r.state;
+  s.step = done;
+  const nlohmann::json layout = {{"tp", r.tp()}, {"pp", r.pp()},
+                                 {"virtual_stages", r.pp() > 1 ? r.a.virtual_stages : 1}};
+  auto trainer_state = make_trainer_state(s, r.schedule, layout);
+  // --tp: the split regions' dropout stream too, so a resume draws the same masks.
+  if (const auto& rng = r.model->model_parallel().rng) trainer_state.tensors["tp_dropout_rng"] = rng->state();
+  return trainer_state;
+}
+
+void snapshot(Run& r, int64_t done) {
+  const bool first = r.snapshots->host_bytes() == 0;
+  r.snapshots->snapshot(run_trainer_state(r, done));
+  if (r.fault.is("kill-in-snapshot", r.rank, done)) std::raise(SIGKILL);
+  if (r.lead && first) {
+    const int buddy = r.snapshots->buddy();
+    fmt::print("{}[bert] snapshot: step {} in host memory ({:.3f} s blocking; {:.1f} MiB of "
+               "slots per rank; {}), every {} steps\n",
+               r.clear(), done, r.snapshots->last_timing().blocking_s,
+               static_cast<double>(r.snapshots->host_bytes()) / (1 << 20),
+               buddy >= 0 ? fmt::format("rank 0's buddy: rank {}", buddy)
+                          : std::string("one host: no buddy copy"),
+               r.a.snapshot_every);
+  }
+}
+
 void save(Run& r, int64_t done) {
   const auto t0 = Clock::now();
   if (!r.opt->parameters_finite()) {  // never replace the last good checkpoint with NaN/Inf
     if (r.lead) fmt::print("\n[bert] checkpoint: step {} NOT saved: NaN/Inf parameters\n", done);
     return;
   }
-  RunState s = r.state;
-  s.step = done;
   shardopt::SaveOptions save_options = model_save_options(r.model);
   if (r.pipeline) {  // a stage's folder names only the parameters it holds
     for (auto it = save_options.aliases.begin(); it != save_options.aliases.end();) {
@@ -57,11 +82,7 @@ void save(Run& r, int64_t done) {
   grid.after_folder_written = [&r, done](int world_rank) {
     if (r.fault.is("kill-before-commit", world_rank, done)) std::raise(SIGKILL);
   };
-  const nlohmann::json layout = {{"tp", r.tp()}, {"pp", r.pp()},
-                                 {"virtual_stages", r.pp() > 1 ? r.a.virtual_stages : 1}};
-  auto trainer_state = make_trainer_state(s, r.schedule, layout);
-  // --tp: the split regions' dropout stream too, so a resume draws the same masks.
-  if (const auto& rng = r.model->model_parallel().rng) trainer_state.tensors["tp_dropout_rng"] = rng->state();
+  const auto trainer_state = run_trainer_state(r, done);
   if (r.a.async_checkpoints) {
     join_async_save(r);
     if (!r.saver) r.saver = std::make_unique<shardopt::AsyncCheckpoint>(*r.opt, r.groups);

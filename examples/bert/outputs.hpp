@@ -14,6 +14,14 @@ namespace bert {
 // skipped, with a line, when a parameter is NaN/Inf.
 void save(Run& r, int64_t done);
 
+// What a checkpoint or a snapshot of step `done` keeps besides the optimizer: the run state (step,
+// data position, losses, schedule, layout) and the generators.
+shardopt::TrainerState run_trainer_state(Run& r, int64_t done);
+
+// --snapshot-every: the state of step `done` into host memory and the buddy's
+// (shardopt::MemorySnapshots); the step waits for one copy only.
+void snapshot(Run& r, int64_t done);
+
 // --export-hf DIR (and OUT/hf with --save-model), from any layout: the optimizer's fp32 master
 // parameters streamed by shardopt::export_hf_safetensors, each stage's file(s) written by its
 // data-parallel rank 0 of tensor rank 0; prints the files and the extra memory per rank.

@@ -77,6 +77,9 @@ struct Run {
   // --async-checkpoints: saves written in the background (after opt: destroyed, joined, first).
   std::unique_ptr<shardopt::AsyncCheckpoint> saver;
   int64_t async_step = -1;  // the step of the save in flight
+  // --snapshot-every: the state in host memory (after opt: destroyed, joined, first).
+  std::unique_ptr<shardopt::MemorySnapshots> snapshots;
+  double restore_s = -1;  // a snapshot's restore, for the recovery line after the first step
   int64_t global_batch = 0;
   // Progress: checkpoints, metrics, evaluations.
   fs::path checkpoint_dir, metrics_path;

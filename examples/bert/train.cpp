@@ -351,12 +351,47 @@ void restore(Run& r) {
                 // rows per step (batch x data-parallel ranks x micro-batches): a layout may change
                 // its factors and continue the same trajectory, not the product
                 {"global-batch", r.global_batch}, {"optimizer", a.optimizer}, {"lr-schedule", a.lr_schedule}};
+  // --snapshot-every: the newest snapshot in host memory comes first (Note [Snapshots in memory]
+  // in shardopt/snapshot.hpp); without one, a run that keeps snapshots continues from
+  // OUT/checkpoint when there is one, as --resume does (a restart by scripts/shardopt-run).
+  std::optional<shardopt::TrainerState> from_memory;
+  shardopt::RestoreReport memory;
+  if (a.snapshot_every > 0 && !a.eval_only) {
+    r.snapshots = std::make_unique<shardopt::MemorySnapshots>(*r.opt, r.comm, bert::snapshot_options(a, r.rank));
+    from_memory = r.snapshots->restore(&memory);
+    if (r.lead && !from_memory && memory.reason.rfind("no snapshot", 0) != 0) {
+      fmt::print("[bert] snapshot: not restored: {}\n", memory.reason);
+    }
+  }
+  const fs::path own_checkpoint = fs::path(a.out) / "checkpoint";
+  const bool resume = !from_memory && (a.resume_requested ||
+                                       (a.snapshot_every > 0 && (fs::exists(own_checkpoint / "commit.json") ||
+                                                                 fs::exists(own_checkpoint / "manifest.json"))));
   shardopt::agree_on_errors(*r.comm, "opening the metrics log", [&] {
     if (!r.lead || a.eval_only) return;
-    r.metrics.open(r.metrics_path, a.resume_requested ? std::ios::app : std::ios::trunc);
+    r.metrics.open(r.metrics_path, from_memory || resume ? std::ios::app : std::ios::trunc);
     if (!r.metrics) throw std::runtime_error("cannot write " + r.metrics_path.string());
   });
-  if (a.resume_requested) {
+  if (from_memory) {
+    const auto notes = bert::restore_run_state(*from_memory, r.schedule, &r.state, true);
+    const auto tp_rng = from_memory->tensors.find("tp_dropout_rng");
+    if (const auto& rng = r.model->model_parallel().rng; rng && tp_rng != from_memory->tensors.end()) {
+      rng->set_state(tp_rng->second);
+    }
+    r.restore_s = memory.seconds;
+    shardopt::agree_on_errors(*r.comm, "resuming the metrics log", [&] {
+      if (!r.lead) return;
+      fmt::print("[bert] restored snapshot {} (step {}) from host memory in {:.3f} s ({})\n",
+                 memory.number, r.state.step, memory.seconds,
+                 memory.from_buddy == 0 ? std::string("every rank's own copy")
+                                        : fmt::format("{} ranks' copies sent by their buddies", memory.from_buddy));
+      for (const auto& n : notes) fmt::print("[bert] note: {}\n", n);
+      bert::truncate_metrics(r.metrics_path, r.state.step);
+      r.metrics.close();
+      r.metrics.open(r.metrics_path, std::ios::app);
+      if (!r.metrics) throw std::runtime_error("cannot write " + r.metrics_path.string());
+    });
+  } else if (resume) {
     const fs::path base = a.resume.empty() ? fs::path(a.out) / "checkpoint" : fs::path(a.resume);
     // Any layout loads any other (shardopt/grid_checkpoint.hpp): each rank reads only what it
     // will hold.
@@ -551,6 +586,16 @@ bert::StepRecord train_step(Run& r, int64_t step) {
   return rec;
 }
 
+// After a restart from a snapshot: the time from the failure (SHARDOPT_FAILED_AT, seconds since
+// the epoch, set by scripts/shardopt-run) to the end of the first step after it.
+void report_recovery(const Run& r) {
+  const char* failed_at = std::getenv("SHARDOPT_FAILED_AT");
+  if (!r.lead || failed_at == nullptr) return;
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  fmt::print("{}[bert] recovered: {:.2f} s from the failure to the end of the first step after "
+             "it (restore {:.3f} s)\n", r.clear(), now - std::atof(failed_at), r.restore_s);
+}
+
 void train_loop(Run& r) {
   const Args& a = r.a;
   for (int64_t step = r.start_step; step < a.steps; ++step) {
@@ -580,8 +625,11 @@ void train_loop(Run& r) {
       r.metrics.flush();
     }
     if (save_now) bert::save(r, done);
+    if (r.snapshots && done % a.snapshot_every == 0 && !last_of_run) bert::snapshot(r, done);
+    if (r.restore_s >= 0 && done == r.start_step + 1) report_recovery(r);
     if (r.lead) r.progress->step(rec, r.state.train_s, r.run_samples, r.run_tokens);
   }
+  if (r.snapshots) r.snapshots->wait();
   if (r.lead) r.progress->finish();
 }
 

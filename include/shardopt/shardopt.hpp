@@ -19,6 +19,7 @@
 #include "shardopt/options.hpp"
 #include "shardopt/recompute.hpp"
 #include "shardopt/rules.hpp"
+#include "shardopt/snapshot.hpp"
 #include "shardopt/state_dict.hpp"
 #include "shardopt/tensor_parallel.hpp"
 #include "shardopt/threads.hpp"

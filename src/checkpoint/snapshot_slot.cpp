@@ -1,0 +1,233 @@
+// Slot files of in-memory snapshots (snapshot_slot.hpp) and their CRC-32C.
+#include "checkpoint/snapshot_slot.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+#include "shardopt/error.hpp"
+
+namespace shardopt::detail {
+
+namespace {
+
+constexpr char kSlotMagic[8] = {'S', 'H', 'S', 'N', 'A', 'P', '0', '1'};
+
+struct Table {
+  uint32_t v[256];
+  Table() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+      v[i] = c;
+    }
+  }
+};
+
+uint32_t crc_bytes_portable(uint32_t c, const uint8_t* p, int64_t n) {
+  static const Table table;
+  for (int64_t i = 0; i < n; ++i) c = table.v[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  return c;
+}
+
+void quarters_portable(const uint8_t* p, int64_t q, int64_t n, uint32_t c[4]) {
+  for (int k = 0; k < 4; ++k) {
+    const int64_t len = k < 3 ? q : n - 3 * q;
+    c[k] = crc_bytes_portable(c[k], p + k * q, len);
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) void quarters_sse42(const uint8_t* p, int64_t q, int64_t n,
+                                                      uint32_t c[4]) {
+  uint64_t s[4] = {c[0], c[1], c[2], c[3]};
+  const uint8_t* at[4] = {p, p + q, p + 2 * q, p + 3 * q};
+  int64_t i = 0;
+  for (; i + 8 <= q; i += 8) {  // four streams: the instruction's latency hidden
+    for (int k = 0; k < 4; ++k) {
+      uint64_t w;
+      std::memcpy(&w, at[k] + i, 8);
+      s[k] = _mm_crc32_u64(s[k], w);
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    const int64_t len = k < 3 ? q : n - 3 * q;
+    auto c32 = static_cast<uint32_t>(s[k]);
+    int64_t j = i;
+    for (; j + 8 <= len; j += 8) {
+      uint64_t w;
+      std::memcpy(&w, at[k] + j, 8);
+      c32 = static_cast<uint32_t>(_mm_crc32_u64(c32, w));
+    }
+    for (; j < len; ++j) c32 = _mm_crc32_u8(c32, at[k][j]);
+    c[k] = c32;
+  }
+}
+#endif
+
+void quarters(const uint8_t* p, int64_t n, uint32_t c[4]) {
+  const int64_t q = n / 4 / 8 * 8;
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("sse4.2")) return quarters_sse42(p, q, n, c);
+#endif
+  quarters_portable(p, q, n, c);
+}
+
+void put64(uint8_t* at, int64_t v) { std::memcpy(at, &v, 8); }
+int64_t get64(const uint8_t* at) {
+  int64_t v;
+  std::memcpy(&v, at, 8);
+  return v;
+}
+void put32(uint8_t* at, uint32_t v) { std::memcpy(at, &v, 4); }
+uint32_t get32(const uint8_t* at) {
+  uint32_t v;
+  std::memcpy(&v, at, 4);
+  return v;
+}
+
+[[noreturn]] void fail(const std::string& what, const std::string& path) {
+  SHARDOPT_FAIL(Checkpoint, "snapshot: {} {}: {}", what, path, std::strerror(errno));
+}
+
+}  // namespace
+
+std::array<uint32_t, 4> crc32c_quarters(const void* data, int64_t n) {
+  uint32_t c[4] = {~0u, ~0u, ~0u, ~0u};
+  quarters(static_cast<const uint8_t*>(data), n, c);
+  return {~c[0], ~c[1], ~c[2], ~c[3]};
+}
+
+uint32_t crc32c(const void* data, int64_t n) {
+  return ~crc_bytes_portable(~0u, static_cast<const uint8_t*>(data), n);
+}
+
+std::array<uint8_t, kSlotPrefixBytes> encode_prefix(const SlotPrefix& p) {
+  std::array<uint8_t, kSlotPrefixBytes> b{};
+  std::memcpy(b.data(), kSlotMagic, 8);
+  put64(b.data() + 8, p.number);
+  put64(b.data() + 16, p.payload_bytes);
+  put64(b.data() + 24, p.tail_bytes);
+  put64(b.data() + 32, p.json_bytes);
+  for (int k = 0; k < 4; ++k) put32(b.data() + 40 + 4 * k, p.payload_crc[static_cast<size_t>(k)]);
+  put32(b.data() + 56, p.tail_crc);
+  put32(b.data() + 60, crc32c(b.data(), 60));
+  return b;
+}
+
+std::optional<SlotPrefix> decode_prefix(const uint8_t* b) {
+  if (std::memcmp(b, kSlotMagic, 8) != 0 || get32(b + 60) != crc32c(b, 60)) return std::nullopt;
+  SlotPrefix p;
+  p.number = get64(b + 8);
+  p.payload_bytes = get64(b + 16);
+  p.tail_bytes = get64(b + 24);
+  p.json_bytes = get64(b + 32);
+  for (int k = 0; k < 4; ++k) p.payload_crc[static_cast<size_t>(k)] = get32(b + 40 + 4 * k);
+  p.tail_crc = get32(b + 56);
+  const bool sane = p.number >= 0 && p.payload_bytes >= 0 && p.tail_bytes >= 0 &&
+                    p.json_bytes >= 0 && p.json_bytes <= p.tail_bytes;
+  if (!sane) return std::nullopt;
+  return p;
+}
+
+SlotFile::~SlotFile() {
+  unmap();
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SlotFile::unmap() {
+  if (base_ != nullptr) ::munmap(base_, static_cast<size_t>(kSlotPrefixBytes + payload_bytes_));
+  base_ = nullptr;
+  payload_bytes_ = -1;
+}
+
+uint8_t* SlotFile::map(int64_t payload_bytes) {
+  if (base_ != nullptr && payload_bytes == payload_bytes_) return payload();
+  unmap();
+  if (fd_ < 0) {
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd_ < 0) fail("cannot open", path_);
+  }
+  const int64_t bytes = kSlotPrefixBytes + payload_bytes;
+  // Grown, never cut (a record's tail lies beyond); the memory reserved now: a write into a mapped
+  // page that a full tmpfs cannot back is a SIGBUS.
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) fail("cannot stat", path_);
+  if (st.st_size < bytes && ::ftruncate(fd_, bytes) != 0) fail("cannot size", path_);
+  if (const int e = ::posix_fallocate(fd_, 0, bytes); e != 0) {
+    errno = e;
+    fail("no room (is the tmpfs full?) for", path_);
+  }
+  void* m = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (m == MAP_FAILED) fail("cannot map", path_);
+  base_ = static_cast<uint8_t*>(m);
+  payload_bytes_ = payload_bytes;
+  return payload();
+}
+
+void SlotFile::invalidate() {
+  SlotPrefix p;  // number -1: encode_prefix keeps it, decode_prefix refuses it
+  const auto b = encode_prefix(p);
+  std::memcpy(base_, b.data(), b.size());
+}
+
+void SlotFile::write_tail(const std::string& tail) {
+  const int64_t at = kSlotPrefixBytes + payload_bytes_;
+  int64_t done = 0;
+  while (done < static_cast<int64_t>(tail.size())) {
+    const ssize_t n = ::pwrite(fd_, tail.data() + done, tail.size() - static_cast<size_t>(done),
+                               static_cast<off_t>(at + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail("cannot write the tail of", path_);
+    done += n;
+  }
+  if (::ftruncate(fd_, at + done) != 0) fail("cannot trim", path_);
+}
+
+void SlotFile::write_prefix(const std::array<uint8_t, kSlotPrefixBytes>& prefix) {
+  std::memcpy(base_, prefix.data(), prefix.size());
+}
+
+std::optional<SlotPrefix> SlotFile::read_prefix() const {
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  uint8_t b[kSlotPrefixBytes];
+  const ssize_t n = ::pread(fd, b, sizeof b, 0);
+  struct stat st {};
+  const bool whole = n == static_cast<ssize_t>(sizeof b) && ::fstat(fd, &st) == 0;
+  ::close(fd);
+  if (!whole) return std::nullopt;
+  auto p = decode_prefix(b);
+  if (p && st.st_size != kSlotPrefixBytes + p->payload_bytes + p->tail_bytes) return std::nullopt;
+  return p;
+}
+
+std::string SlotFile::read_tail(const SlotPrefix& p) const {
+  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open", path_);
+  std::string tail(static_cast<size_t>(p.tail_bytes), '\0');
+  int64_t done = 0;
+  while (done < p.tail_bytes) {
+    const ssize_t n = ::pread(fd, tail.data() + done, static_cast<size_t>(p.tail_bytes - done),
+                              static_cast<off_t>(kSlotPrefixBytes + p.payload_bytes + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      fail("cannot read the tail of", path_);
+    }
+    done += n;
+  }
+  ::close(fd);
+  return tail;
+}
+
+}  // namespace shardopt::detail

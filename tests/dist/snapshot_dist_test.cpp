@@ -1,0 +1,168 @@
+// In-memory snapshots (shardopt/snapshot.hpp, Note [Snapshots in memory]) at N = 1..4 ranks over
+// two emulated hosts (a directory each; ranks_per_host = N/2), stages 0-3: a restarted optimizer
+// that restores the newest committed snapshot continues the uninterrupted run bitwise, also when
+// one host's memory is gone (the buddy sends the copies); a torn or corrupt slot, a snapshot of
+// another model and one of another world size are refused by name on every rank.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "shardopt/optimizer.hpp"
+#include "shardopt/snapshot.hpp"
+#include "support/dist_env.hpp"
+#include "support/expect_error.hpp"
+#include "support/tiny_net.hpp"
+
+namespace shardopt {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Run {
+  test::TinyNet net;
+  std::unique_ptr<DistributedOptimizer> opt;
+  explicit Run(int stage, bool wider = false) : net(wider) {
+    ZeroOptions zo;
+    zo.stage = stage_from_int(stage);
+    zo.units = net.units;
+    zo.timeout = std::chrono::seconds(60);
+    opt = std::make_unique<DistributedOptimizer>(net.groups(true), test::make_rule("adamw"),
+                                                 test::world(), zo);
+  }
+  void step(int64_t s) {
+    const int64_t rows = test::kBatch / test::world()->size();
+    const int64_t r0 = test::world()->rank() * rows;
+    auto [x, y] = test::batch(s, 0);
+    opt->zero_grad();
+    opt->backward(net.loss(x.narrow(0, r0, rows), y.narrow(0, r0, rows)));
+    opt->step();
+  }
+  std::map<std::string, at::Tensor> params() {
+    opt->gather_full_parameters();  // stage 3: units hold no storage between steps
+    std::map<std::string, at::Tensor> out;
+    for (auto& [name, t] : net.named) out[name] = t.detach().clone();
+    return out;
+  }
+};
+
+// Two emulated hosts when there are two ranks or more: a directory each.
+SnapshotOptions options(const std::string& base) {
+  const int n = test::world()->size();
+  const int per_host = n >= 2 ? n / 2 : 1;
+  return {fmt::format("{}/host-{}", base, test::world()->rank() / per_host), per_host};
+}
+
+void expect_bitwise(const std::map<std::string, at::Tensor>& a,
+                    const std::map<std::string, at::Tensor>& b) {
+  for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
+}
+
+TrainerState trainer_at(int64_t step) {
+  at::Tensor rng = at::arange(5, at::kByte) + static_cast<uint8_t>(step);
+  return {fmt::format(R"({{"step": {}}})", step), {{"rng", rng}}};
+}
+
+DIST_TEST(Snapshots, RestartContinuesBitwise) {
+  const int n = test::world()->size();
+  for (int stage = 0; stage <= 3; ++stage) {
+    const std::string base = test::shared_dir(fmt::format("snapshots_stage{}", stage));
+    std::map<std::string, at::Tensor> uninterrupted;
+    {
+      Run run(stage);
+      MemorySnapshots snaps(*run.opt, test::world(), options(base));
+      EXPECT_EQ(snaps.buddy(), n >= 2 ? (test::world()->rank() + n / 2) % n : -1);
+      RestoreReport none;
+      EXPECT_FALSE(snaps.restore(&none).has_value());
+      EXPECT_NE(none.reason.find("no snapshot"), std::string::npos) << none.reason;
+      for (int64_t s = 0; s < 3; ++s) {
+        run.step(s);
+        snaps.snapshot(trainer_at(s + 1));  // K = 1; the next joins it
+      }
+      snaps.wait();
+      EXPECT_GT(snaps.host_bytes(), 0);
+      run.step(3);
+      run.step(4);  // lost with the process
+      uninterrupted = run.params();
+    }
+    auto restart = [&](int expect_from_buddy) {
+      Run again(stage);
+      MemorySnapshots snaps(*again.opt, test::world(), options(base));
+      RestoreReport report;
+      const auto t = snaps.restore(&report);
+      ASSERT_TRUE(t.has_value()) << report.reason;
+      EXPECT_EQ(report.number, 2);
+      EXPECT_EQ(report.step, 3);
+      EXPECT_EQ(report.from_buddy, expect_from_buddy);
+      EXPECT_EQ(t->json, R"({"step": 3})");
+      EXPECT_TRUE(at::equal(t->tensors.at("rng"), trainer_at(3).tensors.at("rng")));
+      again.step(3);
+      again.step(4);
+      expect_bitwise(again.params(), uninterrupted);
+    };
+    restart(0);
+    // Host 0 replaced: its memory is gone; the buddies on host 1 send rank 0..n/2-1's records.
+    if (n >= 2) {
+      if (test::world()->rank() == 0) fs::remove_all(base + "/host-0");
+      test::world()->barrier();
+      restart(n / 2);
+    }
+    if (test::world()->rank() == 0) fs::remove_all(base);
+  }
+}
+
+DIST_TEST(Snapshots, RefusesCorruptForeignAndResizedSnapshots) {
+  const int n = test::world()->size();
+  const std::string base = test::shared_dir("snapshots_refusals");
+  {
+    Run run(2);
+    MemorySnapshots snaps(*run.opt, test::world(), options(base));
+    run.step(0);
+    snaps.snapshot(trainer_at(1));
+    snaps.wait();
+  }
+  const std::string host0 = base + "/host-0";
+  // Another model (a wider layer): Mismatch naming what differs, on every rank.
+  {
+    Run other(2, /*wider=*/true);
+    MemorySnapshots snaps(*other.opt, test::world(), options(base));
+    test::expect_error([&] { snaps.restore(); }, ErrorKind::Mismatch, {"snapshot", "clear"});
+  }
+  // A flipped byte in rank 0's record: the checksum fails on every rank.
+  if (test::world()->rank() == 0) {
+    std::fstream f(host0 + "/rank0.slot0", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(64 + 5);
+    f.put('\x7f');
+  }
+  test::world()->barrier();
+  {
+    Run run(2);
+    MemorySnapshots snaps(*run.opt, test::world(), options(base));
+    test::expect_error([&] { snaps.restore(); }, ErrorKind::Checkpoint, {"rank0.slot0", "CRC-32C"});
+  }
+  // A snapshot of another world size is not restored here (the caller's disk checkpoint reshards).
+  if (test::world()->rank() == 0) std::ofstream(host0 + "/rank0.commit") << "7 " << n + 1 << " 1\n";
+  test::world()->barrier();
+  {
+    Run run(2);
+    MemorySnapshots snaps(*run.opt, test::world(), options(base));
+    RestoreReport report;
+    EXPECT_FALSE(snaps.restore(&report).has_value());
+    EXPECT_NE(report.reason.find(fmt::format("world of {} ranks", n + 1)), std::string::npos)
+        << report.reason;
+  }
+  test::expect_error(
+      [&] {
+        Run run(0);
+        MemorySnapshots bad(*run.opt, test::world(), {"", 0});
+      },
+      ErrorKind::InvalidArgument, {"SnapshotOptions::dir"});
+  if (test::world()->rank() == 0) fs::remove_all(base);
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# In-memory snapshots on the BERT trainer (Note [Snapshots in memory] in shardopt/snapshot.hpp):
+# 4 ranks over two emulated hosts (--snapshot-dir WORK/<case>/shm/host-{host} --ranks-per-host 2:
+# host 0 holds ranks 0-1, host 1 ranks 2-3; each rank's buddy is on the other host), a snapshot
+# every step, faults placed deterministically by BERT_TEST_FAULT (Note [Test faults]):
+#   killed_rank      rank 1 SIGKILLs itself before step 5; scripts/shardopt-run restarts the job,
+#                    which restores its newest committed snapshot from every rank's own copy;
+#   killed_snapshot  rank 2 SIGKILLs itself right after the snapshot of step 6 started (its buddy
+#                    exchange and commit in flight): the restart restores step 5 or 6, whichever
+#                    the job committed, never a mix;
+#   lost_host        rank 0 dies before step 7 and host 0's memory is removed before the restart
+#                    (a replaced host): ranks 0-1 get their records from their buddies, ranks 2-3.
+# Every restarted run's losses must equal the uninterrupted run's (no snapshots) bitwise, it must
+# repeat at most one step (K = 1), and it prints its restore and recovery times.
+# Usage: bert_snapshot_test.sh <bert_pretrain> <mpiexec> <corpus dir> <shardopt-run>.
+set -u
+EXE=$1
+MPIEXEC=$2
+CORPUS=$3
+LAUNCHER=$4
+STEPS=10
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/shardopt-bert-snapshot.XXXXXX")
+cleanup() {  # every process of ours tagged with a run under $WORK
+  local f pid
+  for f in /proc/[0-9]*/environ; do
+    if grep -qsz "^SHARDOPT_FAULT_RUN=$WORK/" "$f"; then
+      pid=${f#/proc/}
+      pid=${pid%/environ}
+      kill -KILL "$pid" 2>/dev/null
+    fi
+  done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+fail() { echo "[bert_snapshot] FAIL: $*" >&2; exit 1; }
+
+"$EXE" build-vocab --corpus "$CORPUS" --vocab-size 2000 -o "$WORK/vocab.txt" >/dev/null ||
+  fail "build-vocab"
+"$EXE" create-data --corpus "$CORPUS" --vocab "$WORK/vocab.txt" --max-seq-length 64 \
+  --dupe-factor 2 -o "$WORK/data.bin" >/dev/null || fail "create-data"
+train() {  # train <out dir> [extra args]: one attempt, in the foreground
+  local out=$1
+  shift
+  SHARDOPT_FAULT_RUN="$out" timeout -s KILL 300 "$MPIEXEC" --allow-run-as-root --oversubscribe \
+    --bind-to none -np 4 -x BERT_TEST_FAULT -x SHARDOPT_RESTART -x SHARDOPT_FAILED_AT \
+    "$EXE" --preset tiny --stage 2 --steps $STEPS --warmup-steps 2 --lr 2e-3 --batch-size 2 \
+    --max-seq-length 64 --vocab "$WORK/vocab.txt" --data "$WORK/data.bin" --no-plot \
+    --progress lines --log-every 1 --timeout 20 --out "$out" "$@"
+}
+export -f train
+export EXE MPIEXEC WORK STEPS
+losses() {  # "step loss" per line, loss in full precision
+  python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print(j["step"], repr(j["loss"]))' "$1/metrics.jsonl"
+}
+snap_args() { echo --snapshot-every 1 --snapshot-dir "$WORK/$1/shm/host-{host}" --ranks-per-host 2; }
+
+export BERT_TEST_FAULT= SHARDOPT_RESTART= SHARDOPT_FAILED_AT=
+train "$WORK/whole" >"$WORK/whole.log" 2>&1 || { cat "$WORK/whole.log"; fail "the uninterrupted run"; }
+
+# check <name> <restored steps allowed...>: the restart's log and losses.
+check() {
+  local name=$1 log=$WORK/$1.log
+  shift
+  grep -E "restored snapshot|recovered:|shardopt-run" "$log"
+  local step
+  step=$(sed -n 's/.*restored snapshot [0-9]* (step \([0-9]*\)).*/\1/p' "$log" | tail -1)
+  [ -n "$step" ] || { cat "$log"; fail "$name: no snapshot was restored"; }
+  local ok=0 s
+  for s in "$@"; do [ "$step" = "$s" ] && ok=1; done
+  [ $ok = 1 ] || fail "$name: restored step $step, expected one of $*"
+  grep -q "recovered: " "$log" || fail "$name: no recovery time printed"
+  diff <(losses "$WORK/whole") <(losses "$WORK/$name") ||
+    fail "$name: the restarted run's losses differ from the uninterrupted run's"
+  echo "[bert_snapshot] $name: restored step $step; all $STEPS losses equal the uninterrupted run's"
+}
+
+# killed_rank, killed_snapshot: the launcher restarts the job (the fault fires in attempt 1 only).
+BERT_TEST_FAULT=1:5:kill "$LAUNCHER" --max-restarts 2 -- bash -c "train $WORK/killed_rank $(snap_args killed_rank)" \
+  >"$WORK/killed_rank.log" 2>&1 || { cat "$WORK/killed_rank.log"; fail "killed_rank: the restarted job failed"; }
+grep -q "restart 1 of 2" "$WORK/killed_rank.log" || fail "killed_rank: the job was not restarted"
+check killed_rank 3 4
+BERT_TEST_FAULT=2:6:kill-in-snapshot "$LAUNCHER" --max-restarts 2 -- bash -c "train $WORK/killed_snapshot $(snap_args killed_snapshot)" \
+  >"$WORK/killed_snapshot.log" 2>&1 || { cat "$WORK/killed_snapshot.log"; fail "killed_snapshot: the restarted job failed"; }
+check killed_snapshot 5 6
+
+# lost_host: attempt 1 by hand, host 0's memory removed, attempt 2 as the launcher would.
+BERT_TEST_FAULT=0:7:kill train "$WORK/lost_host" $(snap_args lost_host) >"$WORK/lost_host.1.log" 2>&1 &&
+  fail "lost_host: the first attempt did not fail"
+[ -d "$WORK/lost_host/shm/host-0" ] || fail "lost_host: no host-0 snapshot directory"
+rm -rf "$WORK/lost_host/shm/host-0"
+SHARDOPT_RESTART=1 SHARDOPT_FAILED_AT=$(date +%s.%N) train "$WORK/lost_host" $(snap_args lost_host) \
+  >"$WORK/lost_host.log" 2>&1 || { cat "$WORK/lost_host.log"; fail "lost_host: the restart failed"; }
+grep -q "2 ranks' copies sent by their buddies" "$WORK/lost_host.log" ||
+  { cat "$WORK/lost_host.log"; fail "lost_host: the buddies did not send the lost host's records"; }
+check lost_host 5 6
+echo "[bert_snapshot] PASS"

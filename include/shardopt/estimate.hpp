@@ -188,6 +188,10 @@ struct Options {
   int64_t largest_param = 0;
   /// Count an AsyncCheckpoint's host snapshot (Estimate::checkpoint_snapshot).
   bool async_checkpoint = false;
+  /// Count MemorySnapshots' slots (Estimate::snapshot_slots); `snapshot_buddy` false: one host,
+  /// no copies kept for a buddy.
+  bool memory_snapshots = false;
+  bool snapshot_buddy = true;
   /// The grid's pipeline size (ZeroOptions::grid.pp; `params` are then one rank's stage): above 1,
   /// stages 2-3 defer their reduction and stage 3 holds every unit of the stage gathered through
   /// the step (Note [Pipelines decide two defaults] in shardopt/detail/plan.hpp).
@@ -226,8 +230,15 @@ struct Estimate {
   /// the master parameters and of every optimizer state buffer (Note [Asynchronous saves]),
   /// allocated by the first save and kept; what AsyncCheckpoint::snapshot_bytes() reports.
   int64_t checkpoint_snapshot = 0;
-  /// Device and host, everything (the checkpoint snapshot included).
-  int64_t total() const { return device.total() + host.total() + checkpoint_snapshot; }
+  /// Options::memory_snapshots: host memory (tmpfs) of MemorySnapshots' slots for this rank: two
+  /// of its own and two it keeps for another rank (none without a buddy), each this rank's slice
+  /// of the master parameters and of every optimizer state buffer plus a 64-byte prefix (Note
+  /// [Snapshots in memory]); what MemorySnapshots::host_bytes() reports.
+  int64_t snapshot_slots = 0;
+  /// Device and host, everything (the checkpoint snapshot and the snapshot slots included).
+  int64_t total() const {
+    return device.total() + host.total() + checkpoint_snapshot + snapshot_slots;
+  }
   /// Device and host, model state only.
   int64_t model_state() const { return device.model_state() + host.model_state(); }
 };
@@ -360,13 +371,16 @@ inline Estimate model_states(const Options& o) {
     detail_estimate::engine(o, plan, place, given, e, psi, shard);
   }
 
-  if (o.async_checkpoint) {
+  if (o.async_checkpoint || o.memory_snapshots) {
     // Every rank snapshots its 1/N of the flat layout at every stage (a checkpoint is sharded
     // where the step is not), for the master copy and each state buffer in the master's dtype.
     const int64_t master = bytes_of(place.master, given);
     const int64_t state = o.state_bytes >= 0 ? e.k - (plan.separate_master() ? master : 0)
                                              : state_bytes(o.optimizer, Precision::FP32);
-    e.checkpoint_snapshot = (master + state) * shard;
+    const int64_t slice = (master + state) * shard;
+    if (o.async_checkpoint) e.checkpoint_snapshot = slice;
+    // MemorySnapshots: two slots of its own and two for a buddy, each with a 64-byte prefix.
+    if (o.memory_snapshots) e.snapshot_slots = (o.snapshot_buddy ? 4 : 2) * (slice + 64);
   }
   e.comm_elements = (o.stage == 3 ? 3 : 2) * psi;
   // Gradients: one reduce-scatter (or all-reduce) in the reduce dtype; parameters: all-gathers

@@ -101,6 +101,10 @@ int main(int argc, char** argv) {
   bool reshard_between_uses = false;
   app.add_flag("--reshard-between-uses", reshard_between_uses,
                "stage 3 under --pp: release units between uses (ZeroOptions::reshard_between_uses)");
+  bool memory_snapshots = false;
+  app.add_flag("--memory-snapshots", memory_snapshots,
+               "also the host memory (tmpfs) of MemorySnapshots' slots per rank: two of its own "
+               "and two for its buddy (Note [Snapshots in memory])");
   app.add_flag("--json", json, "machine-readable output");
   CLI11_PARSE(app, argc, argv);
 
@@ -139,6 +143,7 @@ int main(int argc, char** argv) {
     base.largest_param = largest;
     base.defer_reduction = defer_reduction;
     base.pipeline_ranks = pipeline_ranks;
+    base.memory_snapshots = memory_snapshots;
     if (reshard_between_uses) base.reshard_between_uses = true;
     const bool deferred = shardopt::detail::defers_reduction(defer_reduction, pipeline_ranks);
 
@@ -164,10 +169,11 @@ int main(int argc, char** argv) {
         fmt::print("  {{\"stage\": {}, \"ranks\": {}, \"padded_params\": {}, \"P\": {}, \"G\": {}, "
                    "\"K\": {}, \"device\": {}, \"host\": {}, \"total\": {}, "
                    "\"comm_elements\": {}, \"comm_bytes\": {}, \"wire_bytes\": {}, "
-                   "\"gathered_units_params\": {}}}{}\n",
+                   "\"gathered_units_params\": {}, \"snapshot_slots\": {}}}{}\n",
                    e.options.stage, e.options.world, e.padded_params, e.p, e.g, e.k,
                    json_breakdown(e.device), json_breakdown(e.host), e.total(), e.comm_elements,
-                   e.comm_bytes, e.wire_bytes, e.gathered_units_params, i + 1 < rows.size() ? "," : "");
+                   e.comm_bytes, e.wire_bytes, e.gathered_units_params, e.snapshot_slots,
+                   i + 1 < rows.size() ? "," : "");
       }
       fmt::print("]}}\n");
       return 0;
@@ -214,6 +220,14 @@ int main(int argc, char** argv) {
     }
     fmt::print("\nComm per step and rank: 2Ψ elements (stages 0-2), 3Ψ (stage 3); with ring/pairwise "
                "algorithms a rank sends (N-1)/N of the bytes.\n");
+    if (memory_snapshots) {
+      fmt::print("\nMemorySnapshots, host memory (tmpfs) per rank: two slots of its own and two for "
+                 "its buddy, each its 1/N of the master parameters and optimizer state; not in the "
+                 "totals above.\n\n| stage | ranks | snapshot slots MB |\n|---:|---:|---:|\n");
+      for (const auto& e : rows) {
+        fmt::print("| {} | {} | {:.1f} |\n", e.options.stage, e.options.world, mb(e.snapshot_slots));
+      }
+    }
   } catch (const CLI::Error& e) {
     return app.exit(e);
   } catch (const std::exception& e) {

@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 
+#include "shardopt/estimate.hpp"
 #include "shardopt/optimizer.hpp"
 #include "shardopt/snapshot.hpp"
 #include "support/dist_env.hpp"
@@ -111,6 +112,35 @@ DIST_TEST(Snapshots, RestartContinuesBitwise) {
       test::world()->barrier();
       restart(n / 2);
     }
+    if (test::world()->rank() == 0) fs::remove_all(base);
+  }
+}
+
+// The estimator states the slots' host memory (Estimate::snapshot_slots): what host_bytes() reports,
+// at every stage, with and without a buddy.
+DIST_TEST(Snapshots, EstimateCountsTheSlots) {
+  const int n = test::world()->size();
+  for (int stage = 0; stage <= 3; ++stage) {
+    const std::string base = test::shared_dir(fmt::format("snapshots_estimate{}", stage));
+    Run run(stage);
+    MemorySnapshots snaps(*run.opt, test::world(), options(base));
+    EXPECT_EQ(snaps.host_bytes(), 0);
+    run.step(0);
+    snaps.snapshot(trainer_at(1));
+    run.step(1);
+    snaps.snapshot(trainer_at(2));  // both slots mapped
+    snaps.wait();
+    estimate::Options o;
+    o.params = run.opt->padded_numel();
+    o.world = n;
+    o.stage = stage;
+    o.params_on_host = true;
+    o.memory_snapshots = true;
+    o.snapshot_buddy = n >= 2;
+    const estimate::Estimate e = estimate::model_states(o);
+    EXPECT_EQ(snaps.host_bytes(), e.snapshot_slots) << "stage " << stage;
+    o.memory_snapshots = false;
+    EXPECT_EQ(e.total() - estimate::model_states(o).total(), e.snapshot_slots);
     if (test::world()->rank() == 0) fs::remove_all(base);
   }
 }

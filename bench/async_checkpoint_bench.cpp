@@ -29,7 +29,7 @@
 
 #include <fmt/format.h>
 
-#include "model.hpp"
+#include "bert_bench.hpp"
 #include "shardopt/async_checkpoint.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/job.hpp"
@@ -42,27 +42,6 @@ namespace fs = std::filesystem;
 using shardopt::bench::Clock;
 using shardopt::bench::median;
 double since(Clock::time_point t0) { return shardopt::bench::seconds_since(t0); }
-
-// One memcpy of this rank's state (what a snapshot copies) into `dst`, allocated once.
-double memcpy_state(shardopt::detail::ShardAccess& a, std::vector<char>& dst) {
-  std::vector<at::Tensor> parts;
-  for (size_t b = 0; b < a.layout().buckets.size(); ++b) {
-    parts.push_back(a.owned_param_slice(static_cast<int>(b)));
-    for (int k = 0; k < a.state_buffer_count(); ++k) {
-      parts.push_back(a.owned_state_slice(k, static_cast<int>(b)));
-    }
-  }
-  size_t bytes = 0;
-  for (const auto& t : parts) bytes += t.nbytes();
-  if (dst.size() < bytes) dst.assign(bytes, 1);  // touched once, outside the timing
-  const auto t0 = Clock::now();
-  size_t at = 0;
-  for (const auto& t : parts) {
-    std::memcpy(dst.data() + at, t.data_ptr(), t.nbytes());
-    at += t.nbytes();
-  }
-  return since(t0);
-}
 
 // Seconds dd takes to write `bytes` into `dir` with conv=fsync (8 MiB blocks); the file removed.
 double dd_seconds(const fs::path& dir, int64_t bytes) {
@@ -109,34 +88,9 @@ int main(int argc, char** argv) {
     at::set_num_threads(threads);
     const bool lead = comm->rank() == 0;
     auto groups = shardopt::make_parallel_groups(comm, shardopt::ParallelLayout{1, 1, 0});
-    torch::manual_seed(0);
-    bert::BertConfig config = bert::BertConfig::preset(preset);
-    bert::BertForPreTraining model(config);
-    shardopt::ZeroOptions zo;
-    zo.stage = shardopt::stage_from_int(stage);
-    zo.grid = groups;
-    auto pg = shardopt::weight_decay_groups(model->named_parameters(), [](const std::string& n) {
-      return n.find("bias") != std::string::npos || n.find("LayerNorm") != std::string::npos;
-    });
-    shardopt::DistributedOptimizer opt(pg, shardopt::AdamW(1e-4).weight_decay(0.01), groups.dp, zo);
-    torch::manual_seed(1 + comm->rank());
-    const int64_t predictions = (seq * 15 + 99) / 100;
-    bert::BertInputs in;
-    const auto ids = torch::TensorOptions().dtype(torch::kLong);
-    in.input_ids = torch::randint(config.vocab_size, {batch, seq}, ids);
-    in.token_type_ids = torch::zeros({batch, seq}, ids);
-    in.attention_mask = torch::ones({batch, seq}, ids);
-    in.masked_positions = torch::randint(seq, {batch, predictions}, ids);
-    in.masked_labels = torch::randint(config.vocab_size, {batch, predictions}, ids);
-    in.nsp_labels = torch::zeros({batch}, ids);
-    auto step = [&] {
-      const auto t0 = Clock::now();
-      opt.zero_grad();
-      auto out = model->forward(in);
-      opt.backward(out.loss);
-      opt.step();
-      return since(t0);
-    };
+    shardopt::bench::BertBench bench(groups, preset, stage, batch, seq);
+    auto& opt = *bench.opt;
+    auto step = [&] { return bench.step(); };
 
     const fs::path base = fs::path(dir) / "checkpoint";
     if (lead) fs::create_directories(dir);
@@ -162,7 +116,7 @@ int main(int argc, char** argv) {
     std::vector<double> memcpys, blockings, quiet, writing, rates, dd_rates;
     for (int round = 0; round < rounds; ++round) {
       comm->barrier();
-      const double copy_s = memcpy_state(access, copy_buffer);
+      const double copy_s = shardopt::bench::memcpy_state(access, copy_buffer);
       std::vector<double> q;
       for (int s = 0; s < quiet_steps; ++s) q.push_back(step());
       comm->barrier();

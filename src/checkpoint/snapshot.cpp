@@ -274,10 +274,13 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
   ShardAccess& a = s.a;
   const int64_t number = s.next_number++;
   SlotFile& slot = *s.own[number % 2];
-  agree_on_errors(*s.world, fmt::format("snapshot {}: mapping {}", number, slot.path()), [&] {
-    slot.map(payload_bytes(a));
-    slot.invalidate();
-  });
+  // Mapping may fail (a full tmpfs), once per slot: every rank maps its slot k at the same call,
+  // so the agreement (a collective) is skipped alike on every rank once both are mapped.
+  if (slot.mapped_payload() != payload_bytes(a)) {
+    agree_on_errors(*s.world, fmt::format("snapshot {}: mapping {}", number, slot.path()),
+                    [&] { slot.map(payload_bytes(a)); });
+  }
+  slot.invalidate();
   {  // the step waits for this copy only
     at::NoGradGuard no_grad;
     at::Tensor view = payload_view(a, slot.payload());

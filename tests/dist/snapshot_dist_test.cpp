@@ -6,7 +6,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -114,6 +117,58 @@ DIST_TEST(Snapshots, RestartContinuesBitwise) {
     }
     if (test::world()->rank() == 0) fs::remove_all(base);
   }
+}
+
+// Hosts as the communicator sees them (ranks_per_host counted by split_by_host), a directory per
+// host name: on one machine every rank is on one host and there is no buddy; across emulated hosts
+// (tests/multihost/emulated_hosts.sh: a network namespace and host name each, TCP between them)
+// each rank's buddy is on the other host, and a restart after one host's memory is removed gets
+// that host's records from the buddies.
+DIST_TEST(Snapshots, AcrossHosts) {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  const std::string base = test::shared_dir("snapshots_hosts");
+  const SnapshotOptions here{fmt::format("{}/{}", base, name), 0};
+  std::map<std::string, at::Tensor> uninterrupted;
+  int buddy = -1;
+  {
+    Run run(1);
+    MemorySnapshots snaps(*run.opt, test::world(), here);
+    buddy = snaps.buddy();
+    run.step(0);
+    snaps.snapshot(trainer_at(1));
+    snaps.wait();
+    run.step(1);
+    uninterrupted = run.params();
+  }
+  // The buddy's host name is another one, or there is no buddy because there is one host.
+  at::Tensor mine = at::zeros({256}, at::kByte), all = at::zeros({256 * test::world()->size()}, at::kByte);
+  std::memcpy(mine.data_ptr(), name, 256);
+  test::world()->all_gather(mine, all);
+  auto host_of = [&](int rank) { return std::string(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + 256 * rank); };
+  bool one_host = true;
+  for (int q = 0; q < test::world()->size(); ++q) one_host = one_host && host_of(q) == host_of(0);
+  if (test::world()->rank() == 0) {
+    std::printf("[snapshots] %s; rank 0's buddy: %d\n", one_host ? "one host" : "several hosts", buddy);
+  }
+  if (one_host) {
+    EXPECT_EQ(buddy, -1);
+  } else {
+    EXPECT_GE(buddy, 0);
+    EXPECT_NE(host_of(buddy), std::string(name));
+  }
+  if (!one_host && test::world()->rank() == 0) fs::remove_all(here.dir);  // host of rank 0 replaced
+  test::world()->barrier();
+  Run again(1);
+  MemorySnapshots snaps(*again.opt, test::world(), here);
+  RestoreReport report;
+  ASSERT_TRUE(snaps.restore(&report).has_value()) << report.reason;
+  EXPECT_EQ(report.step, 1);
+  if (!one_host) EXPECT_GT(report.from_buddy, 0);
+  again.step(1);
+  expect_bitwise(again.params(), uninterrupted);
+  test::world()->barrier();
+  if (test::world()->rank() == 0) fs::remove_all(base);
 }
 
 // The estimator states the slots' host memory (Estimate::snapshot_slots): what host_bytes() reports,

@@ -156,6 +156,8 @@ void finish(Run& r) {
   }
   if (r.last_saved != step) save(r, step);
   join_async_save(r);  // the last save committed before anything reads it
+  // The final state is committed on disk: the snapshots give their memory back to tmpfs.
+  if (r.snapshots) r.snapshots->remove();
   if (r.a.save_model) {
     shardopt::agree_on_errors(*r.comm, "writing model.pt", [&] {
       if (!r.lead) return;

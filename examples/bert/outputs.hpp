@@ -28,7 +28,8 @@ void snapshot(Run& r, int64_t done);
 void export_model(Run& r);
 
 // The end of training: the final state is always saved (a stopped run too: --resume continues
-// it), model.pt and the Hugging Face export with --save-model / --export-hf.
+// it), the snapshots in memory removed, model.pt and the Hugging Face export with --save-model /
+// --export-hf.
 void finish(Run& r);
 
 // summary.json and the closing lines (rank 0); returns rank 0's exit code on every rank

@@ -106,6 +106,12 @@ class MemorySnapshots {
   /// Error{Mismatch} for one of the same world size but another model, stage or layout.
   std::optional<TrainerState> restore(RestoreReport* report = nullptr);
 
+  /// Removes this rank's slots, the copies it holds for another rank and its commit marker, and
+  /// the directory once empty: at the end of a job that finished, so that tmpfs gives the memory
+  /// back (a crashed job's slots stay for its restart). Collective; joins the snapshot in flight
+  /// first (throwing its failure). Later snapshots start afresh.
+  void remove();
+
   /// The last snapshot's times (background_s once it has been joined).
   SnapshotTiming last_timing() const;
   /// Host memory the slots take on this rank's host for this rank: its two slots and the two it

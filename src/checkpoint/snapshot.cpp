@@ -509,6 +509,24 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
   return std::move(staged.trainer);
 }
 
+void MemorySnapshots::remove() {
+  wait();
+  State& s = *state_;
+  s.world->barrier();  // every rank's exchange is over: no slot is read or written any more
+  std::error_code ec;
+  for (int k = 0; k < 2; ++k) {
+    for (auto* slot : {&s.own[k], &s.copy[k]}) {
+      if (!*slot) continue;
+      const std::string path = (*slot)->path();
+      *slot = std::make_unique<SlotFile>(path);  // unmapped
+      fs::remove(path, ec);
+    }
+  }
+  fs::remove(s.marker(), ec);
+  s.world->barrier();
+  fs::remove(s.dir, ec);  // only when empty: another job's files, or a peer's, keep it
+}
+
 SnapshotTiming MemorySnapshots::last_timing() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->timing;

@@ -172,7 +172,7 @@ DIST_TEST(Snapshots, AcrossHosts) {
 }
 
 // The estimator states the slots' host memory (Estimate::snapshot_slots): what host_bytes() reports,
-// at every stage, with and without a buddy.
+// at every stage, with and without a buddy; remove() gives it back.
 DIST_TEST(Snapshots, EstimateCountsTheSlots) {
   const int n = test::world()->size();
   for (int stage = 0; stage <= 3; ++stage) {
@@ -196,6 +196,14 @@ DIST_TEST(Snapshots, EstimateCountsTheSlots) {
     EXPECT_EQ(snaps.host_bytes(), e.snapshot_slots) << "stage " << stage;
     o.memory_snapshots = false;
     EXPECT_EQ(e.total() - estimate::model_states(o).total(), e.snapshot_slots);
+    // A finished job gives the memory back: no slot, no marker, no directory left.
+    snaps.remove();
+    EXPECT_EQ(snaps.host_bytes(), 0);
+    EXPECT_FALSE(fs::exists(options(base).dir));
+    test::world()->barrier();  // before the next MemorySnapshots makes it again
+    RestoreReport none;
+    EXPECT_FALSE(MemorySnapshots(*run.opt, test::world(), options(base)).restore(&none).has_value());
+    EXPECT_NE(none.reason.find("no snapshot"), std::string::npos) << none.reason;
     if (test::world()->rank() == 0) fs::remove_all(base);
   }
 }

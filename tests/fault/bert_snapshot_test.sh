@@ -74,6 +74,8 @@ check() {
   grep -q "recovered: " "$log" || fail "$name: no recovery time printed"
   diff <(losses "$WORK/whole") <(losses "$WORK/$name") ||
     fail "$name: the restarted run's losses differ from the uninterrupted run's"
+  [ -z "$(ls -A "$WORK/$name/shm" 2>/dev/null)" ] ||
+    fail "$name: the finished run left snapshots in $WORK/$name/shm: $(ls -R "$WORK/$name/shm")"
   echo "[bert_snapshot] $name: restored step $step; all $STEPS losses equal the uninterrupted run's"
 }
 

@@ -8,6 +8,7 @@
 #   killed_snapshot  rank 2 SIGKILLs itself right after the snapshot of step 6 started (its buddy
 #                    exchange and commit in flight): the restart restores step 5 or 6, whichever
 #                    the job committed, never a mix;
+#   killed_grid      as killed_rank at (t, p, d) = (2, 2, 1), stage 1 (rank 3 killed);
 #   lost_host        rank 0 dies before step 7 and host 0's memory is removed before the restart
 #                    (a replaced host): ranks 0-1 get their records from their buddies, ranks 2-3.
 # Every restarted run's losses must equal the uninterrupted run's (no snapshots) bitwise, it must
@@ -45,7 +46,7 @@ train() {  # train <out dir> [extra args]: one attempt, in the foreground
     --bind-to none -np 4 -x BERT_TEST_FAULT -x SHARDOPT_RESTART -x SHARDOPT_FAILED_AT \
     "$EXE" --preset tiny --stage 2 --steps $STEPS --warmup-steps 2 --lr 2e-3 --batch-size 2 \
     --max-seq-length 64 --vocab "$WORK/vocab.txt" --data "$WORK/data.bin" --no-plot \
-    --progress lines --log-every 1 --timeout 20 --out "$out" "$@"
+    --progress lines --log-every 1 --timeout 60 --out "$out" "$@"
 }
 export -f train
 export EXE MPIEXEC WORK STEPS
@@ -72,7 +73,7 @@ check() {
   for s in "$@"; do [ "$step" = "$s" ] && ok=1; done
   [ $ok = 1 ] || fail "$name: restored step $step, expected one of $*"
   grep -q "recovered: " "$log" || fail "$name: no recovery time printed"
-  diff <(losses "$WORK/whole") <(losses "$WORK/$name") ||
+  diff <(losses "$WORK/${REF:-whole}") <(losses "$WORK/$name") ||
     fail "$name: the restarted run's losses differ from the uninterrupted run's"
   [ -z "$(ls -A "$WORK/$name/shm" 2>/dev/null)" ] ||
     fail "$name: the finished run left snapshots in $WORK/$name/shm: $(ls -R "$WORK/$name/shm")"
@@ -88,10 +89,20 @@ BERT_TEST_FAULT=2:6:kill-in-snapshot "$LAUNCHER" --max-restarts 2 -- bash -c "tr
   >"$WORK/killed_snapshot.log" 2>&1 || { cat "$WORK/killed_snapshot.log"; fail "killed_snapshot: the restarted job failed"; }
 check killed_snapshot 5 6
 
+# killed_grid: the same at (t, p, d) = (2, 2, 1), stage 1 (a snapshot is each rank's own state,
+# whatever the grid).
+GRID=(--tp 2 --pp 2 --micro-batches 2 --stage 1)
+train "$WORK/whole_grid" "${GRID[@]}" >"$WORK/whole_grid.log" 2>&1 ||
+  { cat "$WORK/whole_grid.log"; fail "the uninterrupted run at ${GRID[*]}"; }
+BERT_TEST_FAULT=3:5:kill "$LAUNCHER" --max-restarts 2 -- bash -c "train $WORK/killed_grid ${GRID[*]} $(snap_args killed_grid)" \
+  >"$WORK/killed_grid.log" 2>&1 || { cat "$WORK/killed_grid.log"; fail "killed_grid: the restarted job failed"; }
+REF=whole_grid check killed_grid 3 4
+
 # lost_host: attempt 1 by hand, host 0's memory removed, attempt 2 as the launcher would.
 BERT_TEST_FAULT=0:7:kill train "$WORK/lost_host" $(snap_args lost_host) >"$WORK/lost_host.1.log" 2>&1 &&
   fail "lost_host: the first attempt did not fail"
-[ -d "$WORK/lost_host/shm/host-0" ] || fail "lost_host: no host-0 snapshot directory"
+[ -d "$WORK/lost_host/shm/host-0" ] ||
+  { cat "$WORK/lost_host.1.log"; fail "lost_host: no host-0 snapshot directory"; }
 rm -rf "$WORK/lost_host/shm/host-0"
 SHARDOPT_RESTART=1 SHARDOPT_FAILED_AT=$(date +%s.%N) train "$WORK/lost_host" $(snap_args lost_host) \
   >"$WORK/lost_host.log" 2>&1 || { cat "$WORK/lost_host.log"; fail "lost_host: the restart failed"; }

@@ -61,7 +61,9 @@ class SnapshotAccess final : public ShardAccess {
     for (size_t b = 0; b < layout.buckets.size(); ++b) {
       const int bucket = static_cast<int>(b);
       slice(0, bucket).copy_(real_.owned_param_slice(bucket));
-      for (int k = 1; k < sections; ++k) slice(k, bucket).copy_(real_.owned_state_slice(k - 1, bucket));
+      for (int k = 1; k < sections; ++k) {
+        slice(k, bucket).copy_(real_.owned_state_slice(k - 1, bucket));
+      }
     }
     if (shapes_.empty()) {  // read here: the training thread may touch the tensors later
       for (size_t i = 0; i < layout.slots.size(); ++i) {

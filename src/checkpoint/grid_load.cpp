@@ -300,7 +300,9 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
                   c.dst, c.numel, c.param_numel);
               SHARDOPT_INTERNAL_ASSERT(count == n, "state section {}: {} entries to {}", section,
                                        count, n);
-              if (n > 0) reads.push_back({it->second.offset + src * size, n * size, dst + to * size});
+              if (n > 0) {
+                reads.push_back({it->second.offset + src * size, n * size, dst + to * size});
+              }
             }
           }
           stats.data_bytes += read_ranges(m, f, std::move(reads), !sums.complete);

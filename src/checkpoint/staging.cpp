@@ -105,8 +105,9 @@ Staging stage_current(ShardAccess& a, int states) {
   s.sections = state_sections(a);
   s.param = at::empty({layout.shard_numel}, at::TensorOptions().dtype(a.master_dtype()));
   for (int k = 0; k < states; ++k) {
-    s.state.push_back(at::empty({s.sections.maps[static_cast<size_t>(k)].size()},
-                                at::TensorOptions().dtype(s.sections.dtypes[static_cast<size_t>(k)])));
+    const auto sk = static_cast<size_t>(k);
+    s.state.push_back(at::empty({s.sections.maps[sk].size()},
+                                at::TensorOptions().dtype(s.sections.dtypes[sk])));
   }
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const auto& bl = layout.buckets[b];

@@ -1,7 +1,7 @@
 // The model of the 8-bit AdamW tests (tests/dist/adam8bit_dist_test.cpp and
-// adam8bit_checkpoint_dist_test.cpp): parameters over and under the 4096-element threshold with short last blocks, two
-// groups, and dyadic gradients that are the same on every rank, so the averaged gradient is exact
-// whatever the number of ranks.
+// adam8bit_checkpoint_dist_test.cpp): parameters over and under the 4096-element threshold with
+// short last blocks, two groups, and dyadic gradients that are the same on every rank, so the
+// averaged gradient is exact whatever the number of ranks.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -157,8 +157,8 @@ DIST_TEST(Adam8bitCheckpoint, ResumesBitwiseAtAnyNAndStage) {
   remove_shared(base);
 }
 
-// Where an 8-bit checkpoint does not fit, every rank fails with a named error and no optimizer
-// changes; the per-element paths (state dicts, full states) refuse adamw8bit by name.
+// Where an 8-bit checkpoint does not fit or is corrupt, every rank fails with a named error and no
+// optimizer changes; the per-element paths (state dicts, full states) refuse adamw8bit by name.
 DIST_TEST(Adam8bitCheckpoint, MismatchedOrEditedCheckpointsFailByName) {
   const std::string base = test::shared_dir("adam8bit-bad");
   const std::string dir = base + "/ckpt";
@@ -189,22 +189,51 @@ DIST_TEST(Adam8bitCheckpoint, MismatchedOrEditedCheckpointsFailByName) {
   fresh_fails(AdamW(1e-2), ErrorKind::Mismatch, {"adamw8bit", "this optimizer runs adamw"});
   // A manifest edited so that a block-maxima section is one entry short (its checksum dropped,
   // as manifests written before checksums have none): the loader's own count catches it.
+  const fs::path manifest = fs::path(dir) / "manifest.json";
+  nlohmann::json original;
+  {
+    std::ifstream in(manifest);
+    in >> original;
+  }
   test::world()->barrier();
   if (test::world()->rank() == 0) {
-    const fs::path path = fs::path(dir) / "manifest.json";
-    nlohmann::json j;
-    {
-      std::ifstream in(path);
-      in >> j;
-    }
+    nlohmann::json j = original;
     j.erase("manifest_crc32");
     for (auto& s : j["files"][0]["sections"]) {
       if (s["name"] == "state/absmax1") s["shape"][0] = s["shape"][0].get<int64_t>() - 1;
     }
-    std::ofstream(path) << j.dump();
+    std::ofstream(manifest) << j.dump();
   }
   test::world()->barrier();
   fresh_fails(rule(), ErrorKind::Checkpoint, {"state/absmax1", "expected float32"});
+  // One flipped bit in rank 0's codes (the manifest as saved): the whole file's CRC-32 catches it
+  // on load_checkpoint, the element checksums of the codes on a grid load, which reads ranges.
+  test::world()->barrier();
+  if (test::world()->rank() == 0) {
+    std::ofstream(manifest) << original.dump(1);
+    int64_t offset = -1;
+    for (const auto& s : original["files"][0]["sections"]) {
+      if (s["name"] == "state/state1") offset = s["offset"].get<int64_t>();
+    }
+    std::fstream f(fs::path(dir) / original["files"][0]["path"].get<std::string>(),
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(offset + 10);
+    const char c = static_cast<char>(f.get() ^ 0x10);
+    f.seekp(offset + 10);
+    f.put(c);
+  }
+  test::world()->barrier();
+  fresh_fails(rule(), ErrorKind::Checkpoint, {"checksum mismatch"});
+  {
+    Net net;
+    const ParallelGroups g = dp_grid(comm);
+    ZeroOptions zo = options(0, kSmallBuckets);
+    zo.grid = g;
+    DistributedOptimizer opt(net.groups(), rule(), g.dp, zo);
+    test::expect_error([&] { load_grid_checkpoint(opt, g, dir); }, ErrorKind::Checkpoint,
+                       {"the state1 of parameter", "element checksum"});
+    EXPECT_EQ(opt.last_step().step, 0);
+  }
   EXPECT_TRUE(test::all_ranks(true));  // every rank got here
   remove_shared(base);
 }

@@ -94,12 +94,12 @@ class SectionMap {
   // Entries before shard element `e` (a bucket's first element: where its slice starts).
   int64_t before(int64_t e) const {
     if (!index_.packed) return e / index_.block;
-    int64_t n = 0;
-    for (const Run& r : runs_) {
-      if (r.begin >= e) break;
-      n = r.entry + std::min(r.numel, e - r.begin);
-    }
-    return n;
+    // The last run starting before e (runs are sorted and disjoint).
+    auto it = std::lower_bound(runs_.begin(), runs_.end(), e,
+                               [](const Run& r, int64_t x) { return r.begin < x; });
+    if (it == runs_.begin()) return 0;
+    --it;
+    return it->entry + std::min(it->numel, e - it->begin);
   }
   // The entries of elements [e, e + numel) of one parameter piece (a parameter of `param_numel`
   // elements): first entry and count (count 0: none in this section).

@@ -1,8 +1,8 @@
 // Checkpoints of 8-bit AdamW's quantised state (Note [Quantised state in checkpoints] in
 // shardopt/detail/state_sections.hpp): saved at N ranks and stage s (save_checkpoint, and an
-// asynchronous grid save), loaded at M = 1..W ranks and every stage with other buckets
-// (load_checkpoint, load_grid_checkpoint), the continued run is bitwise the run at M that was
-// never interrupted. Mismatched or edited checkpoints fail by name on every rank; the paths that
+// asynchronous grid save; hybrid sharding at W = 4), loaded at M = 1..W ranks and every stage
+// with other buckets (load_checkpoint, load_grid_checkpoint), the continued run is bitwise the run
+// at M that was never interrupted. Mismatched or edited checkpoints fail by name on every rank; the paths that
 // hand the state out per element refuse adamw8bit by name. Also the bytes per parameter on disk.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -12,8 +12,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardopt/async_checkpoint.hpp"
@@ -85,14 +87,18 @@ constexpr int64_t kOtherBuckets = 4 * 7000;
 DIST_TEST(Adam8bitCheckpoint, ResumesBitwiseAtAnyNAndStage) {
   const int world = test::world()->size();
   const std::string base = test::shared_dir("adam8bit-ckpt");
+  // Hybrid sharding (shard groups of 2, replicated across them) where the world has several.
+  const bool hybrid = world % 2 == 0 && world > 2;
   struct Save {
     int n, stage;
     bool grid;  // an asynchronous grid save, loaded by load_grid_checkpoint
     std::string dir;
+    int shard_group = 0;
   };
-  const std::vector<Save> saves = {{world, 2, false, base + "/all"},
-                                   {1, 3, false, base + "/one"},
-                                   {std::min(2, world), 0, true, base + "/grid"}};
+  std::vector<Save> saves = {{world, 2, false, base + "/all"},
+                             {1, 3, false, base + "/one"},
+                             {std::min(2, world), 0, true, base + "/grid"}};
+  if (hybrid) saves.push_back({world, 1, false, base + "/hybrid", 2});
   for (const Save& s : saves) {
     auto comm = test::first_ranks(s.n);
     if (!comm) continue;
@@ -108,9 +114,13 @@ DIST_TEST(Adam8bitCheckpoint, ResumesBitwiseAtAnyNAndStage) {
       train(opt, net, kSaveAt, kSaveAt + 1);  // the snapshot, not the optimizer, is written
       saver.wait();
     } else {
-      DistributedOptimizer opt(net.groups(), rule(), comm, options(s.stage, kSmallBuckets));
+      ZeroOptions zo = options(s.stage, kSmallBuckets);
+      zo.shard_group_size = s.shard_group;
+      DistributedOptimizer opt(net.groups(), rule(), comm, zo);
       train(opt, net, 0, kSaveAt);
       save_checkpoint(opt, s.dir, {R"({"at": 4})", {}});
+      // Hybrid: shard group 0 wrote it, as a world of one shard group.
+      EXPECT_EQ(read_checkpoint_info(s.dir).world_size, s.shard_group > 0 ? s.shard_group : s.n);
     }
   }
   test::world()->barrier();
@@ -127,9 +137,21 @@ DIST_TEST(Adam8bitCheckpoint, ResumesBitwiseAtAnyNAndStage) {
       train(uninterrupted, whole, 0, kEnd);
       const auto want = values(uninterrupted, whole);
       EXPECT_GT((want[0] - Net().params[0].detach()).abs().max().item<double>(), 1e-3);
-      for (const Save& s : saves) {
-        SCOPED_TRACE(fmt::format("saved at N={} stage {}{}, loaded at M={} stage {}", s.n,
-                                 s.stage, s.grid ? " (async grid)" : "", m, stage));
+      // Every save, and at M = W with hybrid sharding the flat saves again into shard groups of 2
+      // (the result does not depend on how the ranks shard: the flat run is the reference).
+      std::vector<std::pair<const Save*, int>> loads;
+      for (const Save& s : saves) loads.emplace_back(&s, 0);
+      if (hybrid && m == world) {
+        for (const Save& s : saves) {
+          if (!s.grid) loads.emplace_back(&s, 2);
+        }
+      }
+      for (const auto& [save, group] : loads) {
+        const Save& s = *save;
+        SCOPED_TRACE(fmt::format("saved at N={} stage {}{}{}, loaded at M={} stage {}{}", s.n,
+                                 s.stage, s.grid ? " (async grid)" : "",
+                                 s.shard_group > 0 ? " (hybrid)" : "", m, stage,
+                                 group > 0 ? " (hybrid)" : ""));
         Net net;
         std::unique_ptr<DistributedOptimizer> opt;
         TrainerState t;
@@ -140,8 +162,9 @@ DIST_TEST(Adam8bitCheckpoint, ResumesBitwiseAtAnyNAndStage) {
           opt = std::make_unique<DistributedOptimizer>(net.groups(), rule(), g.dp, zo);
           t = load_grid_checkpoint(*opt, g, s.dir);
         } else {
-          opt = std::make_unique<DistributedOptimizer>(net.groups(), rule(), comm,
-                                                       options(stage, buckets));
+          ZeroOptions zo = options(stage, buckets);
+          zo.shard_group_size = group;
+          opt = std::make_unique<DistributedOptimizer>(net.groups(), rule(), comm, zo);
           t = load_checkpoint(*opt, s.dir);
         }
         EXPECT_EQ(t.json, R"({"at":4})");

@@ -150,10 +150,6 @@ void export_model(Run& r) {
 void finish(Run& r) {
   const int64_t step = r.state.step;
   if (step == r.start_step) return;
-  if (r.a.optimizer == "adamw8bit") {  // check_args refused everything that needs the checkpoint
-    if (r.lead) fmt::print("[bert] no checkpoint: adamw8bit's state is not saved yet\n");
-    return;
-  }
   if (r.last_saved != step) save(r, step);
   join_async_save(r);  // the last save committed before anything reads it
   // The final state is committed on disk: the snapshots give their memory back to tmpfs.

@@ -119,10 +119,7 @@ void print_summary(const nlohmann::json& s, const TimingSummary& timing, int64_t
              s.at("metrics").get<std::string>(), s.at("plot").get<std::string>(), summary_path);
   const std::string checkpoint = s.at("checkpoint");
   fmt::print("[bert] checkpoint: {}\n",
-             checkpoint.empty() ? std::string(s.value("optimizer", "") == "adamw8bit"
-                                                  ? "none written (adamw8bit's state is not "
-                                                    "saved yet)"
-                                                  : "none written (no step ran)")
+             checkpoint.empty() ? std::string("none written (no step ran)")
                                 : fmt::format("{} (step {}; --resume continues)", checkpoint,
                                               s.at("checkpoint_step").get<int64_t>()));
 }

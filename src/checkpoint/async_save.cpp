@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "checkpoint/saving.hpp"
+#include "checkpoint/staging.hpp"
 #include "shardopt/async_checkpoint.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
@@ -47,18 +48,21 @@ class SnapshotAccess final : public ShardAccess {
     const auto& layout = real_.layout();
     const int sections = 1 + real_.state_buffer_count();
     if (sections_.empty()) {
+      // Note [Quantised state in checkpoints]: a state section's length and dtype are its own.
+      state_ = detail::state_sections(real_);
       const bool device = !layout.buckets.empty() && real_.owned_param_slice(0).is_cuda();
       const auto options = at::TensorOptions().dtype(real_.master_dtype()).pinned_memory(device);
-      for (int k = 0; k < sections; ++k) sections_.push_back(at::empty({layout.shard_numel}, options));
+      sections_.push_back(at::empty({layout.shard_numel}, options));
+      for (int k = 1; k < sections; ++k) {
+        const auto s = static_cast<size_t>(k - 1);
+        sections_.push_back(at::empty({state_.maps[s].size()}, options.dtype(state_.dtypes[s])));
+      }
     }
     for (size_t b = 0; b < layout.buckets.size(); ++b) {
-      const auto& bl = layout.buckets[b];
       const int bucket = static_cast<int>(b);
-      sections_[0].narrow(0, bl.shard_offset, bl.shard).copy_(real_.owned_param_slice(bucket));
+      slice(0, bucket).copy_(real_.owned_param_slice(bucket));
       for (int k = 1; k < sections; ++k) {
-        sections_[static_cast<size_t>(k)]
-            .narrow(0, bl.shard_offset, bl.shard)
-            .copy_(real_.owned_state_slice(k - 1, bucket));
+        slice(k, bucket).copy_(real_.owned_state_slice(k - 1, bucket));
       }
     }
     if (shapes_.empty()) {  // read here: the training thread may touch the tensors later
@@ -106,7 +110,9 @@ class SnapshotAccess final : public ShardAccess {
  private:
   at::Tensor slice(int section, int bucket) {
     const auto& bl = real_.layout().buckets[static_cast<size_t>(bucket)];
-    return sections_[static_cast<size_t>(section)].narrow(0, bl.shard_offset, bl.shard);
+    if (section == 0) return sections_[0].narrow(0, bl.shard_offset, bl.shard);
+    const auto [first, count] = state_.slice(real_.layout(), section - 1, bucket);
+    return sections_[static_cast<size_t>(section)].narrow(0, first, count);
   }
   [[noreturn]] static void refuse(const char* what) {
     SHARDOPT_INTERNAL_ASSERT(false, "a checkpoint snapshot is read-only ({})", what);
@@ -116,6 +122,7 @@ class SnapshotAccess final : public ShardAccess {
   ShardAccess& real_;
   CommunicatorPtr comm_, world_;
   std::vector<at::Tensor> sections_;  // param, then each state buffer: shard coordinates
+  detail::StateSections state_;       // where each state section's bucket slices are
   std::vector<std::vector<int64_t>> shapes_;
   int64_t steps_ = 0;
   std::vector<Rule> rules_;

@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "checkpoint/placement.hpp"
+#include "shardopt/detail/state_sections.hpp"
 
 namespace shardopt::detail {
 
@@ -89,6 +90,20 @@ inline ElementSum element_sum(const TensorPlacement& p, int64_t begin, int64_t n
     case 4: return element_sum_of<uint32_t>(p, begin, numel, bytes);
     default: return element_sum_of<uint64_t>(p, begin, numel, bytes);
   }
+}
+
+// What elements [param_begin, param_begin + numel) of a parameter of `param_numel` elements add
+// in a state section indexed by `ix` (Note [Quantised state in checkpoints]): `entries` points at
+// their first entry. A block section hashes the parameter's block indices, local to the copy
+// (such state is never re-split), a packed one only a small parameter's elements.
+inline ElementSum section_sum(const SectionIndex& ix, const TensorPlacement& p, int64_t param_begin,
+                              int64_t numel, int64_t param_numel, const void* entries,
+                              int elem_bytes) {
+  if (ix.packed && !ix.small(param_numel)) return {};
+  if (ix.block == 1) return element_sum(p, param_begin, numel, entries, elem_bytes);
+  const int64_t first = param_begin / ix.block;
+  const int64_t end = (param_begin + numel + ix.block - 1) / ix.block;
+  return element_sum(TensorPlacement{}, first, end - first, entries, elem_bytes);
 }
 
 }  // namespace shardopt::detail

@@ -12,7 +12,9 @@
 //                                      ("shard coordinates"); then "trainer/<key>" tensors.
 // A parameter's piece [rank, shard_begin, param_begin, numel] says that its elements
 // [param_begin, param_begin + numel) sit at element shard_begin of every section of that rank's
-// file, so a reader needs no knowledge of the bucketing that wrote them.
+// file, so a reader needs no knowledge of the bucketing that wrote them. adamw8bit's state
+// sections hold codes, block maxima and packed fp32 moments instead of one element each: Note
+// [Quantised state in checkpoints] (shardopt/detail/state_sections.hpp) maps elements to them.
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -51,6 +51,7 @@ CheckpointInfo read_checkpoint_info(const std::string& dir) {
 
 FullState read_full_state(const std::string& dir, bool with_optimizer_state) {
   const Manifest m = read_manifest(dir);
+  if (with_optimizer_state) check_elementwise_state(m.rule, "read_full_state (optimizer state)");
   // The parameters' sizes are bounded by the sections, those by the files' stated sizes: check
   // those against the disk before allocating (Note [Sizes from files] in checkpoint/format.hpp).
   for (int r = 0; r < m.world; ++r) check_shard_size(m, r);
@@ -188,6 +189,7 @@ std::vector<std::string> load_full_state(DistributedOptimizer& optimizer, const 
             checked_step_count(state.step, "the full state's step");
             check_checkpointable(a);
             names = optimizer_state_names(a);
+            check_elementwise_state(rule_name(a.group_rule(0)), "load_full_state");
             SHARDOPT_CHECK(state.rule == rule_name(a.group_rule(0)), Mismatch,
                            "checkpoint: the optimizer state is of {}, this optimizer runs {}",
                            state.rule, rule_name(a.group_rule(0)));

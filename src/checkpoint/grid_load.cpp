@@ -154,6 +154,7 @@ SavedSums saved_sums(const SavedGrid& g) {
 // the saved file, to element `dst` of the staging.
 struct FileCopy {
   int64_t src = 0, dst = 0, numel = 0;
+  int64_t param_numel = 0;  // the parameter's (Note [Quantised state in checkpoints])
 };
 
 }  // namespace
@@ -233,6 +234,13 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
                          "here; Adafactor's factored state cannot be re-split (load at the "
                          "save's --tp, or consolidate and load_full_state)",
                          name, from.split() ? from.ranks : 1, base, to.split() ? to.ranks : 1);
+          // 8-bit AdamW's blocks are of the local tensor (Note [Quantised state in checkpoints]).
+          SHARDOPT_CHECK(!resplit || !std::holds_alternative<AdamW8bit>(a.group_rule(0)),
+                         Unsupported,
+                         "checkpoint: parameter '{}' is split over {} tensor ranks in {} and {} "
+                         "here; adamw8bit's blocks are blocks of each rank's piece and cannot be "
+                         "re-split (load at the save's tensor-parallel size)",
+                         name, from.split() ? from.ranks : 1, base, to.split() ? to.ranks : 1);
           // A replicated parameter is in every tensor folder: spread the reads over them.
           const int whole = to.rank % g.tp;
           for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
@@ -252,7 +260,7 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
                 if (lo >= hi) continue;
                 copies[{folder, p.rank}].push_back({p.shard_begin + (lo - p.param_begin),
                                                     dst_of_param0 + run.dst + (lo - run.src),
-                                                    hi - lo});
+                                                    hi - lo, layout.slots[i].numel});
               }
             }
           }
@@ -261,6 +269,8 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
         for (const auto& [key, list] : copies) {
           const Manifest& m = g.folders[static_cast<size_t>(key.first)];
           const ShardFile& f = m.files[static_cast<size_t>(key.second)];
+          const StateSections from = saved_state_sections(a, m, key.second);
+          check_state_sections(m, f, names, from);
           std::vector<RangeRead> reads;
           for (int k = -1; k < static_cast<int>(names.size()); ++k) {
             const std::string section = k < 0 ? "param" : "state/" + names[k];
@@ -268,15 +278,31 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
             SHARDOPT_CHECK(it != f.sections.end(), Checkpoint,
                            "checkpoint: shard file {} of {} has no section '{}'", f.path,
                            m.dir.string(), section);
-            SHARDOPT_CHECK(it->second.dtype == a.master_dtype(), Checkpoint,
+            const at::ScalarType dtype =
+                k < 0 ? a.master_dtype() : staging.sections.dtypes[static_cast<size_t>(k)];
+            SHARDOPT_CHECK(it->second.dtype == dtype, Checkpoint,
                            "checkpoint: {}/{}: section '{}' holds {}, this optimizer keeps {}",
                            m.dir.string(), f.path, section, dtype_name(it->second.dtype),
-                           dtype_name(a.master_dtype()));
+                           dtype_name(dtype));
             at::Tensor& target = k < 0 ? staging.param : staging.state[static_cast<size_t>(k)];
             auto* dst = static_cast<char*>(target.data_ptr());
+            const int64_t size = static_cast<int64_t>(c10::elementSize(dtype));
             for (const FileCopy& c : list) {
-              reads.push_back(
-                  {it->second.offset + c.src * elem, c.numel * elem, dst + c.dst * elem});
+              if (k < 0 || staging.sections.maps[static_cast<size_t>(k)].index().elementwise()) {
+                reads.push_back(
+                    {it->second.offset + c.src * size, c.numel * size, dst + c.dst * size});
+                continue;
+              }
+              // Note [Quantised state in checkpoints]: the entries of those elements.
+              const auto [src, count] =
+                  from.maps[static_cast<size_t>(k)].entries(c.src, c.numel, c.param_numel);
+              const auto [to, n] = staging.sections.maps[static_cast<size_t>(k)].entries(
+                  c.dst, c.numel, c.param_numel);
+              SHARDOPT_INTERNAL_ASSERT(count == n, "state section {}: {} entries to {}", section,
+                                       count, n);
+              if (n > 0) {
+                reads.push_back({it->second.offset + src * size, n * size, dst + to * size});
+              }
             }
           }
           stats.data_bytes += read_ranges(m, f, std::move(reads), !sums.complete);
@@ -294,11 +320,22 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
             const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
             if (mine.empty()) continue;
             const int64_t dst = bl.shard_offset + mine.begin - int64_t{rank} * bl.shard;
+            const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
+            const int64_t param_numel = layout.slots[i].numel;
             for (size_t k = 0; k < sections; ++k) {
               const at::Tensor& t = k == 0 ? staging.param : staging.state[k - 1];
-              const ElementSum e = element_sum(
-                  to, mine.begin - lp->offset + lp->param_offset, mine.size(),
-                  static_cast<const char*>(t.data_ptr()) + dst * elem, static_cast<int>(elem));
+              const int size = static_cast<int>(t.element_size());
+              ElementSum e;
+              if (k == 0) {
+                e = element_sum(to, param_begin, mine.size(),
+                                static_cast<const char*>(t.data_ptr()) + dst * size, size);
+              } else {
+                const SectionMap& map = staging.sections.maps[k - 1];
+                const auto [entry, count] = map.entries(dst, mine.size(), param_numel);
+                if (count == 0) continue;
+                e = section_sum(map.index(), to, param_begin, mine.size(), param_numel,
+                                static_cast<const char*>(t.data_ptr()) + entry * size, size);
+              }
               acc[gi * sections + k] =
                   static_cast<int64_t>(static_cast<uint64_t>(acc[gi * sections + k]) + e.sum);
               if (k == 0) acc[n * sections + gi] += e.count;

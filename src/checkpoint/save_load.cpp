@@ -54,11 +54,16 @@ bool all_finite(const at::Tensor& slice) {
   return at::isfinite(slice).all().item<bool>();
 }
 
-void check_finite(ShardAccess& a, int bucket, const at::Tensor& slice, const std::string& section) {
+void check_finite(ShardAccess& a, int bucket, const at::Tensor& slice, const std::string& section,
+                  bool elementwise = true) {
   if (!at::isFloatingType(slice.scalar_type()) || all_finite(slice)) return;
   const auto& layout = a.layout();
   const auto& bl = layout.buckets[bucket];
   const int rank = a.comm()->rank();
+  SHARDOPT_CHECK(elementwise, NonFinite,
+                 "checkpoint: the {} of bucket {} holds NaN/Inf on rank {}; refusing to save "
+                 "non-finite values",
+                 section, bucket, rank);
   const int64_t at_bucket =
       bl.owned(rank).begin + at::logical_not(at::isfinite(slice)).nonzero()[0][0].item<int64_t>();
   std::string name = "(padding)";
@@ -85,23 +90,34 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
   std::memcpy(header + 8, fields, sizeof(fields));
   w.write(header, sizeof(header));
   json sections = json::array();
-  auto shard_section = [&](const std::string& name, const std::function<at::Tensor(int)>& slice) {
+  // Note [Quantised state in checkpoints]: a state section may hold other entries than elements.
+  const StateSections state = state_sections(a);
+  auto shard_section = [&](const std::string& name, const std::function<at::Tensor(int)>& slice,
+                           at::ScalarType dtype, int64_t entries, bool elementwise) {
     w.pad_to(kAlign);
     const int64_t offset = w.bytes();
+    int64_t written = 0;
     for (int b = 0; b < static_cast<int>(layout.buckets.size()); ++b) {
       const at::Tensor t = slice(b);
-      check_finite(a, b, t, name == "param" ? "value" : name);
+      SHARDOPT_INTERNAL_ASSERT(t.scalar_type() == dtype, "section {} of bucket {} is {}, not {}",
+                               name, b, dtype_name(t.scalar_type()), dtype_name(dtype));
+      check_finite(a, b, t, name == "param" ? "value" : name, elementwise);
       w.write_tensor(t);
+      written += t.numel();
     }
+    SHARDOPT_INTERNAL_ASSERT(written == entries, "section {} has {} entries, its map says {}",
+                             name, written, entries);
     sections.push_back({{"name", name},
                         {"offset", offset},
-                        {"dtype", dtype_name(a.master_dtype())},
-                        {"shape", json::array({layout.shard_numel})}});
+                        {"dtype", dtype_name(dtype)},
+                        {"shape", json::array({entries})}});
   };
-  shard_section("param", [&](int b) { return a.owned_param_slice(b); });
+  shard_section("param", [&](int b) { return a.owned_param_slice(b); }, a.master_dtype(),
+                layout.shard_numel, true);
   for (size_t k = 0; k < names.size(); ++k) {
-    shard_section("state/" + names[k],
-                  [&](int b) { return a.owned_state_slice(static_cast<int>(k), b); });
+    shard_section(
+        "state/" + names[k], [&](int b) { return a.owned_state_slice(static_cast<int>(k), b); },
+        state.dtypes[k], state.maps[k].size(), state.maps[k].index().elementwise());
   }
   for (const auto& [key, t] : tensors) {
     w.pad_to(kAlign);
@@ -134,10 +150,22 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
       if (mine.empty()) continue;
       const auto& s = slices_of(lp->bucket);
       const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
-      for (size_t k = 0; k < s.size(); ++k) {
+      const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
+      const int elem0 = static_cast<int>(s[0].element_size());
+      sums[0] += element_sum(place, param_begin, mine.size(),
+                             static_cast<const char*>(s[0].data_ptr()) + first * elem0, elem0)
+                     .sum;
+      for (size_t k = 1; k < s.size(); ++k) {
+        const SectionMap& map = state.maps[k - 1];
+        const int64_t pos = bl.shard_offset + first;  // shard coordinates
+        const auto [entry, count] = map.entries(pos, mine.size(), layout.slots[i].numel);
+        if (count == 0) continue;
+        const int64_t base = map.before(bl.shard_offset);  // the bucket slice's first entry
         const int elem = static_cast<int>(s[k].element_size());
-        sums[k] += element_sum(place, mine.begin - lp->offset + lp->param_offset, mine.size(),
-                               static_cast<const char*>(s[k].data_ptr()) + first * elem, elem)
+        sums[k] += section_sum(map.index(), place, param_begin, mine.size(),
+                               layout.slots[i].numel,
+                               static_cast<const char*>(s[k].data_ptr()) + (entry - base) * elem,
+                               elem)
                        .sum;
       }
     }
@@ -364,26 +392,32 @@ TrainerState load_checkpoint(DistributedOptimizer& optimizer, const std::string&
             }
           }
           staging = stage_current(a, static_cast<int>(names.size()));
-          // Which saved rank's file feeds which of my elements.
-          std::map<int, std::vector<detail::CopyOp>> by_file;
+          // Which saved rank's file feeds which of my elements (and the parameter's size: Note
+          // [Quantised state in checkpoints]).
+          std::map<int, std::vector<std::pair<detail::CopyOp, int64_t>>> by_file;
           for (int i = 0; i < static_cast<int>(a.layout().slots.size()); ++i) {
             const auto& saved = m.params[m.by_name.at(a.param_name(i))].pieces;
             for (const auto& op : detail::plan_copies(a.layout(), rank, i, saved)) {
-              by_file[op.src_rank].push_back(op);
+              by_file[op.src_rank].emplace_back(op, a.layout().slots[i].numel);
             }
           }
           if (rank < m.world) by_file[rank];  // my trainer tensors
           for (const auto& [file_rank, ops] : by_file) {
+            const StateSections from = saved_state_sections(a, m, file_rank);
+            check_state_sections(m, m.files[static_cast<size_t>(file_rank)], names, from);
             const LoadedShard shard = load_shard(m, file_rank);
             const at::Tensor param = shard.section("param");
             std::vector<at::Tensor> state;
             for (const auto& n : names) state.push_back(shard.section("state/" + n));
-            for (const auto& op : ops) {
+            for (const auto& [op, param_numel] : ops) {
               staging.param.narrow(0, op.dst, op.numel).copy_(param.narrow(0, op.src, op.numel));
               for (size_t k = 0; k < state.size(); ++k) {
-                staging.state[k]
-                    .narrow(0, op.dst, op.numel)
-                    .copy_(state[k].narrow(0, op.src, op.numel));
+                const auto [src, count] = from.maps[k].entries(op.src, op.numel, param_numel);
+                const auto [dst, n] = staging.sections.maps[k].entries(op.dst, op.numel,
+                                                                       param_numel);
+                SHARDOPT_INTERNAL_ASSERT(count == n, "state section {}: {} entries to {}",
+                                         names[k], count, n);
+                if (count > 0) staging.state[k].narrow(0, dst, n).copy_(state[k].narrow(0, src, n));
               }
             }
             if (file_rank == rank) {

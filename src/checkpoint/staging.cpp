@@ -9,6 +9,7 @@
 #include <functional>
 #include <set>
 
+#include "checkpoint/format.hpp"
 #include "shardopt/detail/rule_traits.hpp"
 #include "shardopt/error.hpp"
 
@@ -30,20 +31,92 @@ std::vector<std::string> optimizer_state_names(ShardAccess& a) {
   return names;
 }
 
+void check_elementwise_state(const std::string& rule, const char* what) {
+  SHARDOPT_CHECK(rule != AdamW8bit::kName, Unsupported,
+                 "checkpoint: {}: adamw8bit's state is blockwise quantised (codes, per-block "
+                 "maxima, packed fp32 moments of small parameters: Note [Quantised state in "
+                 "checkpoints]) and has no per-element form for it; save and load it with "
+                 "save_checkpoint/load_checkpoint or the grid checkpoints, which reshard it "
+                 "exactly",
+                 what);
+}
+
+std::pair<int64_t, int64_t> StateSections::slice(const FlatLayout& layout, int k,
+                                                 int bucket) const {
+  const auto& bl = layout.buckets[static_cast<size_t>(bucket)];
+  const SectionMap& map = maps[static_cast<size_t>(k)];
+  const int64_t first = map.before(bl.shard_offset);
+  return {first, map.before(bl.shard_offset + bl.shard) - first};
+}
+
+namespace {
+StateSections sections_of(ShardAccess& a, int64_t shard_numel,
+                          const std::vector<HeldPiece>& pieces) {
+  StateSections s;
+  for (const SectionIndex& ix : section_indices(a.group_rule(0), a.state_buffer_count())) {
+    s.maps.emplace_back(ix, shard_numel, pieces);
+    s.dtypes.push_back(ix.bytes ? at::kByte : a.master_dtype());
+  }
+  return s;
+}
+}  // namespace
+
+StateSections state_sections(ShardAccess& a) {
+  const auto& layout = a.layout();
+  return sections_of(a, layout.shard_numel,
+                     held_pieces(layout, a.comm()->rank(), a.comm()->size()));
+}
+
+StateSections saved_state_sections(ShardAccess& a, const Manifest& m, int rank) {
+  std::vector<HeldPiece> pieces;
+  for (const ManifestParam& p : m.params) {
+    for (const SavedPiece& sp : p.pieces) {
+      if (sp.rank == rank) pieces.push_back({sp, p.numel});
+    }
+  }
+  const auto it = m.files[static_cast<size_t>(rank)].sections.find("param");
+  const int64_t shard_numel =
+      it == m.files[static_cast<size_t>(rank)].sections.end() ? 0 : numel_of(it->second.shape);
+  return sections_of(a, shard_numel, pieces);
+}
+
+void check_state_sections(const Manifest& m, const ShardFile& f,
+                          const std::vector<std::string>& names, const StateSections& s) {
+  for (size_t k = 0; k < names.size() && k < s.maps.size(); ++k) {
+    const std::string name = "state/" + names[k];
+    const auto it = f.sections.find(name);
+    SHARDOPT_CHECK(it != f.sections.end(), Checkpoint,
+                   "checkpoint: shard file {} of {} has no section '{}'", f.path, m.dir.string(),
+                   name);
+    const int64_t want = s.maps[k].size();
+    SHARDOPT_CHECK(it->second.dtype == s.dtypes[k] && numel_of(it->second.shape) == want,
+                   Checkpoint,
+                   "checkpoint: {}/{}: section '{}' holds {} {}, expected {} [{}] for the pieces "
+                   "the manifest lists (Note [Quantised state in checkpoints]); the file or the "
+                   "manifest is corrupt",
+                   m.dir.string(), f.path, name, dtype_name(it->second.dtype),
+                   shape_text(it->second.shape), dtype_name(s.dtypes[k]), want);
+  }
+}
+
 Staging stage_current(ShardAccess& a, int states) {
   const auto& layout = a.layout();
   Staging s;
-  auto gather = [&](const std::function<at::Tensor(int)>& slice) {
-    at::Tensor out = at::empty({layout.shard_numel}, at::TensorOptions().dtype(a.master_dtype()));
-    for (size_t b = 0; b < layout.buckets.size(); ++b) {
-      const auto& bl = layout.buckets[b];
-      out.narrow(0, bl.shard_offset, bl.shard).copy_(slice(static_cast<int>(b)));
-    }
-    return out;
-  };
-  s.param = gather([&](int b) { return a.owned_param_slice(b); });
+  s.sections = state_sections(a);
+  s.param = at::empty({layout.shard_numel}, at::TensorOptions().dtype(a.master_dtype()));
   for (int k = 0; k < states; ++k) {
-    s.state.push_back(gather([&](int b) { return a.owned_state_slice(k, b); }));
+    const auto sk = static_cast<size_t>(k);
+    s.state.push_back(at::empty({s.sections.maps[sk].size()},
+                                at::TensorOptions().dtype(s.sections.dtypes[sk])));
+  }
+  for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    const auto& bl = layout.buckets[b];
+    const int bucket = static_cast<int>(b);
+    s.param.narrow(0, bl.shard_offset, bl.shard).copy_(a.owned_param_slice(bucket));
+    for (int k = 0; k < states; ++k) {
+      const auto [first, count] = s.sections.slice(layout, k, bucket);
+      s.state[static_cast<size_t>(k)].narrow(0, first, count).copy_(a.owned_state_slice(k, bucket));
+    }
   }
   return s;
 }
@@ -52,10 +125,11 @@ void commit(ShardAccess& a, const Staging& s) {
   const auto& layout = a.layout();
   for (size_t b = 0; b < layout.buckets.size(); ++b) {
     const auto& bl = layout.buckets[b];
-    a.owned_param_slice(static_cast<int>(b)).copy_(s.param.narrow(0, bl.shard_offset, bl.shard));
+    const int bucket = static_cast<int>(b);
+    a.owned_param_slice(bucket).copy_(s.param.narrow(0, bl.shard_offset, bl.shard));
     for (size_t k = 0; k < s.state.size(); ++k) {
-      a.owned_state_slice(static_cast<int>(k), static_cast<int>(b))
-          .copy_(s.state[k].narrow(0, bl.shard_offset, bl.shard));
+      const auto [first, count] = s.sections.slice(layout, static_cast<int>(k), bucket);
+      a.owned_state_slice(static_cast<int>(k), bucket).copy_(s.state[k].narrow(0, first, count));
     }
   }
 }
@@ -110,6 +184,33 @@ void check_same_optimizer(ShardAccess& a, const Manifest& m,
   SHARDOPT_CHECK(static_cast<int>(m.group_rules.size()) == a.group_count(), Mismatch,
                  "checkpoint: {} has {} parameter groups, this optimizer {}", m.dir.string(),
                  m.group_rules.size(), a.group_count());
+  const Rule current = a.group_rule(0);
+  if (const auto* mine = std::get_if<AdamW8bit>(&current)) {
+    // Note [Quantised state in checkpoints]: the same small parameters, blocks on boundaries.
+    double saved = -1;
+    try {
+      saved = std::get<AdamW8bit>(rule_from_json(m.group_rules.at(0))).min_8bit_size();
+    } catch (const std::exception& e) {
+      SHARDOPT_FAIL(Checkpoint, "checkpoint: malformed param group in {}: {}", m.path.string(),
+                    e.what());
+    }
+    SHARDOPT_CHECK(saved == mine->min_8bit_size(), Mismatch,
+                   "checkpoint: {} holds adamw8bit state saved with min_8bit_size {}, this "
+                   "optimizer has {}: other parameters keep fp32 moments, so the state does not "
+                   "carry over",
+                   m.dir.string(), saved, mine->min_8bit_size());
+    for (const ManifestParam& p : m.params) {
+      for (const SavedPiece& sp : p.pieces) {
+        SHARDOPT_CHECK(block_aligned(sp, AdamW8bit::kBlock), Checkpoint,
+                       "checkpoint: {}: a piece of parameter '{}' (elements [{}, {}) at {} of "
+                       "rank {}'s shard) is not on a {}-element block boundary, which adamw8bit's "
+                       "state needs (Note [Quantised state in checkpoints]); the manifest was "
+                       "edited or is corrupt",
+                       m.path.string(), p.name, sp.param_begin, sp.param_begin + sp.numel,
+                       sp.shard_begin, sp.rank, AdamW8bit::kBlock);
+      }
+    }
+  }
 }
 
 void check_tensor_from_file(const at::Tensor& t, const std::string& what) {

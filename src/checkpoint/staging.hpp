@@ -12,6 +12,7 @@
 
 #include "checkpoint/manifest.hpp"
 #include "shardopt/detail/shard_access.hpp"
+#include "shardopt/detail/state_sections.hpp"
 
 namespace shardopt::detail {
 
@@ -22,10 +23,31 @@ void check_has_torch_state(ShardAccess& a, const char* what);
 // The state buffer names of the optimizer's rule (as many as the engine keeps).
 std::vector<std::string> optimizer_state_names(ShardAccess& a);
 
+// Paths that hand the state out per element (torch state dicts, full states) refuse a rule
+// whose state is not (Note [Quantised state in checkpoints]); `what`: the function called.
+void check_elementwise_state(const std::string& rule, const char* what);
+
+// A rank's sections of the optimizer state buffers (Note [Quantised state in checkpoints]):
+// where each element's entries are, and each section's dtype.
+struct StateSections {
+  std::vector<SectionMap> maps;
+  std::vector<at::ScalarType> dtypes;
+  // Bucket `bucket`'s slice of section k: its first entry and entry count.
+  std::pair<int64_t, int64_t> slice(const FlatLayout& layout, int k, int bucket) const;
+};
+// This rank's, under the optimizer's layout and rule.
+StateSections state_sections(ShardAccess& a);
+// Saved rank `rank`'s, from the manifest's piece table, for this optimizer's rule.
+StateSections saved_state_sections(ShardAccess& a, const Manifest& m, int rank);
+// Shard file `f` holds state sections of the dtype and length `s` says (names: the buffers').
+void check_state_sections(const Manifest& m, const ShardFile& f,
+                          const std::vector<std::string>& names, const StateSections& s);
+
 // This rank's shard of parameters and state, staged before it replaces the optimizer's.
 struct Staging {
   at::Tensor param;
-  std::vector<at::Tensor> state;
+  std::vector<at::Tensor> state;  // section k: sections.maps[k].size() entries
+  StateSections sections;
 };
 
 // Starts from the current owned slices, so padding and anything not loaded keep their values.

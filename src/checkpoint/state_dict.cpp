@@ -52,6 +52,9 @@ void DistributedOptimizer::consolidate_state_dict(int to) {
                  "optimizer: consolidate_state_dict(to={}): `to` must be a rank in [0, {})", to,
                  world);
   detail::check_has_torch_state(a, "consolidate_state_dict");
+  if (has_state(a)) {
+    detail::check_elementwise_state(rule_name(a.group_rule(0)), "consolidate_state_dict");
+  }
   at::NoGradGuard no_grad;
   consolidated_.reset();
   const auto& layout = a.layout();
@@ -138,6 +141,13 @@ void DistributedOptimizer::load_state_dict(const OptimizerStateDict& state) {
         detail::check_has_torch_state(a, "load_state_dict");
         detail::checked_step_count(state.step, "the optimizer state dict's step");
         names = detail::optimizer_state_names(a);
+        for (const auto& group : state.groups) {
+          for (const auto& param : group.params) {
+            if (!param.state.empty()) {
+              detail::check_elementwise_state(rule_name(a.group_rule(0)), "load_state_dict");
+            }
+          }
+        }
         SHARDOPT_CHECK(state.groups.size() == given_.size(), Mismatch,
                        "optimizer: the state dict has {} parameter groups, this optimizer {}",
                        state.groups.size(), given_.size());

@@ -16,6 +16,8 @@
 //         (bitsandbytes keeps those in fp32), packed in update-coordinate order.
 // So a rank holds 2 + 8/256 bytes per element plus 8 per element of a small parameter. Gaps and
 // padding have zero gradients: their codes stay zero, and a block's maximum ignores them.
+// Checkpoints store these buffers as they are, quantised, and reshard them exactly across N and
+// stages (Note [Quantised state in checkpoints], shardopt/detail/state_sections.hpp).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "engine/flat_state.hpp"
+#include "shardopt/comm.hpp"
 #include "shardopt/rules.hpp"
 
 namespace shardopt::detail {
@@ -45,6 +48,13 @@ class Adam8bitUpdate {
     int64_t compact = 0;  // small: first element in buffers 4 and 5
   };
   const std::vector<Piece>& pieces() const { return pieces_; }
+
+  // This rank's owned slice of `bucket` in state buffer `k` (Note [Quantised state in
+  // checkpoints]): codes S_b bytes, maxima S_b / 256 entries, fp32 moments the small parameters'
+  // owned elements (contiguous in buffers 4 and 5).
+  at::Tensor owned_state_slice(int k, int bucket);
+  // Stage 0 after a load wrote only the owned slices: every rank's slices to every rank.
+  void replicate_owned(Communicator& comm, Duration timeout);
 
  private:
   FlatState& flat_;

@@ -15,11 +15,9 @@ at::Tensor CheckpointAccess::owned_param_slice(int bucket) {
 }
 
 at::Tensor CheckpointAccess::owned_state_slice(int state, int bucket) {
-  // Every checkpoint path (save, load, state dicts) reads or writes the state through here.
-  SHARDOPT_CHECK(!std::holds_alternative<AdamW8bit>(group_rule(0)), Unsupported,
-                 "checkpoint: adamw8bit's state (per-block maxima, fp32 moments of small "
-                 "parameters) is not element-indexed like the other rules' state; saving and "
-                 "loading it is not supported yet (Note [Blockwise 8-bit state])");
+  // 8-bit AdamW: codes, block maxima and packed fp32 moments (Note [Quantised state in
+  // checkpoints], shardopt/detail/state_sections.hpp).
+  if (auto* q = update_.adam8bit()) return q->owned_state_slice(state, bucket);
   return flat_.owned_state_slice(state, bucket);
 }
 
@@ -37,9 +35,12 @@ void CheckpointAccess::after_load() {
         works.push_back(comm->all_gather(range.narrow(0, rank * bl.shard, bl.shard), range, true));
       };
       if (plan.separate_master()) gather_bucket(flat_.master());  // else the store's, below
-      for (auto& s : flat_.state()) gather_bucket(s);
+      if (update_.adam8bit() == nullptr) {
+        for (auto& s : flat_.state()) gather_bucket(s);
+      }
     }
     for (auto& w : works) w->wait(options_.timeout);
+    if (auto* q = update_.adam8bit()) q->replicate_owned(*comm, options_.timeout);
   }
   update_.write_back();  // master -> model dtype
   store_.after_load();

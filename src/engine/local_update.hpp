@@ -66,6 +66,8 @@ class LocalUpdate {
 
   // The factory-built torch optimizer (null for native rules): LR changes are handed to it.
   torch::optim::Optimizer* factory_optimizer() const { return inner_.get(); }
+  // 8-bit AdamW's state (null for other rules): its buffers are not element-indexed.
+  Adam8bitUpdate* adam8bit() const { return adam8bit_.get(); }
 
  private:
   bool fused_step(const Rule& rule, int64_t step, Segment& s, std::vector<at::Tensor>& st);

@@ -22,6 +22,7 @@
 #include "checkpoint/element_sums.hpp"
 #include "checkpoint/files.hpp"
 #include "shardopt/detail/shard_plan.hpp"
+#include "shardopt/detail/state_sections.hpp"
 #include "shardopt/error.hpp"
 #include "support/checkpoint_model.hpp"
 #include "support/expect_error.hpp"
@@ -515,6 +516,82 @@ TEST(ShardPlan, EveryElementComesFromWhereItWasSaved) {
           }
           ASSERT_EQ(shard[bl.shard_offset + pos - r * bl.shard], want)
               << "trial " << trial << " world " << a << " -> " << b << " rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// Note [Quantised state in checkpoints]: random block-aligned layouts (block 4, parameters under
+// 20 elements "small") saved at world A and loaded at world B: every entry of a block section
+// (one per 4 elements) and of a packed section (small parameters' elements only) is filled from
+// the entry of the same parameter block or element, and a packed section holds exactly the small
+// parameters' elements.
+TEST(StateSections, BlocksAndPackedEntriesFollowTheParameter) {
+  std::mt19937 rng(11);
+  const int64_t block = 4;
+  const detail::SectionIndex blocks{block, false, 0, false}, packed{1, true, 20, false};
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 8);
+    std::vector<int64_t> numels;
+    std::vector<int> groups;
+    for (int i = 0; i < n; ++i) {
+      numels.push_back(1 + static_cast<int64_t>(rng() % 40));
+      groups.push_back(i < n / 2 ? 0 : 1);
+    }
+    const int a = 1 + static_cast<int>(rng() % 4), b = 1 + static_cast<int>(rng() % 4);
+    const auto saved =
+        detail::make_layout(numels, groups, a, block * (1 + rng() % 3), 1 + rng() % 60, {}, block);
+    const auto loaded =
+        detail::make_layout(numels, groups, b, block * (1 + rng() % 3), 1 + rng() % 60, {}, block);
+    for (const auto& ix : {blocks, packed}) {
+      // Entry keys: param * 1000 + block (or element) index; -1 where none.
+      auto key_of = [&](int i, int64_t param_element) {
+        return i * 1000 + (ix.packed ? param_element : param_element / block);
+      };
+      std::vector<detail::SectionMap> from;
+      std::vector<std::vector<int64_t>> files;
+      for (int r = 0; r < a; ++r) {
+        from.emplace_back(ix, saved.shard_numel, detail::held_pieces(saved, r, a));
+        files.emplace_back(from.back().size(), -1);
+      }
+      int64_t small_total = 0;
+      for (int i = 0; i < n; ++i) {
+        if (ix.small(numels[i])) small_total += numels[i];
+        for (const auto& p : detail::saved_pieces(saved, i, a)) {
+          ASSERT_TRUE(detail::block_aligned(p, block));
+          const auto [entry, count] = from[p.rank].entries(p.shard_begin, p.numel, numels[i]);
+          for (int64_t e = 0; e < count; ++e) {
+            files[p.rank][entry + e] = key_of(i, p.param_begin + e * (ix.packed ? 1 : block));
+          }
+        }
+      }
+      if (ix.packed) {
+        int64_t sizes = 0;
+        for (const auto& m : from) sizes += m.size();
+        ASSERT_EQ(sizes, small_total);
+      }
+      for (int r = 0; r < b; ++r) {
+        const detail::SectionMap to(ix, loaded.shard_numel, detail::held_pieces(loaded, r, b));
+        std::vector<int64_t> shard(to.size(), -1);
+        for (int i = 0; i < n; ++i) {
+          for (const auto& op :
+               detail::plan_copies(loaded, r, i, detail::saved_pieces(saved, i, a))) {
+            const auto [src, count] = from[op.src_rank].entries(op.src, op.numel, numels[i]);
+            const auto [dst, count2] = to.entries(op.dst, op.numel, numels[i]);
+            ASSERT_EQ(count, count2);
+            for (int64_t e = 0; e < count; ++e) shard[dst + e] = files[op.src_rank][src + e];
+          }
+        }
+        for (int i = 0; i < n; ++i) {
+          for (const auto& p : detail::saved_pieces(loaded, i, b)) {
+            if (p.rank != r) continue;
+            const auto [entry, count] = to.entries(p.shard_begin, p.numel, numels[i]);
+            for (int64_t e = 0; e < count; ++e) {
+              ASSERT_EQ(shard[entry + e], key_of(i, p.param_begin + e * (ix.packed ? 1 : block)))
+                  << "trial " << trial << " world " << a << " -> " << b << " rank " << r;
+            }
+          }
         }
       }
     }

@@ -141,13 +141,14 @@ def run_shardopt(a, name, failing):
     if p.poll() is None:
         kill_group(p)
     p.wait()
-    losses = {j["step"]: repr(j["loss"]) for j in read_jsonl(metrics)}
     log = open(os.path.join(out, "log")).read()
-    reported = [float(line.split("recovered: ")[1].split(" s")[0])
-                for line in log.splitlines() if "recovered: " in line]
+    lines = [line for line in log.splitlines() if "recovered: " in line]
+    reported = [float(line.split("recovered: ")[1].split(" s")[0]) for line in lines]
+    restore = [float(line.split("(restore ")[1].split(" s")[0]) for line in lines
+               if "(restore " in line]
     return {"system": "shardopt", "name": name, "failing": failing, "rc": p.returncode,
-            "t0": t0, "t_last": t_last, "last_step": last, "losses": losses,
-            "events": fails.events, "self_reported_recovery_s": reported}
+            "t0": t0, "t_last": t_last, "last_step": last, **shardopt_losses(out),
+            "events": fails.events, "self_reported_recovery_s": reported, "restore_s": restore}
 
 
 def run_torchft(a, name, failing):
@@ -209,22 +210,45 @@ def run_torchft(a, name, failing):
         if p.poll() is None:
             kill_group(p)
         p.wait()
-    per = [read_jsonl(path) for path in logs]
-    losses = {}
+    return dict(torchft_losses(out), system="torchft", name=name, failing=failing,
+                rc=[p.returncode for p in procs], t0=t0, t_last=t_last, last_step=last,
+                events=fails.events)
+
+
+def torchft_losses(out):
+    """Per step, each replica's loss (the steps it took part in); the final weights' hashes."""
+    per = [read_jsonl(os.path.join(out, f"replica{r}.jsonl")) for r in range(RANKS)]
+    losses, participants = {}, {}
     for r, js in enumerate(per):
         for j in js:
             if "loss" in j:
                 losses.setdefault(j["step"], {})[str(r)] = j["loss"]
-    finals = {str(r): j["final"] for r, js in enumerate(per) for j in js if "final" in j}
-    participants = {}
-    for js in per:
-        for j in js:
-            if "loss" in j:
                 participants[j["step"]] = j["participants"]
-    return {"system": "torchft", "name": name, "failing": failing,
-            "rc": [p.returncode for p in procs], "t0": t0, "t_last": t_last, "last_step": last,
-            "losses": losses, "finals": finals, "participants": participants,
-            "events": fails.events}
+    finals = {str(r): j["final"] for r, js in enumerate(per) for j in js if "final" in j}
+    return {"losses": losses, "finals": finals, "participants": participants}
+
+
+def shardopt_losses(out):
+    return {"losses": {j["step"]: repr(j["loss"])
+                       for j in read_jsonl(os.path.join(out, "out", "metrics.jsonl"))}}
+
+
+def same_losses(system, run, free):
+    """The failure-free run's steps whose losses the run repeats. torchft: every replica's loss
+    that both runs logged at that step (a replica killed after the commit and before its log
+    line leaves a step with fewer entries, not with other values), and the participants."""
+    out = []
+    for st in sorted(free["losses"]):
+        a, b = run["losses"].get(st), free["losses"][st]
+        if system == "torchft":
+            both = set(a or {}) & set(b)
+            ok = (bool(both) and all(a[r] == b[r] for r in both)
+                  and run["participants"].get(st) == free["participants"].get(st))
+        else:
+            ok = a == b
+        if ok:
+            out.append(st)
+    return out
 
 
 def summarize(run, free):
@@ -241,11 +265,12 @@ def summarize(run, free):
     s["steps_lost"] = [e["lost_at"] for e in run["events"]]
     if run["system"] == "shardopt":
         s["self_reported_recovery_s"] = run["self_reported_recovery_s"]
+        s["restore_s"] = run["restore_s"]
     else:
         s["steps_with_fewer_replicas"] = sum(1 for n in run["participants"].values() if n < RANKS)
     if free is not None:
         steps = sorted(free["losses"])
-        equal = [st for st in steps if run["losses"].get(st) == free["losses"][st]]
+        equal = same_losses(run["system"], run, free)
         s["losses_equal"] = f"{len(equal)} of {len(steps)}"
         differ = [st for st in steps if st not in equal]
         s["first_differing_step"] = differ[0] if differ else None
@@ -255,11 +280,35 @@ def summarize(run, free):
     return s
 
 
+def table(results):
+    """The markdown table of bench/README.md: one row per run, interleaved as run."""
+    rows = ["| run | steps/min | wall s | failures | recovery s (kill -> next new step) | "
+            "killed replica back s | steps with < 4 workers | losses = failure-free run's |",
+            "|---|---|---|---|---|---|---|---|"]
+    for s in results:
+        rec = ", ".join(f"{x:.2f}" for x in s["recovery_s"]) or "-"
+        rej = ", ".join(f"{x:.1f}" for x in s["rejoin_s"]) or "-"
+        if s["system"] == "shardopt":
+            rej = "(all restarted)" if s["failing"] else "-"
+            if s["self_reported_recovery_s"]:  # bert_pretrain's own: from the launcher's restart
+                rec += " (own: " + ", ".join(f"{x:.2f}" for x in s["self_reported_recovery_s"])
+                if s.get("restore_s"):
+                    rec += "; restore " + ", ".join(f"{x:.3f}" for x in s["restore_s"])
+                rec += ")"
+        fewer = s.get("steps_with_fewer_replicas", 0 if s["system"] == "shardopt" else "-")
+        eq = s.get("losses_equal", "(reference)")
+        if s.get("final_weights_equal") is not None:
+            eq += f"; final weights {'equal' if s['final_weights_equal'] else 'differ'}"
+        rows.append(f"| {s['name']} | {s['steps_per_min']} | {s['wall_s']} | {s['failures']} | "
+                    f"{rec} | {rej} | {fewer} | {eq} |")
+    return "\n".join(rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--exe", default=os.path.join(ROOT, "build", "examples", "bert_pretrain"))
-    ap.add_argument("--python", required=True, help="the torchft venv's python (venv.sh)")
+    ap.add_argument("--python", help="the torchft venv's python (venv.sh; required to run)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--fail-every", type=int, default=50)
     ap.add_argument("--warmup-steps", type=int, default=10)
@@ -268,7 +317,33 @@ def main():
     ap.add_argument("--systems", default="shardopt,torchft")
     ap.add_argument("--run-timeout", type=float, default=600)
     ap.add_argument("--out", default=None, help="work directory (default: a new one under /tmp)")
+    ap.add_argument("--table", metavar="RESULTS_JSON", help="print the table of a finished run")
+    ap.add_argument("--rescore", metavar="OUT", help="recompute a finished run's loss columns")
     a = ap.parse_args()
+    if a.table:
+        print(table(json.load(open(a.table))))
+        return
+    if a.rescore:  # the loss columns again from a finished run's logs (results.json rewritten)
+        path = os.path.join(a.rescore, "results.json")
+        results = json.load(open(path))
+        load = {"shardopt": shardopt_losses, "torchft": torchft_losses}
+        for s in results:
+            if s["failing"]:
+                run = load[s["system"]](os.path.join(a.rescore, s["name"]))
+                free = load[s["system"]](os.path.join(a.rescore, s["name"].replace("-fail-", "-free-")))
+                for d in (run, free):  # JSON's keys are strings
+                    d["losses"] = {int(k): v for k, v in d["losses"].items()}
+                    if "participants" in d:
+                        d["participants"] = {int(k): v for k, v in d["participants"].items()}
+                equal = same_losses(s["system"], run, free)
+                differ = [st for st in sorted(free["losses"]) if st not in equal]
+                s["losses_equal"] = f"{len(equal)} of {len(free['losses'])}"
+                s["first_differing_step"] = differ[0] if differ else None
+        json.dump(results, open(path, "w"), indent=1)
+        print(table(results))
+        return
+    if not a.python:
+        ap.error("--python is required: the torchft venv's python, $(bench/torchft/venv.sh)/bin/python")
     a.out = a.out or subprocess.check_output(["mktemp", "-d", "/tmp/shardopt-torchft.XXXXXX"],
                                              text=True).strip()
     os.makedirs(a.out, exist_ok=True)
@@ -297,6 +372,7 @@ def main():
                 results.append(s)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
+    print(table(results))
     print(f"[compare] results: {os.path.join(a.out, 'results.json')}", file=sys.stderr)
 
 

@@ -158,7 +158,7 @@ def run_torchft(a, name, failing):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     port = free_port()
     lighthouse = subprocess.Popen(
-        [os.path.join(os.path.dirname(a.python), "torchft_lighthouse"), "--min_replicas", "2",
+        [os.path.join(os.path.dirname(a.python), "torchft_lighthouse"), "--min_replicas", str(a.min_replicas),
          "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000",
          "--quorum_tick_ms", "100"], stdout=open(os.path.join(out, "lighthouse.log"), "w"),
         stderr=subprocess.STDOUT, start_new_session=True)
@@ -168,7 +168,7 @@ def run_torchft(a, name, failing):
         cmd = [a.python, os.path.join(HERE, "replica.py"), "--replica", str(r), "--replicas",
                str(RANKS), "--lighthouse", f"http://127.0.0.1:{port}", "--log", logs[r],
                "--steps", str(a.steps), "--warmup-steps", str(a.warmup_steps), "--lr", str(a.lr),
-               "--vocab", str(a.vocab)]
+               "--vocab", str(a.vocab), "--min-replicas", str(a.min_replicas)]
         if first:
             cmd += ["--ready-dir", os.path.join(out, "ready")]
         return subprocess.Popen(cmd, env=env, stdout=open(os.path.join(out, f"replica{r}.out"), "a"),
@@ -317,6 +317,9 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--min-replicas", type=int, default=2,
+                    help="torchft's quorum minimum (lighthouse and Manager): 2 goes on with the "
+                         "survivors; 4 waits for the killed replica to come back")
     ap.add_argument("--systems", default="shardopt,torchft")
     ap.add_argument("--run-timeout", type=float, default=600)
     ap.add_argument("--out", default=None, help="work directory (default: a new one under /tmp)")

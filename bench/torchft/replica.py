@@ -22,7 +22,6 @@ participants, t (time.time()); at the end a line with the SHA-256 of its weights
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -122,6 +121,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=2000)
     ap.add_argument("--max-predictions", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-replicas", type=int, default=2, help="the Manager's min_replica_size")
     ap.add_argument("--timeout", type=float, default=30.0, help="Manager and Gloo timeout, s")
     a = ap.parse_args()
     torch.set_num_threads(1)  # as bert_pretrain's ranks on this machine: one thread each
@@ -140,7 +140,7 @@ def main():
     # Each replica group has its own store (torchft's requirement, torchelastic's in production).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=a.timeout)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2,
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=a.min_replicas,
                       load_state_dict=load_state_dict, state_dict=state_dict,
                       replica_id=f"bert_{a.replica}", lighthouse_addr=a.lighthouse,
                       store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
@@ -154,7 +154,7 @@ def main():
     log = open(a.log, "a", buffering=1)
     while manager.current_step() < a.steps:
         opt.zero_grad(set_to_none=True)
-        manager.start_quorum()  # a healing replica gets its weights and step here
+        manager.start_quorum()  # asynchronous: a healer gets weights and step by should_commit()
         step = manager.current_step()
         for g in opt.param_groups:
             g["lr"] = lr_at(a, step)

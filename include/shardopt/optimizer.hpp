@@ -126,7 +126,9 @@ class DistributedOptimizer : public torch::optim::Optimizer, public PipelineOpti
 
   /// ---- torch's state-dict contract (shardopt/state_dict.hpp) -------------------------------
   /// Gathers the full optimizer state onto world rank `to` (ZeroRedundancyOptimizer's
-  /// consolidate_state_dict). Collective. Throws Error{Unsupported} for factory-built optimizers.
+  /// consolidate_state_dict). Collective. Throws Error{Unsupported} for factory-built optimizers
+  /// and for adamw8bit (its quantised state has no place in torch's format; its checkpoints hold
+  /// it: Note [Quantised state in checkpoints]).
   void consolidate_state_dict(int to = 0);
   /// The state consolidate_state_dict gathered, on its rank `to`, as long as no step() ran since;
   /// elsewhere throws Error{InvalidArgument} saying to consolidate first. Not collective.

@@ -285,8 +285,9 @@ def summarize(figs, failed, a, wall):
     """The table (Markdown) and the JSON summary of the runs done."""
     rows = ["| kind | runs | missed | from scratch | restored | repeated steps (0/1/2+) | "
             "in-flight snapshot lost | failures | recovery s (median / max) | restore s "
-            "(median / max) | death to mpirun exit s (median / max) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "(median / max) | of which death to mpirun's exit s | of which the new job's start to "
+            "its first step's end s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     groups = [(k, [f for f in figs if f["kind"] == k]) for k in a.kinds] + [("all", figs)]
     for kind, fs in groups:
         hit = [f for f in fs if not f["missed"]]
@@ -297,7 +298,9 @@ def summarize(figs, failed, a, wall):
             f"{sum(r <= 0 for r in rep)}/{sum(r == 1 for r in rep)}/{sum(r >= 2 for r in rep)} | "
             + (f"{sum(f['in_flight_lost'] for f in hit)}" if kind == "snapshot" else "-")
             + f" | {sum(f['failed'] for f in fs)} | {spread(f['recovery_s'] for f in hit)} | "
-            f"{spread(f['restore_s'] for f in hit)} | {spread(f['exit_s'] for f in hit)} |")
+            f"{spread(f['restore_s'] for f in hit)} | "
+            f"{spread(f['exit_s'] for f in hit if f['recovery_s'] is not None)} | "
+            f"{spread(f['recovery_s'] - f['exit_s'] for f in hit if f['recovery_s'] is not None)} |")
     recov = [f["recovery_s"] for f in figs if f["recovery_s"] is not None]
     rest = [f["restore_s"] for f in figs if f["restore_s"] is not None]
     summary = {

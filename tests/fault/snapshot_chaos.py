@@ -198,8 +198,10 @@ class SnapshotCampaign:
         if strays:
             failures.append(f"the failed attempt left processes behind: {strays}")
         fig["logged"] = logged_step(out)
-        if rc == 0 and metrics_lines(out) == a.steps and died is None:
-            fig["missed"] = True  # the job had finished before the moment came
+        if rc == 0 and metrics_lines(out) == a.steps:
+            # The job had finished before the moment came (a SIGKILL that found the victim
+            # exited but not yet reaped "hit" a zombie).
+            fig["missed"] = True
             print(f"[snapchaos] ok seed {seed}, {plan['kind']}: {self.describe(plan)}: missed "
                   "(the job had ended)", flush=True)
             shutil.rmtree(out, ignore_errors=True)

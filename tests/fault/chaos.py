@@ -141,8 +141,10 @@ def prepare_data(exe, corpus, work):
     return vocab, data
 
 
-def finish(proc, tag, deadline_s):
-    """Waits for a job; returns (exit status or None when it hung, stray processes)."""
+def finish(proc, tag, deadline_s, linger_s=0.0):
+    """Waits for a job; returns (exit status or None when it hung, stray processes). With
+    linger_s, a stray is given that long to exit by itself before it is killed, and its entry
+    says which it did (a process still exiting, or one that would have stayed)."""
     try:
         rc = proc.wait(timeout=deadline_s)
     except subprocess.TimeoutExpired:
@@ -151,6 +153,15 @@ def finish(proc, tag, deadline_s):
         return None, {}
     # mpirun has reaped its ranks; a process still carrying the tag was left behind.
     strays = tagged(tag)
+    if strays and linger_s > 0:
+        t0, gone = time.monotonic(), {}
+        while len(gone) < len(strays) and time.monotonic() - t0 < linger_s:
+            time.sleep(0.005)
+            alive = tagged(tag)
+            gone.update({p: time.monotonic() - t0 for p in strays if p not in alive and p not in gone})
+        strays = {p: v + ((f"exited by itself {gone[p]:.3f} s after mpirun",) if p in gone else
+                          (f"still alive {linger_s:g} s after mpirun: killed",))
+                  for p, v in strays.items()}
     kill_all(tag)
     return rc, strays
 

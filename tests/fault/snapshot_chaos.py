@@ -177,7 +177,7 @@ class SnapshotCampaign:
                 except ProcessLookupError:
                     pass
             died = time.time() if hit else None
-        rc, strays = finish(proc, out + "/", self.a.job_deadline)
+        rc, strays = finish(proc, out + "/", self.a.job_deadline, self.a.linger)
         return rc, strays, died, (time.time() - died) if died else None
 
     def chaos_run(self, seed):
@@ -215,7 +215,7 @@ class SnapshotCampaign:
         if plan["kind"] == "host":  # the replaced host's memory is gone
             shutil.rmtree(os.path.join(out, "shm", f"host-{plan['host']}"), ignore_errors=True)
         proc = self.launch(out, rlog, SHARDOPT_RESTART="1", SHARDOPT_FAILED_AT=f"{died:.6f}")
-        rrc, rstrays = finish(proc, out + "/", a.restart_deadline)
+        rrc, rstrays = finish(proc, out + "/", a.restart_deadline, a.linger)
         text = open(rlog).read()
         if rrc != 0:
             failures.append(f"the restarted job exited with {rrc}")
@@ -345,6 +345,9 @@ def main():
     p.add_argument("--restart-deadline", type=float, default=300)
     p.add_argument("--max-recovery", type=float, default=5, help="counted, not failed")
     p.add_argument("--max-restore", type=float, default=1, help="counted, not failed")
+    p.add_argument("--linger", type=float, default=2.0,
+                   help="seconds a process left behind by mpirun may take to exit by itself (it "
+                        "fails the run either way; the report says which)")
     p.add_argument("--work", help="working directory (default: a new temporary one)")
     p.add_argument("--summary", help="append the campaign's figures to this JSON-lines file")
     a = p.parse_args()

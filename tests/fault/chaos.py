@@ -151,7 +151,8 @@ def finish(proc, tag, deadline_s, linger_s=0.0):
         kill_all(tag)
         proc.wait()
         return None, {}
-    # mpirun has reaped its ranks; a process still carrying the tag was left behind.
+    # mpirun has returned; a process still carrying the tag was left behind, or is still dying
+    # (after two deaths OpenMPI 4's mpirun signals the other ranks and returns without reaping).
     strays = tagged(tag)
     if strays and linger_s > 0:
         t0, gone = time.monotonic(), {}

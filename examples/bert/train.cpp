@@ -618,6 +618,10 @@ void train_loop(Run& r) {
     // step's metrics line first: a published checkpoint never holds a step the log lacks.
     const bool save_now =
         a.checkpoint_every > 0 && (done - r.start_step) % a.checkpoint_every == 0 && !last_of_run;
+    // At a snapshot step the previous snapshot is committed before this step's line is written
+    // (snapshot() would join it next anyway): a death after the line repeats at most K steps.
+    const bool snapshot_now = r.snapshots && done % a.snapshot_every == 0 && !last_of_run;
+    if (snapshot_now) r.snapshots->wait();
     if (r.lead) {
       r.timings.push_back(rec.timings);
       r.last = bert::metrics_json(rec);
@@ -625,7 +629,7 @@ void train_loop(Run& r) {
       r.metrics.flush();
     }
     if (save_now) bert::save(r, done);
-    if (r.snapshots && done % a.snapshot_every == 0 && !last_of_run) bert::snapshot(r, done);
+    if (snapshot_now) bert::snapshot(r, done);
     if (r.restore_s >= 0 && done == r.start_step + 1) report_recovery(r);
     if (r.lead) r.progress->step(rec, r.state.train_s, r.run_samples, r.run_tokens);
   }

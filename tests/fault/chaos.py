@@ -116,6 +116,95 @@ def reported_saves(log):
     return steps
 
 
+def job_env():
+    """The environment of every job: one thread per rank, OpenMPI as root, no test fault."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.setdefault("OMPI_MCA_btl", "self,vader")
+    env.pop("BERT_TEST_FAULT", None)
+    return env
+
+
+def run_quiet(cmd, what):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode != 0:
+        sys.exit(f"[chaos] {what} failed ({p.returncode}):\n{p.stdout}")
+
+
+def prepare_data(exe, corpus, work):
+    """The tiny vocabulary and data set of every run: (vocab, data) in work."""
+    vocab, data = os.path.join(work, "vocab.txt"), os.path.join(work, "data.bin")
+    run_quiet([exe, "build-vocab", "--corpus", corpus, "--vocab-size", "2000", "-o", vocab],
+              "build-vocab")
+    run_quiet([exe, "create-data", "--corpus", corpus, "--vocab", vocab, "--max-seq-length", "64",
+               "--dupe-factor", "2", "-o", data], "create-data")
+    return vocab, data
+
+
+def finish(proc, tag, deadline_s, linger_s=0.0):
+    """Waits for a job; returns (exit status or None when it hung, stray processes). With
+    linger_s, a stray is given that long to exit by itself before it is killed, and its entry
+    says which it did (a process still exiting, or one that would have stayed)."""
+    try:
+        rc = proc.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        kill_all(tag)
+        proc.wait()
+        return None, {}
+    # mpirun has returned; a process still carrying the tag was left behind, or is still dying
+    # (after two deaths OpenMPI 4's mpirun signals the other ranks and returns without reaping).
+    strays = tagged(tag)
+    if strays and linger_s > 0:
+        t0, gone = time.monotonic(), {}
+        while len(gone) < len(strays) and time.monotonic() - t0 < linger_s:
+            time.sleep(0.005)
+            alive = tagged(tag)
+            gone.update({p: time.monotonic() - t0 for p in strays if p not in alive and p not in gone})
+        strays = {p: v + ((f"exited by itself {gone[p]:.3f} s after mpirun",) if p in gone else
+                          (f"still alive {linger_s:g} s after mpirun: killed",))
+                  for p, v in strays.items()}
+    kill_all(tag)
+    return rc, strays
+
+
+def timeline(proc, out, t0):
+    """Follows a job to its end: [(event, seconds since t0)], event 0 when the first rank process
+    appeared, k when step k's metrics line did."""
+    events, seen = [], 0
+    while proc.poll() is None:
+        if not events and any(r is not None for r, _ in tagged(out + "/").values()):
+            events.append((0, time.monotonic() - t0))
+        n = metrics_lines(out)
+        while seen < n:
+            seen += 1
+            events.append((seen, time.monotonic() - t0))
+        time.sleep(0.002)
+    return events
+
+
+def draw_moment(rng, events, wall):
+    """A moment uniform over a run's wall time, start-up (MPI, data, model: half the wall time of a
+    short run) getting a fifth of the moments, the steps the rest; returned anchored to progress:
+    (step k, d seconds after its metrics line), k = 0 for the start of the rank processes."""
+    start, first = events[0][1], events[1][1]
+    u = rng.uniform(start, first) if rng.random() < 0.2 else rng.uniform(first, wall)
+    anchor, at = max((e for e in events if e[1] <= u), key=lambda e: e[1])
+    return anchor, u - at
+
+
+def reach(proc, out, anchor, ranks):
+    """Waits until the job has logged `anchor` steps and every rank of `ranks` runs; returns
+    {rank: pid}, or None when the job ended first."""
+    while proc.poll() is None:
+        if metrics_lines(out) >= anchor:
+            pids = {r: p for p, (r, name) in tagged(out + "/").items()
+                    if r in ranks and name.startswith("bert_pretrain")}
+            if len(pids) == len(ranks):
+                return pids
+        time.sleep(0.002)
+    return None
+
+
 # The trainer's arguments of each layout (pipelines at stage 1, as tests/example/bert_pp_test.sh).
 LAYOUTS = {"dp": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--micro-batches", "2"]}
 
@@ -128,24 +217,10 @@ class Campaign:
         self.current = None  # the out dir of the run under way
         # (ranks, layout, async) -> (losses, [(event, seconds since launch)], wall seconds)
         self.reference = {}
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        self.env.setdefault("OMPI_MCA_btl", "self,vader")
-        self.env.pop("BERT_TEST_FAULT", None)
-
-    def run_quiet(self, cmd, what):
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if p.returncode != 0:
-            sys.exit(f"[chaos] {what} failed ({p.returncode}):\n{p.stdout}")
+        self.env = job_env()
 
     def prepare(self):
-        vocab, data = os.path.join(self.work, "vocab.txt"), os.path.join(self.work, "data.bin")
-        self.run_quiet([self.a.exe, "build-vocab", "--corpus", self.a.corpus, "--vocab-size",
-                        "2000", "-o", vocab], "build-vocab")
-        self.run_quiet([self.a.exe, "create-data", "--corpus", self.a.corpus, "--vocab", vocab,
-                        "--max-seq-length", "64", "--dupe-factor", "2", "-o", data],
-                       "create-data")
-        self.vocab, self.data = vocab, data
+        self.vocab, self.data = prepare_data(self.a.exe, self.a.corpus, self.work)
 
     def launch(self, out, config, log, *extra):
         """Starts the job of config (ranks, layout, async) in the background, its output into
@@ -163,19 +238,6 @@ class Campaign:
         with open(log, "w") as f:
             return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
-    def finish(self, proc, out, deadline_s):
-        """Waits for the job; returns (exit status or None when it hung, stray processes)."""
-        try:
-            rc = proc.wait(timeout=deadline_s)
-        except subprocess.TimeoutExpired:
-            kill_all(out + "/")
-            proc.wait()
-            return None, {}
-        # mpirun has reaped its ranks; a process still carrying the tag was left behind.
-        strays = tagged(out + "/")
-        kill_all(out + "/")
-        return rc, strays
-
     @staticmethod
     def name(config):
         ranks, layout, background = config
@@ -187,15 +249,7 @@ class Campaign:
         t0 = time.monotonic()
         log = out + ".log"
         proc = self.launch(out, config, log)
-        events, seen = [], 0
-        while proc.poll() is None:
-            if not events and any(r is not None for r, _ in tagged(out + "/").values()):
-                events.append((0, time.monotonic() - t0))
-            n = metrics_lines(out)
-            while seen < n:
-                seen += 1
-                events.append((seen, time.monotonic() - t0))
-            time.sleep(0.002)
+        events = timeline(proc, out, t0)
         wall = time.monotonic() - t0
         if proc.returncode != 0 or metrics_lines(out) != self.a.steps:
             sys.exit(f"[chaos] the uninterrupted run {self.name(config)} failed:\n" + open(log).read())
@@ -212,12 +266,7 @@ class Campaign:
             self.uninterrupted(config)
         victim = rng.randrange(ranks)
         _, events, wall = self.reference[config]
-        # Start-up (MPI, data, model) is half the wall time of a short run: it gets a fifth of
-        # the moments, the steps and their saves the rest.
-        start, first = events[0][1], events[1][1]
-        u = rng.uniform(start, first) if rng.random() < 0.2 else rng.uniform(first, wall)
-        anchor, at = max((e for e in events if e[1] <= u), key=lambda e: e[1])
-        return config, victim, anchor, u - at
+        return (config, victim) + draw_moment(rng, events, wall)
 
     def chaos_run(self, seed):
         """One run; returns (list of failures, figures for the summary)."""
@@ -233,13 +282,7 @@ class Campaign:
                              "from_scratch": False}
         log, rlog = out + ".log", out + ".resume.log"
         proc = self.launch(out, config, log)
-        pid = None
-        while pid is None and proc.poll() is None:  # the anchor, then the victim's pid
-            ready = metrics_lines(out) >= anchor
-            pid = next((p for p, (r, name) in tagged(out + "/").items()
-                        if r == victim and name.startswith("bert_pretrain")), None) if ready else None
-            if pid is None:
-                time.sleep(0.002)
+        pid = (reach(proc, out, anchor, [victim]) or {}).get(victim)
         if pid is not None:
             time.sleep(delay)
             try:
@@ -247,7 +290,7 @@ class Campaign:
             except ProcessLookupError:
                 pid = None
         killed_at = time.monotonic()
-        rc, strays = self.finish(proc, out, self.a.job_deadline)
+        rc, strays = finish(proc, out + "/", self.a.job_deadline)
         ended = time.monotonic() - killed_at
         text = open(log).read()
         if rc is None:
@@ -274,7 +317,7 @@ class Campaign:
                 failures.append(f"the checkpoint of step {saved} does not verify: {v.stdout}")
         fig["from_scratch"] = saved is None
         proc = self.launch(out, config, rlog, *(["--resume"] if saved is not None else []))
-        rrc, rstrays = self.finish(proc, out, self.a.resume_deadline)
+        rrc, rstrays = finish(proc, out + "/", self.a.resume_deadline)
         if rrc != 0:
             failures.append(f"the resumed job exited with {rrc} (log {rlog}):\n" + open(rlog).read())
         if rstrays:

@@ -188,10 +188,9 @@ struct Options {
   int64_t largest_param = 0;
   /// Count an AsyncCheckpoint's host snapshot (Estimate::checkpoint_snapshot).
   bool async_checkpoint = false;
-  /// Count MemorySnapshots' slots (Estimate::snapshot_slots); `snapshot_buddy` false: one host,
-  /// no copies kept for a buddy.
+  /// Count MemorySnapshots' slots (Estimate::snapshot_slots).
   bool memory_snapshots = false;
-  bool snapshot_buddy = true;
+  bool snapshot_buddy = true;  ///< false: one host, no copies kept for a buddy
   /// The grid's pipeline size (ZeroOptions::grid.pp; `params` are then one rank's stage): above 1,
   /// stages 2-3 defer their reduction and stage 3 holds every unit of the stage gathered through
   /// the step (Note [Pipelines decide two defaults] in shardopt/detail/plan.hpp).

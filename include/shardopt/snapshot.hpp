@@ -69,7 +69,7 @@ struct SnapshotTiming {
 
 /// What restore() found and did.
 struct RestoreReport {
-  bool restored = false;
+  bool restored = false;  ///< whether a snapshot was restored
   int64_t number = -1;  ///< the snapshot's number (counted by snapshot() calls over the job)
   int64_t step = 0;     ///< the optimizer's step count it holds
   int from_buddy = 0;   ///< ranks whose own host had lost their copy (sent by their buddy)

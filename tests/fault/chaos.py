@@ -209,6 +209,19 @@ def reach(proc, out, anchor, ranks):
 LAYOUTS = {"dp": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--micro-batches", "2"]}
 
 
+def keep_or_clean(tag, failures, out, logs, replay):
+    """A failed run: prints its failures, the directory and logs kept, and the replay command; a
+    passed one: removes them."""
+    if failures:
+        for f in failures:
+            print(f"[{tag}]   {f}", flush=True)
+        print(f"[{tag}]   kept {out} ({', '.join(logs)}); replay: {replay}", flush=True)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        for p in logs:
+            os.remove(p)
+
+
 class Campaign:
     def __init__(self, a):
         self.a = a
@@ -335,14 +348,7 @@ class Campaign:
               + f", checkpoint step {saved} (last reported {reported[-1] if reported else None}), "
               + ("trained from scratch" if saved is None else "resumed")
               + (", losses bitwise equal" if same else ""), flush=True)
-        if failures:
-            for f in failures:
-                print(f"[chaos]   {f}", flush=True)
-            print(f"[chaos]   kept {out}; replay: {self.replay(seed)}", flush=True)
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-            for p in (log, rlog):
-                os.remove(p)
+        keep_or_clean("chaos", failures, out, (log, rlog), self.replay(seed))
         return failures, fig
 
     def replay(self, seed):

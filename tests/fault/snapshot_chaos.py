@@ -47,8 +47,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chaos import (TAG, draw_moment, finish, job_env, kill_all, losses, metrics_lines,  # noqa: E402
-                   prepare_data, reach, timeline)
+from chaos import (TAG, draw_moment, finish, job_env, keep_or_clean, kill_all, losses,  # noqa: E402
+                   metrics_lines, prepare_data, reach, timeline)
 
 KINDS = ("rank", "host", "snapshot")
 RESTORED = re.compile(r"\[bert\] restored snapshot (\d+) \(step (\d+)\) from host memory in "
@@ -270,15 +270,7 @@ class SnapshotCampaign:
                  f"{fig['recovery_s']} s (restore {fig['restore_s']} s)" if restored else
                  "no snapshot yet: from scratch")
               + (", losses bitwise equal" if same else ""), flush=True)
-        if failures:
-            for f in failures:
-                print(f"[snapchaos]   {f}", flush=True)
-            print(f"[snapchaos]   kept {out} ({log}, {rlog}); replay: {self.replay(seed)}",
-                  flush=True)
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-            for p in (log, rlog):
-                os.remove(p)
+        keep_or_clean("snapchaos", failures, out, (log, rlog), self.replay(seed))
         return failures, fig
 
     def replay(self, seed):

@@ -5,6 +5,8 @@ torch's param_groups (so LR schedulers, ``group["lr"] = ...`` and per-group hype
 work) and pushes every group's hyper-parameters into C++ right before each step. Its arguments
 are read in arguments.py, its checkpoints live in checkpoint.py.
 """
+import inspect
+
 import torch
 
 from . import _C
@@ -195,9 +197,14 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             for _, buffers in saved:
                 if buffers:
                     entry = {}
-                    if step_template is not None:
-                        entry["step"] = (step_template.new_tensor(float(step))
-                                         if isinstance(step_template, torch.Tensor) else step)
+                    template = step_template
+                    if template is None and group.get("use_muon") is False:
+                        # Muon's AdamW groups: torch keeps them in torch.optim.AdamW, whose
+                        # "step" (a 0-d tensor) their bias correction needs on resume.
+                        template = torch.tensor(0.0)
+                    if template is not None:
+                        entry["step"] = (template.new_tensor(float(step))
+                                         if isinstance(template, torch.Tensor) else step)
                     entry.update(buffers)
                     state[index] = entry
                 ids.append(index)
@@ -324,9 +331,13 @@ class DistributedOptimizer(CheckpointMethods, torch.optim.Optimizer):
             if cls is None:  # LAMB: no torch counterpart
                 self._template = ({}, torch.tensor(0.0))
             else:
-                p = torch.zeros(1, requires_grad=True)
-                p.grad = torch.zeros(1)
-                hyper = {k: v for k, v in self.param_groups[0].items() if k in self._rule_keys}
+                # 1x1: a matrix, since torch.optim.Muon takes nothing else.
+                p = torch.zeros(1, 1, requires_grad=True)
+                p.grad = torch.zeros(1, 1)
+                # Only what this torch's constructor takes: torch.optim.Muon has no ns_dtype.
+                accepted = inspect.signature(cls.__init__).parameters
+                hyper = {k: v for k, v in self.param_groups[0].items()
+                         if k in self._rule_keys and k in accepted}
                 probe = cls([p], **hyper)
                 probe.step()
                 packed = probe.state_dict()

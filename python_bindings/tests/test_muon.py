@@ -195,4 +195,7 @@ def test_state_dict_in_torch_layout_round_trip():
     assert len(keys) == 8
     assert all(k == (["momentum_buffer"] if i < 2 else ["exp_avg", "exp_avg_sq"])
                for i, k in enumerate(keys)), keys
+    # AdamW's bias correction needs the step back on resume; torch.optim.Muon keeps none.
+    saved = results["saved"]["state"]
+    assert all(float(saved[i]["step"]) == STEPS // 2 for i in range(2, 8)), saved
     assert max(results[0], results[1]) <= TOL, results

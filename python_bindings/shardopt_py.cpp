@@ -405,12 +405,15 @@ void bind_optimizer(py::module_& m) {
       .def_readonly("buffer_bytes", &MemoryReport::buffer_bytes)
       .def_readonly("persistent_param_bytes", &MemoryReport::persistent_param_bytes,
                     "stage 3: the part of param_bytes held whole for good (persistent groups)")
+      .def_readonly("snapshot_host_bytes", &MemoryReport::snapshot_host_bytes,
+                    "host memory (tmpfs) of this rank's in-memory snapshots; not in total")
       .def_property_readonly("total", &MemoryReport::total)
       .def("__repr__", [](const MemoryReport& r) {
         return fmt::format("MemoryReport(param_bytes={}, grad_bytes={}, optimizer_state_bytes={}, "
-                           "buffer_bytes={}, persistent_param_bytes={}, total={})",
+                           "buffer_bytes={}, persistent_param_bytes={}, snapshot_host_bytes={}, "
+                           "total={})",
                            r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.buffer_bytes,
-                           r.persistent_param_bytes, r.total());
+                           r.persistent_param_bytes, r.snapshot_host_bytes, r.total());
       });
 
   m.def("_rule_names", &detail::rule_names, "The optimizers shardopt runs natively, by name.");

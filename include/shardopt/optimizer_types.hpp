@@ -87,7 +87,12 @@ struct MemoryReport {
   /// [Persistent parameters] in src/engine/part_store.cpp); param_bytes holds the rest as
   /// shards.
   int64_t persistent_param_bytes = 0;
-  /// Everything above.
+  /// Host memory this rank's in-memory snapshots take on tmpfs (MemorySnapshots: its two slots
+  /// and the two copies it holds for its buddy; Note [Snapshots in memory] in
+  /// shardopt/snapshot.hpp): memory that outlives the process, so not in total(); 0 without
+  /// snapshots, and again after MemorySnapshots::remove().
+  int64_t snapshot_host_bytes = 0;
+  /// Everything above but snapshot_host_bytes.
   int64_t total() const { return param_bytes + grad_bytes + optimizer_state_bytes + buffer_bytes; }
 };
 

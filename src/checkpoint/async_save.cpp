@@ -106,6 +106,8 @@ class SnapshotAccess final : public ShardAccess {
   std::optional<LossScaler::State> loss_scaler_state() const override { return scaler_; }
   void set_loss_scaler_state(const LossScaler::State&) override { refuse("set_loss_scaler"); }
   void after_load() override { refuse("after_load"); }
+  void set_snapshot_host_bytes(int64_t) override { refuse("set_snapshot_host_bytes"); }
+  int64_t snapshot_host_bytes() const override { return real_.snapshot_host_bytes(); }
 
  private:
   at::Tensor slice(int section, int bucket) {

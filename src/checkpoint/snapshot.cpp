@@ -126,6 +126,16 @@ struct MemorySnapshots::State {
   void join() {
     if (thread.joinable()) thread.join();
   }
+  // The slots' host memory: this rank's two and the two copies it holds.
+  int64_t host_bytes() const {
+    int64_t n = 0;
+    for (const auto& slot : {own[0].get(), own[1].get(), copy[0].get(), copy[1].get()}) {
+      if (slot != nullptr && slot->mapped_payload() > 0) n += slot->mapped_payload() + detail::kSlotPrefixBytes;
+    }
+    return n;
+  }
+  // Tells the optimizer, whose memory() reports it, after every mapping.
+  void report_host_bytes() { a.set_snapshot_host_bytes(host_bytes()); }
   void background(int64_t number, std::string tail, int64_t json_bytes, int64_t steps);
   void exchange(SlotFile* from, const std::string& from_tail, int to, SlotFile* into, int src,
                 const std::string& what);
@@ -150,6 +160,7 @@ void MemorySnapshots::State::exchange(SlotFile* from, const std::string& from_ta
     if (into == nullptr) return;
     into->map(their_payload);
     into->invalidate();
+    report_host_bytes();
   });
   at::Tensor tail_in = at::empty({their_tail}, at::kByte);
   at::Tensor prefix_in = at::empty({detail::kSlotPrefixBytes}, at::kByte);
@@ -284,6 +295,7 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
   if (slot.mapped_payload() != payload_bytes(a)) {
     agree_on_errors(*s.world, fmt::format("snapshot {}: mapping {}", number, slot.path()),
                     [&] { slot.map(payload_bytes(a)); });
+    s.report_host_bytes();
   }
   slot.invalidate();
   {  // the step waits for this copy only
@@ -506,6 +518,7 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
     a.after_load();
   }
   s.next_number = std::max(s.next_number, number + 1);
+  s.report_host_bytes();
   r.restored = true;
   r.number = number;
   r.step = staged.steps;
@@ -528,6 +541,7 @@ void MemorySnapshots::remove() {
     }
   }
   fs::remove(s.marker(), ec);
+  s.report_host_bytes();
   s.world->barrier();
   fs::remove(s.dir, ec);  // only when empty: another job's files, or a peer's, keep it
 }
@@ -537,15 +551,7 @@ SnapshotTiming MemorySnapshots::last_timing() const {
   return state_->timing;
 }
 
-int64_t MemorySnapshots::host_bytes() const {
-  int64_t n = 0;
-  for (int k = 0; k < 2; ++k) {
-    for (const auto* slot : {state_->own[k].get(), state_->copy[k].get()}) {
-      if (slot != nullptr && slot->mapped_payload() > 0) n += slot->mapped_payload() + detail::kSlotPrefixBytes;
-    }
-  }
-  return n;
-}
+int64_t MemorySnapshots::host_bytes() const { return state_->host_bytes(); }
 
 int MemorySnapshots::buddy() const { return state_->buddy; }
 

@@ -4,6 +4,7 @@
 // torch param groups) and the loss scaler. The Engine owns one and hands it out.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <optional>
 #include <utility>
@@ -70,6 +71,8 @@ class CheckpointAccess final : public ShardAccess {
     if (scaler_) scaler_->set_state(state);
   }
   void after_load() override;
+  void set_snapshot_host_bytes(int64_t bytes) override { snapshot_host_bytes_ = bytes; }
+  int64_t snapshot_host_bytes() const override { return snapshot_host_bytes_; }
 
  private:
   const ZeroOptions& options_;
@@ -82,6 +85,7 @@ class CheckpointAccess final : public ShardAccess {
   std::optional<LossScaler>& scaler_;
   int64_t& steps_;
   std::function<void()> restart_;
+  std::atomic<int64_t> snapshot_host_bytes_{0};  // set by MemorySnapshots' background thread too
 };
 
 }  // namespace shardopt::detail

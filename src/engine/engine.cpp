@@ -543,6 +543,7 @@ MemoryReport Engine::memory() const {
   m.optimizer_state_bytes = flat_->state_bytes();
   m.buffer_bytes = store_->gathered_bytes() + reducer_->buffer_bytes();
   m.persistent_param_bytes = store_->persistent_bytes();
+  m.snapshot_host_bytes = checkpoint_->snapshot_host_bytes();
   return m;
 }
 

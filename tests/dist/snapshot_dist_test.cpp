@@ -171,8 +171,8 @@ DIST_TEST(Snapshots, AcrossHosts) {
   if (test::world()->rank() == 0) fs::remove_all(base);
 }
 
-// The estimator states the slots' host memory (Estimate::snapshot_slots): what host_bytes() reports,
-// at every stage, with and without a buddy; remove() gives it back.
+// The estimator states the slots' host memory (Estimate::snapshot_slots): what host_bytes() and the
+// optimizer's memory() report, at every stage, with and without a buddy; remove() gives it back.
 DIST_TEST(Snapshots, EstimateCountsTheSlots) {
   const int n = test::world()->size();
   for (int stage = 0; stage <= 3; ++stage) {
@@ -180,6 +180,7 @@ DIST_TEST(Snapshots, EstimateCountsTheSlots) {
     Run run(stage);
     MemorySnapshots snaps(*run.opt, test::world(), options(base));
     EXPECT_EQ(snaps.host_bytes(), 0);
+    EXPECT_EQ(run.opt->memory().snapshot_host_bytes, 0);
     run.step(0);
     snaps.snapshot(trainer_at(1));
     run.step(1);
@@ -194,11 +195,15 @@ DIST_TEST(Snapshots, EstimateCountsTheSlots) {
     o.snapshot_buddy = n >= 2;
     const estimate::Estimate e = estimate::model_states(o);
     EXPECT_EQ(snaps.host_bytes(), e.snapshot_slots) << "stage " << stage;
+    EXPECT_EQ(run.opt->memory().snapshot_host_bytes, e.snapshot_slots) << "stage " << stage;
+    const MemoryReport m = run.opt->memory();  // tmpfs, not the process: not in total()
+    EXPECT_EQ(m.total(), m.param_bytes + m.grad_bytes + m.optimizer_state_bytes + m.buffer_bytes);
     o.memory_snapshots = false;
     EXPECT_EQ(e.total() - estimate::model_states(o).total(), e.snapshot_slots);
     // A finished job gives the memory back: no slot, no marker, no directory left.
     snaps.remove();
     EXPECT_EQ(snaps.host_bytes(), 0);
+    EXPECT_EQ(run.opt->memory().snapshot_host_bytes, 0);
     EXPECT_FALSE(fs::exists(options(base).dir));
     test::world()->barrier();  // before the next MemorySnapshots makes it again
     RestoreReport none;

@@ -71,6 +71,10 @@ class ShardAccess {
   // Collective. After owned slices were overwritten: makes every rank's full parameters (and
   // stage 0's full state) agree again and clears gradients.
   virtual void after_load() = 0;
+
+  // What in-memory snapshots of this state take on tmpfs (MemorySnapshots), for memory().
+  virtual void set_snapshot_host_bytes(int64_t bytes) = 0;
+  virtual int64_t snapshot_host_bytes() const = 0;
 };
 
 ShardAccess& shard_access(DistributedOptimizer& optimizer);

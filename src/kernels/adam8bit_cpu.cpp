@@ -291,7 +291,7 @@ SHARDOPT_AVX512 void blocks_avx512(const Adam8bitCoeffs& c, const Adam8bitSegmen
 // holds a region boundary (never more than one: they are a decade apart).
 struct RegionMap {
   float scale[16] = {}, per_unit[16] = {};  // zero in regions 0 and 8: t = 0
-  int32_t base[16] = {}, last[16] = {};
+  int32_t base[32] = {}, last[16] = {};     // base[16 + r]: the byte's base for y < 0
   int32_t region0[32] = {}, bound[32] = {};  // by binade (exponent - 103, saturated)
   alignas(64) uint8_t planes[4][256] = {};   // byte b of the map's value of each code
 };
@@ -315,6 +315,9 @@ RegionMap make_region_map(bool is_signed) {
     start[1 + d] = float_bits(c.below_mid[d]);
   }
   r.base[kRegions - 1] = is_signed ? 0x80 : 0xFF;
+  // y < 0 (signed map): 0x80 | the magnitude's byte, 0 for zero, 0xFF above top_mid (the last
+  // code, as quantize_scalar keeps -1.0 out of the map).
+  for (int k = 1; k < kRegions; ++k) r.base[16 + k] = k == kRegions - 1 ? 0xFF : 0x80 | r.base[k];
   start[kRegions - 1] = float_bits(c.top_mid) + 1;  // the first float above top_mid
   for (int i = 0; i < 32; ++i) {  // binade i: [2^(i - 24), 2^(i - 23)); binade 0 from zero
     const uint32_t lo = i == 0 ? 0u : static_cast<uint32_t>(103 + i) << 23;
@@ -355,12 +358,13 @@ void quantize_block_scalar(const float* m, const float* v, float r1, float r2, u
 
 struct VecRegions {
   __m512 scale, per_unit;
-  __m512i base, last, region0_lo, region0_hi, bound_lo, bound_hi;
+  __m512i base, base_neg, last, region0_lo, region0_hi, bound_lo, bound_hi;
 };
 
 SHARDOPT_AVX512_VBMI VecRegions vec_regions(const RegionMap& r) {
   return {_mm512_loadu_ps(r.scale),          _mm512_loadu_ps(r.per_unit),
-          _mm512_loadu_si512(r.base),        _mm512_loadu_si512(r.last),
+          _mm512_loadu_si512(r.base),        _mm512_loadu_si512(r.base + 16),
+          _mm512_loadu_si512(r.last),
           _mm512_loadu_si512(r.region0),     _mm512_loadu_si512(r.region0 + 16),
           _mm512_loadu_si512(r.bound),       _mm512_loadu_si512(r.bound + 16)};
 }
@@ -379,14 +383,12 @@ SHARDOPT_AVX512_VBMI inline __m512i quantize_regions16(const VecRegions& v, __m5
       _mm512_permutexvar_ps(reg, v.per_unit));
   __m512i k = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   k = _mm512_min_epi32(k, _mm512_permutexvar_epi32(reg, v.last));
-  __m512i q = _mm512_add_epi32(k, _mm512_permutexvar_epi32(reg, v.base));
-  if constexpr (kSigned) {  // y < 0 (sign bit: -0 stays 0): 0x80 | min(q, 127) unless q = 0
-    const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(y));
-    q = _mm512_mask_min_epi32(q, neg, q, _mm512_set1_epi32(127));
-    const __mmask16 set = _mm512_mask_cmpgt_epi32_mask(neg, q, _mm512_setzero_si512());
-    q = _mm512_mask_or_epi32(q, set, q, _mm512_set1_epi32(0x80));
+  if constexpr (kSigned) {  // y < 0 (sign bit: -0 stays 0): the base from the second half
+    reg = _mm512_mask_or_epi32(reg, _mm512_movepi32_mask(_mm512_castps_si512(y)), reg,
+                               _mm512_set1_epi32(16));
+    return _mm512_add_epi32(k, _mm512_permutex2var_epi32(v.base, reg, v.base_neg));
   }
-  return q;
+  return _mm512_add_epi32(k, _mm512_permutexvar_epi32(reg, v.base));
 }
 
 // Bytes of elements 0..63 from four vectors of 16 (packus interleaves 128-bit lanes: the
@@ -401,18 +403,32 @@ SHARDOPT_AVX512_VBMI inline __m512i pack64(const __m512i q[4]) {
 }
 
 // The map's values of 64 codes by table: each of the float's four bytes from a 256-byte plane
-// (two 128-byte lookups, picked by the code's top bit), interleaved back into floats.
+// (two 128-byte lookups, picked by the code's top bit), interleaved back into floats. The signed
+// map needs half the lookups: 0x80 | j holds -value(j), except 0x80 itself (+1.0).
+template <bool kSigned>
 SHARDOPT_AVX512_VBMI inline void dequantize64(const RegionMap& r, __m512i codes, __m512 out[4]) {
   const __m512i x = _mm512_permutexvar_epi32(transpose_dwords(), codes);
-  const __mmask64 high = _mm512_movepi8_mask(x);
   __m512i b[4];
-  for (int p = 0; p < 4; ++p) {
-    const uint8_t* t = r.planes[p];
-    const __m512i lo =
-        _mm512_permutex2var_epi8(_mm512_load_si512(t), x, _mm512_load_si512(t + 64));
-    const __m512i hi =
-        _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), x, _mm512_load_si512(t + 192));
-    b[p] = _mm512_mask_mov_epi8(lo, high, hi);
+  if constexpr (kSigned) {
+    for (int p = 0; p < 4; ++p) {  // vpermi2b reads the index's low 7 bits
+      b[p] = _mm512_permutex2var_epi8(_mm512_load_si512(r.planes[p]), x,
+                                      _mm512_load_si512(r.planes[p] + 64));
+    }
+    const __m512i c80 = _mm512_set1_epi8(static_cast<char>(0x80));
+    b[3] = _mm512_ternarylogic_epi32(b[3], x, c80, 0xF8);  // b | (x & 0x80): the sign
+    const __mmask64 one = _mm512_cmpeq_epi8_mask(x, c80);
+    b[2] = _mm512_mask_mov_epi8(b[2], one, c80);  // 1.0f = 0x3F800000
+    b[3] = _mm512_mask_mov_epi8(b[3], one, _mm512_set1_epi8(0x3F));
+  } else {
+    const __mmask64 high = _mm512_movepi8_mask(x);
+    for (int p = 0; p < 4; ++p) {
+      const uint8_t* t = r.planes[p];
+      const __m512i lo =
+          _mm512_permutex2var_epi8(_mm512_load_si512(t), x, _mm512_load_si512(t + 64));
+      const __m512i hi =
+          _mm512_permutex2var_epi8(_mm512_load_si512(t + 128), x, _mm512_load_si512(t + 192));
+      b[p] = _mm512_mask_mov_epi8(lo, high, hi);
+    }
   }
   const __m512i l01 = _mm512_unpacklo_epi8(b[0], b[1]), h01 = _mm512_unpackhi_epi8(b[0], b[1]);
   const __m512i l23 = _mm512_unpacklo_epi8(b[2], b[3]), h23 = _mm512_unpackhi_epi8(b[2], b[3]);
@@ -439,8 +455,8 @@ SHARDOPT_AVX512_VBMI void block_vbmi(const Adam8bitCoeffs& c, const VecRegions& 
   __m512 max1 = zero, max2 = zero, nonfinite = zero;
   for (int64_t i0 = 0; i0 < kQuantBlock; i0 += 64) {
     __m512 d1[4], d2[4];
-    dequantize64(rs, _mm512_loadu_si512(q1 + i0), d1);
-    dequantize64(ru, _mm512_loadu_si512(q2 + i0), d2);
+    dequantize64<true>(rs, _mm512_loadu_si512(q1 + i0), d1);
+    dequantize64<false>(ru, _mm512_loadu_si512(q2 + i0), d2);
     for (int j = 0; j < 4; ++j) {
       const int64_t i = i0 + 16 * j;
       const __m512 gi = _mm512_loadu_ps(g + i);

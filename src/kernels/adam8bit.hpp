@@ -9,8 +9,8 @@
 // with n_i = 2^i for the signed map (first moment, plus zero and 1.0: 256 values) and 2^(i+1) for
 // the unsigned one (second moment, plus zero and 1.0). A code's value is computed in float as
 // (0.1 + (k + 0.5) * float(0.9 / n_i)) * float(10^(i-6)), so the AVX-512 kernel derives it from
-// the byte without a table (bitsandbytes rounds its float32 linspace instead: values may differ
-// in the last bits). Bytes:
+// the byte without a table and the VBMI one reads these floats (bitsandbytes rounds its float32
+// linspace instead: values may differ in the last bits). Bytes:
 // unsigned 0 = 0, 1 + base_i + k = code (base_i = 2^(i+1) - 2), 255 = 1.0; signed sign bit | 
 // magnitude index (0 = zero, 1 + 2^i - 1 + k = code), with 0x80 (negative zero) holding +1.0, as
 // bitsandbytes' signed map has +1.0 and no -1.0. A value x of a block with maximum |x| = a is
@@ -32,11 +32,11 @@
 // with quantize_scalar's own t = (|y| * scale_d - 0.1) * per_unit_d, so the same rounding. The
 // region is read from a 32-entry table by the float's exponent (each binade holds at most one
 // region boundary; checked when the table is built) plus one comparison of the float's bits
-// with that boundary. This equals quantize_scalar for every finite |y| < 2 (checked over all
-// 2^31 such floats when it was written; tests/unit/adam8bit_kernel_test.cpp checks both sides of
-// every code boundary). quantize_scalar turns |y| >= 1.5e7 into 1.0's neighbours (its int
-// conversion overflows): such y, and NaN, come only from a non-finite moment or a subnormal
-// maximum, and a block with one goes through quantize_scalar, so the kernel equals
+// with that boundary. This equals quantize_scalar for every float of (-2, 2) (all of them were
+// checked when it was written; tests/unit/adam8bit_kernel_test.cpp checks both sides of every
+// code boundary and of every power of two). quantize_scalar is not monotone beyond |y| ~ 1.5e7
+// (its int conversion overflows): such y, and NaN, come only from a non-finite moment or a
+// subnormal maximum, and a block with one goes through quantize_scalar, so the kernel equals
 // block_scalar on every input (NaN included; the arithmetic AVX-512 kernel, still used where
 // VBMI is missing, takes its maxima in another order and differs from it when a moment is NaN).
 #pragma once

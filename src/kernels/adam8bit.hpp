@@ -75,7 +75,8 @@ const float* dynamic_map(bool is_signed);
 // The byte the kernels store for y (|y| <= 1: a value divided by its block's maximum).
 uint8_t quantize_dynamic(float y, bool is_signed);
 // quantize_dynamic over n values with the kernel's quantiser for `isa` (tests: the AVX-512 VBMI
-// one takes finite |y| < 2 only, and throws InvalidArgument on others).
+// one takes y of (-2, 2) for the signed map and of [+0, 2) for the unsigned one, the values its
+// blocks meet, and throws InvalidArgument on others).
 void quantize_dynamic_n(const float* y, uint8_t* out, int64_t n, bool is_signed,
                         CpuIsa isa = CpuIsa::Auto);
 

@@ -289,9 +289,10 @@ uint8_t quantize_dynamic(float y, bool is_signed) {
 void quantize_dynamic_n(const float* y, uint8_t* out, int64_t n, bool is_signed, CpuIsa isa) {
 #if defined(SHARDOPT_KERNELS_X86)
   if (use_vbmi(isa)) {
-    for (int64_t i = 0; i < n; ++i) {
-      SHARDOPT_CHECK(std::isfinite(y[i]) && std::fabs(y[i]) < 2.0f, InvalidArgument,
-                     "kernels: quantize_dynamic_n: y[{}] = {} is outside (-2, 2)", i, y[i]);
+    for (int64_t i = 0; i < n; ++i) {  // the kernel's domain: its moments scaled by 1 / max
+      SHARDOPT_CHECK(std::fabs(y[i]) < 2.0f && (is_signed || !std::signbit(y[i])), InvalidArgument,
+                     "kernels: quantize_dynamic_n: y[{}] = {} is outside {}", i, y[i],
+                     is_signed ? "(-2, 2)" : "[+0, 2)");
     }
     quantize_vbmi(y, out, n, is_signed);
     return;

@@ -131,6 +131,9 @@ TEST(Adam8bitKernel, VbmiQuantiserRejectsValuesOutsideItsDomain) {
                   std::numeric_limits<float>::quiet_NaN()}) {
     EXPECT_THROW(quantize_dynamic_n(&y, out, 1, true, CpuIsa::Avx512), Error) << y;
   }
+  for (float y : {-0.0f, -0.5f}) {  // the second moment's map: v / max(v) >= +0
+    EXPECT_THROW(quantize_dynamic_n(&y, out, 1, false, CpuIsa::Avx512), Error) << y;
+  }
 }
 
 // Blocks of gradients of one magnitude each (1e-30 .. 1e3), and blocks that meet the edges:

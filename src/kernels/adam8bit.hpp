@@ -89,6 +89,10 @@ struct Adam8bitCoeffs {
 };
 Adam8bitCoeffs adam8bit_coeffs(const Adam8bitHyper& h);
 
+// Tests: whether the AVX-512 VBMI kernel runs where the CPU has it (the default); false runs the
+// arithmetic AVX-512 kernel there instead. Not for use while a step runs.
+void allow_adam8bit_vbmi(bool allowed);
+
 // Multi-threaded over blocks (results do not depend on the thread count or the ISA).
 void fused_adam8bit(const Adam8bitHyper& hyper, const Adam8bitSegment& segment,
                     CpuIsa isa = CpuIsa::Auto);

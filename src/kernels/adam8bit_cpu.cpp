@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 
 #if defined(SHARDOPT_KERNELS_X86)
@@ -267,11 +268,13 @@ bool use_avx512(CpuIsa isa) {
 #endif
 }
 
+std::atomic<bool> vbmi_allowed{true};  // allow_adam8bit_vbmi
+
 // The byte-table kernel needs AVX-512 VBMI (vpermi2b) on top (Zen 4, Ice Lake and later).
 bool use_vbmi(CpuIsa isa) {
 #if defined(SHARDOPT_KERNELS_X86)
   static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
-  return vbmi && use_avx512(isa);
+  return vbmi && vbmi_allowed.load(std::memory_order_relaxed) && use_avx512(isa);
 #else
   (void)isa;
   return false;
@@ -285,6 +288,8 @@ const float* dynamic_map(bool is_signed) { return map_consts(is_signed).values.d
 uint8_t quantize_dynamic(float y, bool is_signed) {
   return quantize_scalar(map_consts(is_signed), y, is_signed);
 }
+
+void allow_adam8bit_vbmi(bool allowed) { vbmi_allowed.store(allowed); }
 
 void quantize_dynamic_n(const float* y, uint8_t* out, int64_t n, bool is_signed, CpuIsa isa) {
 #if defined(SHARDOPT_KERNELS_X86)

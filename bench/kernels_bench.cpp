@@ -8,6 +8,7 @@
 // 8-bit AdamW (src/kernels/adam8bit.hpp) against the fp32 fused AdamW, interleaved:
 //   build/bench/kernels_bench --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
 //     --benchmark_filter='fused_adamw(8bit)?/threads:[0-9]+/isa:0(/bf16:0)?/real_time'
+// and their compute ceilings (in L2, 1 thread): --benchmark_filter='fused_adamw(8bit)?_in_l2/isa:3'
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -101,6 +102,17 @@ void BM_FusedAdamW(benchmark::State& state) {
   state.SetLabel(k::to_string(k::resolve_cpu_isa(isa)));
 }
 
+// 8-bit AdamW's state over the first `numel` parameters (allocated by the first run).
+k::Adam8bitSegment adam8bit_segment(Data& d, int64_t numel) {
+  if (!d.q1.defined()) {
+    const int64_t blocks = (g_numel + k::kQuantBlock - 1) / k::kQuantBlock;
+    d.q1 = at::zeros({g_numel}, at::kByte), d.q2 = at::zeros({g_numel}, at::kByte);
+    d.a1 = at::zeros({blocks}), d.a2 = at::zeros({blocks});
+  }
+  return {d.p.data_ptr<float>(),    d.g.data_ptr<float>(),   d.q1.data_ptr<uint8_t>(),
+          d.q2.data_ptr<uint8_t>(), d.a1.data_ptr<float>(),  d.a2.data_ptr<float>(), numel};
+}
+
 // args: threads, isa (index into kIsas). The same p and g as the fp32 kernel's.
 void BM_FusedAdamW8bit(benchmark::State& state) {
   const k::CpuIsa isa = kIsas[state.range(1)];
@@ -109,15 +121,7 @@ void BM_FusedAdamW8bit(benchmark::State& state) {
     return;
   }
   at::set_num_threads(static_cast<int>(state.range(0)));
-  Data& d = data();
-  if (!d.q1.defined()) {
-    const int64_t blocks = (g_numel + k::kQuantBlock - 1) / k::kQuantBlock;
-    d.q1 = at::zeros({g_numel}, at::kByte), d.q2 = at::zeros({g_numel}, at::kByte);
-    d.a1 = at::zeros({blocks}), d.a2 = at::zeros({blocks});
-  }
-  const k::Adam8bitSegment s{d.p.data_ptr<float>(),    d.g.data_ptr<float>(),
-                             d.q1.data_ptr<uint8_t>(), d.q2.data_ptr<uint8_t>(),
-                             d.a1.data_ptr<float>(),   d.a2.data_ptr<float>(), g_numel};
+  const k::Adam8bitSegment s = adam8bit_segment(data(), g_numel);
   int64_t step = 0;
   for (auto _ : state) {
     k::Adam8bitHyper h;
@@ -186,6 +190,26 @@ void BM_FusedAdamWInCache(benchmark::State& state) {
   state.SetLabel(k::to_string(k::resolve_cpu_isa(isa)));
 }
 
+// 8-bit AdamW's compute ceiling, as fused_adamw_in_l2 (avx512: the VBMI kernel where the CPU has
+// VBMI, Note [Fast 8-bit kernel]).
+void BM_FusedAdamW8bitInCache(benchmark::State& state) {
+  const k::CpuIsa isa = kIsas[state.range(0)];
+  if (!k::cpu_isa_supported(isa)) {
+    state.SkipWithError("this CPU lacks the instruction set");
+    return;
+  }
+  at::set_num_threads(1);
+  const k::Adam8bitSegment s = adam8bit_segment(data(), kInCacheNumel);
+  int64_t step = 0;
+  for (auto _ : state) {
+    k::Adam8bitHyper h;
+    h.lr = 1e-4, h.weight_decay = 0.01, h.step = ++step;
+    k::fused_adam8bit(h, s, isa);
+  }
+  set_counters(state, kAdam8bitBytes, kInCacheNumel);
+  state.SetLabel(k::to_string(k::resolve_cpu_isa(isa)));
+}
+
 // Wall-clock time: the work runs on at::parallel_for's threads, not the benchmark thread.
 void setup(benchmark::internal::Benchmark* b) { b->UseRealTime()->Unit(benchmark::kMillisecond); }
 
@@ -213,6 +237,11 @@ void register_benchmarks() {
     setup(benchmark::RegisterBenchmark("fused_adamw_in_l2", BM_FusedAdamWInCache)
               ->Arg(isa)
               ->ArgName("isa"));
+    if (isa != 2) {  // 8-bit AdamW has no AVX2 kernel
+      setup(benchmark::RegisterBenchmark("fused_adamw8bit_in_l2", BM_FusedAdamW8bitInCache)
+                ->Arg(isa)
+                ->ArgName("isa"));
+    }
   }
 }
 
@@ -294,6 +323,14 @@ class TableReporter : public benchmark::ConsoleReporter {
       std::printf("| %d | %.1f (%s) | %.1f (%s) | %.2fx |\n", t, 1e3 * n / fused->params,
                   fused->label.c_str(), 1e3 * n / q8->params, q8->label.c_str(),
                   q8->params / fused->params);
+    }
+    for (int isa : {1, 3}) {
+      const Entry* l2 = find("fused_adamw_in_l2/isa:" + std::to_string(isa));
+      const Entry* q8 = find("fused_adamw8bit_in_l2/isa:" + std::to_string(isa));
+      if (l2 == nullptr || q8 == nullptr) continue;
+      std::printf("| in L2 (32K, 1 thread) | %.3f us (%s) | %.3f us (%s) | %.2fx |\n",
+                  1e6 * kInCacheNumel / l2->params, l2->label.c_str(),
+                  1e6 * kInCacheNumel / q8->params, q8->label.c_str(), q8->params / l2->params);
     }
     std::printf("\nnumel %lld; %s\n", static_cast<long long>(g_numel),
                 any_median_ ? "medians over repetitions" : "single runs");

@@ -17,7 +17,8 @@ if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")  # GCC bug 105593, as for cpu_avx512.cp
                -Wno-maybe-uninitialized)
 endif()
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
-  target_sources(shardopt PRIVATE src/kernels/cpu_avx2.cpp src/kernels/cpu_avx512.cpp)
+  target_sources(shardopt PRIVATE src/kernels/cpu_avx2.cpp src/kernels/cpu_avx512.cpp
+                                  src/kernels/adam8bit_vbmi.cpp)
   target_compile_definitions(shardopt PRIVATE SHARDOPT_KERNELS_X86)
   set(_shardopt_avx2 -mavx2 -mfma -mf16c)
   set(_shardopt_avx512 -mavx512f -mavx512bw -mavx512vl)
@@ -28,6 +29,13 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   endif()
   set_source_files_properties(src/kernels/cpu_avx2.cpp PROPERTIES
     COMPILE_OPTIONS "${_shardopt_kernel_flags};${_shardopt_avx2}" SKIP_PRECOMPILE_HEADERS ON)
+  # 8-bit AdamW on AVX-512 VBMI: instruction sets by function attribute (picked at run time).
+  set_source_files_properties(src/kernels/adam8bit_vbmi.cpp PROPERTIES
+    COMPILE_OPTIONS "${_shardopt_kernel_flags}" SKIP_PRECOMPILE_HEADERS ON)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    set_property(SOURCE src/kernels/adam8bit_vbmi.cpp APPEND PROPERTY COMPILE_OPTIONS
+                 -Wno-maybe-uninitialized)
+  endif()
   set_source_files_properties(src/kernels/cpu_avx512.cpp PROPERTIES
     COMPILE_OPTIONS "${_shardopt_kernel_flags};${_shardopt_avx2};${_shardopt_avx512}"
     SKIP_PRECOMPILE_HEADERS ON)

@@ -1,5 +1,6 @@
-// 8-bit AdamW on the CPU: the dynamic maps, the scalar kernel (any CPU: the reference) and the
-// AVX-512 one (function-level target, picked at run time), and the block-parallel driver.
+// 8-bit AdamW on the CPU: the dynamic maps, the scalar kernel (any CPU: the reference), the
+// arithmetic AVX-512 one (function-level target, picked at run time where VBMI is missing; the
+// VBMI kernel is adam8bit_vbmi.cpp), and the block-parallel driver.
 // Compiled with -ffp-contract=off: both kernels perform the same float operations
 // (Note [Dynamic 8-bit map] in adam8bit.hpp).
 #include "kernels/adam8bit.hpp"
@@ -8,30 +9,18 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 
 #if defined(SHARDOPT_KERNELS_X86)
 #include <immintrin.h>
 #endif
 
+#include "kernels/adam8bit_impl.hpp"
 #include "shardopt/error.hpp"
 
 namespace shardopt::detail::kernels {
 namespace {
-
-constexpr int kDecades = 7;
-
-// Per-decade constants of one map, floats as the kernels use them.
-struct MapConsts {
-  float lower[kDecades];   // decade d starts at 10^(d-7) (d >= 1 counts thresholds passed)
-  float scale[kDecades];   // 10^(6-d)
-  float per_unit[kDecades];  // n_d / 0.9
-  float below_mid[kDecades];  // midpoint to the code below decade d's first (zero for d = 0)
-  int32_t base[kDecades];  // magnitude index of decade d's first code
-  int32_t last[kDecades];  // n_d - 1
-  float top_mid;           // midpoint between the largest code and 1.0
-  std::array<float, 256> values;
-};
 
 // A code's exact value (the quantiser's midpoints are between exact values).
 double code_value(int d, int k, int n) {
@@ -78,27 +67,13 @@ MapConsts make_map(bool is_signed) {
   return c;
 }
 
+}  // namespace
+
 const MapConsts& map_consts(bool is_signed) {
   static const MapConsts s = make_map(true), u = make_map(false);
   return is_signed ? s : u;
 }
 
-inline uint8_t quantize_scalar(const MapConsts& c, float y, bool is_signed) {
-  const float a = std::fabs(y);
-  int d = 0;
-  for (int i = 1; i < kDecades; ++i) d += a >= c.lower[i] ? 1 : 0;
-  const float t = (a * c.scale[d] - 0.1f) * c.per_unit[d];
-  const int k = std::min(std::max(static_cast<int>(std::floor(t)), 0), c.last[d]);
-  const int mag = c.base[d] + k - (a < c.below_mid[d] ? 1 : 0);
-  const bool top = a > c.top_mid;
-  if (!is_signed) return static_cast<uint8_t>(mag + (top ? 1 : 0));
-  if (y < 0) return static_cast<uint8_t>(mag > 0 ? (0x80 | mag) : 0);
-  return static_cast<uint8_t>(top ? 0x80 : mag);
-}
-
-float reciprocal(float absmax) { return absmax > 0 ? 1.0f / absmax : 0.0f; }
-
-// One block of n <= kQuantBlock elements at offset 0 of the pointers.
 void block_scalar(const Adam8bitCoeffs& c, float* p, const float* g, uint8_t* q1, uint8_t* q2,
                   float* absmax1, float* absmax2, int64_t n) {
   const MapConsts& s = map_consts(true);
@@ -123,6 +98,8 @@ void block_scalar(const Adam8bitCoeffs& c, float* p, const float* g, uint8_t* q1
   *absmax1 = max1;
   *absmax2 = max2;
 }
+
+namespace {
 
 #if defined(SHARDOPT_KERNELS_X86)
 #define SHARDOPT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd")))
@@ -291,12 +268,43 @@ bool use_avx512(CpuIsa isa) {
 #endif
 }
 
+std::atomic<bool> vbmi_allowed{true};  // allow_adam8bit_vbmi
+
+// The byte-table kernel needs AVX-512 VBMI (vpermi2b) on top (Zen 4, Ice Lake and later).
+bool use_vbmi(CpuIsa isa) {
+#if defined(SHARDOPT_KERNELS_X86)
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  return vbmi && vbmi_allowed.load(std::memory_order_relaxed) && use_avx512(isa);
+#else
+  (void)isa;
+  return false;
+#endif
+}
+
 }  // namespace
 
 const float* dynamic_map(bool is_signed) { return map_consts(is_signed).values.data(); }
 
 uint8_t quantize_dynamic(float y, bool is_signed) {
   return quantize_scalar(map_consts(is_signed), y, is_signed);
+}
+
+void allow_adam8bit_vbmi(bool allowed) { vbmi_allowed.store(allowed); }
+
+void quantize_dynamic_n(const float* y, uint8_t* out, int64_t n, bool is_signed, CpuIsa isa) {
+#if defined(SHARDOPT_KERNELS_X86)
+  if (use_vbmi(isa)) {
+    for (int64_t i = 0; i < n; ++i) {  // the kernel's domain: its moments scaled by 1 / max
+      SHARDOPT_CHECK(std::fabs(y[i]) < 2.0f && (is_signed || !std::signbit(y[i])), InvalidArgument,
+                     "kernels: quantize_dynamic_n: y[{}] = {} is outside {}", i, y[i],
+                     is_signed ? "(-2, 2)" : "[+0, 2)");
+    }
+    quantize_vbmi(y, out, n, is_signed);
+    return;
+  }
+#endif
+  (void)isa;
+  for (int64_t i = 0; i < n; ++i) out[i] = quantize_dynamic(y[i], is_signed);
 }
 
 Adam8bitCoeffs adam8bit_coeffs(const Adam8bitHyper& h) {
@@ -320,10 +328,14 @@ void fused_adam8bit(const Adam8bitHyper& hyper, const Adam8bitSegment& s, CpuIsa
                  InvalidArgument, "kernels: adam8bit: a buffer of {} elements is null", s.numel);
   const Adam8bitCoeffs c = adam8bit_coeffs(hyper);
   const int64_t blocks = (s.numel + kQuantBlock - 1) / kQuantBlock;
-  const bool vec = use_avx512(isa);
+  const bool vec = use_avx512(isa), vbmi = use_vbmi(isa);
   constexpr int64_t kGrainBlocks = 64;
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t b0, int64_t b1) {
 #if defined(SHARDOPT_KERNELS_X86)
+    if (vbmi) {
+      blocks_vbmi(c, s, b0, b1);
+      return;
+    }
     if (vec) {
       blocks_avx512(c, s, b0, b1);
       return;
@@ -335,7 +347,7 @@ void fused_adam8bit(const Adam8bitHyper& hyper, const Adam8bitSegment& s, CpuIsa
                    s.absmax2 + b, std::min(kQuantBlock, s.numel - at));
     }
   });
-  (void)vec;
+  (void)vec, (void)vbmi;
 }
 
 void adam8bit_fp32(const Adam8bitHyper& hyper, float* p, const float* g, float* m, float* v,

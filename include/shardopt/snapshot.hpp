@@ -72,7 +72,12 @@ struct RestoreReport {
   bool restored = false;  ///< whether a snapshot was restored
   int64_t number = -1;  ///< the snapshot's number (counted by snapshot() calls over the job)
   int64_t step = 0;     ///< the optimizer's step count it holds
-  int from_buddy = 0;   ///< ranks whose own host had lost their copy (sent by their buddy)
+  /// Records taken from a buddy's copy: at the same world size, ranks whose own host had lost
+  /// theirs (sent by their buddy); at another, old records served from a copy.
+  int from_buddy = 0;
+  /// The world size that saved it; another than this job's: the state was resharded (Note
+  /// [Snapshots at another world size]). 0 when there was no snapshot.
+  int saved_world = 0;
   double seconds = 0;   ///< the whole restore, on this rank
   /// Why nothing was restored: "no snapshot", "saved by a world of 4 ranks, this job has 2", ...
   std::string reason;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstring>
 #include <chrono>
 #include <exception>
@@ -84,6 +85,31 @@ Marker newest_marker(const fs::path& dir) {
   return newest;
 }
 
+// After this world's first commit, the files of ranks an older world had and this one has not
+// (rank<q>.*, copy-of-rank<q>.* for q >= world; every copy when there are no buddies) hold
+// nothing a restore will read (the newest commit is this world's): tmpfs gives their memory back.
+// Other names are left alone. Ranks sharing the directory may race here: a missing file is fine.
+void sweep_stale(const fs::path& dir, int world, bool buddies) {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool copy = name.rfind("copy-of-rank", 0) == 0;
+    const size_t digits = copy ? 12 : name.rfind("rank", 0) == 0 ? 4 : std::string::npos;
+    if (digits == std::string::npos) continue;
+    size_t end_digits = digits;
+    while (end_digits < name.size() && std::isdigit(static_cast<unsigned char>(name[end_digits]))) {
+      ++end_digits;
+    }
+    const std::string rest = name.substr(end_digits);
+    const bool ours = rest == ".slot0" || rest == ".slot1" || (!copy && rest == ".commit");
+    if (end_digits == digits || end_digits - digits > 9 || !ours) continue;
+    const int q = std::stoi(name.substr(digits, end_digits - digits));
+    if (q >= world || (copy && !buddies)) stale.push_back(it->path());
+  }
+  for (const fs::path& p : stale) fs::remove(p, ec);
+}
+
 void write_marker(const fs::path& path, int64_t number, int world, int64_t steps) {
   const fs::path tmp = path.string() + ".tmp";
   {
@@ -109,6 +135,7 @@ struct MemorySnapshots::State {
   int64_t next_number = 0;
   std::thread thread;
   std::exception_ptr failure;
+  bool swept = false;  // the files of ranks of an older, larger world removed (background)
   mutable std::mutex mutex;  // guards timing
   SnapshotTiming timing;
   json layout;  // the saving layout every record carries (detail::snapshot_layout)
@@ -195,6 +222,8 @@ void MemorySnapshots::State::background(int64_t number, std::string tail, int64_
   }
   // Every rank has both copies: the job's commit (Note [Snapshots in memory]).
   agree_on_errors(*world, what + ": committing", [&] { write_marker(marker(), number, size, steps); });
+  if (!swept) sweep_stale(dir, size, buddy >= 0);
+  swept = true;
 }
 
 MemorySnapshots::MemorySnapshots(DistributedOptimizer& optimizer, const CommunicatorPtr& world,
@@ -387,6 +416,7 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
     number = field(q, 0);
     saved_by = field(q, 1);
   }
+  if (number >= 0) r.saved_world = static_cast<int>(saved_by);
   // Another world: its records are resharded (Note [Snapshots at another world size]).
   if (number >= 0 && saved_by != s.size) {
     auto t = detail::restore_resharded(s.a, *s.world, s.dir, number, static_cast<int>(saved_by), &r);
@@ -458,6 +488,7 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
   }
   s.next_number = std::max(s.next_number, number + 1);
   r.restored = true;
+  r.saved_world = s.size;
   r.number = number;
   r.step = staged.steps;
   r.seconds = seconds_since(t0);

@@ -75,6 +75,7 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
   const int sections = 1 + a.state_buffer_count();
   const int params = static_cast<int>(a.layout().slots.size());
   RestoreReport r;
+  r.saved_world = old_world;
   auto refuse = [&](const std::string& why) -> std::optional<TrainerState> {
     r.reason = fmt::format("snapshot {} was saved by a world of {} ranks, this job has {}, and {}",
                            number, old_world, size, why);

@@ -142,6 +142,7 @@ DIST_TEST(SnapshotReshard, ContinuesAtAnotherWorldSize) {
           EXPECT_EQ(report.number, kSaveAt - 1);
           EXPECT_EQ(report.step, kSaveAt);
           EXPECT_EQ(report.from_buddy, c.from_copies);
+          EXPECT_EQ(report.saved_world, c.n);
           EXPECT_EQ(again.opt->last_step().step, kSaveAt);
           // Old rank 0's JSON everywhere; old rank r's tensors on rank r, as from disk.
           EXPECT_EQ(t->json, trainer_of(0, kSaveAt).json);
@@ -164,6 +165,14 @@ DIST_TEST(SnapshotReshard, ContinuesAtAnotherWorldSize) {
           // A snapshot after the restore commits at M and is restored at M.
           snaps.snapshot(trainer_of(r, kEnd));
           snaps.wait();
+          // Its commit gave back the memory of the old world's ranks that this one has not.
+          for (const auto& e : fs::directory_iterator(base + "/" + c.dirs[static_cast<size_t>(r)])) {
+            const std::string name = e.path().filename().string();
+            for (int q = c.m; q < c.n; ++q) {
+              EXPECT_NE(name.rfind(fmt::format("rank{}.", q), 0), 0u) << name;
+              EXPECT_NE(name.rfind(fmt::format("copy-of-rank{}.", q), 0), 0u) << name;
+            }
+          }
           Run later(comm, stage, rule);
           MemorySnapshots again_snaps(*later.opt, comm,
                                       {base + "/" + c.dirs[static_cast<size_t>(r)], c.m_per_host});
@@ -171,6 +180,7 @@ DIST_TEST(SnapshotReshard, ContinuesAtAnotherWorldSize) {
           ASSERT_TRUE(again_snaps.restore(&second).has_value()) << second.reason;
           EXPECT_EQ(second.number, kSaveAt);
           EXPECT_EQ(second.step, kEnd);
+          EXPECT_EQ(second.saved_world, c.m);
         };
         if (comm) restart_at_m();
         test::world()->barrier();

@@ -40,35 +40,37 @@
 /// Note [Snapshots at another world size]
 /// A host that is lost and not replaced leaves a job of fewer ranks (N = 4 over 2 hosts restarts
 /// at M = 2 on host 0, whose tmpfs holds ranks 0 and 1's records and the copies of ranks 2 and 3);
-/// a new host makes more (M > N; its ranks hold nothing). restore() reshards as a checkpoint on
-/// disk does, with the same index maths: every record carries the saving layout (each bucket's
-/// shard and shard offset, each parameter's pieces: detail::snapshot_layout), so saved_pieces()
-/// and plan_copies() (shardopt/detail/shard_plan.hpp) map old rank q's slices onto each new rank's
-/// owned elements, and load_checkpoint's staging and commit install them. Only the source differs:
-/// where load_checkpoint reads the byte ranges of old rank q's file that overlap the new shard,
-/// here the rank that holds q's record (its own slot file or a buddy's copy, seen in any rank's
-/// directory, marker files of any rank counting for the newest commit) sends those ranges:
+/// a new host makes more (M > N; its ranks hold nothing); a job of the same size may find records
+/// on other hosts than their ranks' and buddies' (N = 4 again, all on host 0, no buddies: ranks 2
+/// and 3's records are copies there). restore() then reshards as a checkpoint on disk does, with
+/// the same index maths: every record carries the saving layout (each bucket's shard and shard
+/// offset, each parameter's pieces: detail::snapshot_layout), so saved_pieces() and plan_copies()
+/// (shardopt/detail/shard_plan.hpp) map old rank q's slices onto each new rank's owned elements,
+/// and load_checkpoint's staging and commit install them. Only the source differs: where
+/// load_checkpoint reads the byte ranges of old rank q's file that overlap the new shard, here
+/// the rank that holds q's record (its own slot file or a buddy's copy, in any rank's directory;
+/// every rank's commit marker there counts for the newest commit) sends those ranges:
 ///   1. each rank reports which old records its directory holds of the newest committed snapshot;
 ///      each record gets one server (a rank holding the record itself before one holding a copy,
 ///      then the least loaded); a record held nowhere: nullopt with the reason ("old rank 3's
 ///      record of it is on no host ...") and the caller loads its checkpoint on disk;
 ///   2. each server verifies every record it serves (both CRC-32Cs, the fingerprint's model,
-///      stage, dtype, rule and groups; the layout) before anything is sent; old rank 0's record
-///      (step, rules, loss scaler, trainer JSON, layout) is broadcast;
+///      stage, dtype, state buffers and groups; the layout) before anything is sent; old rank 0's
+///      record (step, rules, loss scaler, trainer JSON, layout) is broadcast;
 ///   3. every rank computes the same plan, so that no request is sent: each server packs, per new
 ///      rank, the slices of the parameters and of every state buffer it owes (batch_isend_irecv);
 ///   4. every rank stages what it received and agrees; only then does any optimizer change.
-/// The trainer state is a checkpoint's at another world size: old rank 0's JSON on every rank
-/// (trainers write the same JSON on every rank), old rank r's tensors on new rank r, none on new
-/// ranks past the old world (their generators start as they are). The data position is the
-/// trainer's: the BERT example counts it in rows (RunState::rows_per_position) and continues at
-/// the same row, as it does from a checkpoint on disk. The run continues within rounding of the
-/// run at M that was never interrupted, and bitwise as the one resumed from a disk checkpoint of
-/// the same step. Not resharded (nullopt with the reason, the disk checkpoint does it): hybrid
-/// sharding and model-parallel grids (the layout is sharded over a group, not the world), and
-/// records written before records carried their layout (Error{Checkpoint} naming the slot).
-/// After the new world's first commit each rank removes from its directory the files of old
-/// ranks q >= M (and every copy when there are no buddies): tmpfs gives their memory back.
+/// The trainer state is what load_checkpoint gives at another world size: old rank 0's JSON on
+/// every rank (trainers write the same JSON on every rank), old rank r's tensors on new rank r,
+/// none on new ranks past the old world (their generators stay as they are). The data position is
+/// the trainer's: the BERT example counts it in rows (RunState::rows_per_position) and continues
+/// at the same row, as from a checkpoint on disk. The run continues within rounding of the run at
+/// M that was never interrupted, and bitwise as the one resumed from a disk checkpoint of the same
+/// step. Not resharded (nullopt with the reason; the disk checkpoint does it): hybrid sharding and
+/// model-parallel grids (the layout is sharded over a group, not the world); a record written
+/// before records carried their layout is Error{Checkpoint} naming the slot. After the new
+/// world's first commit each rank removes from its directory the files of old ranks q >= M (and
+/// every copy when there are no buddies): tmpfs gives their memory back.
 #pragma once
 
 #include <cstdint>

@@ -417,16 +417,9 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
     saved_by = field(q, 1);
   }
   if (number >= 0) r.saved_world = static_cast<int>(saved_by);
-  // Another world: its records are resharded (Note [Snapshots at another world size]).
-  if (number >= 0 && saved_by != s.size) {
-    auto t = detail::restore_resharded(s.a, *s.world, s.dir, number, static_cast<int>(saved_by), &r);
-    if (t) s.next_number = std::max(s.next_number, number + 1);
-    r.seconds = seconds_since(t0);
-    if (report != nullptr) *report = r;
-    return t;
-  }
   std::vector<int> source(static_cast<size_t>(s.size), -1);
-  if (number >= 0 && r.reason.empty()) {
+  bool elsewhere = false;  // a record neither on its rank's host nor on its buddy's
+  if (number >= 0 && saved_by == s.size) {
     const int k = static_cast<int>(number % 2);
     for (int q = 0; q < s.size; ++q) {
       const int buddy = s.buddy >= 0 ? (q + s.per_host) % s.size : -1;
@@ -435,11 +428,20 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
       } else if (buddy >= 0 && field(buddy, 4 + k) == number) {
         source[static_cast<size_t>(q)] = buddy;
         ++r.from_buddy;
-      } else if (r.reason.empty()) {
-        r.reason = fmt::format("rank {}'s copies of snapshot {} are gone (its host and its "
-                               "buddy's)", q, number);
+      } else {
+        elsewhere = true;
       }
     }
+  }
+  // Another world, or ranks placed on other hosts than their records: the records are served by
+  // whoever holds them, resharded (Note [Snapshots at another world size]).
+  if (number >= 0 && (saved_by != s.size || elsewhere)) {
+    r.from_buddy = 0;
+    auto t = detail::restore_resharded(s.a, *s.world, s.dir, number, static_cast<int>(saved_by), &r);
+    if (t) s.next_number = std::max(s.next_number, number + 1);
+    r.seconds = seconds_since(t0);
+    if (report != nullptr) *report = r;
+    return t;
   }
   if (number < 0) r.reason = fmt::format("no snapshot in {}", s.dir.string());
   if (!r.reason.empty()) {

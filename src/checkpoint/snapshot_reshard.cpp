@@ -77,8 +77,11 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
   RestoreReport r;
   r.saved_world = old_world;
   auto refuse = [&](const std::string& why) -> std::optional<TrainerState> {
-    r.reason = fmt::format("snapshot {} was saved by a world of {} ranks, this job has {}, and {}",
-                           number, old_world, size, why);
+    r.reason = old_world == size
+                   ? fmt::format("snapshot {} was saved by a world of {} ranks, as this job's, "
+                                 "and {}", number, old_world, why)
+                   : fmt::format("snapshot {} was saved by a world of {} ranks, this job has {}, "
+                                 "and {}", number, old_world, size, why);
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (report != nullptr) *report = r;
     return std::nullopt;

@@ -1,7 +1,8 @@
 // In-memory snapshots restored at another world size (Note [Snapshots at another world size] in
 // shardopt/snapshot.hpp): saved at N ranks over emulated hosts (a directory each), restored at M
 // after a host is lost or a new one joins (4 -> 2, 2 -> 4, 4 -> 3, 3 -> 2, 2 -> 1, 1 -> 2 where
-// the world has the ranks), stages 0-3, AdamW and SGD. The continued run equals bitwise the run
+// the world has the ranks; and 4 -> 4 with every rank on the surviving host), stages 0-3, AdamW
+// and SGD. The continued run equals bitwise the run
 // that resumed from a checkpoint on disk saved at the same step (the same resharding), and is
 // within 1e-4 of the run at M that was never interrupted. A record lost on every host is refused
 // with the reason (nullopt); a corrupt one fails by name on every rank, no optimizer changed.
@@ -79,11 +80,13 @@ std::vector<Case> cases() {
           {4, 2, 3, 3, 1, {"host-0", "host-0", "host-0"}, 2},
           {3, 1, 2, 1, 2, {"host-0", "host-1"}, 1},
           {2, 1, 1, 1, 1, {"host-0"}, 1},
-          {1, 1, 2, 1, -1, {"host-0", "host-1"}, 0}};
+          {1, 1, 2, 1, -1, {"host-0", "host-1"}, 0},
+          // The same size, every rank on the surviving host: records found where they are.
+          {4, 2, 4, 4, 1, {"host-0", "host-0", "host-0", "host-0"}, 2}};
 }
 
 std::string describe(const Case& c) {
-  return fmt::format("N={} ({} a host) -> M={}{}", c.n, c.n_per_host, c.m,
+  return fmt::format("N={} ({} a host) -> M={} ({} a host){}", c.n, c.n_per_host, c.m, c.m_per_host,
                      c.lost >= 0 ? fmt::format(", host {} lost", c.lost) : "");
 }
 

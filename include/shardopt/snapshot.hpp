@@ -64,11 +64,13 @@
 /// every rank (trainers write the same JSON on every rank), old rank r's tensors on new rank r,
 /// none on new ranks past the old world (their generators stay as they are). The data position is
 /// the trainer's: the BERT example counts it in rows (RunState::rows_per_position) and continues
-/// at the same row, as from a checkpoint on disk. The run continues within rounding of the run at
-/// M that was never interrupted, and bitwise as the one resumed from a disk checkpoint of the same
-/// step. Not resharded (nullopt with the reason; the disk checkpoint does it): hybrid sharding and
-/// model-parallel grids (the layout is sharded over a group, not the world); a record written
-/// before records carried their layout is Error{Checkpoint} naming the slot. After the new
+/// at the same row, as from a checkpoint on disk. The run continues bitwise as the one resumed
+/// from a disk checkpoint of the same step, and within rounding of the run at M never interrupted
+/// when each rank's loss weighs its rows alike (a per-rank mean over masked tokens, as BERT's, is
+/// another objective at another partition: about 3e-4 apart in tests/fault). Not resharded
+/// (nullopt with the reason; the disk checkpoint does it): hybrid sharding and model-parallel
+/// grids (the layout is sharded over a group, not the world); a record written before records
+/// carried their layout is Error{Checkpoint} naming the slot. After the new
 /// world's first commit each rank removes from its directory the files of old ranks q >= M (and
 /// every copy when there are no buddies): tmpfs gives their memory back.
 #pragma once

@@ -437,7 +437,8 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
   // whoever holds them, resharded (Note [Snapshots at another world size]).
   if (number >= 0 && (saved_by != s.size || elsewhere)) {
     r.from_buddy = 0;
-    auto t = detail::restore_resharded(s.a, *s.world, s.dir, number, static_cast<int>(saved_by), &r);
+    auto t = detail::restore_resharded(s.a, *s.world, s.dir, number, static_cast<int>(saved_by),
+                                       &r);
     if (t) s.next_number = std::max(s.next_number, number + 1);
     r.seconds = seconds_since(t0);
     if (report != nullptr) *report = r;

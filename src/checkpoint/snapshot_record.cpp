@@ -22,17 +22,18 @@ json snapshot_fingerprint(ShardAccess& a, int world, int rank) {
     mix(name.data(), name.size() + 1);
     for (int64_t d : a.param_shape(static_cast<int>(i))) mix(&d, sizeof d);
   }
-  return {{"world", world},
-          {"rank", rank},
-          {"stage", static_cast<int>(a.zero_options().stage)},
-          {"dtype", dtype_name(a.master_dtype())},
-          {"shard_numel", a.layout().shard_numel},
-          {"buckets", a.layout().buckets.size()},
-          {"state_buffers", a.state_buffer_count()},
-          {"groups", a.group_count()},
-          {"shard_ranks", a.comm()->size()},
-          {"replica", a.replica()},
-          {"parameters", fmt::format("{} of names and shapes {:016x}", a.layout().slots.size(), h)}};
+  return {
+      {"world", world},
+      {"rank", rank},
+      {"stage", static_cast<int>(a.zero_options().stage)},
+      {"dtype", dtype_name(a.master_dtype())},
+      {"shard_numel", a.layout().shard_numel},
+      {"buckets", a.layout().buckets.size()},
+      {"state_buffers", a.state_buffer_count()},
+      {"groups", a.group_count()},
+      {"shard_ranks", a.comm()->size()},
+      {"replica", a.replica()},
+      {"parameters", fmt::format("{} of names and shapes {:016x}", a.layout().slots.size(), h)}};
 }
 
 bool fingerprint_key_follows_world(const std::string& key) {
@@ -66,10 +67,10 @@ FlatLayout layout_from_snapshot(const json& j, int params, const std::string& wh
       BucketLayout bl;
       bl.shard = b.at(0).get<int64_t>();
       bl.shard_offset = b.at(1).get<int64_t>();
-      SHARDOPT_CHECK(bl.shard >= 0 && bl.shard_offset >= 0 &&
-                         bl.shard_offset <= l.shard_numel - bl.shard,
-                     Checkpoint, "snapshot: {}: bucket {} lies outside the shard of {} elements",
-                     where, l.buckets.size(), l.shard_numel);
+      SHARDOPT_CHECK(
+          bl.shard >= 0 && bl.shard_offset >= 0 && bl.shard_offset <= l.shard_numel - bl.shard,
+          Checkpoint, "snapshot: {}: bucket {} lies outside the shard of {} elements", where,
+          l.buckets.size(), l.shard_numel);
       l.buckets.push_back(bl);
     }
     l.slots.resize(static_cast<size_t>(params));
@@ -89,9 +90,9 @@ FlatLayout layout_from_snapshot(const json& j, int params, const std::string& wh
       // Pieces are grouped by parameter, in parameter order.
       ParamSlot& slot = l.slots[static_cast<size_t>(pc.param)];
       if (slot.piece_count == 0) {
-        SHARDOPT_CHECK(l.pieces.empty() || l.pieces.back().param < pc.param,
-                       Checkpoint, "snapshot: {}: the pieces of parameter {} are not together",
-                       where, pc.param);
+        SHARDOPT_CHECK(l.pieces.empty() || l.pieces.back().param < pc.param, Checkpoint,
+                       "snapshot: {}: the pieces of parameter {} are not together", where,
+                       pc.param);
         slot.first_piece = static_cast<int>(l.pieces.size());
         slot.bucket = pc.bucket;
         slot.offset = pc.offset;
@@ -145,10 +146,9 @@ StagedSnapshot parse_snapshot_record(ShardAccess& a, const SnapshotRecord& r,
                    "snapshot: {} has {} parameter groups, this optimizer {}", where,
                    out.rules.size(), a.group_count());
     if (const auto& ls = record.at("loss_scaler"); !ls.is_null()) {
-      out.scaler = LossScaler::State{ls.at("scale").get<double>(),
-                                     ls.at("good_steps").get<int64_t>(),
-                                     ls.at("hysteresis_left").get<int>(),
-                                     ls.at("overflows").get<int64_t>()};
+      out.scaler =
+          LossScaler::State{ls.at("scale").get<double>(), ls.at("good_steps").get<int64_t>(),
+                            ls.at("hysteresis_left").get<int>(), ls.at("overflows").get<int64_t>()};
     }
     out.trainer.json = record.at("trainer_json").get<std::string>();
     if (!with_tensors) return out;
@@ -160,11 +160,10 @@ StagedSnapshot parse_snapshot_record(ShardAccess& a, const SnapshotRecord& r,
       const auto dtype = dtype_from_name(t.at("dtype").get<std::string>(), where);
       const int64_t offset = t.at("offset").get<int64_t>(), bytes = t.at("bytes").get<int64_t>();
       const int64_t numel = checked_numel(shape, where + " tensor " + key);
-      SHARDOPT_CHECK(offset >= 0 &&
-                         bytes == numel * static_cast<int64_t>(c10::elementSize(dtype)) &&
-                         bytes <= data_bytes - offset,
-                     Checkpoint, "snapshot: {}: trainer tensor {} lies outside the record", where,
-                     key);
+      SHARDOPT_CHECK(
+          offset >= 0 && bytes == numel * static_cast<int64_t>(c10::elementSize(dtype)) &&
+              bytes <= data_bytes - offset,
+          Checkpoint, "snapshot: {}: trainer tensor {} lies outside the record", where, key);
       at::Tensor value = at::empty(shape, at::TensorOptions().dtype(dtype));
       std::memcpy(value.data_ptr(), r.tail.data() + p.json_bytes + offset,
                   static_cast<size_t>(bytes));

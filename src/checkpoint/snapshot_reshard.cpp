@@ -52,7 +52,8 @@ struct Served {
 
 // Sends or receives `t` (contiguous) in chunks an int count can carry.
 void add_chunks(std::vector<P2pOp>& ops, const at::Tensor& t, int peer, bool send) {
-  const at::Tensor bytes = at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, at::kByte);
+  const at::Tensor bytes =
+      at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, at::kByte);
   for (int64_t at = 0; at < bytes.numel(); at += kChunkBytes) {
     const at::Tensor chunk = bytes.narrow(0, at, std::min(kChunkBytes, bytes.numel() - at));
     ops.push_back(send ? P2pOp::send(chunk, peer) : P2pOp::recv(chunk, peer));
@@ -68,8 +69,8 @@ int64_t elements(const std::vector<CopyOp>& ops) {
 }  // namespace
 
 std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& world,
-                                              const fs::path& dir, int64_t number,
-                                              int old_world, RestoreReport* report) {
+                                              const fs::path& dir, int64_t number, int old_world,
+                                              RestoreReport* report) {
   const auto t0 = std::chrono::steady_clock::now();
   const int me = world.rank(), size = world.size();
   const int sections = 1 + a.state_buffer_count();
@@ -78,23 +79,32 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
   r.saved_world = old_world;
   auto refuse = [&](const std::string& why) -> std::optional<TrainerState> {
     r.reason = old_world == size
-                   ? fmt::format("snapshot {} was saved by a world of {} ranks, as this job's, "
-                                 "and {}", number, old_world, why)
-                   : fmt::format("snapshot {} was saved by a world of {} ranks, this job has {}, "
-                                 "and {}", number, old_world, size, why);
+                   ? fmt::format(
+                         "snapshot {} was saved by a world of {} ranks, as this job's, "
+                         "and {}",
+                         number, old_world, why)
+                   : fmt::format(
+                         "snapshot {} was saved by a world of {} ranks, this job has {}, "
+                         "and {}",
+                         number, old_world, size, why);
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (report != nullptr) *report = r;
     return std::nullopt;
   };
+  if (old_world < 1 || old_world > (1 << 24)) {  // read from a marker file
+    return refuse("its commit marker is unreadable");
+  }
   // 0. The saved pieces map onto shard ranks: only a layout sharded over the whole world (no
   // hybrid sharding, no model-parallel grid) reshards here.
-  at::Tensor flat = at::tensor({static_cast<int64_t>(a.replicas() == 1 && a.comm()->size() == size &&
-                                                     a.comm()->rank() == me)},
-                               at::kLong);
+  at::Tensor flat =
+      at::tensor({static_cast<int64_t>(a.replicas() == 1 && a.comm()->size() == size &&
+                                       a.comm()->rank() == me)},
+                 at::kLong);
   world.all_reduce(flat, ReduceOp::Min);
   if (flat.item<int64_t>() == 0) {
-    return refuse("only an optimizer sharded over the whole world reshards a snapshot (no hybrid "
-                  "sharding, no model-parallel grid): restore from a checkpoint on disk");
+    return refuse(
+        "only an optimizer sharded over the whole world reshards a snapshot (no hybrid "
+        "sharding, no model-parallel grid): restore from a checkpoint on disk");
   }
   // 1. What each rank's directory holds of every old rank's record.
   at::Tensor mine = at::empty({old_world}, at::kLong);
@@ -111,22 +121,26 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       const int64_t h = held[int64_t{p} * old_world + q];
       if (h == kNone) continue;
       const int64_t hb = best < 0 ? kNone : held[int64_t{best} * old_world + q];
-      if (best < 0 || h > hb || (h == hb && load[static_cast<size_t>(p)] < load[static_cast<size_t>(best)])) best = p;
+      const bool lighter =
+          load[static_cast<size_t>(p)] < load[static_cast<size_t>(best < 0 ? 0 : best)];
+      if (best < 0 || h > hb || (h == hb && lighter)) best = p;
     }
     if (best < 0) {
-      return refuse(fmt::format("old rank {}'s record of it is on no host of this job (its own "
-                                "host's memory and its buddy's are both gone)",
-                                q));
+      return refuse(
+          fmt::format("old rank {}'s record of it is on no host of this job (its own "
+                      "host's memory and its buddy's are both gone)",
+                      q));
     }
     server[static_cast<size_t>(q)] = best;
     ++load[static_cast<size_t>(best)];
     if (held[int64_t{best} * old_world + q] == kCopy) ++r.from_buddy;
   }
-  const std::string what = fmt::format("restoring snapshot {} of {} ranks at {} ranks", number,
-                                       old_world, size);
+  const std::string what =
+      fmt::format("restoring snapshot {} of {} ranks at {} ranks", number, old_world, size);
   at::NoGradGuard no_grad;
   // 3. Every server verifies the records it serves before anything is sent.
   std::map<int, Served> served;
+  bool grouped = false;  // a record of a layout sharded over groups (hybrid sharding, a grid)
   agree_on_errors(world, what + ": verifying the records this rank serves", [&] {
     const json now = snapshot_fingerprint(a, size, me);
     for (int q = 0; q < old_world; ++q) {
@@ -137,6 +151,10 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       const std::string where = s.slot->path();
       s.record = open_snapshot_record(*s.slot, number);
       const json& fp = s.record.j.at("fingerprint");
+      if (fp.value("shard_ranks", -1) != fp.value("world", -2) || fp.value("replica", -1) != 0) {
+        grouped = true;
+        continue;
+      }
       for (const auto& [key, value] : now.items()) {
         if (fingerprint_key_follows_world(key)) continue;
         const json saved = fp.value(key, json());
@@ -161,28 +179,37 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       SHARDOPT_CHECK(lj.value("shard_rank", -1) == q, Checkpoint,
                      "snapshot: {}: its layout is shard rank {}'s, not {}'s", where,
                      lj.value("shard_rank", -1), q);
-      SHARDOPT_CHECK(s.record.prefix.payload_bytes ==
-                         sections * old.shard_numel *
-                             static_cast<int64_t>(c10::elementSize(a.master_dtype())),
-                     Checkpoint, "snapshot: {} holds {} bytes of state, its layout says {} x {}",
-                     where, s.record.prefix.payload_bytes, sections, old.shard_numel);
+      SHARDOPT_CHECK(
+          s.record.prefix.payload_bytes ==
+              sections * old.shard_numel * static_cast<int64_t>(c10::elementSize(a.master_dtype())),
+          Checkpoint, "snapshot: {} holds {} bytes of state, its layout says {} x {}", where,
+          s.record.prefix.payload_bytes, sections, old.shard_numel);
       s.payload = at::from_blob(s.slot->payload(), {sections, old.shard_numel},
                                 at::TensorOptions().dtype(a.master_dtype()));
       served.emplace(q, std::move(s));
     }
   });
+  at::Tensor any_grouped = at::tensor({static_cast<int64_t>(grouped)}, at::kLong);
+  world.all_reduce(any_grouped, ReduceOp::Max);
+  if (any_grouped.item<int64_t>() != 0) {
+    return refuse(
+        "its layout was sharded over groups of ranks (hybrid sharding or a "
+        "model-parallel grid), which resharding from memory does not map: restore from "
+        "a checkpoint on disk");
+  }
   // 4. Old rank 0's record (the steps, rules, loss scaler, the trainer's JSON and the layout) to
   // every rank.
   const int root = server[0];
-  at::Tensor length = at::tensor({root == me ? served.at(0).record.prefix.json_bytes : int64_t{0}},
-                                 at::kLong);
+  at::Tensor length =
+      at::tensor({root == me ? served.at(0).record.prefix.json_bytes : int64_t{0}}, at::kLong);
   world.broadcast(length, root);
   at::Tensor text = at::empty({length.item<int64_t>()}, at::kByte);
   if (root == me) std::memcpy(text.data_ptr(), served.at(0).record.tail.data(), text.numel());
   world.broadcast(text, root);
   // 5. The plan, the same on every rank: which old rank's elements fill which of each rank's.
   StagedSnapshot staged;
-  std::vector<std::vector<CopyOp>> receive(static_cast<size_t>(size)), send(static_cast<size_t>(size));
+  std::vector<std::vector<CopyOp>> receive(static_cast<size_t>(size)),
+      send(static_cast<size_t>(size));
   Staging staging;
   agree_on_errors(world, what + ": planning", [&] {
     const std::string where = fmt::format("old rank 0's record of snapshot {}", number);
@@ -221,7 +248,8 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       }
       for (int to = 0; to < size; ++to) {
         for (const CopyOp& op : plan_copies(a.layout(), to, i, saved)) {
-          if (server[static_cast<size_t>(op.src_rank)] == me) send[static_cast<size_t>(to)].push_back(op);
+          if (server[static_cast<size_t>(op.src_rank)] == me)
+            send[static_cast<size_t>(to)].push_back(op);
         }
       }
     }
@@ -254,7 +282,8 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       at::Tensor buf = at::empty({sections, elements(list)}, dtype);
       int64_t at = 0;
       for (const CopyOp& op : list) {
-        buf.narrow(1, at, op.numel).copy_(served.at(op.src_rank).payload.narrow(1, op.src, op.numel));
+        buf.narrow(1, at, op.numel)
+            .copy_(served.at(op.src_rank).payload.narrow(1, op.src, op.numel));
         at += op.numel;
       }
       packed[static_cast<size_t>(to)] = buf;
@@ -282,7 +311,9 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
     auto place = [&](const CopyOp& op, const at::Tensor& from, int64_t at) {
       staging.param.narrow(0, op.dst, op.numel).copy_(from[0].narrow(0, at, op.numel));
       for (int k = 1; k < sections; ++k) {
-        staging.state[static_cast<size_t>(k - 1)].narrow(0, op.dst, op.numel).copy_(from[k].narrow(0, at, op.numel));
+        staging.state[static_cast<size_t>(k - 1)]
+            .narrow(0, op.dst, op.numel)
+            .copy_(from[k].narrow(0, at, op.numel));
       }
     };
     for (int from = 0; from < size; ++from) {
@@ -321,7 +352,8 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
   });
   commit(a, staging);
   a.set_step_count(staged.steps);
-  for (int g = 0; g < a.group_count(); ++g) a.set_group_rule(g, staged.rules[static_cast<size_t>(g)]);
+  for (int g = 0; g < a.group_count(); ++g)
+    a.set_group_rule(g, staged.rules[static_cast<size_t>(g)]);
   if (staged.scaler) a.set_loss_scaler_state(*staged.scaler);
   a.after_load();
   r.restored = true;

@@ -33,9 +33,11 @@ struct Run {
   test::TinyNet net;
   CommunicatorPtr comm;
   std::unique_ptr<DistributedOptimizer> opt;
-  Run(const CommunicatorPtr& c, int stage, const std::string& rule, bool wider = false)
+  Run(const CommunicatorPtr& c, int stage, const std::string& rule, bool wider = false,
+      int shard_group = 0)
       : net(wider), comm(c) {
     ZeroOptions zo;
+    zo.shard_group_size = shard_group;
     zo.stage = stage_from_int(stage);
     zo.units = net.units;
     zo.bucket_bytes = 4 * 24;  // parameters split across buckets and ranks
@@ -96,8 +98,9 @@ void save_at_n(const Case& c, const std::string& base, int stage, const std::str
   auto comm = test::first_ranks(c.n);
   if (comm) {
     Run run(comm, stage, rule);
-    MemorySnapshots snaps(*run.opt, comm,
-                          {fmt::format("{}/host-{}", base, comm->rank() / c.n_per_host), c.n_per_host});
+    MemorySnapshots snaps(
+        *run.opt, comm,
+        {fmt::format("{}/host-{}", base, comm->rank() / c.n_per_host), c.n_per_host});
     for (int64_t s = 0; s < kSaveAt; ++s) {
       run.steps(s, s + 1);
       snaps.snapshot(trainer_of(comm->rank(), s + 1));
@@ -107,7 +110,8 @@ void save_at_n(const Case& c, const std::string& base, int stage, const std::str
     run.steps(kSaveAt, kSaveAt + 1);
   }
   test::world()->barrier();
-  if (test::world()->rank() == 0 && c.lost >= 0) fs::remove_all(fmt::format("{}/host-{}", base, c.lost));
+  if (test::world()->rank() == 0 && c.lost >= 0)
+    fs::remove_all(fmt::format("{}/host-{}", base, c.lost));
   test::world()->barrier();
 }
 
@@ -158,7 +162,8 @@ DIST_TEST(SnapshotReshard, ContinuesAtAnotherWorldSize) {
           again.steps(kSaveAt, kEnd);
           const auto resumed = again.params();
           for (const auto& [name, value] : from_disk) {
-            EXPECT_TRUE(at::equal(resumed.at(name), value)) << name << " differs from the disk resume";
+            EXPECT_TRUE(at::equal(resumed.at(name), value))
+                << name << " differs from the disk resume";
             ok = ok && at::equal(resumed.at(name), value);
           }
           std::string worst;
@@ -169,7 +174,8 @@ DIST_TEST(SnapshotReshard, ContinuesAtAnotherWorldSize) {
           snaps.snapshot(trainer_of(r, kEnd));
           snaps.wait();
           // Its commit gave back the memory of the old world's ranks that this one has not.
-          for (const auto& e : fs::directory_iterator(base + "/" + c.dirs[static_cast<size_t>(r)])) {
+          for (const auto& e :
+               fs::directory_iterator(base + "/" + c.dirs[static_cast<size_t>(r)])) {
             const std::string name = e.path().filename().string();
             for (int q = c.m; q < c.n; ++q) {
               EXPECT_NE(name.rfind(fmt::format("rank{}.", q), 0), 0u) << name;
@@ -220,7 +226,8 @@ DIST_TEST(SnapshotReshard, RefusesLostCorruptAndForeignRecords) {
   // A flipped byte in old rank 0's record (the copy on host 1 is not asked for: the record on
   // host 0 is its own): the checksum fails on every rank, nothing restored.
   if (test::world()->rank() == 0) {
-    std::fstream f(fmt::format("{}/rank0.slot{}", host0, k), std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(fmt::format("{}/rank0.slot{}", host0, k),
+                   std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(64 + 5);
     f.put('\x7f');
   }
@@ -232,7 +239,8 @@ DIST_TEST(SnapshotReshard, RefusesLostCorruptAndForeignRecords) {
     test::expect_error([&] { snaps.restore(); }, ErrorKind::Checkpoint,
                        {fmt::format("rank0.slot{}", k), "CRC-32C"});
     EXPECT_EQ(run->opt->last_step().step, 0);
-    for (const auto& [name, value] : run->params()) EXPECT_TRUE(at::equal(value, before.at(name))) << name;
+    for (const auto& [name, value] : run->params())
+      EXPECT_TRUE(at::equal(value, before.at(name))) << name;
   }
   test::world()->barrier();
   // Old rank 1's record on no host: its own host 1 (or host 0 at N = 2: rank 1's) and the copy.
@@ -247,12 +255,46 @@ DIST_TEST(SnapshotReshard, RefusesLostCorruptAndForeignRecords) {
     MemorySnapshots snaps(*run->opt, comm, {host0, c.m_per_host});
     RestoreReport report;
     EXPECT_FALSE(snaps.restore(&report).has_value());
-    EXPECT_NE(report.reason.find(fmt::format("world of {} ranks", c.n)), std::string::npos) << report.reason;
+    EXPECT_NE(report.reason.find(fmt::format("world of {} ranks", c.n)), std::string::npos)
+        << report.reason;
     EXPECT_NE(report.reason.find("old rank 1's record"), std::string::npos) << report.reason;
     EXPECT_EQ(run->opt->last_step().step, 0);
   }
   test::world()->barrier();
   if (test::world()->rank() == 0) fs::remove_all(base);
+}
+
+// Hybrid sharding (a layout sharded over groups, replicated across them) does not reshard from
+// memory, saved or restored that way: nullopt with the reason on every rank, nothing changed.
+DIST_TEST(SnapshotReshard, RefusesHybridSharding) {
+  const int world = test::world()->size();
+  if (world < 4) GTEST_SKIP() << "needs 4 ranks";
+  auto hybrid = [](const CommunicatorPtr& comm, int group) {
+    return std::make_unique<Run>(comm, 1, "adamw", false, group);
+  };
+  for (const bool saved_hybrid : {true, false}) {
+    const std::string base = test::shared_dir("snapshot-reshard-hybrid");
+    {
+      auto comm = test::first_ranks(4);
+      auto run = saved_hybrid ? hybrid(comm, 2) : std::make_unique<Run>(comm, 1, "adamw");
+      MemorySnapshots snaps(*run->opt, comm, {base + "/host-0", 4});
+      run->steps(0, 1);
+      snaps.snapshot(trainer_of(comm->rank(), 1));
+      snaps.wait();
+    }
+    auto comm = test::first_ranks(2);
+    if (comm) {
+      auto run = saved_hybrid ? std::make_unique<Run>(comm, 1, "adamw") : hybrid(comm, 1);
+      MemorySnapshots snaps(*run->opt, comm, {base + "/host-0", 2});
+      RestoreReport report;
+      EXPECT_FALSE(snaps.restore(&report).has_value());
+      EXPECT_NE(report.reason.find("world of 4 ranks"), std::string::npos) << report.reason;
+      EXPECT_NE(report.reason.find("hybrid sharding"), std::string::npos) << report.reason;
+      EXPECT_EQ(run->opt->last_step().step, 0);
+    }
+    test::world()->barrier();
+    if (test::world()->rank() == 0) fs::remove_all(base);
+  }
 }
 
 }  // namespace

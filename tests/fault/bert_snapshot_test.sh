@@ -16,9 +16,11 @@
 #                    the snapshot is resharded from 4 ranks to 2 (Note [Snapshots at another world
 #                    size]); host 0 holds every record (its own and host 1's copies).
 # Every restarted run's losses must equal the uninterrupted run's (no snapshots) bitwise, it must
-# repeat at most one step (K = 1), and it prints its restore and recovery times; at another world
-# size the losses must be within 1e-4 of the uninterrupted run's at N = 4 (the same math, summed
-# in another order).
+# repeat at most one step (K = 1), and it prints its restore and recovery times. At another world
+# size the losses must equal bitwise those of the same resume from a checkpoint on disk (saved at
+# N = 4 at the restored step, resumed at N = 2), and stay near the uninterrupted run's at N = 4:
+# the example's loss is a mean of per-rank means, another objective at another partition (about
+# 3e-4 apart here, so not within 1e-4).
 # Usage: bert_snapshot_test.sh <bert_pretrain> <mpiexec> <corpus dir> <shardopt-run>.
 set -u
 EXE=$1
@@ -133,6 +135,14 @@ grep -q "saved by 4 ranks, resharded to 2; 2 records from buddies' copies" "$log
   { cat "$log"; fail "host_not_replaced: the snapshot was not resharded from memory"; }
 step=$(sed -n 's/.*restored snapshot [0-9]* (step \([0-9]*\)).*/\1/p' "$log" | tail -1)
 [ "$step" = 5 ] || [ "$step" = 6 ] || fail "host_not_replaced: restored step '$step', expected 5 or 6"
+# The same resharding from a checkpoint on disk: saved at N = 4 at the restored step, resumed at
+# N = 2: the losses must be the same bits.
+train "$WORK/disk_ref" "${NODROP[@]}" --stop-after "$step" >"$WORK/disk_ref.1.log" 2>&1 ||
+  { cat "$WORK/disk_ref.1.log"; fail "host_not_replaced: the disk reference's first part"; }
+NP=2 BATCH=4 train "$WORK/disk_ref" "${NODROP[@]}" --resume >"$WORK/disk_ref.log" 2>&1 ||
+  { cat "$WORK/disk_ref.log"; fail "host_not_replaced: the disk reference's resume at N = 2"; }
+diff <(losses "$WORK/disk_ref") <(losses "$WORK/host_not_replaced") ||
+  fail "host_not_replaced: the losses differ from those of the same resume from a checkpoint on disk"
 python3 - "$WORK/whole_nodrop/metrics.jsonl" "$WORK/host_not_replaced/metrics.jsonl" "$STEPS" <<'PY' ||
 import json, sys
 def losses(path):
@@ -140,10 +150,14 @@ def losses(path):
 want, got, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
 assert sorted(got) == list(range(1, steps + 1)), f"steps logged: {sorted(got)}"
 worst = max(abs(got[s] - want[s]) for s in got)
-print(f"[bert_snapshot] host_not_replaced: max |loss - uninterrupted| over {steps} steps: {worst:.3g}")
-assert worst <= 1e-4, f"losses differ by {worst} > 1e-4"
+print(f"[bert_snapshot] host_not_replaced: all {steps} losses equal the disk resume's at N = 2; "
+      f"max |loss - uninterrupted at N = 4|: {worst:.3g}")
+# The example's loss is each rank's mean over its own masked tokens, averaged over ranks (DDP's
+# convention): 2 ranks of 4 rows average other means than 4 of 2, so the objective itself moves
+# by about 1e-4 relative; a resharding error would move it by far more.
+assert worst <= 2e-3, f"losses differ by {worst} > 2e-3 from the uninterrupted run's"
 PY
-  fail "host_not_replaced: the losses at N = 2 are not within 1e-4 of the uninterrupted run's"
+  fail "host_not_replaced: the losses at N = 2 stray from the uninterrupted run's"
 [ -z "$(ls -A "$WORK/host_not_replaced/shm" 2>/dev/null)" ] ||
   fail "host_not_replaced: the finished run left $(ls -R "$WORK/host_not_replaced/shm")"
 echo "[bert_snapshot] PASS"

@@ -46,18 +46,19 @@ int64_t snapshot_payload_bytes(ShardAccess& a) {
          static_cast<int64_t>(c10::elementSize(a.master_dtype()));
 }
 
-json snapshot_layout(ShardAccess& a) {
-  const FlatLayout& l = a.layout();
+json snapshot_layout(const FlatLayout& l, int shard_rank) {
   json buckets = json::array(), pieces = json::array();
   for (const BucketLayout& b : l.buckets) buckets.push_back({b.shard, b.shard_offset});
   for (const ParamPiece& p : l.pieces) {
     pieces.push_back({p.param, p.bucket, p.offset, p.param_offset, p.numel});
   }
-  return {{"shard_rank", a.comm()->rank()},
+  return {{"shard_rank", shard_rank},
           {"shard_numel", l.shard_numel},
           {"buckets", buckets},
           {"pieces", pieces}};
 }
+
+json snapshot_layout(ShardAccess& a) { return snapshot_layout(a.layout(), a.comm()->rank()); }
 
 FlatLayout layout_from_snapshot(const json& j, int params, const std::string& where) {
   FlatLayout l;

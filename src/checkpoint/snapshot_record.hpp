@@ -32,6 +32,7 @@ int64_t snapshot_payload_bytes(ShardAccess& a);
 // and each parameter's pieces (param, bucket, offset, param_offset, numel): enough for
 // saved_pieces() (shardopt/detail/shard_plan.hpp), not depending on the world that reads it.
 json snapshot_layout(ShardAccess& a);
+json snapshot_layout(const FlatLayout& layout, int shard_rank);
 // Back, checked (indices in range, every parameter of `params` covered once): Error{Checkpoint}
 // naming `where`.
 FlatLayout layout_from_snapshot(const json& j, int params, const std::string& where);

@@ -1,8 +1,8 @@
 // In-memory snapshots restored at another world size (Note [Snapshots at another world size] in
 // shardopt/snapshot.hpp): saved at N ranks over emulated hosts (a directory each), restored at M
 // after a host is lost or a new one joins (4 -> 2, 2 -> 4, 4 -> 3, 3 -> 2, 2 -> 1, 1 -> 2 where
-// the world has the ranks; and 4 -> 4 with every rank on the surviving host), stages 0-3, AdamW
-// and SGD. The continued run equals bitwise the run
+// the world has the ranks; and 4 -> 4 with every rank on the surviving host), stages 0-3, AdamW,
+// SGD and LAMB (per-tensor norms over other partitions). The continued run equals bitwise the run
 // that resumed from a checkpoint on disk saved at the same step (the same resharding), and is
 // within 1e-4 of the run at M that was never interrupted. A record lost on every host is refused
 // with the reason (nullopt); a corrupt one fails by name on every rank, no optimizer changed.
@@ -123,7 +123,7 @@ DIST_TEST(SnapshotReshard, ContinuesAtAnotherWorldSize) {
   bool ok = true;
   for (const Case& c : cases()) {
     if (std::max(c.n, c.m) > world) continue;
-    for (const std::string rule : {"adamw", "sgd"}) {
+    for (const std::string rule : {"adamw", "sgd", "lamb"}) {
       for (int stage = 0; stage <= 3; ++stage) {
         SCOPED_TRACE(fmt::format("{}, {} stage {}", describe(c), rule, stage));
         const std::string base = test::shared_dir("snapshot-reshard");

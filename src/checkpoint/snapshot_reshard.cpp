@@ -60,10 +60,20 @@ void add_chunks(std::vector<P2pOp>& ops, const at::Tensor& t, int peer, bool sen
   }
 }
 
-int64_t elements(const std::vector<CopyOp>& ops) {
-  int64_t n = 0;
-  for (const CopyOp& op : ops) n += op.numel;
-  return n;
+// Joins runs that continue each other in the same record and in the new shard (neighbouring
+// parameters of a bucket): fewer, longer messages. Both ends join the same lists alike.
+void coalesce(std::vector<CopyOp>& ops) {
+  std::vector<CopyOp> out;
+  for (const CopyOp& op : ops) {
+    if (!out.empty() && out.back().src_rank == op.src_rank &&
+        out.back().src + out.back().numel == op.src &&
+        out.back().dst + out.back().numel == op.dst) {
+      out.back().numel += op.numel;
+    } else {
+      out.push_back(op);
+    }
+  }
+  ops = std::move(out);
 }
 
 }  // namespace
@@ -253,10 +263,11 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
         }
       }
     }
+    for (auto& list : receive) coalesce(list);
+    for (auto& list : send) coalesce(list);
   });
   // 6. The slices, and to each new rank q < old_world the tail of old rank q's record (its trainer
   // tensors, as a checkpoint on disk gives rank q the tensors its rank q saved).
-  const at::TensorOptions dtype = at::TensorOptions().dtype(a.master_dtype());
   at::Tensor my_tail_bytes = at::zeros({2}, at::kLong);  // the tail's bytes, its JSON's
   {
     std::vector<P2pOp> ops;
@@ -272,22 +283,23 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
     }
     if (!ops.empty()) world.batch_isend_irecv(ops)->wait(world.timeout());
   }
-  std::vector<at::Tensor> packed(static_cast<size_t>(size)), unpacked(static_cast<size_t>(size));
+  // Each run goes from the mapped record straight into the staging (one message per run and
+  // section, posted in the plan's order on both sides): no packing, no copy.
+  auto section = [&](int k, const CopyOp& op) {
+    return k == 0 ? staging.param.narrow(0, op.dst, op.numel)
+                  : staging.state[static_cast<size_t>(k - 1)].narrow(0, op.dst, op.numel);
+  };
   at::Tensor my_tail = at::empty({my_tail_bytes[0].item<int64_t>()}, at::kByte);
   {
     std::vector<P2pOp> ops;
     for (int to = 0; to < size; ++to) {
-      const auto& list = send[static_cast<size_t>(to)];
-      if (to == me || list.empty()) continue;
-      at::Tensor buf = at::empty({sections, elements(list)}, dtype);
-      int64_t at = 0;
-      for (const CopyOp& op : list) {
-        buf.narrow(1, at, op.numel)
-            .copy_(served.at(op.src_rank).payload.narrow(1, op.src, op.numel));
-        at += op.numel;
+      if (to == me) continue;
+      for (const CopyOp& op : send[static_cast<size_t>(to)]) {
+        const at::Tensor& payload = served.at(op.src_rank).payload;
+        for (int k = 0; k < sections; ++k) {
+          add_chunks(ops, payload[k].narrow(0, op.src, op.numel), to, /*send=*/true);
+        }
       }
-      packed[static_cast<size_t>(to)] = buf;
-      add_chunks(ops, buf, to, /*send=*/true);
     }
     for (const auto& [q, s] : served) {
       if (q >= size || q == me) continue;
@@ -296,10 +308,10 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       add_chunks(ops, tail, q, /*send=*/true);
     }
     for (int from = 0; from < size; ++from) {
-      const auto& list = receive[static_cast<size_t>(from)];
-      if (from == me || list.empty()) continue;
-      unpacked[static_cast<size_t>(from)] = at::empty({sections, elements(list)}, dtype);
-      add_chunks(ops, unpacked[static_cast<size_t>(from)], from, /*send=*/false);
+      if (from == me) continue;
+      for (const CopyOp& op : receive[static_cast<size_t>(from)]) {
+        for (int k = 0; k < sections; ++k) add_chunks(ops, section(k, op), from, /*send=*/false);
+      }
     }
     if (me < old_world && server[static_cast<size_t>(me)] != me) {
       add_chunks(ops, my_tail, server[static_cast<size_t>(me)], /*send=*/false);
@@ -308,24 +320,10 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
   }
   // 7. Staged; every rank agrees before any optimizer changes.
   agree_on_errors(world, what + ": staging", [&] {
-    auto place = [&](const CopyOp& op, const at::Tensor& from, int64_t at) {
-      staging.param.narrow(0, op.dst, op.numel).copy_(from[0].narrow(0, at, op.numel));
-      for (int k = 1; k < sections; ++k) {
-        staging.state[static_cast<size_t>(k - 1)]
-            .narrow(0, op.dst, op.numel)
-            .copy_(from[k].narrow(0, at, op.numel));
-      }
-    };
-    for (int from = 0; from < size; ++from) {
-      int64_t at = 0;
-      for (const CopyOp& op : receive[static_cast<size_t>(from)]) {
-        if (from == me) {
-          place(op, served.at(op.src_rank).payload, op.src);
-        } else {
-          place(op, unpacked[static_cast<size_t>(from)], at);
-          at += op.numel;
-        }
-      }
+    for (const CopyOp& op : receive[static_cast<size_t>(me)]) {  // the records this rank serves
+      const at::Tensor& payload = served.at(op.src_rank).payload;
+      for (int k = 0; k < sections; ++k)
+        section(k, op).copy_(payload[k].narrow(0, op.src, op.numel));
     }
     if (me < old_world) {
       SnapshotRecord own;

@@ -45,8 +45,8 @@
 /// and 3's records are copies there). restore() then reshards as a checkpoint on disk does, with
 /// the same index maths: every record carries the saving layout (each bucket's shard and shard
 /// offset, each parameter's pieces: detail::snapshot_layout), so saved_pieces() and plan_copies()
-/// (shardopt/detail/shard_plan.hpp) map old rank q's slices onto each new rank's owned elements,
-/// and load_checkpoint's staging and commit install them. Only the source differs: where
+/// (shardopt/detail/shard_plan.hpp) map old rank q's slices onto each new rank's owned elements
+/// (padding keeps its values, as in load_checkpoint). Only the source differs: where
 /// load_checkpoint reads the byte ranges of old rank q's file that overlap the new shard, here
 /// the rank that holds q's record (its own slot file or a buddy's copy, in any rank's directory;
 /// every rank's commit marker there counts for the newest commit) sends those ranges:
@@ -57,9 +57,11 @@
 ///   2. each server verifies every record it serves (both CRC-32Cs, the fingerprint's model,
 ///      stage, dtype, state buffers and groups; the layout) before anything is sent; old rank 0's
 ///      record (step, rules, loss scaler, trainer JSON, layout) is broadcast;
-///   3. every rank computes the same plan, so that no request is sent: each server packs, per new
-///      rank, the slices of the parameters and of every state buffer it owes (batch_isend_irecv);
-///   4. every rank stages what it received and agrees; only then does any optimizer change.
+///   3. every rank computes the same plan, so that no request is sent: each server sends, per new
+///      rank, the runs of the parameters and of every state buffer it owes straight from the
+///      mapped record (runs of neighbouring parameters joined; batch_isend_irecv) into a buffer;
+///   4. every rank agrees that it has everything; only then does any optimizer change: the
+///      received runs, and those of the records it serves itself, copied bucket by bucket.
 /// The trainer state is what load_checkpoint gives at another world size: old rank 0's JSON on
 /// every rank (trainers write the same JSON on every rank), old rank r's tensors on new rank r,
 /// none on new ranks past the old world (their generators stay as they are). The data position is

@@ -1,7 +1,7 @@
 // Restoring an in-memory snapshot at another world size: Note [Snapshots at another world size]
 // (shardopt/snapshot.hpp). The index maths is the disk checkpoint's (saved_pieces, plan_copies in
-// shardopt/detail/shard_plan.hpp; staging and commit in staging.hpp); only the source differs: a
-// slice of a record mapped on some rank's host, sent over the communicator.
+// shardopt/detail/shard_plan.hpp); only the source differs: a slice of a record mapped on some
+// rank's host, sent over the communicator.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6
 #include <fmt/format.h>
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "checkpoint/snapshot_record.hpp"
-#include "checkpoint/staging.hpp"
+#include "checkpoint/staging.hpp"  // state_sections
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/job.hpp"
@@ -58,6 +58,30 @@ void add_chunks(std::vector<P2pOp>& ops, const at::Tensor& t, int peer, bool sen
     const at::Tensor chunk = bytes.narrow(0, at, std::min(kChunkBytes, bytes.numel() - at));
     ops.push_back(send ? P2pOp::send(chunk, peer) : P2pOp::recv(chunk, peer));
   }
+}
+
+// Copies `from` into section k (0: the parameters, k: state buffer k - 1) of the optimizer's
+// shard elements [dst, dst + numel), bucket by bucket (a joined run may cross buckets).
+void write_owned(ShardAccess& a, int k, int64_t dst, const at::Tensor& from) {
+  const auto& buckets = a.layout().buckets;
+  auto it = std::upper_bound(
+      buckets.begin(), buckets.end(), dst,
+      [](int64_t v, const BucketLayout& b) { return v < b.shard_offset + b.shard; });
+  for (int64_t done = 0; done < from.numel() && it != buckets.end(); ++it) {
+    const int bucket = static_cast<int>(it - buckets.begin());
+    const int64_t at = dst + done - it->shard_offset;
+    const int64_t n = std::min(from.numel() - done, it->shard - at);
+    if (n <= 0) continue;
+    at::Tensor owned = k == 0 ? a.owned_param_slice(bucket) : a.owned_state_slice(k - 1, bucket);
+    owned.narrow(0, at, n).copy_(from.narrow(0, done, n));
+    done += n;
+  }
+}
+
+int64_t elements(const std::vector<CopyOp>& ops) {
+  int64_t n = 0;
+  for (const CopyOp& op : ops) n += op.numel;
+  return n;
 }
 
 // Joins runs that continue each other in the same record and in the new shard (neighbouring
@@ -220,7 +244,7 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
   StagedSnapshot staged;
   std::vector<std::vector<CopyOp>> receive(static_cast<size_t>(size)),
       send(static_cast<size_t>(size));
-  Staging staging;
+  std::vector<at::Tensor> received;  // per section: the runs other ranks send, in plan order
   agree_on_errors(world, what + ": planning", [&] {
     const std::string where = fmt::format("old rank 0's record of snapshot {}", number);
     SnapshotRecord first;
@@ -241,9 +265,8 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
                      "or the layout",
                      s.slot->path(), number);
     }
-    staging = stage_current(a, sections - 1);
-    for (const at::Tensor& st : staging.state) {
-      SHARDOPT_CHECK(st.numel() == a.layout().shard_numel, Unsupported,
+    for (const SectionMap& map : state_sections(a).maps) {
+      SHARDOPT_CHECK(map.size() == a.layout().shard_numel, Unsupported,
                      "snapshot: this optimizer's state is not one element per parameter element; "
                      "it does not reshard from memory: restore from a checkpoint on disk");
     }
@@ -283,12 +306,16 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
     }
     if (!ops.empty()) world.batch_isend_irecv(ops)->wait(world.timeout());
   }
-  // Each run goes from the mapped record straight into the staging (one message per run and
-  // section, posted in the plan's order on both sides): no packing, no copy.
-  auto section = [&](int k, const CopyOp& op) {
-    return k == 0 ? staging.param.narrow(0, op.dst, op.numel)
-                  : staging.state[static_cast<size_t>(k - 1)].narrow(0, op.dst, op.numel);
-  };
+  // Each run goes from the mapped record into one buffer per section (one message per run and
+  // section, posted in the plan's order on both sides): no packing. Runs of the records this rank
+  // serves itself are copied from the mapped record at the commit.
+  int64_t remote = 0;
+  for (int from = 0; from < size; ++from) {
+    if (from != me) remote += elements(receive[static_cast<size_t>(from)]);
+  }
+  for (int k = 0; k < sections; ++k) {
+    received.push_back(at::empty({remote}, at::TensorOptions().dtype(a.master_dtype())));
+  }
   at::Tensor my_tail = at::empty({my_tail_bytes[0].item<int64_t>()}, at::kByte);
   {
     std::vector<P2pOp> ops;
@@ -307,10 +334,15 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
                                       {s.record.prefix.tail_bytes}, at::kByte);
       add_chunks(ops, tail, q, /*send=*/true);
     }
+    int64_t at = 0;
     for (int from = 0; from < size; ++from) {
       if (from == me) continue;
       for (const CopyOp& op : receive[static_cast<size_t>(from)]) {
-        for (int k = 0; k < sections; ++k) add_chunks(ops, section(k, op), from, /*send=*/false);
+        for (int k = 0; k < sections; ++k) {
+          add_chunks(ops, received[static_cast<size_t>(k)].narrow(0, at, op.numel), from,
+                     /*send=*/false);
+        }
+        at += op.numel;
       }
     }
     if (me < old_world && server[static_cast<size_t>(me)] != me) {
@@ -318,13 +350,8 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
     }
     if (!ops.empty()) world.batch_isend_irecv(ops)->wait(world.timeout());
   }
-  // 7. Staged; every rank agrees before any optimizer changes.
-  agree_on_errors(world, what + ": staging", [&] {
-    for (const CopyOp& op : receive[static_cast<size_t>(me)]) {  // the records this rank serves
-      const at::Tensor& payload = served.at(op.src_rank).payload;
-      for (int k = 0; k < sections; ++k)
-        section(k, op).copy_(payload[k].narrow(0, op.src, op.numel));
-    }
+  // 7. Every rank has what it needs; they agree before any optimizer changes.
+  agree_on_errors(world, what + ": receiving", [&] {
     if (me < old_world) {
       SnapshotRecord own;
       const std::string where = fmt::format("old rank {}'s record of snapshot {}", me, number);
@@ -348,7 +375,18 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       staged.trainer.tensors = parse_snapshot_record(a, own, where, true).trainer.tensors;
     }
   });
-  commit(a, staging);
+  // 8. The commit, bucket by bucket (padding keeps its values, as load_checkpoint's staging does).
+  int64_t at = 0;
+  for (int from = 0; from < size; ++from) {
+    for (const CopyOp& op : receive[static_cast<size_t>(from)]) {
+      for (int k = 0; k < sections; ++k) {
+        write_owned(a, k, op.dst,
+                    from == me ? served.at(op.src_rank).payload[k].narrow(0, op.src, op.numel)
+                               : received[static_cast<size_t>(k)].narrow(0, at, op.numel));
+      }
+      if (from != me) at += op.numel;
+    }
+  }
   a.set_step_count(staged.steps);
   for (int g = 0; g < a.group_count(); ++g)
     a.set_group_rule(g, staged.rules[static_cast<size_t>(g)]);

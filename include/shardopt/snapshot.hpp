@@ -71,10 +71,10 @@
 /// when each rank's loss weighs its rows alike (a per-rank mean over masked tokens, as BERT's, is
 /// another objective at another partition: about 3e-4 apart in tests/fault). Not resharded
 /// (nullopt with the reason; the disk checkpoint does it): hybrid sharding and model-parallel
-/// grids (the layout is sharded over a group, not the world); a record written before records
-/// carried their layout is Error{Checkpoint} naming the slot. After the new
-/// world's first commit each rank removes from its directory the files of old ranks q >= M (and
-/// every copy when there are no buddies): tmpfs gives their memory back.
+/// grids (the layout is sharded over a group, not the world), and records written before records
+/// carried their layout. After the new world's first commit each rank removes from its directory
+/// the files of old ranks q >= M (and every copy when there are no buddies): tmpfs gives their
+/// memory back.
 #pragma once
 
 #include <cstdint>

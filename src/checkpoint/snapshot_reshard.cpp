@@ -175,6 +175,7 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
   // 3. Every server verifies the records it serves before anything is sent.
   std::map<int, Served> served;
   bool grouped = false;  // a record of a layout sharded over groups (hybrid sharding, a grid)
+  bool unlaid = false;   // a record without its layout
   agree_on_errors(world, what + ": verifying the records this rank serves", [&] {
     const json now = snapshot_fingerprint(a, size, me);
     for (int q = 0; q < old_world; ++q) {
@@ -204,10 +205,10 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
                      "the {} that committed snapshot {}",
                      where, fp.value("rank", -1), fp.value("world", -1),
                      fp.value("shard_ranks", -1), q, old_world, number);
-      SHARDOPT_CHECK(s.record.j.contains("layout"), Checkpoint,
-                     "snapshot: {} carries no layout (written before snapshots resharded): "
-                     "restore it at {} ranks, or from a checkpoint on disk",
-                     where, old_world);
+      if (!s.record.j.contains("layout")) {  // written before records carried it
+        unlaid = true;
+        continue;
+      }
       const json& lj = s.record.j.at("layout");
       const FlatLayout old = layout_from_snapshot(lj, params, where);
       SHARDOPT_CHECK(lj.value("shard_rank", -1) == q, Checkpoint,
@@ -223,9 +224,15 @@ std::optional<TrainerState> restore_resharded(ShardAccess& a, Communicator& worl
       served.emplace(q, std::move(s));
     }
   });
-  at::Tensor any_grouped = at::tensor({static_cast<int64_t>(grouped)}, at::kLong);
-  world.all_reduce(any_grouped, ReduceOp::Max);
-  if (any_grouped.item<int64_t>() != 0) {
+  at::Tensor why =
+      at::tensor({static_cast<int64_t>(grouped), static_cast<int64_t>(unlaid)}, at::kLong);
+  world.all_reduce(why, ReduceOp::Max);
+  if (why[1].item<int64_t>() != 0) {
+    return refuse(
+        "its records carry no layout (written before snapshots resharded): restore from a "
+        "checkpoint on disk");
+  }
+  if (why[0].item<int64_t>() != 0) {
     return refuse(
         "its layout was sharded over groups of ranks (hybrid sharding or a "
         "model-parallel grid), which resharding from memory does not map: restore from "

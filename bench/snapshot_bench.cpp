@@ -5,6 +5,8 @@
 //     exchange and commit overlapping this step) vs a step with none;
 //   - the blocking copy vs one memcpy of the rank's state;
 //   - restore() of the newest snapshot on a second MemorySnapshots over the same slots;
+//   - with --reshard, restore() of it by the first half of the ranks (Note [Snapshots at another
+//     world size]: the records resharded from N ranks to N/2);
 //   - host_bytes() vs the estimator's Estimate::snapshot_slots.
 //
 //   mpirun -np 2 build/bench/snapshot_bench --preset base --dir /dev/shm/snapbench --ranks-per-host 1
@@ -43,6 +45,8 @@ int main(int argc, char** argv) {
   app.add_option("--stage", stage, "ZeRO stage");
   app.add_option("--ranks-per-host", per_host, "SnapshotOptions::ranks_per_host");
   app.add_option("--dir", dir, "the slots' directory (tmpfs)");
+  bool reshard = false;
+  app.add_flag("--reshard", reshard, "also restore at N/2 ranks (a second model on each of them)");
   CLI11_PARSE(app, argc, argv);
 
   namespace fs = std::filesystem;
@@ -107,6 +111,29 @@ int main(int argc, char** argv) {
     }
     auto slowest = torch::tensor({report.seconds});
     comm->all_reduce(slowest, shardopt::ReduceOp::Max)->wait();
+    // The same snapshot restored by the first half of the ranks, resharded.
+    double reshard_s = -1;
+    if (reshard && comm->size() >= 2) {
+      auto half = comm->split(comm->rank() < comm->size() / 2 ? 0 : -1, comm->rank());
+      if (half) {
+        shardopt::bench::BertBench smaller(
+            shardopt::make_parallel_groups(half, shardopt::ParallelLayout{1, 1, 0}), preset, stage,
+            batch, seq);
+        shardopt::RestoreReport r2;
+        shardopt::MemorySnapshots at_half(*smaller.opt, half, {dir, half->size()});
+        const bool ok = at_half.restore(&r2).has_value();
+        auto t = torch::tensor({ok ? r2.seconds : -1.0});
+        half->all_reduce(t, shardopt::ReduceOp::Max)->wait();
+        reshard_s = t.item<double>();
+        if (half->rank() == 0) {
+          fmt::print("resharded restore: snapshot {} of {} ranks at {} ranks in {:.3f} s (slowest "
+                     "rank){}\n",
+                     r2.number, r2.saved_world, half->size(), reshard_s,
+                     ok ? "" : " -- not restored: " + r2.reason);
+        }
+      }
+      comm->barrier();
+    }
     shardopt::estimate::Options o;
     o.params = bench.opt->padded_numel();
     o.world = comm->size();

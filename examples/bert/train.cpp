@@ -381,10 +381,17 @@ void restore(Run& r) {
     r.restore_s = memory.seconds;
     shardopt::agree_on_errors(*r.comm, "resuming the metrics log", [&] {
       if (!r.lead) return;
+      std::string from;
+      if (memory.saved_world != r.world) {  // Note [Snapshots at another world size]
+        from = fmt::format("saved by {} ranks, resharded to {}; {} records from buddies' copies",
+                           memory.saved_world, r.world, memory.from_buddy);
+      } else if (memory.from_buddy == 0) {
+        from = "every rank's own copy";
+      } else {
+        from = fmt::format("{} ranks' copies sent by their buddies", memory.from_buddy);
+      }
       fmt::print("[bert] restored snapshot {} (step {}) from host memory in {:.3f} s ({})\n",
-                 memory.number, r.state.step, memory.seconds,
-                 memory.from_buddy == 0 ? std::string("every rank's own copy")
-                                        : fmt::format("{} ranks' copies sent by their buddies", memory.from_buddy));
+                 memory.number, r.state.step, memory.seconds, from);
       for (const auto& n : notes) fmt::print("[bert] note: {}\n", n);
       bert::truncate_metrics(r.metrics_path, r.state.step);
       r.metrics.close();

@@ -32,11 +32,49 @@
 /// record from its own host or, when that host's memory is gone (a replaced host), has the buddy
 /// send it, verifies every checksum and that the record is of this rank, world, stage and layout,
 /// agrees, and only then replaces the optimizer's state (Note [Agreement before state changes] in
-/// shardopt/checkpoint.hpp). A snapshot of another world size is not restored (nullopt, with the
-/// reason in RestoreReport): the caller falls back to its newest checkpoint on disk, which
-/// reshards. Unlike a checkpoint, a snapshot does not store the model's buffers
+/// shardopt/checkpoint.hpp). A snapshot of another world size is resharded (Note [Snapshots at
+/// another world size]). Unlike a checkpoint, a snapshot does not store the model's buffers
 /// (SaveOptions::module_state): a model whose buffers change in training passes them in
 /// TrainerState::tensors.
+///
+/// Note [Snapshots at another world size]
+/// A host that is lost and not replaced leaves a job of fewer ranks (N = 4 over 2 hosts restarts
+/// at M = 2 on host 0, whose tmpfs holds ranks 0 and 1's records and the copies of ranks 2 and 3);
+/// a new host makes more (M > N; its ranks hold nothing); a job of the same size may find records
+/// on other hosts than their ranks' and buddies' (N = 4 again, all on host 0, no buddies: ranks 2
+/// and 3's records are copies there). restore() then reshards as a checkpoint on disk does, with
+/// the same index maths: every record carries the saving layout (each bucket's shard and shard
+/// offset, each parameter's pieces: detail::snapshot_layout), so saved_pieces() and plan_copies()
+/// (shardopt/detail/shard_plan.hpp) map old rank q's slices onto each new rank's owned elements
+/// (padding keeps its values, as in load_checkpoint). Only the source differs: where
+/// load_checkpoint reads the byte ranges of old rank q's file that overlap the new shard, here
+/// the rank that holds q's record (its own slot file or a buddy's copy, in any rank's directory;
+/// every rank's commit marker there counts for the newest commit) sends those ranges:
+///   1. each rank reports which old records its directory holds of the newest committed snapshot;
+///      each record gets one server (a rank holding the record itself before one holding a copy,
+///      then the least loaded); a record held nowhere: nullopt with the reason ("old rank 3's
+///      record of it is on no host ...") and the caller loads its checkpoint on disk;
+///   2. each server verifies every record it serves (both CRC-32Cs, the fingerprint's model,
+///      stage, dtype, state buffers and groups; the layout) before anything is sent; old rank 0's
+///      record (step, rules, loss scaler, trainer JSON, layout) is broadcast;
+///   3. every rank computes the same plan, so that no request is sent: each server sends, per new
+///      rank, the runs of the parameters and of every state buffer it owes straight from the
+///      mapped record (runs of neighbouring parameters joined; batch_isend_irecv) into a buffer;
+///   4. every rank agrees that it has everything; only then does any optimizer change: the
+///      received runs, and those of the records it serves itself, copied bucket by bucket.
+/// The trainer state is what load_checkpoint gives at another world size: old rank 0's JSON on
+/// every rank (trainers write the same JSON on every rank), old rank r's tensors on new rank r,
+/// none on new ranks past the old world (their generators stay as they are). The data position is
+/// the trainer's: the BERT example counts it in rows (RunState::rows_per_position) and continues
+/// at the same row, as from a checkpoint on disk. The run continues bitwise as the one resumed
+/// from a disk checkpoint of the same step, and within rounding of the run at M never interrupted
+/// when each rank's loss weighs its rows alike (a per-rank mean over masked tokens, as BERT's, is
+/// another objective at another partition: about 3e-4 apart in tests/fault). Not resharded
+/// (nullopt with the reason; the disk checkpoint does it): hybrid sharding and model-parallel
+/// grids (the layout is sharded over a group, not the world), and records written before records
+/// carried their layout. After the new world's first commit each rank removes from its directory
+/// the files of old ranks q >= M (and every copy when there are no buddies): tmpfs gives their
+/// memory back.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +110,12 @@ struct RestoreReport {
   bool restored = false;  ///< whether a snapshot was restored
   int64_t number = -1;  ///< the snapshot's number (counted by snapshot() calls over the job)
   int64_t step = 0;     ///< the optimizer's step count it holds
-  int from_buddy = 0;   ///< ranks whose own host had lost their copy (sent by their buddy)
+  /// Records taken from a buddy's copy: at the same world size, ranks whose own host had lost
+  /// theirs (sent by their buddy); at another, old records served from a copy.
+  int from_buddy = 0;
+  /// The world size that saved it; another than this job's: the state was resharded (Note
+  /// [Snapshots at another world size]). 0 when there was no snapshot.
+  int saved_world = 0;
   double seconds = 0;   ///< the whole restore, on this rank
   /// Why nothing was restored: "no snapshot", "saved by a world of 4 ranks, this job has 2", ...
   std::string reason;
@@ -99,11 +142,13 @@ class MemorySnapshots {
   void snapshot(const TrainerState& trainer = {});
   /// Joins the snapshot in flight, if any; throws its failure (the same on every rank).
   void wait();
-  /// Restores the newest committed snapshot (Note [Snapshots in memory]); returns its trainer
-  /// state (this rank's JSON and tensors), or nullopt on every rank alike when there is none this
-  /// job can take (the reason in `report`). Collective. Error{Checkpoint} on every rank for a
-  /// committed snapshot a rank cannot get (both copies lost) or whose checksum fails;
-  /// Error{Mismatch} for one of the same world size but another model, stage or layout.
+  /// Restores the newest committed snapshot (Note [Snapshots in memory]), resharding one saved by
+  /// a world of another size (Note [Snapshots at another world size]); returns its trainer state
+  /// (this rank's JSON and tensors; at another world size old rank 0's JSON and old rank r's
+  /// tensors), or nullopt on every rank alike when there is none this job can take (the reason in
+  /// `report`: no snapshot, a record lost on every host (both copies), a layout that does not
+  /// reshard from memory). Collective. Error{Checkpoint} on every rank, no optimizer changed, for
+  /// a record whose checksum fails; Error{Mismatch} for one of another model, stage or layout.
   std::optional<TrainerState> restore(RestoreReport* report = nullptr);
 
   /// Removes this rank's slots, the copies it holds for another rank and its commit marker, and

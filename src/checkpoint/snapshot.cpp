@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstring>
 #include <chrono>
 #include <exception>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "checkpoint/format.hpp"
+#include "checkpoint/snapshot_record.hpp"
 #include "checkpoint/snapshot_slot.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
@@ -30,47 +32,19 @@ namespace {
 
 namespace fs = std::filesystem;
 using detail::json;
+using detail::kSnapshotFormat;
 using detail::ShardAccess;
 using detail::SlotFile;
 using detail::SlotPrefix;
 using Clock = std::chrono::steady_clock;
 
-constexpr const char* kSnapshotFormat = "shardopt-snapshot";
 constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are ints
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// What a record must match to be restored here: this rank of this world, and the state's layout
-// (stage, dtype, shard length, buckets, state buffers, groups, every parameter's name and shape).
-json fingerprint(ShardAccess& a, int world, int rank) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  auto mix = [&h](const void* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
-  };
-  for (size_t i = 0; i < a.layout().slots.size(); ++i) {
-    const std::string& name = a.param_name(static_cast<int>(i));
-    mix(name.data(), name.size() + 1);
-    for (int64_t d : a.param_shape(static_cast<int>(i))) mix(&d, sizeof d);
-  }
-  return {{"world", world},
-          {"rank", rank},
-          {"stage", static_cast<int>(a.zero_options().stage)},
-          {"dtype", detail::dtype_name(a.master_dtype())},
-          {"shard_numel", a.layout().shard_numel},
-          {"buckets", a.layout().buckets.size()},
-          {"state_buffers", a.state_buffer_count()},
-          {"groups", a.group_count()},
-          {"shard_ranks", a.comm()->size()},
-          {"replica", a.replica()},
-          {"parameters", fmt::format("{} of names and shapes {:016x}", a.layout().slots.size(), h)}};
-}
-
-int64_t payload_bytes(ShardAccess& a) {
-  return (1 + a.state_buffer_count()) * a.layout().shard_numel *
-         static_cast<int64_t>(c10::elementSize(a.master_dtype()));
-}
+int64_t payload_bytes(ShardAccess& a) { return detail::snapshot_payload_bytes(a); }
 
 // The payload as [sections, shard_numel]: the parameters, then each state buffer.
 at::Tensor payload_view(ShardAccess& a, uint8_t* payload) {
@@ -91,6 +65,49 @@ Marker read_marker(const fs::path& path) {
   std::ifstream in(path);
   if (!(in >> m.number >> m.world)) return {};
   return m;
+}
+
+// The newest commit marker in `dir`, whichever rank wrote it: after a change of world size the
+// ranks of this host may be others than those that committed (Note [Snapshots at another world
+// size]).
+Marker newest_marker(const fs::path& dir) {
+  Marker newest;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("rank", 0) != 0 || name.size() < 11 ||
+        name.compare(name.size() - 7, 7, ".commit") != 0) {
+      continue;
+    }
+    const Marker m = read_marker(it->path());
+    if (m.number > newest.number) newest = m;
+  }
+  return newest;
+}
+
+// After this world's first commit, the files of ranks an older world had and this one has not
+// (rank<q>.*, copy-of-rank<q>.* for q >= world; every copy when there are no buddies) hold
+// nothing a restore will read (the newest commit is this world's): tmpfs gives their memory back.
+// Other names are left alone. Ranks sharing the directory may race here: a missing file is fine.
+void sweep_stale(const fs::path& dir, int world, bool buddies) {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const bool copy = name.rfind("copy-of-rank", 0) == 0;
+    const size_t digits = copy ? 12 : name.rfind("rank", 0) == 0 ? 4 : std::string::npos;
+    if (digits == std::string::npos) continue;
+    size_t end_digits = digits;
+    while (end_digits < name.size() && std::isdigit(static_cast<unsigned char>(name[end_digits]))) {
+      ++end_digits;
+    }
+    const std::string rest = name.substr(end_digits);
+    const bool ours = rest == ".slot0" || rest == ".slot1" || (!copy && rest == ".commit");
+    if (end_digits == digits || end_digits - digits > 9 || !ours) continue;
+    const int q = std::stoi(name.substr(digits, end_digits - digits));
+    if (q >= world || (copy && !buddies)) stale.push_back(it->path());
+  }
+  for (const fs::path& p : stale) fs::remove(p, ec);
 }
 
 void write_marker(const fs::path& path, int64_t number, int world, int64_t steps) {
@@ -118,8 +135,10 @@ struct MemorySnapshots::State {
   int64_t next_number = 0;
   std::thread thread;
   std::exception_ptr failure;
+  bool swept = false;  // the files of ranks of an older, larger world removed (background)
   mutable std::mutex mutex;  // guards timing
   SnapshotTiming timing;
+  json layout;  // the saving layout every record carries (detail::snapshot_layout)
 
   explicit State(ShardAccess& access) : a(access) {}
   fs::path marker() const { return dir / fmt::format("rank{}.commit", rank); }
@@ -214,6 +233,8 @@ void MemorySnapshots::State::background(int64_t number, std::string tail, int64_
   }
   // Every rank has both copies: the job's commit (Note [Snapshots in memory]).
   agree_on_errors(*world, what + ": committing", [&] { write_marker(marker(), number, size, steps); });
+  if (!swept) sweep_stale(dir, size, buddy >= 0);
+  swept = true;
 }
 
 MemorySnapshots::MemorySnapshots(DistributedOptimizer& optimizer, const CommunicatorPtr& world,
@@ -255,6 +276,7 @@ MemorySnapshots::MemorySnapshots(DistributedOptimizer& optimizer, const Communic
     s.holder = (s.rank - per_host + s.size) % s.size;
   }
   s.dir = options.dir;
+  s.layout = detail::snapshot_layout(s.a);
   agree_on_errors(*world, "snapshot: making " + s.dir.string(), [&] {
     std::error_code ec;
     fs::create_directories(s.dir, ec);
@@ -270,7 +292,7 @@ MemorySnapshots::MemorySnapshots(DistributedOptimizer& optimizer, const Communic
   }
   s.world = world->split(0, s.rank);
   // Numbers keep rising over restarts, so that an older commit never outranks a newer one.
-  at::Tensor newest = at::tensor({read_marker(s.marker()).number}, at::kLong);
+  at::Tensor newest = at::tensor({newest_marker(s.dir).number}, at::kLong);
   s.world->all_reduce(newest, ReduceOp::Max);
   s.next_number = newest.item<int64_t>() + 1;
 }
@@ -312,7 +334,8 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
   }
   json record = {{"format", kSnapshotFormat},    {"version", 1},
                  {"number", number},             {"steps", a.step_count()},
-                 {"fingerprint", fingerprint(a, s.size, s.rank)},
+                 {"fingerprint", detail::snapshot_fingerprint(a, s.size, s.rank)},
+                 {"layout", s.layout},
                  {"trainer_json", trainer.json}, {"loss_scaler", nullptr}};
   for (int g = 0; g < a.group_count(); ++g) record["rules"].push_back(detail::rule_to_json(a.group_rule(g)));
   if (const auto scaler = a.loss_scaler_state()) {
@@ -355,74 +378,26 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
 
 namespace {
 
-// What restore() checked and will install, read from this rank's slot.
-struct Staged {
-  int64_t steps = 0;
-  std::vector<Rule> rules;
-  std::optional<LossScaler::State> scaler;
-  TrainerState trainer;
-};
+using Staged = detail::StagedSnapshot;
 
 // Reads and verifies this rank's record of snapshot `number` from `slot`.
 Staged stage_record(ShardAccess& a, SlotFile& slot, int64_t number, int world, int rank) {
   const std::string where = slot.path();
   const auto p = slot.read_prefix();
-  SHARDOPT_CHECK(p && p->number == number, Checkpoint,
-                 "snapshot: {} does not hold snapshot {} (it was overwritten or torn)", where,
-                 number);
-  SHARDOPT_CHECK(p->payload_bytes == payload_bytes(a), Mismatch,
+  SHARDOPT_CHECK(!p || p->number != number || p->payload_bytes == payload_bytes(a), Mismatch,
                  "snapshot: {} holds {} bytes of state, this optimizer {}: another model or "
                  "layout wrote it (clear the snapshot directory)",
-                 where, p->payload_bytes, payload_bytes(a));
-  slot.map(p->payload_bytes);
-  SHARDOPT_CHECK(detail::crc32c_quarters(slot.payload(), p->payload_bytes) == p->payload_crc,
-                 Checkpoint, "snapshot: {}: the state's CRC-32C does not match (corrupt)", where);
-  const std::string tail = slot.read_tail(*p);
-  SHARDOPT_CHECK(detail::crc32c(tail.data(), p->tail_bytes) == p->tail_crc, Checkpoint,
-                 "snapshot: {}: the record's CRC-32C does not match (corrupt)", where);
-  json record;
-  try {
-    record = json::parse(tail.substr(0, static_cast<size_t>(p->json_bytes)));
-  } catch (const std::exception& e) {
-    SHARDOPT_FAIL(Checkpoint, "snapshot: {}: unreadable record: {}", where, e.what());
-  }
-  SHARDOPT_CHECK(record.value("format", "") == kSnapshotFormat && record.value("version", 0) == 1,
-                 Checkpoint, "snapshot: {}: not a version-1 {} record", where, kSnapshotFormat);
-  const json now = fingerprint(a, world, rank);
+                 where, p ? p->payload_bytes : 0, payload_bytes(a));
+  const detail::SnapshotRecord record = detail::open_snapshot_record(slot, number);
+  const json now = detail::snapshot_fingerprint(a, world, rank);
   for (const auto& [key, value] : now.items()) {
-    const json saved = record.at("fingerprint").value(key, json());
+    const json saved = record.j.at("fingerprint").value(key, json());
     SHARDOPT_CHECK(saved == value, Mismatch,
                    "snapshot: {} was written with {} = {}, this job has {}: another model, stage "
                    "or layout (clear the snapshot directory to start afresh)",
                    where, key, saved.dump(), value.dump());
   }
-  Staged out;
-  out.steps = detail::checked_step_count(record.at("steps").get<int64_t>(), where);
-  for (const auto& r : record.at("rules")) out.rules.push_back(detail::rule_from_json(r));
-  SHARDOPT_CHECK(static_cast<int>(out.rules.size()) == a.group_count(), Mismatch,
-                 "snapshot: {} has {} parameter groups, this optimizer {}", where,
-                 out.rules.size(), a.group_count());
-  if (const auto& ls = record.at("loss_scaler"); !ls.is_null()) {
-    out.scaler = LossScaler::State{ls.at("scale").get<double>(), ls.at("good_steps").get<int64_t>(),
-                                   ls.at("hysteresis_left").get<int>(),
-                                   ls.at("overflows").get<int64_t>()};
-  }
-  out.trainer.json = record.at("trainer_json").get<std::string>();
-  const int64_t data_bytes = p->tail_bytes - p->json_bytes;
-  for (const auto& t : record.at("tensors")) {
-    const std::string key = t.at("key").get<std::string>();
-    const auto shape = t.at("shape").get<std::vector<int64_t>>();
-    const auto dtype = detail::dtype_from_name(t.at("dtype").get<std::string>(), where);
-    const int64_t offset = t.at("offset").get<int64_t>(), bytes = t.at("bytes").get<int64_t>();
-    const int64_t numel = detail::checked_numel(shape, where + " tensor " + key);
-    SHARDOPT_CHECK(offset >= 0 && bytes == numel * static_cast<int64_t>(c10::elementSize(dtype)) &&
-                       bytes <= data_bytes - offset,
-                   Checkpoint, "snapshot: {}: trainer tensor {} lies outside the record", where, key);
-    at::Tensor value = at::empty(shape, at::TensorOptions().dtype(dtype));
-    std::memcpy(value.data_ptr(), tail.data() + p->json_bytes + offset, static_cast<size_t>(bytes));
-    out.trainer.tensors[key] = value;
-  }
-  return out;
+  return detail::parse_snapshot_record(a, record, where, /*with_tensors=*/true);
 }
 
 }  // namespace
@@ -438,7 +413,7 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
     const auto p = slot->read_prefix();
     return p ? p->number : -1;
   };
-  const Marker marker = read_marker(s.marker());
+  const Marker marker = newest_marker(s.dir);
   at::Tensor mine = at::tensor({marker.number, marker.world, number_in(s.own[0]),
                                 number_in(s.own[1]), number_in(s.copy[0]), number_in(s.copy[1])},
                                at::kLong);
@@ -447,17 +422,16 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
   s.world->all_gather(mine, all);
   auto field = [&](int rank, int k) { return all[rank * kFields + k].item<int64_t>(); };
   // 2. The newest snapshot any rank committed, and where each rank's record of it is.
-  int64_t number = -1;
+  int64_t number = -1, saved_by = 0;
   for (int q = 0; q < s.size; ++q) {
     if (field(q, 0) <= number) continue;
     number = field(q, 0);
-    if (field(q, 1) != s.size) {
-      r.reason = fmt::format("snapshot {} was saved by a world of {} ranks, this job has {}",
-                             number, field(q, 1), s.size);
-    }
+    saved_by = field(q, 1);
   }
+  if (number >= 0) r.saved_world = static_cast<int>(saved_by);
   std::vector<int> source(static_cast<size_t>(s.size), -1);
-  if (number >= 0 && r.reason.empty()) {
+  bool elsewhere = false;  // a record neither on its rank's host nor on its buddy's
+  if (number >= 0 && saved_by == s.size) {
     const int k = static_cast<int>(number % 2);
     for (int q = 0; q < s.size; ++q) {
       const int buddy = s.buddy >= 0 ? (q + s.per_host) % s.size : -1;
@@ -466,11 +440,21 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
       } else if (buddy >= 0 && field(buddy, 4 + k) == number) {
         source[static_cast<size_t>(q)] = buddy;
         ++r.from_buddy;
-      } else if (r.reason.empty()) {
-        r.reason = fmt::format("rank {}'s copies of snapshot {} are gone (its host and its "
-                               "buddy's)", q, number);
+      } else {
+        elsewhere = true;
       }
     }
+  }
+  // Another world, or ranks placed on other hosts than their records: the records are served by
+  // whoever holds them, resharded (Note [Snapshots at another world size]).
+  if (number >= 0 && (saved_by != s.size || elsewhere)) {
+    r.from_buddy = 0;
+    auto t = detail::restore_resharded(s.a, *s.world, s.dir, number, static_cast<int>(saved_by),
+                                       &r);
+    if (t) s.next_number = std::max(s.next_number, number + 1);
+    r.seconds = seconds_since(t0);
+    if (report != nullptr) *report = r;
+    return t;
   }
   if (number < 0) r.reason = fmt::format("no snapshot in {}", s.dir.string());
   if (!r.reason.empty()) {
@@ -520,6 +504,7 @@ std::optional<TrainerState> MemorySnapshots::restore(RestoreReport* report) {
   s.next_number = std::max(s.next_number, number + 1);
   s.report_host_bytes();
   r.restored = true;
+  r.saved_world = s.size;
   r.number = number;
   r.step = staged.steps;
   r.seconds = seconds_since(t0);

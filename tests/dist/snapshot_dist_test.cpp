@@ -2,7 +2,8 @@
 // two emulated hosts (a directory each; ranks_per_host = N/2), stages 0-3: a restarted optimizer
 // that restores the newest committed snapshot continues the uninterrupted run bitwise, also when
 // one host's memory is gone (the buddy sends the copies); a torn or corrupt slot, a snapshot of
-// another model and one of another world size are refused by name on every rank.
+// another model and one of another world size whose records are gone are refused by name on every
+// rank (restores at another world size: snapshot_reshard_dist_test.cpp).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -242,7 +243,8 @@ DIST_TEST(Snapshots, RefusesCorruptForeignAndResizedSnapshots) {
     MemorySnapshots snaps(*run.opt, test::world(), options(base));
     test::expect_error([&] { snaps.restore(); }, ErrorKind::Checkpoint, {"rank0.slot0", "CRC-32C"});
   }
-  // A snapshot of another world size is not restored here (the caller's disk checkpoint reshards).
+  // A commit of another world size whose records are on no host: not restored, with the reason
+  // (the caller's disk checkpoint then reshards; Note [Snapshots at another world size]).
   if (test::world()->rank() == 0) std::ofstream(host0 + "/rank0.commit") << "7 " << n + 1 << " 1\n";
   test::world()->barrier();
   {

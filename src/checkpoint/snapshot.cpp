@@ -9,6 +9,7 @@
 #include <array>
 #include <cstring>
 #include <chrono>
+#include <ctime>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -40,6 +41,13 @@ constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are ints
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU time of the calling thread (seconds).
+double thread_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 // What a record must match to be restored here: this rank of this world, and the state's layout
@@ -274,6 +282,7 @@ void MemorySnapshots::wait() {
 
 void MemorySnapshots::snapshot(const TrainerState& trainer) {
   const auto t0 = Clock::now();
+  const double cpu0 = thread_cpu_s();
   wait();
   State& s = *state_;
   ShardAccess& a = s.a;
@@ -325,10 +334,11 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
   const int64_t steps = a.step_count();
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    s.timing = {seconds_since(t0), 0};
+    s.timing = {seconds_since(t0), 0, thread_cpu_s() - cpu0, 0};
   }
   s.thread = std::thread([&s, number, tail = std::move(tail), json_bytes, steps]() mutable {
     const auto start = Clock::now();
+    const double cpu_start = thread_cpu_s();
     try {
       s.background(number, std::move(tail), json_bytes, steps);
     } catch (...) {
@@ -336,6 +346,7 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
     }
     std::lock_guard<std::mutex> lock(s.mutex);
     s.timing.background_s = seconds_since(start);
+    s.timing.background_cpu_s = thread_cpu_s() - cpu_start;
   });
 }
 

@@ -134,7 +134,8 @@ struct MemorySnapshots::State {
   void join() {
     if (thread.joinable()) thread.join();
   }
-  void background(int64_t number, std::string tail, int64_t json_bytes, int64_t steps);
+  void background(int64_t number, std::string tail, int64_t json_bytes, int64_t steps,
+                  const std::array<uint32_t, 4>& payload_crc);
   void exchange(SlotFile* from, const std::string& from_tail, int to, SlotFile* into, int src,
                 const std::string& what);
 };
@@ -192,7 +193,7 @@ void MemorySnapshots::State::exchange(SlotFile* from, const std::string& from_ta
 // The background half of snapshot(): checksum and close the slot, exchange with the buddy, agree,
 // commit.
 void MemorySnapshots::State::background(int64_t number, std::string tail, int64_t json_bytes,
-                                        int64_t steps) {
+                                        int64_t steps, const std::array<uint32_t, 4>& payload_crc) {
   const std::string what = fmt::format("snapshot {}", number);
   SlotFile& slot = *own[number % 2];
   agree_on_errors(*world, what + ": closing this rank's slot", [&] {
@@ -201,7 +202,7 @@ void MemorySnapshots::State::background(int64_t number, std::string tail, int64_
     p.payload_bytes = slot.mapped_payload();
     p.tail_bytes = static_cast<int64_t>(tail.size());
     p.json_bytes = json_bytes;
-    p.payload_crc = detail::crc32c_quarters(slot.payload(), p.payload_bytes);
+    p.payload_crc = payload_crc;  // computed by the copy (Note [Snapshots in memory])
     p.tail_crc = detail::crc32c(tail.data(), p.tail_bytes);
     slot.write_tail(tail);
     slot.write_prefix(detail::encode_prefix(p));
@@ -295,17 +296,26 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
                     [&] { slot.map(payload_bytes(a)); });
   }
   slot.invalidate();
-  {  // the step waits for this copy only
+  std::array<uint32_t, 4> payload_crc{};
+  {  // the step waits for this copy only, checksummed on the way (one pass over the bytes)
     at::NoGradGuard no_grad;
-    at::Tensor view = payload_view(a, slot.payload());
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(a.master_dtype()));
+    const int64_t section = a.layout().shard_numel * elem;
+    detail::PayloadChecksum sum(slot.payload(), slot.mapped_payload());
     for (size_t b = 0; b < a.layout().buckets.size(); ++b) {
       const auto& bl = a.layout().buckets[b];
       const int bucket = static_cast<int>(b);
-      view[0].narrow(0, bl.shard_offset, bl.shard).copy_(a.owned_param_slice(bucket));
-      for (int k = 0; k < a.state_buffer_count(); ++k) {
-        view[k + 1].narrow(0, bl.shard_offset, bl.shard).copy_(a.owned_state_slice(k, bucket));
+      for (int k = 0; k <= a.state_buffer_count(); ++k) {
+        at::Tensor src = k == 0 ? a.owned_param_slice(bucket) : a.owned_state_slice(k - 1, bucket);
+        SHARDOPT_INTERNAL_ASSERT(src.numel() == bl.shard, "snapshot: bucket {} section {} holds {} "
+                                 "elements, its shard {}", b, k, src.numel(), bl.shard);
+        if (!src.device().is_cpu() || !src.is_contiguous() || src.scalar_type() != a.master_dtype()) {
+          src = src.to(at::kCPU, a.master_dtype()).contiguous();  // one run of host bytes
+        }
+        sum.copy(k * section + bl.shard_offset * elem, src.data_ptr(), bl.shard * elem);
       }
     }
+    payload_crc = sum.finish();
   }
   json record = {{"format", kSnapshotFormat},    {"version", 1},
                  {"number", number},             {"steps", a.step_count()},
@@ -336,11 +346,12 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.timing = {seconds_since(t0), 0, thread_cpu_s() - cpu0, 0};
   }
-  s.thread = std::thread([&s, number, tail = std::move(tail), json_bytes, steps]() mutable {
+  s.thread = std::thread([&s, number, tail = std::move(tail), json_bytes, steps,
+                          payload_crc]() mutable {
     const auto start = Clock::now();
     const double cpu_start = thread_cpu_s();
     try {
-      s.background(number, std::move(tail), json_bytes, steps);
+      s.background(number, std::move(tail), json_bytes, steps, payload_crc);
     } catch (...) {
       s.failure = std::current_exception();
     }

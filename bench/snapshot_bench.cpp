@@ -78,6 +78,13 @@ std::map<int, std::pair<double, double>> thread_times() {
   return out;
 }
 
+// CPU seconds of thread `tid` of this process (Linux's per-thread CPU clock of a thread id).
+double thread_cpu_s(int tid) {
+  timespec ts{};
+  if (clock_gettime((~static_cast<clockid_t>(tid) << 3) | 6, &ts) != 0) return 0;  // it ended
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -107,7 +114,18 @@ int main(int argc, char** argv) {
     if (lead) fs::remove_all(dir);
     comm->barrier();
     const shardopt::SnapshotOptions so{dir, per_host};
+    const auto threads_before = thread_times();
     shardopt::MemorySnapshots snaps(*bench.opt, comm, so);
+    // The threads its construction started: its private communicator's (MPI's worker).
+    std::vector<int> snapshot_threads;
+    for (const auto& entry : thread_times()) {
+      if (threads_before.count(entry.first) == 0) snapshot_threads.push_back(entry.first);
+    }
+    auto snapshot_threads_cpu = [&] {
+      double t = 0;
+      for (int tid : snapshot_threads) t += thread_cpu_s(tid);
+      return t;
+    };
     auto& access = shardopt::detail::shard_access(*bench.opt);
     std::vector<char> copy_buffer;
     for (int s = 0; s < 2; ++s) bench.step();  // warm-up: the optimizer's state exists
@@ -122,15 +140,17 @@ int main(int argc, char** argv) {
                  comm->size(), comm->backend(), stage, preset, batch, seq, threads, per_host,
                  snaps.buddy(), static_cast<double>(snaps.host_bytes()) / (1 << 20));
       fmt::print("round  memcpy_s  quiet_step_s  snapshot_step_s  blocking_s  background_s  "
-                 "| cpu per step (process, main thread) quiet / with  blocking_cpu_s  "
-                 "background_cpu_s\n");
+                 "| cpu per step (process, main thread) quiet / with  memcpy_cpu_s  "
+                 "blocking_cpu_s  background_cpu_s  its_comm_cpu_s\n");
     }
     std::vector<double> memcpys, quiet, with, blockings, backgrounds;
     // CPU per step: process and main thread, quiet and with; per snapshot: blocking, background.
-    std::vector<double> q_proc, q_main, w_proc, w_main, b_cpu, g_cpu;
+    std::vector<double> q_proc, q_main, w_proc, w_main, b_cpu, g_cpu, m_cpu, c_cpu;
     for (int round = 0; round < rounds; ++round) {
       comm->barrier();
+      const CpuWindow copy_cpu;
       const double copy_s = shardopt::bench::memcpy_state(access, copy_buffer);
+      m_cpu.push_back(copy_cpu.thread());
       std::vector<double> q, w, b, g, bc, gc;
       const CpuWindow quiet_cpu;
       const auto quiet_threads0 = thread_times();
@@ -140,6 +160,7 @@ int main(int argc, char** argv) {
       q_main.push_back(quiet_cpu.thread() / steps);
       comm->barrier();
       const CpuWindow with_cpu;
+      const double comm_cpu0 = snapshot_threads_cpu();
       const auto threads0 = thread_times();
       for (int s = 0; s < steps; ++s) {
         const auto t0 = shardopt::bench::Clock::now();
@@ -161,6 +182,7 @@ int main(int argc, char** argv) {
                      (t.first - was.first) / steps, (t.second - was.second) / steps);
         }
       }
+      c_cpu.push_back((snapshot_threads_cpu() - comm_cpu0) / steps);
       w_proc.push_back(with_cpu.process() / steps);
       w_main.push_back(with_cpu.thread() / steps);
       g.push_back(snaps.last_timing().background_s);
@@ -174,9 +196,10 @@ int main(int argc, char** argv) {
       backgrounds.push_back(g.back());
       if (lead) {
         fmt::print("{:5d}  {:8.4f}  {:12.3f}  {:15.3f}  {:10.4f}  {:12.3f}  | {:.3f}, {:.3f} / "
-                   "{:.3f}, {:.3f}  {:14.4f}  {:16.4f}\n",
+                   "{:.3f}, {:.3f}  {:12.4f}  {:14.4f}  {:16.4f}  {:14.4f}\n",
                    round, copy_s, median(q), median(w), median(b), g.back(), q_proc.back(),
-                   q_main.back(), w_proc.back(), w_main.back(), median(bc), median(gc));
+                   q_main.back(), w_proc.back(), w_main.back(), m_cpu.back(), median(bc),
+                   median(gc), c_cpu.back());
         std::fflush(stdout);
       }
     }
@@ -209,12 +232,15 @@ int main(int argc, char** argv) {
       // What a snapshot adds, in CPU seconds per step (= per snapshot at K = 1).
       const double proc = median(w_proc) - median(q_proc), main_thread = median(w_main) - median(q_main),
                    bg = median(g_cpu);
-      fmt::print("cpu (medians, rank 0): process {:.3f} s a step quiet, {:.3f} s with -> +{:.3f} s "
-                 "a snapshot: main thread +{:.3f} s (blocking {:.4f} s), background thread {:.4f} "
-                 "s, other threads (MPI's worker) {:+.3f} s; payload {:.1f} MiB\n",
-                 median(q_proc), median(w_proc), proc, main_thread, median(b_cpu), bg,
-                 proc - main_thread - bg,
-                 static_cast<double>(snaps.host_bytes()) / 4 / (1 << 20));
+      const double own = median(b_cpu) + bg + median(c_cpu);
+      fmt::print("cpu per snapshot (medians, rank 0): {:.4f} s = blocking {:.4f} s (one memcpy of "
+                 "the state: {:.4f} s -> {:.2f}x) + background thread {:.4f} s + its "
+                 "communicator's threads {:.4f} s; payload {:.1f} MiB\n",
+                 own, median(b_cpu), median(m_cpu), median(b_cpu) / median(m_cpu), bg,
+                 median(c_cpu), static_cast<double>(snaps.host_bytes()) / 4 / (1 << 20));
+      fmt::print("cpu per step (medians, rank 0): process {:.3f} s quiet, {:.3f} s with snapshots "
+                 "-> {:+.3f} s, of which main thread {:+.3f} s\n",
+                 median(q_proc), median(w_proc), proc, main_thread);
     }
     comm->barrier();
     if (lead) fs::remove_all(dir);

@@ -175,9 +175,11 @@ int main(int argc, char** argv) {
       if (lead && std::getenv("SNAPSHOT_BENCH_THREADS") != nullptr) {
         for (const auto& [tid, t] : thread_times()) {
           const auto was = threads0.count(tid) ? threads0.at(tid) : std::pair<double, double>{0, 0};
-          const auto q0 = quiet_threads0.count(tid) ? quiet_threads0.at(tid) : std::pair<double, double>{0, 0};
+          const auto q0 =
+              quiet_threads0.count(tid) ? quiet_threads0.at(tid) : std::pair<double, double>{0, 0};
           const auto q1 = quiet_threads.count(tid) ? quiet_threads.at(tid) : q0;
-          fmt::print("  thread {}: user, system a step: quiet {:.3f}, {:.3f} s; with {:.3f}, {:.3f} s\n",
+          fmt::print("  thread {}: user, system a step: quiet {:.3f}, {:.3f} s; with {:.3f}, "
+                     "{:.3f} s\n",
                      tid, (q1.first - q0.first) / steps, (q1.second - q0.second) / steps,
                      (t.first - was.first) / steps, (t.second - was.second) / steps);
         }
@@ -230,8 +232,8 @@ int main(int argc, char** argv) {
                  report.number, static_cast<double>(snaps.host_bytes()) / (1 << 20),
                  static_cast<double>(estimated) / (1 << 20));
       // What a snapshot adds, in CPU seconds per step (= per snapshot at K = 1).
-      const double proc = median(w_proc) - median(q_proc), main_thread = median(w_main) - median(q_main),
-                   bg = median(g_cpu);
+      const double proc = median(w_proc) - median(q_proc);
+      const double main_thread = median(w_main) - median(q_main), bg = median(g_cpu);
       const double own = median(b_cpu) + bg + median(c_cpu);
       fmt::print("cpu per snapshot (medians, rank 0): {:.4f} s = blocking {:.4f} s (one memcpy of "
                  "the state: {:.4f} s -> {:.2f}x) + background thread {:.4f} s + its "

@@ -309,7 +309,8 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
         at::Tensor src = k == 0 ? a.owned_param_slice(bucket) : a.owned_state_slice(k - 1, bucket);
         SHARDOPT_INTERNAL_ASSERT(src.numel() == bl.shard, "snapshot: bucket {} section {} holds {} "
                                  "elements, its shard {}", b, k, src.numel(), bl.shard);
-        if (!src.device().is_cpu() || !src.is_contiguous() || src.scalar_type() != a.master_dtype()) {
+        if (!src.device().is_cpu() || !src.is_contiguous() ||
+            src.scalar_type() != a.master_dtype()) {
           src = src.to(at::kCPU, a.master_dtype()).contiguous();  // one run of host bytes
         }
         sum.copy(k * section + bl.shard_offset * elem, src.data_ptr(), bl.shard * elem);

@@ -179,7 +179,7 @@ uint32_t copy_crc(uint8_t* dst, const uint8_t* src, int64_t n) {
 }
 
 // The CRC register over [p, p + n) from 0 (gaps between pieces: rare, small).
-uint32_t crc_bytes_portable_or_fast(const uint8_t* p, int64_t n) {
+uint32_t crc_from_zero(const uint8_t* p, int64_t n) {
   uint32_t c[4] = {0, 0, 0, 0};
   if (n < 64) return crc_bytes_portable(0, p, n);
   const int64_t q = n / 4 / 8 * 8;
@@ -236,7 +236,8 @@ void PayloadChecksum::copy(int64_t at, const void* src, int64_t n) {
 }
 
 std::array<uint32_t, 4> PayloadChecksum::finish() {
-  std::sort(pieces_.begin(), pieces_.end(), [](const Piece& x, const Piece& y) { return x.at < y.at; });
+  std::sort(pieces_.begin(), pieces_.end(),
+            [](const Piece& x, const Piece& y) { return x.at < y.at; });
   std::array<uint32_t, 4> out{};
   size_t next = 0;
   for (int k = 0; k < 4; ++k) {
@@ -244,7 +245,7 @@ std::array<uint32_t, 4> PayloadChecksum::finish() {
     uint32_t reg = ~0u;
     int64_t at = begin;
     auto gap = [&](int64_t upto) {  // bytes no piece wrote: read from the payload
-      if (upto > at) reg = combine(reg, crc_bytes_portable_or_fast(payload_ + at, upto - at), upto - at);
+      if (upto > at) reg = combine(reg, crc_from_zero(payload_ + at, upto - at), upto - at);
       at = std::max(at, upto);
     };
     for (; next < pieces_.size() && pieces_[next].at < end; ++next) {

@@ -30,7 +30,9 @@ TEST(PayloadChecksum, EqualsTheQuartersForPiecesInAnyOrder) {
     std::mt19937 gen(7);
     // Cut [0, n) at random points; every third piece is left out (a gap the payload holds).
     std::vector<int64_t> cuts = {0, n};
-    for (int i = 0; i < 9 && n > 0; ++i) cuts.push_back(static_cast<int64_t>(gen() % static_cast<uint32_t>(n)));
+    for (int i = 0; i < 9 && n > 0; ++i) {
+      cuts.push_back(static_cast<int64_t>(gen() % static_cast<uint32_t>(n)));
+    }
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     std::vector<size_t> order(cuts.size() - 1);
@@ -45,7 +47,8 @@ TEST(PayloadChecksum, EqualsTheQuartersForPiecesInAnyOrder) {
     const auto got = sum.finish();
     for (size_t i = 0; i + 1 < cuts.size(); ++i) {  // the copied pieces landed
       if (i % 3 == 2) continue;
-      ASSERT_TRUE(std::equal(src.begin() + cuts[i], src.begin() + cuts[i + 1], payload.begin() + cuts[i]))
+      ASSERT_TRUE(std::equal(src.begin() + cuts[i], src.begin() + cuts[i + 1],
+                             payload.begin() + cuts[i]))
           << "n " << n << " piece " << i;
     }
     EXPECT_EQ(got, crc32c_quarters(payload.data(), n)) << "payload of " << n << " bytes";

@@ -7,7 +7,13 @@
 //   - restore() of the newest snapshot on a second MemorySnapshots over the same slots;
 //   - with --reshard, restore() of it by the first half of the ranks (Note [Snapshots at another
 //     world size]: the records resharded from N ranks to N/2);
-//   - host_bytes() vs the estimator's Estimate::snapshot_slots.
+//   - host_bytes() vs the estimator's Estimate::snapshot_slots;
+//   - CPU time (clock_gettime) per step of the process and of the main thread, without and with
+//     snapshots (the window of the steps with snapshots includes joining the last one), and the
+//     background thread's own (SnapshotTiming::background_cpu_s): on a shared machine, where wall
+//     ratios are noise, the CPU a snapshot adds is the figure to cut. "Other threads" is the
+//     process less the main and background threads: the communicators' workers (MPI's, moving the
+//     exchange's bytes).
 //
 //   mpirun -np 2 build/bench/snapshot_bench --preset base --dir /dev/shm/snapbench --ranks-per-host 1
 //
@@ -18,7 +24,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <unistd.h>
 #include <string>
 #include <vector>
 
@@ -30,6 +41,53 @@
 #include "shardopt/shardopt.hpp"
 #include "shardopt/snapshot.hpp"
 #include "timing.hpp"
+
+namespace {
+
+double cpu_s(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// CPU seconds of the process and of the calling thread since construction.
+struct CpuWindow {
+  double process0 = cpu_s(CLOCK_PROCESS_CPUTIME_ID), thread0 = cpu_s(CLOCK_THREAD_CPUTIME_ID);
+  double process() const { return cpu_s(CLOCK_PROCESS_CPUTIME_ID) - process0; }
+  double thread() const { return cpu_s(CLOCK_THREAD_CPUTIME_ID) - thread0; }
+};
+
+// User and system CPU seconds of every live thread of the process, by thread id
+// (/proc/self/task/<tid>/stat, clock ticks): to see which thread pays.
+std::map<int, std::pair<double, double>> thread_times() {
+  std::map<int, std::pair<double, double>> out;
+  const double tick = 1.0 / static_cast<double>(sysconf(_SC_CLK_TCK));
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(e.path() / "stat");
+    std::string line;
+    std::getline(in, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string field;
+    double utime = 0, stime = 0;
+    for (int k = 3; k <= 15 && rest >> field; ++k) {
+      if (k == 14) utime = std::stod(field) * tick;
+      if (k == 15) stime = std::stod(field) * tick;
+    }
+    out[std::stoi(e.path().filename().string())] = {utime, stime};
+  }
+  return out;
+}
+
+// CPU seconds of thread `tid` of this process (Linux's per-thread CPU clock of a thread id).
+double thread_cpu_s(int tid) {
+  timespec ts{};
+  if (clock_gettime((~static_cast<clockid_t>(tid) << 3) | 6, &ts) != 0) return 0;  // it ended
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"MemorySnapshots at K = 1 on the example's BERT: step, blocking and restore times"};
@@ -60,7 +118,18 @@ int main(int argc, char** argv) {
     if (lead) fs::remove_all(dir);
     comm->barrier();
     const shardopt::SnapshotOptions so{dir, per_host};
+    const auto threads_before = thread_times();
     shardopt::MemorySnapshots snaps(*bench.opt, comm, so);
+    // The threads its construction started: its private communicator's (MPI's worker).
+    std::vector<int> snapshot_threads;
+    for (const auto& entry : thread_times()) {
+      if (threads_before.count(entry.first) == 0) snapshot_threads.push_back(entry.first);
+    }
+    auto snapshot_threads_cpu = [&] {
+      double t = 0;
+      for (int tid : snapshot_threads) t += thread_cpu_s(tid);
+      return t;
+    };
     auto& access = shardopt::detail::shard_access(*bench.opt);
     std::vector<char> copy_buffer;
     for (int s = 0; s < 2; ++s) bench.step();  // warm-up: the optimizer's state exists
@@ -74,32 +143,69 @@ int main(int argc, char** argv) {
                  "rank, ranks per host {} (buddy: rank {}); slots {:.1f} MiB per rank\n",
                  comm->size(), comm->backend(), stage, preset, batch, seq, threads, per_host,
                  snaps.buddy(), static_cast<double>(snaps.host_bytes()) / (1 << 20));
-      fmt::print("round  memcpy_s  quiet_step_s  snapshot_step_s  blocking_s  background_s\n");
+      fmt::print("round  memcpy_s  quiet_step_s  snapshot_step_s  blocking_s  background_s  "
+                 "| cpu per step (process, main thread) quiet / with  memcpy_cpu_s  "
+                 "blocking_cpu_s  background_cpu_s  its_comm_cpu_s\n");
     }
     std::vector<double> memcpys, quiet, with, blockings, backgrounds;
+    // CPU per step: process and main thread, quiet and with; per snapshot: blocking, background.
+    std::vector<double> q_proc, q_main, w_proc, w_main, b_cpu, g_cpu, m_cpu, c_cpu;
     for (int round = 0; round < rounds; ++round) {
       comm->barrier();
+      const CpuWindow copy_cpu;
       const double copy_s = shardopt::bench::memcpy_state(access, copy_buffer);
-      std::vector<double> q, w, b, g;
+      m_cpu.push_back(copy_cpu.thread());
+      std::vector<double> q, w, b, g, bc, gc;
+      const CpuWindow quiet_cpu;
+      const auto quiet_threads0 = thread_times();
       for (int s = 0; s < steps; ++s) q.push_back(bench.step());
+      const auto quiet_threads = thread_times();
+      q_proc.push_back(quiet_cpu.process() / steps);
+      q_main.push_back(quiet_cpu.thread() / steps);
       comm->barrier();
+      const CpuWindow with_cpu;
+      const double comm_cpu0 = snapshot_threads_cpu();
+      const auto threads0 = thread_times();
       for (int s = 0; s < steps; ++s) {
         const auto t0 = shardopt::bench::Clock::now();
         bench.step();
+        if (s > 0) gc.push_back(snaps.last_timing().background_cpu_s);  // joined inside snapshot()
         snaps.snapshot();  // joins the previous one: its background overlapped this step
         w.push_back(shardopt::bench::seconds_since(t0));
         b.push_back(snaps.last_timing().blocking_s);
+        bc.push_back(snaps.last_timing().blocking_cpu_s);
       }
       snaps.wait();
+      if (lead && std::getenv("SNAPSHOT_BENCH_THREADS") != nullptr) {
+        for (const auto& [tid, t] : thread_times()) {
+          const auto was = threads0.count(tid) ? threads0.at(tid) : std::pair<double, double>{0, 0};
+          const auto q0 =
+              quiet_threads0.count(tid) ? quiet_threads0.at(tid) : std::pair<double, double>{0, 0};
+          const auto q1 = quiet_threads.count(tid) ? quiet_threads.at(tid) : q0;
+          fmt::print("  thread {}: user, system a step: quiet {:.3f}, {:.3f} s; with {:.3f}, "
+                     "{:.3f} s\n",
+                     tid, (q1.first - q0.first) / steps, (q1.second - q0.second) / steps,
+                     (t.first - was.first) / steps, (t.second - was.second) / steps);
+        }
+      }
+      c_cpu.push_back((snapshot_threads_cpu() - comm_cpu0) / steps);
+      w_proc.push_back(with_cpu.process() / steps);
+      w_main.push_back(with_cpu.thread() / steps);
       g.push_back(snaps.last_timing().background_s);
+      gc.push_back(snaps.last_timing().background_cpu_s);
+      for (double x : bc) b_cpu.push_back(x);
+      for (double x : gc) g_cpu.push_back(x);
       memcpys.push_back(copy_s);
       for (double x : q) quiet.push_back(x);
       for (double x : w) with.push_back(x);
       for (double x : b) blockings.push_back(x);
       backgrounds.push_back(g.back());
       if (lead) {
-        fmt::print("{:5d}  {:8.4f}  {:12.3f}  {:15.3f}  {:10.4f}  {:12.3f}\n", round, copy_s,
-                   median(q), median(w), median(b), g.back());
+        fmt::print("{:5d}  {:8.4f}  {:12.3f}  {:15.3f}  {:10.4f}  {:12.3f}  | {:.3f}, {:.3f} / "
+                   "{:.3f}, {:.3f}  {:12.4f}  {:14.4f}  {:16.4f}  {:14.4f}\n",
+                   round, copy_s, median(q), median(w), median(b), g.back(), q_proc.back(),
+                   q_main.back(), w_proc.back(), w_main.back(), m_cpu.back(), median(bc),
+                   median(gc), c_cpu.back());
         std::fflush(stdout);
       }
     }
@@ -152,6 +258,18 @@ int main(int argc, char** argv) {
                  qs, ws, ws / qs, bl, m, bl / m, median(backgrounds), slowest.item<double>(),
                  report.number, static_cast<double>(snaps.host_bytes()) / (1 << 20),
                  static_cast<double>(estimated) / (1 << 20));
+      // What a snapshot adds, in CPU seconds per step (= per snapshot at K = 1).
+      const double proc = median(w_proc) - median(q_proc);
+      const double main_thread = median(w_main) - median(q_main), bg = median(g_cpu);
+      const double own = median(b_cpu) + bg + median(c_cpu);
+      fmt::print("cpu per snapshot (medians, rank 0): {:.4f} s = blocking {:.4f} s (one memcpy of "
+                 "the state: {:.4f} s -> {:.2f}x) + background thread {:.4f} s + its "
+                 "communicator's threads {:.4f} s; payload {:.1f} MiB\n",
+                 own, median(b_cpu), median(m_cpu), median(b_cpu) / median(m_cpu), bg,
+                 median(c_cpu), static_cast<double>(snaps.host_bytes()) / 4 / (1 << 20));
+      fmt::print("cpu per step (medians, rank 0): process {:.3f} s quiet, {:.3f} s with snapshots "
+                 "-> {:+.3f} s, of which main thread {:+.3f} s\n",
+                 median(q_proc), median(w_proc), proc, main_thread);
     }
     comm->barrier();
     if (lead) fs::remove_all(dir);

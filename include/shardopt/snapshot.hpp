@@ -20,9 +20,12 @@
 ///
 /// snapshot() joins the previous snapshot (throwing its failure on every rank), marks slot n
 /// invalid, copies the state into it (the only time the step waits: one memcpy of the rank's
-/// state), and returns; a background thread, over private communicators split at construction,
-/// checksums the slot (CRC-32C), writes its header last, sends it to the buddy while receiving the
-/// copy it holds for the rank whose buddy it is (header last again), and then every rank agrees.
+/// state) and returns. The copy checksums the bytes it moves (CRC-32C in the same pass, from the
+/// registers they were loaded into), so that no one reads the slot back to checksum it: on cores
+/// the steps already fill, the background's CPU is what a snapshot costs. A background thread,
+/// over private communicators split at construction, writes the slot's header last, sends the
+/// slot to the buddy while receiving the copy it holds for the rank whose buddy it is (header last
+/// again; the copy is checksummed once, by restore()), and then every rank agrees.
 /// Only once every rank has both copies does each write `<dir>/rank<r>.commit` (n, atomically):
 /// the job's commit. A rank that saw the agreement may die before writing its marker, so restore
 /// takes the newest n that any rank committed: the agreement for n proves every copy of n landed.
@@ -103,6 +106,12 @@ struct SnapshotOptions {
 struct SnapshotTiming {
   double blocking_s = 0;    ///< inside snapshot(): joining the previous one, the copy
   double background_s = 0;  ///< checksum, the buddy exchange, the agreement, the commit
+  /// CPU time (CLOCK_THREAD_CPUTIME_ID) of the caller's thread inside snapshot(), and of the
+  /// background thread; the communicator's own threads (MPI's worker, which moves the bytes of the
+  /// exchange) are not in either: on a shared machine these, not the wall times, say what a
+  /// snapshot costs.
+  double blocking_cpu_s = 0;
+  double background_cpu_s = 0;
 };
 
 /// What restore() found and did.

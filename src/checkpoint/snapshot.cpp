@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cstring>
 #include <chrono>
+#include <ctime>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -42,6 +43,13 @@ constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are ints
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// CPU time of the calling thread (seconds).
+double thread_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 int64_t payload_bytes(ShardAccess& a) { return detail::snapshot_payload_bytes(a); }
@@ -155,7 +163,8 @@ struct MemorySnapshots::State {
   }
   // Tells the optimizer, whose memory() reports it, after every mapping.
   void report_host_bytes() { a.set_snapshot_host_bytes(host_bytes()); }
-  void background(int64_t number, std::string tail, int64_t json_bytes, int64_t steps);
+  void background(int64_t number, std::string tail, int64_t json_bytes, int64_t steps,
+                  const std::array<uint32_t, 4>& payload_crc);
   void exchange(SlotFile* from, const std::string& from_tail, int to, SlotFile* into, int src,
                 const std::string& what);
 };
@@ -214,7 +223,7 @@ void MemorySnapshots::State::exchange(SlotFile* from, const std::string& from_ta
 // The background half of snapshot(): checksum and close the slot, exchange with the buddy, agree,
 // commit.
 void MemorySnapshots::State::background(int64_t number, std::string tail, int64_t json_bytes,
-                                        int64_t steps) {
+                                        int64_t steps, const std::array<uint32_t, 4>& payload_crc) {
   const std::string what = fmt::format("snapshot {}", number);
   SlotFile& slot = *own[number % 2];
   agree_on_errors(*world, what + ": closing this rank's slot", [&] {
@@ -223,7 +232,7 @@ void MemorySnapshots::State::background(int64_t number, std::string tail, int64_
     p.payload_bytes = slot.mapped_payload();
     p.tail_bytes = static_cast<int64_t>(tail.size());
     p.json_bytes = json_bytes;
-    p.payload_crc = detail::crc32c_quarters(slot.payload(), p.payload_bytes);
+    p.payload_crc = payload_crc;  // computed by the copy (Note [Snapshots in memory])
     p.tail_crc = detail::crc32c(tail.data(), p.tail_bytes);
     slot.write_tail(tail);
     slot.write_prefix(detail::encode_prefix(p));
@@ -307,6 +316,7 @@ void MemorySnapshots::wait() {
 
 void MemorySnapshots::snapshot(const TrainerState& trainer) {
   const auto t0 = Clock::now();
+  const double cpu0 = thread_cpu_s();
   wait();
   State& s = *state_;
   ShardAccess& a = s.a;
@@ -320,17 +330,27 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
     s.report_host_bytes();
   }
   slot.invalidate();
-  {  // the step waits for this copy only
+  std::array<uint32_t, 4> payload_crc{};
+  {  // the step waits for this copy only, checksummed on the way (one pass over the bytes)
     at::NoGradGuard no_grad;
-    at::Tensor view = payload_view(a, slot.payload());
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(a.master_dtype()));
+    const int64_t section = a.layout().shard_numel * elem;
+    detail::PayloadChecksum sum(slot.payload(), slot.mapped_payload());
     for (size_t b = 0; b < a.layout().buckets.size(); ++b) {
       const auto& bl = a.layout().buckets[b];
       const int bucket = static_cast<int>(b);
-      view[0].narrow(0, bl.shard_offset, bl.shard).copy_(a.owned_param_slice(bucket));
-      for (int k = 0; k < a.state_buffer_count(); ++k) {
-        view[k + 1].narrow(0, bl.shard_offset, bl.shard).copy_(a.owned_state_slice(k, bucket));
+      for (int k = 0; k <= a.state_buffer_count(); ++k) {
+        at::Tensor src = k == 0 ? a.owned_param_slice(bucket) : a.owned_state_slice(k - 1, bucket);
+        SHARDOPT_INTERNAL_ASSERT(src.numel() == bl.shard, "snapshot: bucket {} section {} holds {} "
+                                 "elements, its shard {}", b, k, src.numel(), bl.shard);
+        if (!src.device().is_cpu() || !src.is_contiguous() ||
+            src.scalar_type() != a.master_dtype()) {
+          src = src.to(at::kCPU, a.master_dtype()).contiguous();  // one run of host bytes
+        }
+        sum.copy(k * section + bl.shard_offset * elem, src.data_ptr(), bl.shard * elem);
       }
     }
+    payload_crc = sum.finish();
   }
   json record = {{"format", kSnapshotFormat},    {"version", 1},
                  {"number", number},             {"steps", a.step_count()},
@@ -360,17 +380,20 @@ void MemorySnapshots::snapshot(const TrainerState& trainer) {
   const int64_t steps = a.step_count();
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    s.timing = {seconds_since(t0), 0};
+    s.timing = {seconds_since(t0), 0, thread_cpu_s() - cpu0, 0};
   }
-  s.thread = std::thread([&s, number, tail = std::move(tail), json_bytes, steps]() mutable {
+  s.thread = std::thread([&s, number, tail = std::move(tail), json_bytes, steps,
+                          payload_crc]() mutable {
     const auto start = Clock::now();
+    const double cpu_start = thread_cpu_s();
     try {
-      s.background(number, std::move(tail), json_bytes, steps);
+      s.background(number, std::move(tail), json_bytes, steps, payload_crc);
     } catch (...) {
       s.failure = std::current_exception();
     }
     std::lock_guard<std::mutex> lock(s.mutex);
     s.timing.background_s = seconds_since(start);
+    s.timing.background_cpu_s = thread_cpu_s() - cpu_start;
   });
 }
 

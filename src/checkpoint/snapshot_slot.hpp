@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace shardopt::detail {
 
@@ -34,6 +35,28 @@ inline constexpr int64_t kSlotPrefixBytes = 64;
 // CRC-32 manages 1); the same values from the portable loop where SSE4.2 is missing.
 std::array<uint32_t, 4> crc32c_quarters(const void* data, int64_t n);
 uint32_t crc32c(const void* data, int64_t n);
+
+// The payload's quarters' CRC-32C (crc32c_quarters' four values) computed while the payload is
+// written in pieces, in any order: copy() copies a piece and checksums it in the same pass, from
+// the registers the bytes were loaded into, so the slot is never read again to checksum it (Note
+// [Snapshots in memory]); finish() combines the pieces' CRCs (CRC is linear: the CRC of A then B
+// is A's shifted by |B| bytes xor B's) and reads only bytes no piece wrote.
+class PayloadChecksum {
+ public:
+  PayloadChecksum(uint8_t* payload, int64_t payload_bytes);
+  // Copies [src, src + n) to payload + at (inside the payload; pieces must not overlap).
+  void copy(int64_t at, const void* src, int64_t n);
+  std::array<uint32_t, 4> finish();
+
+ private:
+  struct Piece {
+    int64_t at, n;
+    uint32_t crc;  // the CRC register over the piece from 0, neither pre- nor post-inverted
+  };
+  uint8_t* payload_;
+  int64_t n_, q_;
+  std::vector<Piece> pieces_;
+};
 
 // The 64 bytes of a prefix, and back (nullopt: not a valid prefix).
 std::array<uint8_t, kSlotPrefixBytes> encode_prefix(const SlotPrefix& p);

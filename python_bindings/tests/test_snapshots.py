@@ -191,3 +191,71 @@ def test_refused_arguments(tmp_path):
     snaps = shardopt.MemorySnapshots(opt, dir=tmp_path / "one")  # one rank: no buddy
     assert snaps.buddy() == -1 and snaps.host_bytes() == 0
     snaps.remove()
+
+
+def _gloo_worker(rank, store, snap_dir, results):
+    """One rank over a torch.distributed Gloo group: the snapshots' private communicators are
+    split through torch.distributed.new_group (from_process_group's splitter), the buddy copy
+    travels over them, and a second optimizer in the same process restores bitwise."""
+    import datetime
+    import gc
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    comm = shardopt.from_process_group()
+    report = {"rank": rank}
+    sub = comm.split(0, rank)
+    report["split"] = (sub.backend, sub.rank, sub.size)
+    del sub
+
+    model, opt, sched = _setup(comm, 2, seed=0)
+    snaps = shardopt.MemorySnapshots(opt, dir=snap_dir, ranks_per_host=1)
+    _train(comm, model, opt, sched, 0, 2)
+    snaps.snapshot({"step": 2}, {"rng": torch.get_rng_state()})
+    _train(comm, model, opt, sched, 2, 4)
+    snaps.wait()
+    expected = _params(model, opt)
+    report["buddy"] = snaps.buddy()
+    del snaps
+
+    model, opt, sched = _setup(comm, 2, seed=1)
+    snaps = shardopt.MemorySnapshots(opt, dir=snap_dir, ranks_per_host=1)
+    state, restored = snaps.restore()
+    report["restored"] = (restored.restored, restored.step, state[0] if state else None)
+    sched.last_epoch = 2
+    _train(comm, model, opt, sched, 2, 4)
+    got = _params(model, opt)
+    report["differing"] = [k for k in got if not torch.equal(got[k], expected[k])]
+    snaps.remove()
+    del snaps, opt
+    gc.collect()
+    dist.destroy_process_group()
+    results.put(report)
+
+
+@pytest.mark.skipif(not shardopt.has_c10d, reason="built without the c10d adapter")
+def test_snapshots_over_a_torch_gloo_group(tmp_path):
+    import time
+
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = mp.start_processes(_gloo_worker, args=(str(tmp_path / "store"),
+                                                   str(tmp_path / "snaps"), results),
+                               nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not procs.join(timeout=1):
+            assert time.monotonic() < deadline, "2-rank Gloo run exceeded 240 s"
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    reports = sorted((results.get() for _ in range(WORLD)), key=lambda r: r["rank"])
+    for rank, r in enumerate(reports):
+        assert r["split"] == ("gloo", rank, WORLD), r
+        assert r["buddy"] == (rank + 1) % WORLD, r
+        assert r["restored"] == (True, 2, {"step": 2}), r
+        assert r["differing"] == [], r

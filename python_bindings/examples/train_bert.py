@@ -225,6 +225,10 @@ def train(args, comm):
     per_rank = args.batch
     losses, times = [], []
     fault = test_fault()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or
+                  os.environ.get("SHARDOPT_RESTART") or 0)
+    if rank == 0 and restart > 0:
+        print(f"[train_bert] restart {restart} of this job", flush=True)
     snaps, first = None, 0
     if args.snapshot_every > 0:
         snaps = shardopt.MemorySnapshots(opt, dir=snapshot_dir(args, rank),
@@ -309,6 +313,20 @@ def release_then_destroy(dist):
     dist.destroy_process_group()
 
 
+def init_torchrun_group(dist):
+    """torch.distributed's Gloo group from torchrun's variables (env://), over the store prefixed
+    by the restart attempt: torchrun's static rendezvous (--master-addr/--master-port) keeps one
+    store across --max-restarts, so a restarted group (or new_group) could otherwise read the dead
+    attempt's Gloo addresses and fail to connect ("Connection refused"; torch 2.15)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_serves)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"train_bert/attempt{attempt}", store),
+                            rank=rank, world_size=world)
+
+
 def spawn_worker(rank, args, store):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -365,7 +383,7 @@ def main():
         return 0
     if args.launcher == "torchrun":
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        init_torchrun_group(dist)
         ok = train(args, shardopt.from_process_group())
         release_then_destroy(dist)
         return 0 if ok else 1

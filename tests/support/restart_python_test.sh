@@ -67,7 +67,7 @@ check() {  # check <case>: finished, restored from memory, the clean run's losse
   local name=$1
   grep -q "restored snapshot" "$WORK/$name.log" ||
     { cat "$WORK/$name.log"; fail "$name: the restart did not restore a snapshot"; }
-  grep -E "^\[train_bert\] (restored|recovered|snapshot)" "$WORK/$name.log" | sed "s/^/[$name] /"
+  grep -E "^\[train_bert\] (restart|restored|recovered|snapshot)" "$WORK/$name.log" | sed "s/^/[$name] /"
   "$PY" - "$WORK/clean.jsonl" "$WORK/$name.jsonl" "$WORK/$name.log" "$STEPS" "$name" <<'EOF' ||
 import json, re, sys
 def losses(path):
@@ -78,7 +78,10 @@ def losses(path):
         out[j["step"]] = j["loss"]
     return out
 clean, got, steps, name = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[4]), sys.argv[5]
-restored = [int(m) for m in re.findall(r"restored snapshot \d+ \(step (\d+)\)", open(sys.argv[3]).read())]
+log = open(sys.argv[3]).read()
+restarts = re.findall(r"\[train_bert\] restart (\d+) of this job", log)
+assert restarts == ["1"], f"restarts {restarts}: expected one, which finished"
+restored = [int(m) for m in re.findall(r"restored snapshot \d+ \(step (\d+)\)", log)]
 assert len(restored) == 1 and 1 <= restored[0] < steps, f"restored steps {restored}"
 print(f"[{name}] step  failure-free  restarted")
 for s in sorted(clean):
@@ -89,7 +92,7 @@ differ = [s for s in clean if clean[s].hex() != got[s].hex()]
 assert not differ, f"losses differ at steps {differ}"
 print(f"[{name}] all {steps} losses equal bitwise; restored at step {restored[0]}")
 EOF
-    fail "$name: losses"
+    { cat "$WORK/$name.log"; fail "$name: losses"; }
 }
 
 snaps() { echo --snapshot-every 1 --snapshot-dir "$SHM/$1/host-{host}" --ranks-per-host 1; }

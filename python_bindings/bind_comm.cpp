@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "shardopt/process_group.hpp"
+#include "shardopt/process_group_splitter.hpp"
 #endif
 
 namespace py = pybind11;
@@ -206,10 +207,26 @@ void bind_comm(py::module_& m) {
 #if SHARDOPT_HAS_C10D
   m.def(
       "_make_process_group_communicator",
-      [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
-        return make_process_group_communicator(std::move(group));
+      [](c10::intrusive_ptr<c10d::ProcessGroup> group, py::object splitter) {
+        if (splitter.is_none()) return make_process_group_communicator(std::move(group));
+        // split() calls it from C++ without the GIL; the last reference goes with the GIL (or
+        // is left to the process's exit once the interpreter is gone).
+        std::shared_ptr<py::object> fn(new py::object(std::move(splitter)), [](py::object* f) {
+          if (!Py_IsInitialized()) return;
+          py::gil_scoped_acquire gil;
+          delete f;
+        });
+        ProcessGroupSplitter split = [fn](int color, int key) {
+          py::gil_scoped_acquire gil;
+          py::object sub = (*fn)(color, key);
+          return sub.is_none() ? c10::intrusive_ptr<c10d::ProcessGroup>{}
+                               : sub.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+        };
+        return make_process_group_communicator(std::move(group), std::move(split));
       },
-      "group"_a);
+      "group"_a, "splitter"_a = py::none(),
+      "A communicator over a torch.distributed group; `splitter(color, key)`, called on every "
+      "rank alike by split(), returns this rank's subgroup (ranks of its color ordered by key).");
 #endif
 #if SHARDOPT_HAS_GLOO
   m.def(

@@ -21,5 +21,6 @@ pybind11::dict rule_dict(const Rule& rule);  // what param_groups hold
 
 void bind_comm(pybind11::module_& m);      // bind_comm.cpp: engines, Work, init_from_env
 void bind_estimate(pybind11::module_& m);  // bind_estimate.cpp: the analytic memory model
+void bind_snapshots(pybind11::module_& m);  // bind_snapshots.cpp: MemorySnapshots
 
 }  // namespace shardopt::python

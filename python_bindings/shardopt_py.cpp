@@ -1,6 +1,6 @@
 // Python bindings (module shardopt._C): errors, options, units and the optimizer; communicators
-// in bind_comm.cpp, the estimator in bind_estimate.cpp, hyper-parameters in bind_rules.cpp
-// (bindings.hpp). The Python package
+// in bind_comm.cpp, the estimator in bind_estimate.cpp, hyper-parameters in bind_rules.cpp,
+// snapshots in host memory in bind_snapshots.cpp (bindings.hpp). The Python package
 // (shardopt/*.py) wraps the optimizer core as a torch.optim.Optimizer; this file only converts.
 // Invariant: every call that communicates or runs the optimizer releases the GIL (autograd hooks
 // and collectives never need Python), and every call back into Python re-acquires it.
@@ -628,4 +628,5 @@ PYBIND11_MODULE(_C, m) {
   bind_options(m);
   bind_optimizer(m);
   python::bind_estimate(m);
+  python::bind_snapshots(m);
 }

@@ -8,6 +8,11 @@
     # or pip's torchrun + torch.distributed's Gloo group over torchrun's store:
     torchrun --nproc-per-node=2 python_bindings/examples/train_bert.py --launcher torchrun
 
+    # surviving a killed rank: torchrun restarts the job, which continues from its newest
+    # snapshot in host memory, bitwise (docs/recovery.md); scripts/shardopt-run does it for mpirun
+    torchrun --nproc-per-node=2 --max-restarts=3 python_bindings/examples/train_bert.py \
+        --launcher torchrun --snapshot-every 1 --snapshot-dir /dev/shm/shardopt-myjob
+
 PYTHONPATH must reach the package (<build>/python after scripts/build.sh, or pip install it).
 
 The model: word/position embeddings + LayerNorm, post-LN encoder layers, an MLM head whose
@@ -19,9 +24,11 @@ shardopt averages the gradients, so all ranks hold the same model after every st
 import argparse
 import collections
 import gc
+import json
 import math
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -114,6 +121,85 @@ def global_batch(tokens, step, batch, seq, seed, mask_prob=0.15):
     return torch.where(masked, torch.full_like(ids, MASK), ids), labels
 
 
+# ---- surviving failures ---------------------------------------------------------------------
+
+FAULTS = ("kill", "throw", "kill-in-snapshot")
+
+
+def test_fault():
+    """BERT_TEST_FAULT="RANK:STEP:ACTION", as the C++ example reads it (Note [Test faults] in
+    examples/bert/test_fault.hpp): `kill` SIGKILLs rank RANK before training step STEP (1-based),
+    `throw` raises there, `kill-in-snapshot` SIGKILLs it right after the snapshot of step STEP
+    started (its buddy exchange and commit in flight). A restarted job runs without it:
+    torchrun's TORCHELASTIC_RESTART_COUNT or scripts/shardopt-run's SHARDOPT_RESTART > 0."""
+    spec = os.environ.get("BERT_TEST_FAULT", "")
+    if not spec or any(int(os.environ.get(v) or 0) > 0
+                       for v in ("TORCHELASTIC_RESTART_COUNT", "SHARDOPT_RESTART")):
+        return None
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in FAULTS:
+        raise SystemExit(f"BERT_TEST_FAULT='{spec}': expected RANK:STEP:ACTION with ACTION one "
+                         f"of {', '.join(FAULTS)}")
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
+def snapshot_dir(args, rank):
+    """--snapshot-dir with `{host}` replaced by this rank's host number (rank / --ranks-per-host),
+    to emulate hosts on one machine."""
+    if "{host}" not in args.snapshot_dir:
+        return args.snapshot_dir
+    if args.ranks_per_host <= 0:
+        raise SystemExit(f"--snapshot-dir {args.snapshot_dir}: {{host}} needs --ranks-per-host")
+    return args.snapshot_dir.replace("{host}", str(rank // args.ranks_per_host))
+
+
+def run_identity(args, world):
+    """What a snapshot must have been taken with to be continued bitwise."""
+    return {k: getattr(args, k) for k in ("preset", "stage", "steps", "batch", "lr", "dropout",
+                                          "seed", "corpus")} | {"world": world}
+
+
+def restore_snapshot(args, snaps, sched, rank, world):
+    """The newest committed snapshot, if any: (first step, losses so far); else (0, [])."""
+    state, report = snaps.restore()
+    if state is None:
+        if rank == 0 and not report.reason.startswith("no snapshot"):
+            print(f"[train_bert] snapshot: not restored: {report.reason}", flush=True)
+        return 0, []
+    client, tensors = state
+    if client["run"] != run_identity(args, world):
+        raise SystemExit(f"[train_bert] the snapshot in {snapshot_dir(args, rank)} is of another "
+                         f"run ({client['run']}); delete it to start afresh")
+    sched.load_state_dict(client["scheduler"])
+    torch.set_rng_state(tensors["rng"])  # dropout's stream
+    first = client["step"]
+    if rank == 0:
+        source = ("every rank's own copy" if report.from_buddy == 0
+                  else f"{report.from_buddy} ranks' copies sent by their buddies")
+        print(f"[train_bert] restored snapshot {report.number} (step {first}) from host memory "
+              f"in {report.seconds:.3f} s ({source})", flush=True)
+        if args.losses and os.path.exists(args.losses):  # the steps to repeat are logged again
+            with open(args.losses) as f:
+                kept = [line for line in f if json.loads(line)["step"] < first]
+            with open(args.losses, "w") as f:
+                f.writelines(kept)
+    return first, list(client["losses"])
+
+
+def take_snapshot(args, snaps, sched, done, losses, rank, world, fault):
+    snaps.snapshot({"step": done, "scheduler": sched.state_dict(), "losses": losses,
+                    "run": run_identity(args, world)}, {"rng": torch.get_rng_state()})
+    if fault == (rank, done, "kill-in-snapshot"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0 and done == args.snapshot_every:
+        buddy = snaps.buddy()
+        where = f"rank 0's buddy: rank {buddy}" if buddy >= 0 else "one host: no buddy copy"
+        print(f"[train_bert] snapshot: step {done} in host memory "
+              f"({snaps.last_timing().blocking_s:.3f} s blocking; "
+              f"{snaps.host_bytes() / 2**20:.2f} MiB of slots per rank; {where}), "
+              f"every {args.snapshot_every} steps", flush=True)
+
+
 # ---- training -------------------------------------------------------------------------------
 
 def train(args, comm):
@@ -138,12 +224,28 @@ def train(args, comm):
 
     per_rank = args.batch
     losses, times = [], []
+    fault = test_fault()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or
+                  os.environ.get("SHARDOPT_RESTART") or 0)
+    if rank == 0 and restart > 0:
+        print(f"[train_bert] restart {restart} of this job", flush=True)
+    snaps, first = None, 0
+    if args.snapshot_every > 0:
+        snaps = shardopt.MemorySnapshots(opt, dir=snapshot_dir(args, rank),
+                                         ranks_per_host=args.ranks_per_host, comm=comm)
+        first, losses = restore_snapshot(args, snaps, sched, rank, world)
+    failed_at = float(os.environ.get("SHARDOPT_FAILED_AT") or 0)  # scripts/shardopt-run
     if rank == 0:
         n = opt.numel
         print(f"BertMLM-{args.preset}: {n:,} parameters (tied decoder counted once), {world} "
               f"ranks ({comm.backend}), ZeRO stage {args.stage}, batch {per_rank}x{world}, "
               f"{len(tokens):,} corpus tokens", flush=True)
-    for step in range(args.steps):
+    for step in range(first, args.steps):
+        if fault in ((rank, step + 1, "kill"), (rank, step + 1, "throw")):
+            if fault[2] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"test fault (BERT_TEST_FAULT): rank {rank} fails before step "
+                               f"{step + 1}")
         t0 = time.perf_counter()
         ids, labels = global_batch(tokens, step, per_rank * world, cfg["seq"], args.seed)
         ids, labels = ids[rank * per_rank:(rank + 1) * per_rank], labels[rank * per_rank:(rank + 1) * per_rank]
@@ -165,6 +267,15 @@ def train(args, comm):
             s = opt.last_step()
             print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  "
                   f"grad_norm {s.grad_norm:.3f}  {time.perf_counter() - t0:.3f} s/step", flush=True)
+        if rank == 0 and failed_at and step == first:
+            print(f"[train_bert] recovered: {time.time() - failed_at:.2f} s from the failure to "
+                  "the end of the first step after it", flush=True)
+        if snaps is not None and (step + 1) % args.snapshot_every == 0:
+            take_snapshot(args, snaps, sched, step + 1, losses, rank, world, fault)
+    if snaps is not None:
+        snaps.wait()
+        snaps.remove()  # the job finished: tmpfs gives the memory back
+        del snaps
 
     mem = opt.memory()
     report = torch.tensor([mem.param_bytes, mem.grad_bytes, mem.optimizer_state_bytes,
@@ -202,6 +313,20 @@ def release_then_destroy(dist):
     dist.destroy_process_group()
 
 
+def init_torchrun_group(dist):
+    """torch.distributed's Gloo group from torchrun's variables (env://), over the store prefixed
+    by the restart attempt: torchrun's static rendezvous (--master-addr/--master-port) keeps one
+    store across --max-restarts, so a restarted group (or new_group) could otherwise read the dead
+    attempt's Gloo addresses and fail to connect ("Connection refused"; torch 2.15)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_serves)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"train_bert/attempt{attempt}", store),
+                            rank=rank, world_size=world)
+
+
 def spawn_worker(rank, args, store):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -234,7 +359,20 @@ def main():
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--check-loss-decreases", action="store_true",
                     help="exit 1 unless the loss fell (and, always, unless ranks agree)")
+    ap.add_argument("--snapshot-every", type=int, default=0, metavar="K",
+                    help="keep the state in host memory every K steps (shardopt.MemorySnapshots) "
+                         "and, on start, continue from the newest snapshot there: a job "
+                         "restarted by torchrun --max-restarts or scripts/shardopt-run continues "
+                         "bitwise (0: no snapshots)")
+    ap.add_argument("--snapshot-dir", default="/dev/shm/shardopt-train_bert",
+                    help="this host's directory of the snapshots, on tmpfs; one job per "
+                         "directory; {host} becomes rank / --ranks-per-host (emulated hosts)")
+    ap.add_argument("--ranks-per-host", type=int, default=0,
+                    help="ranks per host, so that each rank's buddy copy lands on the next host "
+                         "(0: counted from the host names)")
     args = ap.parse_args()
+    if args.snapshot_every < 0:
+        ap.error(f"--snapshot-every expects K >= 0, got {args.snapshot_every}")
     if args.launcher == "spawn":
         import tempfile
 
@@ -245,7 +383,7 @@ def main():
         return 0
     if args.launcher == "torchrun":
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        init_torchrun_group(dist)
         ok = train(args, shardopt.from_process_group())
         release_then_destroy(dist)
         return 0 if ok else 1

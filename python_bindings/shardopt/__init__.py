@@ -14,6 +14,10 @@
     opt.consolidate_state_dict(0)                               # or torch's format, on rank 0
     if comm.rank == 0: torch.save(opt.state_dict(), "optim.pt") # loads into torch.optim.AdamW
 
+    snaps = shardopt.MemorySnapshots(opt, dir="/dev/shm/shardopt-myjob")  # in host memory
+    state, report = snaps.restore()      # a restarted job: the newest committed snapshot
+    snaps.snapshot({"step": step})       # every K steps (docs/recovery.md)
+
 See DistributedOptimizer's docstring, estimate() for the memory model, and the exception types
 (Error and its subclasses) for what C++ errors become.
 """
@@ -33,6 +37,7 @@ from .estimate import bert_parameter_count, estimate, estimate_model
 from .arguments import modules_of_type
 from .checkpoint import consolidate_checkpoint, read_checkpoint_info, read_full_state
 from .optimizer import DistributedOptimizer
+from .snapshot import MemorySnapshots, RestoreReport, SnapshotTiming
 
 if _C.has_gloo:
     from .comm import make_gloo_communicator  # noqa: F401

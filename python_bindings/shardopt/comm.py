@@ -63,7 +63,34 @@ def from_process_group(group=None):
             raise ValueError("from_process_group: torch.distributed is not initialised; call "
                              "torch.distributed.init_process_group first or pass a group")
         group = dist.distributed_c10d._get_default_group()
-    return _C._make_process_group_communicator(group)
+    # The default group splits through torch.distributed.new_group (which every rank of the
+    # default group must call); builds without Gloo's headers cannot make Gloo groups in C++.
+    splitter = _new_group_splitter() if group is dist.distributed_c10d._get_default_group() \
+        else None
+    return _C._make_process_group_communicator(group, splitter)
+
+
+def _new_group_splitter():
+    """split(color, key) over the default group: every rank learns every rank's (color, key),
+    then all make every color's Gloo group in the same order (new_group's contract) and each
+    keeps its own. Called by C++ on every rank alike (split() is collective)."""
+    import torch.distributed as dist
+
+    def split(color, key):
+        pairs = [None] * dist.get_world_size()
+        dist.all_gather_object(pairs, (color, key, dist.get_rank()))
+        mine = None
+        for c in sorted({c for c, _, _ in pairs if c >= 0}):
+            members = [r for _, r in sorted((k, r) for cc, k, r in pairs if cc == c)]
+            if members != sorted(members):  # new_group ranks its members by global rank
+                raise _unsupported(f"split: keys that reorder ranks ({members}) are not "
+                                   "supported over torch.distributed.new_group")
+            group = dist.new_group(ranks=members, backend="gloo")
+            if c == color:
+                mine = group
+        return mine
+
+    return split
 
 
 def default_communicator():

@@ -16,6 +16,7 @@
 // torch.distributed (from Python) works, our own Gloo groups (make_gloo_communicator, torchrun's
 // variables in init_from_env, split()) do not exist.
 #include "shardopt/process_group.hpp"
+#include "shardopt/process_group_splitter.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -149,9 +150,11 @@ CommunicatorPtr make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int s
 template <class Group>
 class ProcessGroupCommunicator final : public Communicator {
  public:
-  ProcessGroupCommunicator(c10::intrusive_ptr<Group> group, c10::intrusive_ptr<c10d::Store> store)
+  ProcessGroupCommunicator(c10::intrusive_ptr<Group> group, c10::intrusive_ptr<c10d::Store> store,
+                           ProcessGroupSplitter splitter = {})
       : Communicator(group->getRank(), group->getSize()), group_(std::move(group)),
-        store_(std::move(store)), name_(group_->getBackendName()) {}
+        store_(std::move(store)), splitter_(std::move(splitter)),
+        name_(group_->getBackendName()) {}
 
   // Note [Process groups after a timeout]: a collective that timed out may still be blocked in
   // the group's worker thread, and the group's destructor joins it, which can take as long as the
@@ -257,6 +260,16 @@ class ProcessGroupCommunicator final : public Communicator {
   // A c10d subgroup, as torch.distributed.new_group makes it: a fresh Gloo group of the members
   // over a PrefixStore of this group's store, unique per split call and color.
   CommunicatorPtr do_split(int color, int key) override {
+    if (splitter_) {  // the group's maker makes its subgroups (process_group_splitter.hpp)
+      c10::intrusive_ptr<c10d::ProcessGroup> sub = splitter_(color, key);
+      if (color < 0) return nullptr;
+      SHARDOPT_CHECK(sub, Communication,
+                     "comm.split: the {} group's splitter returned no subgroup for color {}",
+                     name_, color);
+      CommunicatorPtr comm = make_process_group_communicator(std::move(sub));
+      comm->set_timeout(timeout());
+      return comm;
+    }
 #if !SHARDOPT_HAS_GLOO
     SHARDOPT_FAIL(Unsupported,
                   "comm.split: sub-groups of a {} process group need Gloo, which this build of "
@@ -466,6 +479,7 @@ class ProcessGroupCommunicator final : public Communicator {
 
   c10::intrusive_ptr<Group> group_;
   c10::intrusive_ptr<c10d::Store> store_;  // null when the caller gave none: no split()
+  ProcessGroupSplitter splitter_;            // set: split() asks it (before the store)
   std::string name_;
   int64_t splits_ = 0;
   // Point-to-point receives (Note [Point-to-point on process groups]).
@@ -519,7 +533,14 @@ CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::Process
 }
 
 CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  return make_process_group_communicator(std::move(group), {});
+  return make_process_group_communicator(std::move(group), c10::intrusive_ptr<c10d::Store>{});
+}
+
+CommunicatorPtr make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                ProcessGroupSplitter splitter) {
+  SHARDOPT_CHECK(group, InvalidArgument, "comm: make_process_group_communicator got a null group");
+  return std::make_shared<ProcessGroupCommunicator<c10d::ProcessGroup>>(
+      std::move(group), c10::intrusive_ptr<c10d::Store>{}, std::move(splitter));
 }
 
 #if SHARDOPT_HAS_GLOO

@@ -1,7 +1,9 @@
 """CPU AdamW implementations side by side (issue 39), each against a bandwidth probe measured in
 the same process: shardopt's fused AdamW (the Python bindings, one rank, stage 0), DeepSpeed's
 DeepSpeedCPUAdam (adamw_mode, JIT-built on first use into TORCH_EXTENSIONS_DIR),
-torch.optim.AdamW(fused=True) on CPU and torch.optim.AdamW(foreach=True).
+torch.optim.AdamW(fused=True) on CPU and torch.optim.AdamW(foreach=True); and the 8-bit AdamWs
+(issue 56): shardopt's "adamw8bit", torchao's AdamW8bit and bitsandbytes' AdamW8bit (both from
+bench/eightbit/site.sh), with the optimizer state each keeps per parameter.
 
 Every optimizer steps one fp32 parameter of NUMEL elements in a training loop (zero_grad(),
 backward through loss = dot(p, g), step(): Note [What each row times]); a step moves at least
@@ -12,6 +14,8 @@ threads) of the same size. Each (size, threads) runs in a fresh process with OMP
 Usage (pip platform: the venv's Python, the bindings built in build-pip/):
   PYTHONPATH=build-pip/python OMP_NUM_THREADS=1 <venv>/bin/python bench/optimizer_kernels.py \
       [--sizes 21e6,110e6] [--threads 1,2] [--reps 5] [--json OUT.json]
+  8-bit: PYTHONPATH=build-pip/python:$(bench/eightbit/site.sh) ... --impls \
+      torch_fused,shardopt_fused,shardopt_adamw8bit,torchao_adamw8bit,bnb_adamw8bit
 """
 import argparse
 import json
@@ -22,6 +26,9 @@ import sys
 import time
 
 ADAM_BYTES = 28
+# 8-bit AdamW: read p, g, the two moments' codes; write p and the codes (4+4+4+1+1+1+1 B), the
+# block maxima (4 B per 256) aside.
+ADAM8_BYTES = 16
 TRIAD_BYTES = 12
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -79,6 +86,52 @@ def loop_timer(torch, numel, opt, p):
     return step_only, whole
 
 
+def state_bytes(torch, opt):
+    """Bytes of the optimizer state a torch-style optimizer keeps: every tensor in opt.state,
+    tensor subclasses (torchao's OptimState8bit) by their inner tensors (codes, scales, map)."""
+    total = 0
+
+    def add(v):
+        nonlocal total
+        if not isinstance(v, torch.Tensor):
+            return
+        if hasattr(v, "__tensor_flatten__") and type(v) is not torch.Tensor:
+            names, _ = v.__tensor_flatten__()
+            for n in names:
+                add(getattr(v, n))
+        else:
+            total += v.numel() * v.element_size()
+    for st in opt.state.values():
+        for v in st.values():
+            add(v)
+    return total
+
+
+def run_shardopt8(torch, numel, memory):
+    import shardopt
+    p = make_param(torch, numel)
+    opt = shardopt.DistributedOptimizer([("p", p)], "adamw8bit",
+                                        comm=shardopt.make_single_communicator(), stage=0, **HYPER)
+    memory["shardopt_adamw8bit"] = lambda: opt.memory().optimizer_state_bytes
+    return loop_timer(torch, numel, opt, p)
+
+
+def run_torchao8(torch, numel, memory):
+    from torchao.optim import AdamW8bit
+    p = make_param(torch, numel)
+    opt = AdamW8bit([p], **HYPER)  # block_size 256, as shardopt's
+    memory["torchao_adamw8bit"] = lambda: state_bytes(torch, opt)
+    return loop_timer(torch, numel, opt, p)
+
+
+def run_bnb8(torch, numel, memory):
+    import bitsandbytes as bnb
+    p = make_param(torch, numel)
+    opt = bnb.optim.AdamW8bit([p], **HYPER)  # blockwise, 256 per block
+    memory["bnb_adamw8bit"] = lambda: state_bytes(torch, opt)
+    return loop_timer(torch, numel, opt, p)
+
+
 def run_shardopt(torch, numel, phases):
     """`update` is the fused kernel alone; `check` the non-finite check's time in step(), `check
     in backward` its time during backward (one read of the gradients, 4 B/param)."""
@@ -102,9 +155,12 @@ def run_deepspeed(torch, numel):
     return loop_timer(torch, numel, DeepSpeedCPUAdam([p], adamw_mode=True, **HYPER), p)
 
 
-def run_torch(torch, numel, **flags):
+def run_torch(torch, numel, memory=None, **flags):
     p = make_param(torch, numel)
-    return loop_timer(torch, numel, torch.optim.AdamW([p], **HYPER, **flags), p)
+    opt = torch.optim.AdamW([p], **HYPER, **flags)
+    if memory is not None:
+        memory["torch_fused"] = lambda: state_bytes(torch, opt)
+    return loop_timer(torch, numel, opt, p)
 
 
 def backward_alone(torch, numel):
@@ -133,11 +189,14 @@ def child(numel, threads, reps, which):
                     of_bound=(nbytes * numel / bandwidth) / seconds)
     rows.append(dict(row("backward alone (dot graph)", median_of(backward_alone(torch, numel), reps)),
                      gbs=None, of_bound=None))
-    phases = []
+    phases, memory = [], {}
     impls = {"shardopt_fused": lambda: run_shardopt(torch, numel, phases),
              "deepspeed_cpu_adam": lambda: run_deepspeed(torch, numel),
-             "torch_fused": lambda: run_torch(torch, numel, fused=True),
-             "torch_foreach": lambda: run_torch(torch, numel, foreach=True)}
+             "torch_fused": lambda: run_torch(torch, numel, memory, fused=True),
+             "torch_foreach": lambda: run_torch(torch, numel, foreach=True),
+             "shardopt_adamw8bit": lambda: run_shardopt8(torch, numel, memory),
+             "torchao_adamw8bit": lambda: run_torchao8(torch, numel, memory),
+             "bnb_adamw8bit": lambda: run_bnb8(torch, numel, memory)}
     # Note [Interleaved rounds]: every implementation is built first, then each round times one
     # step of each in an order rotated by one per round, so a drift of this shared machine's
     # bandwidth (other tenants, frequency) lands on every row alike instead of on whichever ran
@@ -160,7 +219,10 @@ def child(numel, threads, reps, which):
                     times[name][kind].append(t)
     for name in names:
         step_times, whole_times = times[name]
-        rows.append(row(f"{name} step()", statistics.median(step_times)))
+        nbytes = ADAM8_BYTES if name.endswith("8bit") else ADAM_BYTES
+        rows.append(row(f"{name} step()", statistics.median(step_times), nbytes))
+        if name in memory:  # after the steps: every state exists
+            rows[-1]["state_bpp"] = memory[name]() / numel
         if name == "shardopt_fused":  # the timed steps' phases (the last `reps`)
             for i, (phase, nbytes) in enumerate((("update phase (the kernel)", ADAM_BYTES),
                                                  ("check in step()", 4),
@@ -177,8 +239,9 @@ def child(numel, threads, reps, which):
 
 
 def table(rows):
-    lines = ["| impl | params | threads | median step (ms) | GB/s at 28 B/param | bound / time |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| impl | params | threads | median step (ms) | GB/s at 28 B/param (8-bit: 16) "
+             "| bound / time | state B/param |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['impl']} | {r['numel'] / 1e6:.0f}M | {r['threads']} | error: {r['error'][:80]} | | |")
@@ -189,8 +252,9 @@ def table(rows):
             lines.append(f"| {r['impl']} | {r['numel'] / 1e6:.0f}M | {r['threads']} | "
                          f"{r['seconds'] * 1e3:.1f} | | |")
         else:
+            bpp = f"{r['state_bpp']:.3f}" if "state_bpp" in r else ""
             lines.append(f"| {r['impl']} | {r['numel'] / 1e6:.0f}M | {r['threads']} | "
-                         f"{r['seconds'] * 1e3:.1f} | {r['gbs']:.2f} | {r['of_bound']:.2f} |")
+                         f"{r['seconds'] * 1e3:.1f} | {r['gbs']:.2f} | {r['of_bound']:.2f} | {bpp} |")
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ constexpr int64_t kChunkBytes = int64_t{1} << 30;  // MPI counts are ints
 enum Held : int64_t { kNone = 0, kCopy = 1, kOwn = 2 };
 
 fs::path held_path(const fs::path& dir, Held held, int q, int64_t number) {
-  return dir / fmt::format(held == kOwn ? "rank{}.slot{}" : "copy-of-rank{}.slot{}", q, number % 2);
+  return dir / fmt::format("{}rank{}.slot{}", held == kOwn ? "" : "copy-of-", q, number % 2);
 }
 
 Held held_here(const fs::path& dir, int q, int64_t number) {

@@ -1,7 +1,7 @@
 /// \file
 /// A c10d process group whose subgroups its maker creates: torch.distributed's groups from Python
 /// on builds without Gloo's headers (pip's torch), where shardopt cannot make a Gloo group itself.
-/// Kept out of process_group.hpp (in the umbrella header) so that few TUs see <functional> here.
+/// Kept out of process_group.hpp (in the umbrella header) so that few TUs see `<functional>` here.
 #pragma once
 
 #include <functional>

@@ -106,12 +106,11 @@ struct SnapshotOptions {
 struct SnapshotTiming {
   double blocking_s = 0;    ///< inside snapshot(): joining the previous one, the copy
   double background_s = 0;  ///< checksum, the buddy exchange, the agreement, the commit
-  /// CPU time (CLOCK_THREAD_CPUTIME_ID) of the caller's thread inside snapshot(), and of the
-  /// background thread; the communicator's own threads (MPI's worker, which moves the bytes of the
-  /// exchange) are not in either: on a shared machine these, not the wall times, say what a
-  /// snapshot costs.
+  /// CPU time (CLOCK_THREAD_CPUTIME_ID) of the caller's thread inside snapshot(); the
+  /// communicator's own threads (MPI's worker, which moves the bytes of the exchange) are in
+  /// neither CPU time: on a shared machine these, not the wall times, say what a snapshot costs.
   double blocking_cpu_s = 0;
-  double background_cpu_s = 0;
+  double background_cpu_s = 0;  ///< CPU time of the background thread for the snapshot
 };
 
 /// What restore() found and did.

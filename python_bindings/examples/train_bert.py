@@ -260,6 +260,10 @@ def train(args, comm):
         comm.all_reduce(mean_loss, shardopt.ReduceOp.AVG)  # the global batch's loss
         losses.append(mean_loss.item())
         times.append(time.perf_counter() - t0)
+        if snaps is not None and (step + 1) % args.snapshot_every == 0:
+            # Before this step's line: snapshot() joins the previous one, so a step printed is
+            # never more than K steps ahead of a committed snapshot (at most K repeated).
+            take_snapshot(args, snaps, sched, step + 1, losses, rank, world, fault)
         if rank == 0 and args.losses:
             with open(args.losses, "a") as f:
                 f.write(f'{{"step": {step}, "loss": {losses[-1]!r}}}\n')
@@ -270,8 +274,6 @@ def train(args, comm):
         if rank == 0 and failed_at and step == first:
             print(f"[train_bert] recovered: {time.time() - failed_at:.2f} s from the failure to "
                   "the end of the first step after it", flush=True)
-        if snaps is not None and (step + 1) % args.snapshot_every == 0:
-            take_snapshot(args, snaps, sched, step + 1, losses, rank, world, fault)
     if snaps is not None:
         snaps.wait()
         snaps.remove()  # the job finished: tmpfs gives the memory back

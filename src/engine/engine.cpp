@@ -159,6 +159,25 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   if (unit_plan_ && !automatic_) unit_plan_->attach(this);
 }
 
+// Note [Gradients where autograd left them] in gradient_reducer.cpp: one rank, in-place gradients
+// in the master's dtype and device, no model-parallel grid, and a rule the kernels step.
+bool Engine::reads_param_grads(const Rule& rule, bool factory) const {
+  const auto group_of_one = [](const CommunicatorPtr& c) { return !c || c->size() == 1; };
+  const ParallelGroups& grid = options_.grid;
+  if (ranks_.world->size() != 1 || plan_.bucketed() || plan_.separate_master() ||
+      !group_of_one(grid.tp) || !group_of_one(grid.pp) || grid.embedding ||
+      flat_->model_options().device() != flat_->master_options().device() ||
+      flat_->model_options().dtype() != flat_->master_options().dtype()) {
+    return false;
+  }
+  for (const auto& p : params()) {  // sequence-parallel sums read the flat gradients
+    const auto record = tp::record_of(p.tensor);
+    if (record && record->group && record->group->size() > 1) return false;
+  }
+  return LocalUpdate::can_read_param_grads(rule, factory, options_.fused_update,
+                                           flat_->master_options());
+}
+
 int Engine::pipeline_ranks() const { return options_.grid.pp ? options_.grid.pp->size() : 1; }
 
 Engine::~Engine() {
@@ -238,7 +257,8 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
               std::make_unique<GradientReducer>(*flat_, tensors_of(params()), comm_,
                                                 options_.overlap_comm,
                                                 options_.grad_accumulation_steps,
-                                                options_.timeout));
+                                                options_.timeout,
+                                                reads_param_grads(rule, factory != nullptr)));
   bucket_tag_ = MemoryScope::tag("gradient buckets", "optimizer");
   step_tag_ = MemoryScope::tag("step temporaries", "optimizer");
   MemoryScope state_scope("optimizer state", "optimizer");
@@ -260,6 +280,10 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
         for (const auto& p : params()) shapes.push_back(p.tensor.sizes().vec());
         return shapes;
       }());
+  if (reducer_->direct()) {  // Note [Gradients where autograd left them] in gradient_reducer.cpp
+    update_->read_param_grads(
+        [this](int param) -> const at::Tensor& { return reducer_->param_grad(param); });
+  }
   wire_grid(rule);  // engine_grid.cpp
   // Note [The non-finite check during backward] in local_update.cpp.
   reducer_->set_on_reduced([this](int bucket) {

@@ -79,6 +79,8 @@ class Engine final : public UnitRuntime {
   const std::vector<ModelParam>& params() const { return model_.params; }
   // The grid's pipeline size (1 without one): Note [Pipelines decide two defaults].
   int pipeline_ranks() const;
+  // Whether the update reads each parameter's gradient where autograd left it (one rank).
+  bool reads_param_grads(const Rule& rule, bool factory) const;
 
   void build(const Rule& rule, const ShardOptimizerFactory& factory);
   // engine_grid.cpp: the grid's groups and sums, wired once by build().

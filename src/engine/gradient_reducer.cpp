@@ -13,8 +13,9 @@ namespace shardopt::detail {
 
 GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> params,
                                  CommunicatorPtr comm, bool overlap, int accumulation,
-                                 Duration timeout)
-    : flat_(flat), plan_(flat.plan()), params_(std::move(params)), comm_(std::move(comm)),
+                                 Duration timeout, bool direct)
+    : flat_(flat), plan_(flat.plan()), direct_(direct), params_(std::move(params)),
+      comm_(std::move(comm)),
       overlap_(overlap), accumulation_(accumulation), options_accumulation_(accumulation),
       timeout_(timeout), rank_(flat.rank()) {
   const auto& layout = flat_.layout();
@@ -31,9 +32,14 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
     for (auto& p : params_) p.mutable_grad().reset();
     return;
   }
-  grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
   written_.assign(params_.size(), 0);
   reduced_version_.assign(params_.size(), -1);
+  if (direct_) {
+    grad_views_.resize(params_.size());
+    for (auto& p : params_) p.mutable_grad().reset();
+    return;
+  }
+  grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
   for (size_t i = 0; i < params_.size(); ++i) {
     // Aliases of the flat buffer that are not autograd views: torch 1.13's C++
     // Optimizer::zero_grad calls detach_() on every .grad, which autograd refuses for views.
@@ -56,6 +62,7 @@ GradientReducer::~GradientReducer() {
 }
 
 at::Tensor GradientReducer::reduced(int bucket, const UpdatedRange& range) const {
+  if (direct_) return at::Tensor();
   if (plan_.bucketed()) return grad_reduced_.narrow(0, range.state_offset, range.length);
   const auto& bl = flat_.layout().buckets[bucket];
   return grad_flat_.narrow(0, bl.flat_offset + range.bucket_begin, range.length);
@@ -86,7 +93,9 @@ void GradientReducer::accept(int index, int micro) {
     // Autograd accumulated in place unless .grad was not the view (the first gradient of the
     // step, or someone replaced it): copy it in or fold it in.
     const at::Tensor& view = grad_views_[index];
-    if (grad.defined() && !grad.is_same(view) && grad.data_ptr() != view.data_ptr()) {
+    if (direct_) {
+      adopt(index, grad);
+    } else if (grad.defined() && !grad.is_same(view) && grad.data_ptr() != view.data_ptr()) {
       if (written_[index]) {
         view.add_(grad);
       } else {
@@ -96,7 +105,7 @@ void GradientReducer::accept(int index, int micro) {
       view.zero_();  // no gradient: autograd found no .grad to fill
     }
     written_[index] = 1;
-    grad = view;
+    grad = grad_views_[index];
     for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
       --buckets_[p->bucket].pending;
       if (final) ++buckets_[p->bucket].final_pieces;
@@ -242,6 +251,10 @@ void GradientReducer::reduce_manual(int micro) {
   if (!plan_.bucketed()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& g = params_[i].mutable_grad();
+      if (direct_) {
+        adopt(static_cast<int>(i), g);
+        continue;
+      }
       const at::Tensor& view = grad_views_[i];
       if (g.defined() && g.data_ptr() != view.data_ptr()) {
         view.copy_(g);
@@ -324,12 +337,22 @@ void GradientReducer::launch(int bucket, int micro) {
     for (int i : bl.params) {
       if (written_[i]) continue;
       at::NoGradGuard no_grad;
+      if (direct_) {
+        at::Tensor none;
+        adopt(i, none);
+        params_[i].mutable_grad() = grad_views_[i];
+        continue;
+      }
       grad_views_[i].zero_();
       params_[i].mutable_grad() = grad_views_[i];
       written_[i] = 1;
     }
-    range = grad_flat_.narrow(0, bl.flat_offset, bl.padded);
     landing_.push_back(bucket);
+    if (direct_) {  // one rank: nothing to reduce
+      b.work = make_completed_work("direct gradients");
+      return;
+    }
+    range = grad_flat_.narrow(0, bl.flat_offset, bl.padded);
   }
   if (!plan_.sharded()) {
     b.work = comm_->all_reduce(range, ReduceOp::Sum, true);
@@ -451,6 +474,41 @@ void GradientReducer::start_over() {
   std::fill(reduced_version_.begin(), reduced_version_.end(), -1);
   backward_wait_s_ = 0.0;
   for (auto& p : params_) p.mutable_grad().reset();
+  if (direct_) std::fill(grad_views_.begin(), grad_views_.end(), at::Tensor());
+}
+
+// Note [Gradients where autograd left them]
+// At one rank there is nothing to reduce, so copying each gradient into a flat buffer only moves
+// 8 bytes per parameter and keeps a second copy (the single-process loop was 14-21% slower than
+// torch's fused AdamW, issue 56). Direct, the sink of parameter i is the tensor autograd made for
+// its .grad (later micro-steps accumulate into it in place, as they would into the view); the
+// update and the non-finite check read each parameter's piece of a segment there
+// (LocalUpdate::read_param_grads), and .grad is reset after the step as torch's set_to_none does.
+// A gradient that is not contiguous or not in the model's dtype and device is converted once; a
+// parameter with none gets zeros, as in place. Chosen by the engine where nothing else reads the
+// segments' flat gradients: one rank, fp32 on the host, a rule the fused kernels step (Adam,
+// AdamW, SGD), no factory, no model-parallel grid (Engine::reads_param_grads).
+void GradientReducer::adopt(int index, at::Tensor& grad) {
+  at::NoGradGuard no_grad;
+  at::Tensor& sink = grad_views_[index];
+  const auto& options = flat_.model_options();
+  if (grad.defined() && !grad.is_same(sink)) {
+    at::Tensor g = grad;
+    if (!g.is_contiguous() || g.scalar_type() != options.dtype().toScalarType() ||
+        g.device() != options.device() || g.sizes() != params_[index].sizes()) {
+      g = g.to(options, /*non_blocking=*/false, /*copy=*/false).contiguous().view(
+          params_[index].sizes());
+    }
+    if (written_[index] && sink.defined()) {
+      sink.add_(g);
+    } else {
+      sink = g;
+    }
+  } else if (!written_[index] || !sink.defined()) {
+    sink = at::zeros(params_[index].sizes(), options);  // no gradient: counts as zero
+  }
+  written_[index] = 1;
+  grad = sink;
 }
 
 // Note [Gradients written after the check]
@@ -474,6 +532,12 @@ bool GradientReducer::written_after_reduced(int bucket) const {
 }
 
 int64_t GradientReducer::grad_bytes() const {
+  // Direct: autograd's tensors between backward and step, counted as the flat buffer they replace
+  // (the estimator's figure; it differs by the padding only).
+  if (direct_) {
+    return flat_.layout().padded_numel *
+           static_cast<int64_t>(flat_.model_options().dtype().itemsize());
+  }
   if (grad_flat_.defined()) return static_cast<int64_t>(grad_flat_.nbytes());
   return static_cast<int64_t>(grad_reduced_.nbytes());
 }

@@ -2,7 +2,8 @@
 // reads them, and the collectives that reduce them. Two sinks (StagePlan::Gradients):
 //   InPlace:  a flat gradient buffer the parameters' .grad are views of; autograd accumulates into
 //             it; each complete bucket is all-reduced or reduce-scattered in place, on the last
-//             micro-step.
+//             micro-step. Direct (one rank, Note [Gradients where autograd left them]): no flat
+//             buffer; each .grad stays the tensor autograd made, read there by the update.
 //   Bucketed: each fresh .grad is copied, piece by piece, into pooled bucket buffers (Note [Bucket
 //             pool bound] in shardopt/detail/plan.hpp) and freed; a complete bucket is reduced
 //             every micro-step and folded into the reduced gradients (update coordinates), or,
@@ -38,13 +39,19 @@ class GradientReducer {
  public:
   // params[i]: the tensor of layout slot i (its .grad is managed here).
   // `accumulation`: micro-steps per step (InPlace gradients are reduced on the last one only).
+  // `direct`: InPlace at one rank, gradients left where autograd put them (Note [Gradients where
+  // autograd left them]).
   GradientReducer(const FlatState& flat, std::vector<at::Tensor> params, CommunicatorPtr comm,
-                  bool overlap, int accumulation, Duration timeout);
+                  bool overlap, int accumulation, Duration timeout, bool direct = false);
   // Lets in-flight collectives land before the buffers they write go away.
   ~GradientReducer();
 
-  // The reduced gradients of a bucket's updated range (the update's input).
+  // The reduced gradients of a bucket's updated range (the update's input); undefined when direct.
   at::Tensor reduced(int bucket, const UpdatedRange& range) const;
+  // Direct: the update reads parameter `index`'s gradient here (contiguous, the model's dtype; after
+  // the step's reduction, defined for every parameter).
+  bool direct() const { return direct_; }
+  const at::Tensor& param_grad(int index) const { return grad_views_[index]; }
 
   // Parameter `index`'s gradient arrived in micro-step `micro` (counted once per pass: the caller
   // drops duplicates): moves it into the sink, counts its pieces down and launches the buckets that
@@ -119,8 +126,12 @@ class GradientReducer {
   // InPlace: completes the buckets launched in micro-step `micro` whose reduction has landed.
   void complete_landed(int micro);
 
+  // Direct: parameter `index`'s gradient `grad` (autograd's, or set by hand) becomes its sink.
+  void adopt(int index, at::Tensor& grad);
+
   const FlatState& flat_;
   const StagePlan plan_;
+  const bool direct_;
   std::vector<at::Tensor> params_;
   CommunicatorPtr comm_;
   bool overlap_ = true;
@@ -135,7 +146,7 @@ class GradientReducer {
   std::vector<int> own_buffer_;  // deferred (Note [Deferred reduction]): each bucket's pool index
   int next_ = 0;  // first bucket not launched in this pass (layout order)
   at::Tensor grad_flat_;               // InPlace: full length, model dtype
-  std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it
+  std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it (direct: its .grad)
   std::vector<char> written_;           // InPlace: the view holds this step's gradient
   std::vector<int64_t> reduced_version_;  // InPlace: the view's version when on_reduced_ saw it
   at::Tensor grad_reduced_;            // Bucketed: update coordinates, master options

@@ -51,8 +51,50 @@ LocalUpdate::LocalUpdate(FlatState& flat, CommunicatorPtr comm, Duration timeout
   }
 }
 
+bool LocalUpdate::can_read_param_grads(const Rule& rule, bool factory, bool fused,
+                                       const at::TensorOptions& master) {
+  const bool kernel_rule = std::holds_alternative<AdamW>(rule) ||
+                           std::holds_alternative<Adam>(rule) || std::holds_alternative<SGD>(rule);
+  return kernel_rule && !factory && fused && master.device().is_cpu() &&
+         master.dtype() == at::kFloat && fused_kernels_for(c10::DeviceType::CPU) != nullptr;
+}
+
+void LocalUpdate::read_param_grads(GradOf grad_of) {
+  SHARDOPT_INTERNAL_ASSERT(kernels_ && !inner_ && !lamb_ && !adafactor_ && !adam8bit_ && !muon_,
+                           "parameter gradients read by a rule that needs flat ones");
+  grad_of_ = std::move(grad_of);
+}
+
+template <typename Fn>
+void LocalUpdate::for_each_grad(const Segment& s, Fn&& fn) const {
+  if (!grad_of_) {
+    fn(int64_t{0}, s.param.numel(), s.grad);
+    return;
+  }
+  detail::for_each_param_piece(flat_.layout(), s, [&](int param, int64_t begin, int64_t length,
+                                                      int64_t param_offset) {
+    fn(begin, length, grad_of_(param).view(-1).narrow(0, param_offset, length));
+  });
+}
+
+at::Tensor LocalUpdate::flat_grad(const Segment& s) const {
+  if (!grad_of_) return s.grad;
+  at::Tensor flat = at::zeros_like(s.param);  // padding between parameters: zero gradients
+  for_each_grad(s, [&](int64_t begin, int64_t length, const at::Tensor& g) {
+    flat.narrow(0, begin, length).copy_(g);
+  });
+  return flat;
+}
+
 FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
                                      double* unscale_s) const {
+  if (grad_of_) {  // fp32: the scale folds into the scan
+    FiniteScan total;
+    for_each_grad(s, [&](int64_t, int64_t, const at::Tensor& g) {
+      add_scan(total, scan_local(g, 1.0 / divisor, norm));
+    });
+    return total;
+  }
   double scale = 1.0 / divisor;
   if (scale != 1.0 && !folds_scale(s.grad)) {  // 16-bit gradients: torch's mul_ defines their rounding
     const auto t = std::chrono::steady_clock::now();
@@ -78,7 +120,7 @@ void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
   double unscale_s = 0.0;
   for (int k : bucket_segments_[bucket]) {
     auto& s = flat_.segments()[k];
-    if (early_[k] || !s.grad.defined() || !s.grad.device().is_cpu()) continue;
+    if (early_[k] || (!grad_of_ && (!s.grad.defined() || !s.grad.device().is_cpu()))) continue;
     early_[k] = scan_segment(s, divisor, norm, &unscale_s);
   }
   early_divisor_ = divisor;
@@ -129,7 +171,9 @@ bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats)
 bool LocalUpdate::clip(double max_norm, double norm) {
   const double coef = max_norm / (norm + 1e-6);
   if (!(coef < 1)) return false;
-  for (auto& s : flat_.segments()) s.grad.mul_(coef);
+  for (auto& s : flat_.segments()) {
+    for_each_grad(s, [&](int64_t, int64_t, const at::Tensor& g) { g.mul_(coef); });
+  }
   return true;
 }
 
@@ -161,7 +205,10 @@ void LocalUpdate::update(int64_t step, StepStats* stats) {
     std::vector<at::Tensor> st;
     for (auto& full : state) st.push_back(full.narrow(0, s.state_offset, s.param.numel()));
     const bool fused = fused_step(rule, step, s, st);
-    if (!fused) std::visit([&](const auto& r) { RuleStep{step}(r, s.param, s.grad, st); }, rule);
+    if (!fused) {
+      at::Tensor grad = flat_grad(s);
+      std::visit([&](const auto& r) { RuleStep{step}(r, s.param, grad, st); }, rule);
+    }
     low_done_[k] = fused && low_out(s, 0).kind != kernels::LowPrecision::None;
   }
 }
@@ -182,18 +229,19 @@ void LocalUpdate::write_back() {
 // (the copy low_out names, if any, is then written too).
 bool LocalUpdate::fused_step(const Rule& rule, int64_t step, Segment& s,
                              std::vector<at::Tensor>& st) {
-  if (!kernels_ || !kernels_->accepts(s)) return false;
-  const auto low = low_out(s, 0);
-  float* param = s.param.data_ptr<float>();
-  const float* grad = s.grad.data_ptr<float>();
-  const int64_t n = s.param.numel();
+  if (!kernels_ || (!grad_of_ && !kernels_->accepts(s))) return false;
+  // The segment's elements [begin, begin + n), their gradients at `grad`.
+  const auto at = [&](const at::Tensor& t, int64_t begin) { return t.data_ptr<float>() + begin; };
   auto adam = [&](const auto& r, bool decoupled) {
     kernels::AdamHyper h;
     h.lr = r.lr(), h.beta1 = r.beta1(), h.beta2 = r.beta2(), h.eps = r.eps();
     h.weight_decay = r.weight_decay(), h.decoupled = decoupled, h.amsgrad = r.amsgrad();
     h.step = step;
-    kernels_->adam(h, {param, grad, st[0].data_ptr<float>(), st[1].data_ptr<float>(),
-                       r.amsgrad() ? st[2].data_ptr<float>() : nullptr, low, n});
+    for_each_grad(s, [&](int64_t begin, int64_t n, const at::Tensor& g) {
+      kernels_->adam(h, {at(s.param, begin), g.data_ptr<float>(), at(st[0], begin),
+                         at(st[1], begin), r.amsgrad() ? at(st[2], begin) : nullptr,
+                         low_out(s, begin), n});
+    });
     return true;
   };
   if (const auto* r = std::get_if<AdamW>(&rule)) return adam(*r, true);
@@ -202,7 +250,10 @@ bool LocalUpdate::fused_step(const Rule& rule, int64_t step, Segment& s,
     kernels::SgdHyper h;
     h.lr = r->lr(), h.momentum = r->momentum(), h.dampening = r->dampening();
     h.weight_decay = r->weight_decay(), h.nesterov = r->nesterov(), h.step = step;
-    kernels_->sgd(h, {param, grad, r->momentum() != 0 ? st[0].data_ptr<float>() : nullptr, low, n});
+    for_each_grad(s, [&](int64_t begin, int64_t n, const at::Tensor& g) {
+      kernels_->sgd(h, {at(s.param, begin), g.data_ptr<float>(),
+                        r->momentum() != 0 ? at(st[0], begin) : nullptr, low_out(s, begin), n});
+    });
     return true;
   }
   return false;  // Adagrad, RMSprop: torch's ops (RuleStep)

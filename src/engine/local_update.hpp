@@ -64,6 +64,16 @@ class LocalUpdate {
   // after a checkpoint load overwrote the master weights).
   void write_back();
 
+  // From now on each segment's gradients are read per parameter piece from `grad_of(param index)`
+  // (contiguous, fp32) instead of the segments' flat slices (Note [Gradients where autograd left
+  // them] in gradient_reducer.cpp). Only where `can_read_param_grads()`.
+  using GradOf = std::function<const at::Tensor&(int param)>;
+  void read_param_grads(GradOf grad_of);
+  // Whether nothing but the check, the clip and the fused Adam/AdamW/SGD kernels read the
+  // segments' gradients, which then need not be flat: a native rule, the host's fp32 kernels.
+  static bool can_read_param_grads(const Rule& rule, bool factory, bool fused,
+                                   const at::TensorOptions& master);
+
   // The factory-built torch optimizer (null for native rules): LR changes are handed to it.
   torch::optim::Optimizer* factory_optimizer() const { return inner_.get(); }
   // 8-bit AdamW's state (null for other rules): its buffers are not element-indexed.
@@ -79,6 +89,12 @@ class LocalUpdate {
   void for_each_param_piece(const Segment& s, Fn&& fn) const;
   // One segment's unscale (by 1/divisor) and check; a 16-bit unscale's time goes to *unscale_s.
   FiniteScan scan_segment(Segment& s, double divisor, bool norm, double* unscale_s) const;
+  // Calls fn(begin, length, grad) over the segment's gradients: the flat slice whole, or (reading
+  // parameter gradients) each parameter piece's part of its gradient, `begin` relative to s.
+  template <typename Fn>
+  void for_each_grad(const Segment& s, Fn&& fn) const;
+  // The segment's gradients as one flat tensor (a copy when reading parameter gradients).
+  at::Tensor flat_grad(const Segment& s) const;
 
   FlatState& flat_;
   CommunicatorPtr comm_;
@@ -92,6 +108,7 @@ class LocalUpdate {
   std::unique_ptr<AdafactorUpdate> adafactor_;
   std::unique_ptr<Adam8bitUpdate> adam8bit_;  // allocates its own state buffers
   std::unique_ptr<MuonUpdate> muon_;
+  GradOf grad_of_;  // set: gradients read per parameter (read_param_grads)
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
   std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
   std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early

@@ -421,6 +421,10 @@ TEST(StageCommunication, TwoPsiPerStepThreeForStage3) {
       if (stage == 3) {
         const int64_t root = tiny_root_padded(n);
         expected = accumulation * (2 * (psi - root) + psi) + root;
+      } else if (n == 1 && stage <= 1) {
+        // One rank reads the gradients where autograd left them and reduces nothing (Note
+        // [Gradients where autograd left them]); stage 1 still all-gathers its one shard.
+        expected = stage == 1 ? psi : 0;
       } else {
         // Stage 2 reduces every micro-step; stages 0-1 once per step.
         expected = (stage == 2 ? accumulation : 1) * psi + psi;

@@ -283,6 +283,9 @@ void Engine::build(const Rule& rule, const ShardOptimizerFactory& factory) {
   if (reducer_->direct()) {  // Note [Gradients where autograd left them] in gradient_reducer.cpp
     update_->read_param_grads(
         [this](int param) -> const at::Tensor& { return reducer_->param_grad(param); });
+    reducer_->set_on_param_final([this](int param) {
+      update_->check_param_early(param, options_.max_grad_norm > 0);
+    });
   }
   wire_grid(rule);  // engine_grid.cpp
   // Note [The non-finite check during backward] in local_update.cpp.

@@ -95,6 +95,9 @@ void GradientReducer::accept(int index, int micro) {
     const at::Tensor& view = grad_views_[index];
     if (direct_) {
       adopt(index, grad);
+      if (on_param_final_ && reduces(micro) && grad_views_[index].is_same(grad)) {
+        on_param_final_(index);
+      }
     } else if (grad.defined() && !grad.is_same(view) && grad.data_ptr() != view.data_ptr()) {
       if (written_[index]) {
         view.add_(grad);

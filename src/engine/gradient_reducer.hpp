@@ -85,6 +85,8 @@ class GradientReducer {
   // Called with a bucket whose reduction for this step landed while backward runs (from accept()
   // or end_pass(), never from step()'s complete_all): its reduced gradients are final.
   void set_on_reduced(std::function<void(int bucket)> fn) { on_reduced_ = std::move(fn); }
+  // Direct: called with a parameter whose gradient is final for the step, from its hook.
+  void set_on_param_final(std::function<void(int param)> fn) { on_param_final_ = std::move(fn); }
   // InPlace: whether some parameter of `bucket` had its .grad written in place (its version
   // counter moved) after the bucket's reduced gradients went to on_reduced_ in this step
   // (Note [Gradients written after the check]).
@@ -156,6 +158,7 @@ class GradientReducer {
   std::deque<int> in_flight_;
   std::vector<int> landing_;            // InPlace: buckets in flight
   std::function<void(int)> on_reduced_;
+  std::function<void(int)> on_param_final_;
   bool in_backward_ = false;            // inside accept() / end_pass()
   int64_t max_bucket_numel_ = 0;
   int64_t comm_elements_ = 0;

@@ -63,6 +63,39 @@ void LocalUpdate::read_param_grads(GradOf grad_of) {
   SHARDOPT_INTERNAL_ASSERT(kernels_ && !inner_ && !lamb_ && !adafactor_ && !adam8bit_ && !muon_,
                            "parameter gradients read by a rule that needs flat ones");
   grad_of_ = std::move(grad_of);
+  param_early_.assign(flat_.layout().slots.size(), std::nullopt);
+  param_version_.assign(flat_.layout().slots.size(), -1);
+}
+
+namespace {
+int64_t version_of(const at::Tensor& t) {
+  return static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version());
+}
+}  // namespace
+
+// The early check per parameter rather than per bucket: a bucket is complete only when its last
+// parameter's gradient arrives, by which time the first ones have left the cache (one rank has no
+// reduction to wait for). fp32 without a loss scaler: nothing to unscale.
+void LocalUpdate::check_param_early(int param, bool norm) {
+  const auto t = std::chrono::steady_clock::now();
+  const at::Tensor& g = grad_of_(param);
+  param_early_[param] = scan_local(g, 1.0, norm);
+  param_version_[param] = version_of(g);
+  early_norm_ = norm;
+  early_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Parameters in layout order, whichever were checked early: the sum of squares is the same bits
+// either way. A gradient written after its early check (Note [Gradients written after the check]
+// in gradient_reducer.cpp) is checked again.
+FiniteScan LocalUpdate::scan_params(bool norm) {
+  FiniteScan total;
+  for (size_t i = 0; i < param_early_.size(); ++i) {
+    const at::Tensor& g = grad_of_(static_cast<int>(i));
+    const bool reuse = param_early_[i] && early_norm_ == norm && version_of(g) == param_version_[i];
+    add_scan(total, reuse ? *param_early_[i] : scan_local(g, 1.0, norm));
+  }
+  return total;
 }
 
 template <typename Fn>
@@ -88,13 +121,6 @@ at::Tensor LocalUpdate::flat_grad(const Segment& s) const {
 
 FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
                                      double* unscale_s) const {
-  if (grad_of_) {  // fp32: the scale folds into the scan
-    FiniteScan total;
-    for_each_grad(s, [&](int64_t, int64_t, const at::Tensor& g) {
-      add_scan(total, scan_local(g, 1.0 / divisor, norm));
-    });
-    return total;
-  }
   double scale = 1.0 / divisor;
   if (scale != 1.0 && !folds_scale(s.grad)) {  // 16-bit gradients: torch's mul_ defines their rounding
     const auto t = std::chrono::steady_clock::now();
@@ -116,11 +142,12 @@ FiniteScan LocalUpdate::scan_segment(Segment& s, double divisor, bool norm,
 // hold the average (at more than one rank they are the reducer's buffers, never the local
 // gradients).
 void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
+  if (grad_of_) return;  // checked per parameter (check_param_early)
   const auto t = std::chrono::steady_clock::now();
   double unscale_s = 0.0;
   for (int k : bucket_segments_[bucket]) {
     auto& s = flat_.segments()[k];
-    if (early_[k] || (!grad_of_ && (!s.grad.defined() || !s.grad.device().is_cpu()))) continue;
+    if (early_[k] || !s.grad.defined() || !s.grad.device().is_cpu()) continue;
     early_[k] = scan_segment(s, divisor, norm, &unscale_s);
   }
   early_divisor_ = divisor;
@@ -130,6 +157,7 @@ void LocalUpdate::check_early(int bucket, double divisor, bool norm) {
 
 void LocalUpdate::forget_early() {
   std::fill(early_.begin(), early_.end(), std::nullopt);
+  std::fill(param_early_.begin(), param_early_.end(), std::nullopt);
   std::fill(unscaled_.begin(), unscaled_.end(), 0);
   early_s_ = 0.0;
 }
@@ -152,7 +180,11 @@ bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats)
   const auto t0 = Clock::now();
   FiniteScan total;
   auto& segments = flat_.segments();
-  for (size_t k = 0; k < segments.size(); ++k) {
+  if (grad_of_) {
+    SHARDOPT_INTERNAL_ASSERT(divisor == 1.0, "parameter gradients unscaled by {}", divisor);
+    total = scan_params(norm);
+  }
+  for (size_t k = 0; k < segments.size() && !grad_of_; ++k) {
     add_scan(total, early_[k] ? *early_[k]
                               : scan_segment(segments[k], unscaled_[k] ? 1.0 : divisor, norm,
                                              &stats.unscale_s));
@@ -171,9 +203,11 @@ bool LocalUpdate::unscale_and_check(double divisor, bool norm, StepStats& stats)
 bool LocalUpdate::clip(double max_norm, double norm) {
   const double coef = max_norm / (norm + 1e-6);
   if (!(coef < 1)) return false;
-  for (auto& s : flat_.segments()) {
-    for_each_grad(s, [&](int64_t, int64_t, const at::Tensor& g) { g.mul_(coef); });
+  if (grad_of_) {
+    for (size_t i = 0; i < param_early_.size(); ++i) grad_of_(static_cast<int>(i)).mul_(coef);
+    return true;
   }
+  for (auto& s : flat_.segments()) s.grad.mul_(coef);
   return true;
 }
 

@@ -42,6 +42,10 @@ class LocalUpdate {
   // Unscales and checks the segments of `bucket`, final before step() (Note [The non-finite check
   // during backward]); unscale_and_check, given the same divisor and norm, combines the result.
   void check_early(int bucket, double divisor, bool norm);
+  // Reading parameter gradients: parameter `param`'s gradient is final for the step (its last
+  // micro-step's backward made it): checked now, while it is likely still in cache; step() uses
+  // the result unless the gradient was written since (its version counter moved).
+  void check_param_early(int param, bool norm);
   // The gradients start over (step() taken or skipped, zero_grad()): nothing checked early.
   void forget_early();
   // `bucket`'s gradients were written after check_early saw them (Note [Gradients written after
@@ -95,6 +99,8 @@ class LocalUpdate {
   void for_each_grad(const Segment& s, Fn&& fn) const;
   // The segment's gradients as one flat tensor (a copy when reading parameter gradients).
   at::Tensor flat_grad(const Segment& s) const;
+  // Reading parameter gradients: every parameter's check, in layout order, early ones reused.
+  FiniteScan scan_params(bool norm);
 
   FlatState& flat_;
   CommunicatorPtr comm_;
@@ -112,6 +118,10 @@ class LocalUpdate {
   std::vector<char> low_done_;  // per segment: this step's update already wrote `low` (kernels)
   std::vector<std::vector<int>> bucket_segments_;  // bucket -> its segments
   std::vector<std::optional<FiniteScan>> early_;   // per segment: checked by check_early
+  // Reading parameter gradients: per parameter, its check during backward and the gradient's
+  // version counter then.
+  std::vector<std::optional<FiniteScan>> param_early_;
+  std::vector<int64_t> param_version_;
   std::vector<char> unscaled_;  // per segment: divided early, then written: check, do not divide
   double early_divisor_ = 0.0;
   bool early_norm_ = false;

@@ -6,7 +6,8 @@ torch.optim.AdamW(fused=True) on CPU and torch.optim.AdamW(foreach=True); and th
 bench/eightbit/site.sh), with the optimizer state each keeps per parameter.
 
 Every optimizer steps one fp32 parameter of NUMEL elements in a training loop (zero_grad(),
-backward through loss = dot(p, g), step(): Note [What each row times]); a step moves at least
+backward through loss = dot(p, g), step(): Note [What each row times]); with --model bert-base,
+BERT-base's 199 parameter tensors (109.5M elements; --sizes is then ignored), loss = sum of dot(p_i, g_i); a step moves at least
 28 B per parameter (read p, g, m, v; write p, m, v), so the bound is 28 B over
 the bandwidth of a STREAM-style triad (a = b + s*c, 12 B per element, torch.add on the same
 threads) of the same size. Each (size, threads) runs in a fresh process with OMP_NUM_THREADS set.
@@ -49,8 +50,22 @@ def timed(fn, reps, warmup=2):
     return median_of(once, reps, warmup)
 
 
-def make_param(torch, numel):
-    return torch.nn.Parameter(torch.randn(numel) * 0.02)
+# BERT-base's parameter tensors (embeddings, 12 layers, pooler), elements each.
+def bert_base_sizes():
+    h, f = 768, 3072
+    layer = [h * h, h] * 4 + [h, h] + [f * h, f, h * f, h] + [h, h]
+    return [30522 * h, 512 * h, 2 * h, h, h] + layer * 12 + [h * h, h]
+
+
+MODEL = "flat"  # --model
+
+
+def model_sizes(numel):
+    return bert_base_sizes() if MODEL == "bert-base" else [numel]
+
+
+def make_params(torch, numel):
+    return [torch.nn.Parameter(torch.randn(n) * 0.02) for n in model_sizes(numel)]
 
 
 # Note [What each row times]
@@ -67,12 +82,16 @@ def make_param(torch, numel):
 # Repeating step() without a backward would time something else for shardopt: step() consumes
 # the gradients (Note [step() consumes the gradients] in src/engine/engine.cpp), so every later
 # step() zeroes them and checks the zeros (what the first version of this bench measured).
-def loop_timer(torch, numel, opt, p):
-    g = torch.randn(numel) * 1e-3
+def loss_of(torch, ps, gs):
+    return sum(torch.dot(p, g) for p, g in zip(ps, gs))
+
+
+def loop_timer(torch, numel, opt, ps):
+    gs = [torch.randn(p.numel()) * 1e-3 for p in ps]
 
     def step_only():
         opt.zero_grad()
-        torch.dot(p, g).backward()
+        loss_of(torch, ps, gs).backward()
         t0 = time.perf_counter()
         opt.step()
         return time.perf_counter() - t0
@@ -80,7 +99,7 @@ def loop_timer(torch, numel, opt, p):
     def whole():
         t0 = time.perf_counter()
         opt.zero_grad()
-        torch.dot(p, g).backward()
+        loss_of(torch, ps, gs).backward()
         opt.step()
         return time.perf_counter() - t0
     return step_only, whole
@@ -109,8 +128,8 @@ def state_bytes(torch, opt):
 
 def run_shardopt8(torch, numel, memory):
     import shardopt
-    p = make_param(torch, numel)
-    opt = shardopt.DistributedOptimizer([("p", p)], "adamw8bit",
+    p = make_params(torch, numel)
+    opt = shardopt.DistributedOptimizer([(f"p{i}", t) for i, t in enumerate(p)], "adamw8bit",
                                         comm=shardopt.make_single_communicator(), stage=0, **HYPER)
     memory["shardopt_adamw8bit"] = lambda: opt.memory().optimizer_state_bytes
     return loop_timer(torch, numel, opt, p)
@@ -118,16 +137,16 @@ def run_shardopt8(torch, numel, memory):
 
 def run_torchao8(torch, numel, memory):
     from torchao.optim import AdamW8bit
-    p = make_param(torch, numel)
-    opt = AdamW8bit([p], **HYPER)  # block_size 256, as shardopt's
+    p = make_params(torch, numel)
+    opt = AdamW8bit(p, **HYPER)  # block_size 256, as shardopt's
     memory["torchao_adamw8bit"] = lambda: state_bytes(torch, opt)
     return loop_timer(torch, numel, opt, p)
 
 
 def run_bnb8(torch, numel, memory):
     import bitsandbytes as bnb
-    p = make_param(torch, numel)
-    opt = bnb.optim.AdamW8bit([p], **HYPER)  # blockwise, 256 per block
+    p = make_params(torch, numel)
+    opt = bnb.optim.AdamW8bit(p, **HYPER)  # blockwise, 256 per block
     memory["bnb_adamw8bit"] = lambda: state_bytes(torch, opt)
     return loop_timer(torch, numel, opt, p)
 
@@ -136,8 +155,9 @@ def run_shardopt(torch, numel, phases):
     """`update` is the fused kernel alone; `check` the non-finite check's time in step(), `check
     in backward` its time during backward (one read of the gradients, 4 B/param)."""
     import shardopt
-    p = make_param(torch, numel)
-    opt = shardopt.DistributedOptimizer([("p", p)], "adamw", comm=shardopt.make_single_communicator(),
+    p = make_params(torch, numel)
+    opt = shardopt.DistributedOptimizer([(f"p{i}", t) for i, t in enumerate(p)], "adamw",
+                                        comm=shardopt.make_single_communicator(),
                                         stage=0, **HYPER)
     step_only, whole = loop_timer(torch, numel, opt, p)
 
@@ -151,25 +171,27 @@ def run_shardopt(torch, numel, phases):
 
 def run_deepspeed(torch, numel):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    p = make_param(torch, numel)
-    return loop_timer(torch, numel, DeepSpeedCPUAdam([p], adamw_mode=True, **HYPER), p)
+    p = make_params(torch, numel)
+    return loop_timer(torch, numel, DeepSpeedCPUAdam(p, adamw_mode=True, **HYPER), p)
 
 
 def run_torch(torch, numel, memory=None, **flags):
-    p = make_param(torch, numel)
-    opt = torch.optim.AdamW([p], **HYPER, **flags)
+    p = make_params(torch, numel)
+    opt = torch.optim.AdamW(p, **HYPER, **flags)
     if memory is not None:
         memory["torch_fused"] = lambda: state_bytes(torch, opt)
     return loop_timer(torch, numel, opt, p)
 
 
 def backward_alone(torch, numel):
-    p, g = make_param(torch, numel), torch.randn(numel) * 1e-3
+    ps = make_params(torch, numel)
+    gs = [torch.randn(p.numel()) * 1e-3 for p in ps]
 
     def once():
-        p.grad = None
+        for p in ps:
+            p.grad = None
         t0 = time.perf_counter()
-        torch.dot(p, g).backward()
+        loss_of(torch, ps, gs).backward()
         return time.perf_counter() - t0
     return once
 
@@ -258,6 +280,39 @@ def table(rows):
     return "\n".join(lines)
 
 
+# Note [Isolated rounds]
+# Interleaving implementations in one process (Note [Interleaved rounds]) shares one heap: an
+# optimizer whose gradients are alive while another's backward runs makes that backward map fresh
+# pages, and which one pays depends on when each frees its gradients (torch's at zero_grad(),
+# shardopt's at the end of step()); with BERT-base's 199 tensors the one measured second took ~3x
+# the page faults of the same loop alone. --isolate R runs each implementation alone in its own
+# process, R rounds in rotated order, and reports each row's median over the rounds.
+def isolated_rounds(run_child, which, size, threads, rounds):
+    per_round = []
+    for r in range(rounds):
+        order = which[r % len(which):] + which[:r % len(which)]
+        for impl in order:
+            got = run_child(impl, size, threads)
+            if got is None:
+                return None
+            per_round.append(got)
+    merged = {}
+    for got in per_round:
+        for row in got:
+            merged.setdefault(row["impl"], []).append(row)
+    rows = []
+    for impl, same in merged.items():
+        row = dict(same[0])
+        if "seconds" in row:
+            row["seconds"] = statistics.median(x["seconds"] for x in same)
+            scale = same[0]["seconds"] / row["seconds"] if row["seconds"] else 1
+            for key in ("gbs", "of_bound"):
+                if row.get(key) is not None:
+                    row[key] = row[key] * scale
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="21e6,110e6")
@@ -265,25 +320,41 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--impls", default="shardopt_fused,deepspeed_cpu_adam,torch_fused,torch_foreach")
     ap.add_argument("--json")
+    ap.add_argument("--model", choices=("flat", "bert-base"), default="flat",
+                    help="one tensor of each --sizes, or BERT-base's tensors")
+    ap.add_argument("--isolate", type=int, default=0, metavar="ROUNDS",
+                    help="each implementation in a process of its own, ROUNDS rounds of one "
+                         "process per implementation in rotated order: Note [Isolated rounds]")
     ap.add_argument("--child", nargs=3, metavar=("NUMEL", "THREADS", "REPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     which = args.impls.split(",")
+    global MODEL
+    MODEL = args.model
+    if args.model == "bert-base":
+        args.sizes = str(sum(bert_base_sizes()))
     if args.child:
         child(int(args.child[0]), int(args.child[1]), int(args.child[2]), which)
         return 0
     rows = []
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
+    def run_child(impls, size, threads):
+        env = dict(os.environ, OMP_NUM_THREADS=threads, DS_ACCELERATOR="cpu")
+        out = subprocess.run([sys.executable, __file__, "--impls", impls, "--model", args.model,
+                              "--child", str(int(float(size))), threads, str(args.reps)],
+                             env=env, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return None
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     for size in args.sizes.split(","):
         for threads in args.threads.split(","):
-            env = dict(os.environ, OMP_NUM_THREADS=threads, DS_ACCELERATOR="cpu")
-            out = subprocess.run([sys.executable, __file__, "--impls", args.impls, "--child",
-                                  str(int(float(size))), threads, str(args.reps)],
-                                 env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(out.stderr[-3000:], file=sys.stderr)
+            got = isolated_rounds(run_child, which, size, threads, args.isolate) \
+                if args.isolate else run_child(args.impls, size, threads)
+            if got is None:
                 return 1
-            rows += json.loads(out.stdout.strip().splitlines()[-1])
+            rows += got
             print(table([r for r in rows if r["numel"] == int(float(size))
                          and r["threads"] == int(threads)]).split("\n", 2)[2], flush=True)
     with open("/proc/loadavg") as f:

@@ -34,13 +34,13 @@ GradientReducer::GradientReducer(const FlatState& flat, std::vector<at::Tensor> 
   }
   written_.assign(params_.size(), 0);
   reduced_version_.assign(params_.size(), -1);
-  if (direct_) {
-    grad_views_.resize(params_.size());
-    for (auto& p : params_) p.mutable_grad().reset();
-    return;
-  }
-  grad_flat_ = at::zeros({layout.padded_numel}, flat_.model_options());
+  // Direct: only the copied gradients are ever written (the update reads pieces, never padding),
+  // so the buffer's pages under gradients read in place are never touched.
+  grad_flat_ = direct_ ? at::empty({layout.padded_numel}, flat_.model_options())
+                       : at::zeros({layout.padded_numel}, flat_.model_options());
+  in_place_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
+    in_place_[i] = direct_ && params_[i].numel() * params_[i].element_size() >= kInPlaceGradBytes;
     // Aliases of the flat buffer that are not autograd views: torch 1.13's C++
     // Optimizer::zero_grad calls detach_() on every .grad, which autograd refuses for views.
     grad_views_.push_back(at::empty({0}, grad_flat_.options())
@@ -93,11 +93,8 @@ void GradientReducer::accept(int index, int micro) {
     // Autograd accumulated in place unless .grad was not the view (the first gradient of the
     // step, or someone replaced it): copy it in or fold it in.
     const at::Tensor& view = grad_views_[index];
-    if (direct_) {
+    if (in_place_[index]) {
       adopt(index, grad);
-      if (on_param_final_ && reduces(micro) && grad_views_[index].is_same(grad)) {
-        on_param_final_(index);
-      }
     } else if (grad.defined() && !grad.is_same(view) && grad.data_ptr() != view.data_ptr()) {
       if (written_[index]) {
         view.add_(grad);
@@ -109,6 +106,7 @@ void GradientReducer::accept(int index, int micro) {
     }
     written_[index] = 1;
     grad = grad_views_[index];
+    if (direct_ && on_param_final_ && reduces(micro)) on_param_final_(index);
     for (const ParamPiece* p = layout.pieces_begin(index); p != layout.pieces_end(index); ++p) {
       --buckets_[p->bucket].pending;
       if (final) ++buckets_[p->bucket].final_pieces;
@@ -254,7 +252,7 @@ void GradientReducer::reduce_manual(int micro) {
   if (!plan_.bucketed()) {
     for (size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& g = params_[i].mutable_grad();
-      if (direct_) {
+      if (in_place_[i]) {
         adopt(static_cast<int>(i), g);
         continue;
       }
@@ -340,7 +338,7 @@ void GradientReducer::launch(int bucket, int micro) {
     for (int i : bl.params) {
       if (written_[i]) continue;
       at::NoGradGuard no_grad;
-      if (direct_) {
+      if (in_place_[i]) {
         at::Tensor none;
         adopt(i, none);
         params_[i].mutable_grad() = grad_views_[i];
@@ -477,20 +475,31 @@ void GradientReducer::start_over() {
   std::fill(reduced_version_.begin(), reduced_version_.end(), -1);
   backward_wait_s_ = 0.0;
   for (auto& p : params_) p.mutable_grad().reset();
-  if (direct_) std::fill(grad_views_.begin(), grad_views_.end(), at::Tensor());
+  for (size_t i = 0; i < in_place_.size(); ++i) {
+    if (in_place_[i]) grad_views_[i].reset();
+  }
 }
 
 // Note [Gradients where autograd left them]
-// At one rank there is nothing to reduce, so copying each gradient into a flat buffer only moves
-// 8 bytes per parameter and keeps a second copy (the single-process loop was 14-21% slower than
-// torch's fused AdamW, issue 56). Direct, the sink of parameter i is the tensor autograd made for
-// its .grad (later micro-steps accumulate into it in place, as they would into the view); the
-// update and the non-finite check read each parameter's piece of a segment there
-// (LocalUpdate::read_param_grads), and .grad is reset after the step as torch's set_to_none does.
-// A gradient that is not contiguous or not in the model's dtype and device is converted once; a
-// parameter with none gets zeros, as in place. Chosen by the engine where nothing else reads the
-// segments' flat gradients: one rank, fp32 on the host, a rule the fused kernels step (Adam,
-// AdamW, SGD), no factory, no model-parallel grid (Engine::reads_param_grads).
+// At one rank there is nothing to reduce, so the flat buffer is only where the update finds the
+// gradients. Direct, the update and the non-finite check read each parameter's gradient where its
+// sink is (LocalUpdate::read_param_grads: kernels per parameter piece, never the padding), and
+// nothing is reduced. The sink is chosen per parameter by size:
+// - at least kInPlaceGradBytes: the tensor autograd made for its .grad (later micro-steps
+//   accumulate into it in place). Copying it would be a round trip through memory of its whole
+//   size (10^8 parameters: 45 ms of a 380 ms loop), and glibc maps an allocation that large fresh
+//   at every backward whatever we do (its largest dynamic mmap threshold is 32 MiB). .grad is reset
+//   after the step, as torch's set_to_none does.
+// - smaller: its view of the flat buffer, copied in by its hook as before. The copy reads a
+//   gradient that is still in cache, and freeing autograd's tensor at once lets the allocator give
+//   the same memory to the next gradient: on BERT-base's 199 tensors the loop then takes no page
+//   fault, where torch's, freeing every gradient at zero_grad(), faults on ~270 MB per step.
+// Each parameter's gradient is checked by its hook as it arrives, while it is in cache
+// (LocalUpdate::check_param_early). A gradient that is not contiguous or not in the model's dtype
+// and device is converted once; a parameter with none gets zeros, as in place. Chosen by the
+// engine where nothing else reads the segments' flat gradients: one rank, fp32 on the host, a rule
+// the fused kernels step (Adam, AdamW, SGD), no factory, no model-parallel grid
+// (Engine::reads_param_grads).
 void GradientReducer::adopt(int index, at::Tensor& grad) {
   at::NoGradGuard no_grad;
   at::Tensor& sink = grad_views_[index];

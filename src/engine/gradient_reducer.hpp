@@ -2,8 +2,8 @@
 // reads them, and the collectives that reduce them. Two sinks (StagePlan::Gradients):
 //   InPlace:  a flat gradient buffer the parameters' .grad are views of; autograd accumulates into
 //             it; each complete bucket is all-reduced or reduce-scattered in place, on the last
-//             micro-step. Direct (one rank, Note [Gradients where autograd left them]): no flat
-//             buffer; each .grad stays the tensor autograd made, read there by the update.
+//             micro-step. Direct (one rank, Note [Gradients where autograd left them]): nothing
+//             reduced; large gradients stay in the tensors autograd made, read there.
 //   Bucketed: each fresh .grad is copied, piece by piece, into pooled bucket buffers (Note [Bucket
 //             pool bound] in shardopt/detail/plan.hpp) and freed; a complete bucket is reduced
 //             every micro-step and folded into the reduced gradients (update coordinates), or,
@@ -34,6 +34,10 @@
 #include "shardopt/comm.hpp"
 
 namespace shardopt::detail {
+
+// Direct: gradients at least this large are read where autograd left them, smaller ones copied
+// (Note [Gradients where autograd left them]).
+constexpr int64_t kInPlaceGradBytes = int64_t{32} << 20;
 
 class GradientReducer {
  public:
@@ -150,6 +154,7 @@ class GradientReducer {
   at::Tensor grad_flat_;               // InPlace: full length, model dtype
   std::vector<at::Tensor> grad_views_;  // InPlace: each parameter's view of it (direct: its .grad)
   std::vector<char> written_;           // InPlace: the view holds this step's gradient
+  std::vector<char> in_place_;  // direct: the sink is autograd's tensor, not the view
   std::vector<int64_t> reduced_version_;  // InPlace: the view's version when on_reduced_ saw it
   at::Tensor grad_reduced_;            // Bucketed: update coordinates, master options
   std::vector<at::Tensor> pool_;       // Bucketed: bucket buffers

@@ -1,6 +1,7 @@
-// One process: the update reads each gradient where autograd left it (Note [Gradients where
-// autograd left them] in src/engine/gradient_reducer.cpp), with the same results as the bucketed
-// path (stage 2, which copies every gradient into its buckets) and the same non-finite guarantee.
+// One process: the update reads large gradients where autograd left them and small ones from the
+// flat buffer (Note [Gradients where autograd left them] in src/engine/gradient_reducer.cpp), with
+// the same results as the bucketed path (stage 2, which copies every gradient into its buckets)
+// and the same non-finite guarantee.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/ordered_dict.h>
@@ -9,32 +10,42 @@
 #include <string>
 #include <vector>
 
+#include "engine/gradient_reducer.hpp"
 #include "shardopt/optimizer.hpp"
 
 namespace shardopt {
 namespace {
 
+// The smallest gradient read in place.
+constexpr int64_t kBig = detail::kInPlaceGradBytes / sizeof(float);
+
 struct Model {
   at::Tensor w, b, unused;  // `unused` never gets a gradient: it counts as zero, as in place
+  at::Tensor big;           // read in place
   torch::OrderedDict<std::string, at::Tensor> named() const {
     torch::OrderedDict<std::string, at::Tensor> n;
     n.insert("w", w);
+    n.insert("big", big);
     n.insert("b", b);
     n.insert("unused", unused);
     return n;
+  }
+  std::vector<at::Tensor> values() const {
+    return {w.detach().clone(), b.detach().clone(), unused.detach().clone(), big.detach().clone()};
   }
 };
 
 Model make_model() {
   at::manual_seed(7);
   return {at::randn({8, 5}).set_requires_grad(true), at::randn({5}).set_requires_grad(true),
-          at::randn({3}).set_requires_grad(true)};
+          at::randn({3}).set_requires_grad(true), at::randn({kBig}).set_requires_grad(true)};
 }
 
 at::Tensor loss_of(const Model& m, int micro) {
   at::manual_seed(100 + micro);
   const at::Tensor x = at::randn({4, 8});
-  return (at::matmul(x, m.w) + m.b).tanh().pow(2).sum();
+  const at::Tensor y = (at::matmul(x, m.w) + m.b).tanh();
+  return y.pow(2).sum() + (m.big * y.sum()).sum() * 1e-3;
 }
 
 ZeroOptions options(int stage, int accumulation, double max_norm) {
@@ -56,7 +67,7 @@ std::vector<at::Tensor> train(const Rule& rule, int stage, int accumulation, dou
     opt.step();
     EXPECT_FALSE(opt.last_step().skipped);
   }
-  return {m.w.detach().clone(), m.b.detach().clone(), m.unused.detach().clone()};
+  return m.values();
 }
 
 void expect_same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
@@ -71,18 +82,18 @@ void expect_same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>
   }
 }
 
-TEST(DirectGradients, GradIsTheTensorAutogradMade) {
+TEST(DirectGradients, LargeGradIsTheTensorAutogradMade) {
   Model m = make_model();
   DistributedOptimizer opt(m.named(), AdamW(1e-2), make_single_communicator(), options(0, 1, 0));
   const void* made = nullptr;
-  m.w.register_hook([&](const at::Tensor& g) { made = g.data_ptr(); });
+  m.big.register_hook([&](const at::Tensor& g) { made = g.data_ptr(); });
   loss_of(m, 0).backward();
   ASSERT_NE(made, nullptr);
-  EXPECT_EQ(m.w.grad().data_ptr(), made) << "the gradient was copied into a flat buffer";
-  const at::Tensor before = m.w.detach().clone();
+  EXPECT_EQ(m.big.grad().data_ptr(), made) << "the gradient was copied into a flat buffer";
+  const at::Tensor before = m.big.detach().clone();
   opt.step();
-  EXPECT_FALSE(m.w.detach().equal(before));
-  EXPECT_FALSE(m.w.grad().defined()) << "step() consumes the gradients (set_to_none)";
+  EXPECT_FALSE(m.big.detach().equal(before));
+  EXPECT_FALSE(m.big.grad().defined()) << "step() consumes the gradients (set_to_none)";
 }
 
 // Stage 0 at one rank reads autograd's tensors; stage 2 copies them into buckets. Elementwise
@@ -93,14 +104,11 @@ TEST(DirectGradients, MatchesTheBucketedPath) {
       {"adam amsgrad", Adam(1e-2).weight_decay(0.05).amsgrad(true)},
       {"sgd nesterov", SGD(0.05).momentum(0.9).nesterov(true).weight_decay(0.01)}};
   for (const auto& [name, rule] : rules) {
-    for (int accumulation : {1, 3}) {
-      const std::string what = name + ", accumulation " + std::to_string(accumulation);
-      expect_same(train(rule, 0, accumulation, 0, 4), train(rule, 2, accumulation, 0, 4), 0,
-                  what);
-      expect_same(train(rule, 0, accumulation, 0.5, 4), train(rule, 2, accumulation, 0.5, 4),
-                  1e-6, what + ", clipped");
-    }
+    expect_same(train(rule, 0, 1, 0, 3), train(rule, 2, 1, 0, 3), 0, name);
   }
+  const Rule adamw = rules.front().second;
+  expect_same(train(adamw, 0, 3, 0, 3), train(adamw, 2, 3, 0, 3), 0, "adamw, accumulation 3");
+  expect_same(train(adamw, 0, 1, 0.5, 3), train(adamw, 2, 1, 0.5, 3), 1e-6, "adamw, clipped");
 }
 
 // Gradients set by hand, one of them not contiguous, reach the update as backward's do.
@@ -112,9 +120,9 @@ TEST(DirectGradients, HandSetGradients) {
     at::manual_seed(3);
     m.w.mutable_grad() = at::randn({5, 8}).t();  // transposed: not contiguous
     m.b.mutable_grad() = at::randn({5});
+    m.big.mutable_grad() = at::randn({2 * kBig}).slice(0, 0, 2 * kBig, 2);  // strided
     opt.step();
-    return std::vector<at::Tensor>{m.w.detach().clone(), m.b.detach().clone(),
-                                   m.unused.detach().clone()};
+    return m.values();
   };
   expect_same(run(0), run(2), 0, "hand-set gradients");
 }
@@ -123,19 +131,23 @@ TEST(DirectGradients, HandSetGradients) {
 TEST(DirectGradients, NaNWrittenAfterBackwardSkipsTheStep) {
   Model m = make_model();
   DistributedOptimizer opt(m.named(), AdamW(1e-2), make_single_communicator(), options(0, 1, 0));
-  loss_of(m, 0).backward();
-  const at::Tensor before = m.w.detach().clone();
-  {
-    at::NoGradGuard no_grad;
-    m.w.mutable_grad()[2][3] = std::nan("");
+  for (const bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "a gradient read in place" : "a copied gradient");
+    loss_of(m, 0).backward();
+    const auto before = m.values();
+    {
+      at::NoGradGuard no_grad;
+      at::Tensor g = in_place ? m.big.mutable_grad() : m.w.mutable_grad();
+      g.view(-1)[3] = std::nan("");
+    }
+    opt.step();
+    EXPECT_TRUE(opt.last_step().skipped);
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(m.values()[i].equal(before[i]));
+    loss_of(m, 1).backward();  // the next step runs again
+    opt.step();
+    EXPECT_FALSE(opt.last_step().skipped);
+    EXPECT_FALSE(m.values()[0].equal(before[0]));
   }
-  opt.step();
-  EXPECT_TRUE(opt.last_step().skipped);
-  EXPECT_TRUE(m.w.detach().equal(before));
-  loss_of(m, 1).backward();  // the next step runs again
-  opt.step();
-  EXPECT_FALSE(opt.last_step().skipped);
-  EXPECT_FALSE(m.w.detach().equal(before));
 }
 
 }  // namespace

@@ -159,8 +159,9 @@ Engine::Engine(torch::optim::Optimizer& owner, std::vector<ParamGroup> groups, R
   if (unit_plan_ && !automatic_) unit_plan_->attach(this);
 }
 
-// Note [Gradients where autograd left them] in gradient_reducer.cpp: one rank, in-place gradients
-// in the master's dtype and device, no model-parallel grid, and a rule the kernels step.
+// Where the update may read gradients per parameter (Note [Gradients where autograd left them] in
+// gradient_reducer.cpp): one rank, in-place gradients in the master's dtype and device, no
+// model-parallel grid, and a rule the kernels step.
 bool Engine::reads_param_grads(const Rule& rule, bool factory) const {
   const auto group_of_one = [](const CommunicatorPtr& c) { return !c || c->size() == 1; };
   const ParallelGroups& grid = options_.grid;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/ordered_dict.h>
 
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>

@@ -3,6 +3,7 @@
 // the same results as the bucketed path (stage 2, which copies every gradient into its buckets)
 // and the same non-finite guarantee.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: not reached through ATen.h on torch 2.6+
 #include <gtest/gtest.h>
 #include <torch/ordered_dict.h>
 

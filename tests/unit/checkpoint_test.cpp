@@ -201,7 +201,7 @@ TEST_F(Checkpoint, ManifestNamesEveryParameterAndFile) {
   EXPECT_EQ(f.at("path"), "shard-00000-of-00001.bin");
   EXPECT_EQ(f.at("bytes").get<int64_t>(),
             static_cast<int64_t>(fs::file_size(tmp / "ckpt/" + f.at("path").get<std::string>())));
-  EXPECT_EQ(f.at("crc32").get<std::string>().size(), 8u);
+  EXPECT_EQ(f.at("crc32c").get<std::string>().size(), 8u);
   for (const auto& p : m.at("parameters")) {
     int64_t covered = 0;
     for (const auto& piece : p.at("pieces")) covered += piece.at(3).get<int64_t>();

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #ifdef __linux__
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -223,6 +224,7 @@ void AsyncCheckpoint::save_checkpoint_async(const std::string& base, const Train
   s.thread = std::thread([&s, base, trainer = copied(trainer), saved, grid] {
     const auto start = std::chrono::steady_clock::now();
 #ifdef __linux__
+    pthread_setname_np(pthread_self(), "ckpt-writer");  // for profilers (perf --comm ckpt-writer)
     // Linux's nice value is per thread: the step's threads keep theirs (best effort: a refused
     // change leaves the writer at the training's priority).
     if (s.options.writer_niceness != 0) {

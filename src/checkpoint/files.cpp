@@ -188,10 +188,13 @@ uint32_t FileWriter::crc() const {
 }
 
 std::string FileWriter::block_crcs_text() const {
-  std::string out;
-  out.reserve((blocks_.size() + 1) * 8);
-  for (const uint32_t c : blocks_) out += crc_text(c);
-  if (bytes_ % kBlockBytes != 0) out += crc_text(block_crc_);
+  static constexpr char kHex[] = "0123456789abcdef";  // crc_text's digits, without a call each
+  const bool partial = bytes_ % kBlockBytes != 0;
+  std::string out(8 * (blocks_.size() + (partial ? 1 : 0)), '0');
+  for (size_t b = 0; b < out.size() / 8; ++b) {
+    const uint32_t c = b < blocks_.size() ? blocks_[b] : block_crc_;
+    for (size_t d = 0; d < 8; ++d) out[8 * b + d] = kHex[(c >> (28 - 4 * d)) & 15];
+  }
   return out;
 }
 

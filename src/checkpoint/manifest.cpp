@@ -329,12 +329,22 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                        "checkpoint: {}: the block checksums of {} are malformed ({} characters "
                        "for {}-byte blocks)",
                        m.path.string(), sf.path, text.size(), sf.block_bytes);
-        for (size_t k = 0; k < text.size(); k += 8) {
-          size_t used = 0;
-          const std::string hex = text.substr(k, 8);
-          sf.block_crcs.push_back(static_cast<uint32_t>(std::stoul(hex, &used, 16)));
-          SHARDOPT_CHECK(used == 8, Checkpoint, "checkpoint: {}: block checksum '{}' of {} is not "
-                         "hexadecimal", m.path.string(), hex, sf.path);
+        sf.block_crcs.reserve(text.size() / 8);
+        for (size_t k = 0; k < text.size(); k += 8) {  // by hand: 160,000 of them per GB
+          uint32_t value = 0;
+          bool hex = true;
+          for (size_t d = k; d < k + 8; ++d) {
+            const char c = text[d];
+            const int x = c >= '0' && c <= '9'   ? c - '0'
+                          : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                          : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                                 : -1;
+            hex = hex && x >= 0;
+            value = value << 4 | static_cast<uint32_t>(x & 15);
+          }
+          SHARDOPT_CHECK(hex, Checkpoint, "checkpoint: {}: block checksum '{}' of {} is not "
+                         "hexadecimal", m.path.string(), text.substr(k, 8), sf.path);
+          sf.block_crcs.push_back(value);
         }
       }
       m.files.push_back(std::move(sf));

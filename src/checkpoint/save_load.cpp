@@ -120,8 +120,8 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
   const auto& layout = a.layout();
   const int rank = a.comm()->rank(), world = a.comm()->size();
   const std::string file = shard_file_name(rank, world);
-  // Note [Shard images]: an asynchronous save's snapshot is the file's first bytes, checksummed,
-  // checked and summed by its copy.
+  // Note [Shard images]: an asynchronous save's snapshot is the file's first bytes, checksummed
+  // and checked by its copy.
   const ShardImage* image = nullptr;
   if (const auto* source = dynamic_cast<const ShardImageSource*>(&a)) image = source->shard_image();
   FileWriter w(tmp / file, /*direct=*/true);  // Note [Direct shard writes]
@@ -194,9 +194,7 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
     return on_cpu.emplace(b, std::move(s)).first->second;
   };
   for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
-    const std::vector<uint64_t>* known = image ? image->sums(i) : nullptr;
-    const std::vector<uint64_t> sums =
-        known ? *known : element_sums_of(a, i, state, names.size() + 1, slices_of);
+    const std::vector<uint64_t> sums = element_sums_of(a, i, state, names.size() + 1, slices_of);
     json hex = json::array();
     for (const uint64_t v : sums) hex.push_back(fmt::format("{:016x}", v));
     element_sums[a.param_name(i)] = hex;

@@ -1,5 +1,5 @@
-// Shard images (Note [Shard images] in shard_image.hpp): the layout, the copy with its block
-// checksums, non-finite check and element sums.
+// Shard images (Note [Shard images] in shard_image.hpp): the layout, and the copy with its block
+// checksums and non-finite check.
 #include "checkpoint/shard_image.hpp"
 
 #include <ATen/ATen.h>
@@ -9,10 +9,8 @@
 #include <cstring>
 
 #include "checkpoint/crc32c.hpp"
-#include "checkpoint/element_sums.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
-#include "checkpoint/manifest.hpp"
 #include "checkpoint/staging.hpp"
 #include "kernels/finite.hpp"
 #include "shardopt/checkpoint.hpp"
@@ -55,12 +53,10 @@ bool ShardImage::fits(ShardAccess& a) {
 
 ShardImage::ShardImage(ShardAccess& a) : layout_(&a.layout()) {
   const auto& layout = a.layout();
-  const int rank = a.comm()->rank();
   buckets_ = layout.buckets.size();
   state_ = state_sections(a);
   const std::vector<std::string> names = optimizer_state_names(a);
   int64_t end = kAlign;  // after the header
-  bool elementwise = true;
   for (int k = 0; k <= a.state_buffer_count(); ++k) {
     ImageSection s;
     s.name = k == 0 ? std::string("param") : "state/" + names[static_cast<size_t>(k - 1)];
@@ -68,9 +64,6 @@ ShardImage::ShardImage(ShardAccess& a) : layout_(&a.layout()) {
     s.entries = k == 0 ? layout.shard_numel : state_.maps[static_cast<size_t>(k - 1)].size();
     s.offset = (end + kAlign - 1) / kAlign * kAlign;
     end = s.offset + s.entries * static_cast<int64_t>(c10::elementSize(s.dtype));
-    if (k > 0) {
-      elementwise = elementwise && state_.maps[static_cast<size_t>(k - 1)].index().elementwise();
-    }
     sections_.push_back(std::move(s));
   }
   bytes_ = end;
@@ -81,7 +74,7 @@ ShardImage::ShardImage(ShardAccess& a) : layout_(&a.layout()) {
                  allocated);
   data_ = static_cast<uint8_t*>(p);
   std::memset(data_, 0, static_cast<size_t>(allocated));  // padding is zeros, as on disk
-  const auto header = shard_header(rank, a.comm()->size());
+  const auto header = shard_header(a.comm()->rank(), a.comm()->size());
   std::memcpy(data_, header.data(), header.size());
   for (const ImageSection& s : sections_) {
     views_.push_back(
@@ -90,22 +83,6 @@ ShardImage::ShardImage(ShardAccess& a) : layout_(&a.layout()) {
   blocks_.assign(static_cast<size_t>(bytes_ / kBlockBytes), 0);
   covered_.assign(blocks_.size(), 0);
   finite_.assign(sections_.size() * buckets_, 0);
-  runs_.resize(buckets_);
-  for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
-    places_.push_back(placement_of_param(a, i));
-    for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
-      const BucketLayout& bl = layout.buckets[lp->bucket];
-      const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
-      if (mine.empty()) continue;
-      const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
-      runs_[static_cast<size_t>(lp->bucket)].push_back(
-          {mine.begin - rank * bl.shard, mine.size(), param_begin, i});
-    }
-  }
-  for (auto& r : runs_) {
-    std::sort(r.begin(), r.end(), [](const Run& x, const Run& y) { return x.first < y.first; });
-  }
-  if (elementwise) sums_.assign(layout.slots.size(), std::vector<uint64_t>(sections_.size(), 0));
 }
 
 ShardImage::~ShardImage() { std::free(data_); }
@@ -134,11 +111,9 @@ void ShardImage::copy(int64_t at, const uint8_t* src, int64_t n) {
 void ShardImage::take(ShardAccess& a) {
   const auto& layout = a.layout();
   std::fill(covered_.begin(), covered_.end(), 0);
-  for (auto& s : sums_) std::fill(s.begin(), s.end(), 0);
   for (size_t b = 0; b < buckets_; ++b) {
     const int bucket = static_cast<int>(b);
     const auto& bl = layout.buckets[b];
-    const std::vector<Run>& runs = runs_[b];
     for (size_t k = 0; k < sections_.size(); ++k) {
       const ImageSection& s = sections_[k];
       const at::Tensor src = owned_slice(a, static_cast<int>(k), bucket);
@@ -153,7 +128,7 @@ void ShardImage::take(ShardAccess& a) {
       const auto* from = static_cast<const uint8_t*>(src.data_ptr());
       const int64_t at = s.offset + first * elem, n = count * elem;
       // Note [Quantised state in checkpoints]: only element-wise sections hold one entry per
-      // element, which the checks and sums below take.
+      // element, which the check below takes.
       const bool elementwise = k == 0 || state_.maps[k - 1].index().elementwise();
       const bool check = elementwise && checkable(s.dtype);
       kernels::CheckSegment segment;
@@ -161,7 +136,6 @@ void ShardImage::take(ShardAccess& a) {
                      : s.dtype == at::kBFloat16 ? kernels::ValueKind::BFloat16
                                                 : kernels::ValueKind::Float16;
       bool finite = true;
-      size_t r = 0;
       for (int64_t done = 0; done < n;) {
         // Chunks end on multiples of kImageChunk in the file: all but a slice's ends are whole
         // blocks, and each a whole number of elements (sections start 64-byte aligned).
@@ -172,18 +146,6 @@ void ShardImage::take(ShardAccess& a) {
           segment.data = const_cast<uint8_t*>(from + done);
           segment.numel = e1 - e0;
           finite = !kernels::check_finite(segment).non_finite;
-        }
-        if (!sums_.empty()) {  // the sums of the parameters in [e0, e1): the chunk is in cache
-          while (r < runs.size() && runs[r].first + runs[r].count <= e0) ++r;
-          for (size_t q = r; q < runs.size() && runs[q].first < e1; ++q) {
-            const Run& run = runs[q];
-            const int64_t lo = std::max(e0, run.first), hi = std::min(e1, run.first + run.count);
-            sums_[static_cast<size_t>(run.param)][k] +=
-                element_sum(places_[static_cast<size_t>(run.param)],
-                            run.param_begin + (lo - run.first), hi - lo, from + lo * elem,
-                            static_cast<int>(elem))
-                    .sum;
-          }
         }
         done = end;
       }

@@ -353,7 +353,7 @@ TEST_F(CheckpointErrors, UnknownFormatVersionAndBadJson) {
   m["format_version"] = 99;
   std::ofstream(path) << m.dump();
   expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
-               {path, "unknown format version 99", "reads version 1"});
+               {path, "unknown format version 99", "reads versions 1 and 2"});
   std::ofstream(path) << "{not json";
   expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint, {path, "not valid JSON"});
 }

@@ -204,8 +204,8 @@ std::unique_ptr<DistributedOptimizer> big_optimizer(BigNet& net, const ParallelG
   return opt;
 }
 
-// Note [Shard images]: the asynchronous save's image, its block checksums, non-finite check and
-// element sums computed by the snapshot's copy, writes the synchronous save's files byte for byte
+// Note [Shard images]: the asynchronous save's image, its block checksums and non-finite check
+// computed by the snapshot's copy, writes the synchronous save's files byte for byte
 // (manifests equal, every checksum and element sum included), at every stage and for a rule with
 // three state buffers.
 TEST(AsyncCheckpoint, ImageWritesTheSynchronousFiles) {

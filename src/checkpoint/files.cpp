@@ -172,7 +172,7 @@ void FileWriter::write_blocks(const void* data, size_t bytes, const uint32_t* bl
   add_blocks(first);
   const auto* p = static_cast<const unsigned char*>(data);
   if (staging_ && reinterpret_cast<uintptr_t>(p) % kPage == 0) {
-    // Note [Shard images]: the disk reads the snapshot itself. What is staged is whole pages
+    // The disk reads the snapshot itself (Note [Shard images]). What is staged is whole pages
     // (bytes_ is on a block boundary), so offsets stay page-aligned.
     if (staged_ > 0) flush_staging(staged_);
     write_out(p, bytes);

@@ -57,8 +57,10 @@ uint32_t checksum_of(ShardChecksum kind, const void* data, int64_t n);
 // asynchronous save takes from the training's cores. With `direct`, the writer opens the file
 // O_DIRECT and stages the bytes in one reused, page-aligned buffer of kDirectStaging bytes (a copy
 // within the cache), written out whole, so the disk reads them by DMA; the last partial page is
-// written zero-padded and the file truncated to its length before the fsync. Where the filesystem
-// refuses O_DIRECT (tmpfs, some network filesystems) the writer goes through the page cache.
+// written zero-padded and the file truncated to its length before the fsync. Bytes that are
+// already page-aligned in memory skip the staging copy: write_blocks() hands them to write() as
+// they are (an asynchronous save's snapshot: Note [Shard images]). Where the filesystem refuses
+// O_DIRECT (tmpfs, some network filesystems) the writer goes through the page cache.
 inline constexpr size_t kDirectStaging = size_t{8} << 20;
 
 // Writes a file sequentially, computing its CRC-32C and block CRC-32Cs on the way (Note [Block

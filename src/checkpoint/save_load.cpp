@@ -35,9 +35,9 @@ using namespace detail;  // NOLINT(google-build-using-namespace)
 namespace {
 
 // Never publish NaN/Inf over the last good checkpoint: every slice a rank writes is checked first
-// (one extra read of the shard; saves are rare; an asynchronous save's copy checks it in its pass:
-// Note [Shard images]), and agree() makes every rank fail together, leaving the previous
-// checkpoint in place. The error names the first parameter affected.
+// (one extra read of the shard; saves are rare; an asynchronous save's copy checks it in its
+// pass, see Note [Shard images]), and agree() makes every rank fail together, leaving the
+// previous checkpoint in place. The error names the first parameter affected.
 // Whether every element of `slice` is finite: the fused kernel where it takes the dtype (one read,
 // no allocation: Note [Exact non-finite check]), else ATen.
 bool all_finite(const at::Tensor& slice) {
@@ -120,8 +120,8 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
   const auto& layout = a.layout();
   const int rank = a.comm()->rank(), world = a.comm()->size();
   const std::string file = shard_file_name(rank, world);
-  // Note [Shard images]: an asynchronous save's snapshot is the file's first bytes, checksummed
-  // and checked by its copy.
+  // An asynchronous save's snapshot is the file's first bytes, checksummed and checked by its copy
+  // (Note [Shard images]).
   const ShardImage* image = nullptr;
   if (const auto* source = dynamic_cast<const ShardImageSource*>(&a)) image = source->shard_image();
   FileWriter w(tmp / file, /*direct=*/true);  // Note [Direct shard writes]

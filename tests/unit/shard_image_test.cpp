@@ -204,7 +204,7 @@ std::unique_ptr<DistributedOptimizer> big_optimizer(BigNet& net, const ParallelG
   return opt;
 }
 
-// Note [Shard images]: the asynchronous save's image, its block checksums and non-finite check
+// The asynchronous save's image (Note [Shard images]), its block checksums and non-finite check
 // computed by the snapshot's copy, writes the synchronous save's files byte for byte
 // (manifests equal, every checksum and element sum included), at every stage and for a rule with
 // three state buffers.

@@ -3,6 +3,7 @@
 #include "checkpoint/shard_image.hpp"
 
 #include <ATen/ATen.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -19,7 +20,7 @@
 namespace shardopt::detail {
 
 namespace {
-constexpr int64_t kPage = 4096;
+constexpr int64_t kHugePage = int64_t{2} << 20;
 
 at::Tensor owned_slice(ShardAccess& a, int k, int bucket) {
   return k == 0 ? a.owned_param_slice(bucket) : a.owned_state_slice(k - 1, bucket);
@@ -67,11 +68,16 @@ ShardImage::ShardImage(ShardAccess& a) : layout_(&a.layout()) {
     sections_.push_back(std::move(s));
   }
   bytes_ = end;
-  const int64_t allocated = (bytes_ + kPage - 1) / kPage * kPage;
+  // Transparent huge pages where the kernel gives them: O_DIRECT pins the buffer's pages for
+  // every write (get_user_pages: per 4 KiB page otherwise), and the copy takes fewer TLB misses.
+  const int64_t allocated = (bytes_ + kHugePage - 1) / kHugePage * kHugePage;
   void* p = nullptr;
-  SHARDOPT_CHECK(::posix_memalign(&p, kPage, static_cast<size_t>(allocated)) == 0, OutOfMemory,
+  SHARDOPT_CHECK(::posix_memalign(&p, kHugePage, static_cast<size_t>(allocated)) == 0, OutOfMemory,
                  "checkpoint: cannot allocate the asynchronous save's snapshot of {} bytes",
                  allocated);
+#ifdef MADV_HUGEPAGE
+  ::madvise(p, static_cast<size_t>(allocated), MADV_HUGEPAGE);  // advice: a refusal is no error
+#endif
   data_ = static_cast<uint8_t*>(p);
   std::memset(data_, 0, static_cast<size_t>(allocated));  // padding is zeros, as on disk
   const auto header = shard_header(a.comm()->rank(), a.comm()->size());

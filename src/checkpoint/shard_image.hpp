@@ -15,7 +15,8 @@
 //     bucket) are checksummed from the buffer once the copy is done;
 //   - per chunk of kImageChunk bytes, while the source chunk is still in cache, it runs the
 //     non-finite check (Note [Exact non-finite check]).
-// On BERT-base's 660 MB shard that pass takes 1.1-1.2x one memcpy. The element sums (Note
+// On BERT-base's 660 MB shard that pass takes 1.1-1.2x one memcpy (the buffer in transparent huge
+// pages: O_DIRECT pins its pages for every write). The element sums (Note
 // [Element checksums]) stay on the writer: their hash is bound by 64-bit multiplies (three per
 // element), 0.045 s per shard even from L2, which would make the copy 2x a memcpy (the aim is
 // 1.2x). The writer hands the whole blocks to write() straight from the buffer, O_DIRECT (Note

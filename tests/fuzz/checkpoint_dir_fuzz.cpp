@@ -5,9 +5,9 @@
 // load_checkpoint into the tiny model (fuzz_model.hpp) at the stage and rule the flags pick. Each
 // returns or throws shardopt::Error of a documented kind (Checkpoint; Mismatch for a load);
 // anything else, a crash or a sanitizer report is a finding. Flags: 0x01 sets each listed file's
-// "bytes" and "crc32" or "crc32c" (and the manifest's own checksum) to the truth before reading, so that
-// mutated files reach past the checksums; 0x06 stage; 0x18 rule (fuzz_rule); 0x80 restore the
-// module state. Replayed over corpus/checkpoint_dir by CTest with the ordinary build.
+// "bytes" and "crc32" or "crc32c" (and the manifest's own checksum) to the truth before reading,
+// so that mutated files reach past the checksums; 0x06 stage; 0x18 rule (fuzz_rule); 0x80 restore
+// the module state. Replayed over corpus/checkpoint_dir by CTest with the ordinary build.
 #include <ATen/ATen.h>
 
 #include <cstddef>

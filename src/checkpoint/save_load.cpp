@@ -257,7 +257,7 @@ std::map<std::string, at::Tensor> stage_module_state(
 
 // The save by the ranks the layout is sharded over (all, or one shard group).
 static void save_by_group(ShardAccess& a, const std::string& dir, const TrainerState& trainer,
-                          const SaveOptions& options) {
+                          const SaveOptions& options, std::string* manifest_crc) {
   Communicator& comm = *a.comm();
   const Duration timeout = a.zero_options().timeout;
   const int rank = comm.rank();
@@ -329,6 +329,7 @@ static void save_by_group(ShardAccess& a, const std::string& dir, const TrainerS
         }
         fsync_dir(paths.tmp);
         publish(paths);
+        if (manifest_crc) *manifest_crc = manifest.at("manifest_crc32").get<std::string>();
         return json();
       },
       [&] {
@@ -346,7 +347,7 @@ void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
 }
 
 void detail::save_folder(ShardAccess& a, const std::string& dir, const TrainerState& given,
-                         const SaveOptions& options) {
+                         const SaveOptions& options, std::string* manifest_crc) {
   // The module state travels as world rank 0's trainer tensors "module/<name>".
   TrainerState trainer = given;
   if (a.world_comm()->rank() == 0) {
@@ -354,13 +355,13 @@ void detail::save_folder(ShardAccess& a, const std::string& dir, const TrainerSt
       trainer.tensors[std::string(kModulePrefix) + name] = t.detach();
     }
   }
-  if (a.replicas() == 1) return save_by_group(a, dir, trainer, options);
+  if (a.replicas() == 1) return save_by_group(a, dir, trainer, options, manifest_crc);
   std::string failure;
   ErrorKind kind = ErrorKind::Checkpoint;
   std::exception_ptr mine;
   if (a.replica() == 0) {
     try {
-      save_by_group(a, dir, trainer, options);
+      save_by_group(a, dir, trainer, options, manifest_crc);
     } catch (const Error& e) {
       failure = e.what(), kind = e.kind(), mine = std::current_exception();
     } catch (const std::exception& e) {

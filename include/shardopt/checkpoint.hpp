@@ -33,8 +33,9 @@
 
 namespace shardopt {
 
-/// Format of the manifest and shard files this build writes; it reads this version only.
-inline constexpr int kCheckpointFormatVersion = 1;
+/// Format of the manifest and shard files this build writes. It reads this version and version 1
+/// (whose shard files carry zlib's CRC-32 where version 2 has CRC-32C: docs/checkpoints.md).
+inline constexpr int kCheckpointFormatVersion = 2;
 
 /// The trainer's own state, stored in the same atomic checkpoint: `json` (a JSON object as text)
 /// from rank 0, and per-rank tensors (e.g. the torch CPU generator state), saved by every rank.

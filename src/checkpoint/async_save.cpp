@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #ifdef __linux__
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "checkpoint/saving.hpp"
+#include "checkpoint/shard_image.hpp"
 #include "checkpoint/staging.hpp"
 #include "shardopt/async_checkpoint.hpp"
 #include "shardopt/detail/shard_access.hpp"
@@ -37,17 +39,24 @@ using detail::ShardAccess;
 // The optimizer as it was at the snapshot: what changes with steps (owned slices, step count,
 // rules, loss scaler) from the snapshot, the rest (layout, names, shapes, the tensors' split
 // records) from the optimizer, whose answers do not change; its own communicators.
-class SnapshotAccess final : public ShardAccess {
+class SnapshotAccess final : public ShardAccess, public detail::ShardImageSource {
  public:
   SnapshotAccess(ShardAccess& real, CommunicatorPtr comm, CommunicatorPtr world)
       : real_(real), comm_(std::move(comm)), world_(std::move(world)) {}
 
-  // Main thread, no save in flight: copies the owned slices into the (reused) host buffers.
+  // Main thread, no save in flight: copies the owned slices into the (reused) host buffers: the
+  // shard file's image where the slices are host tensors (Note [Shard images]), else a tensor per
+  // section.
   void take() {
     at::NoGradGuard no_grad;
     const auto& layout = real_.layout();
     const int sections = 1 + real_.state_buffer_count();
-    if (sections_.empty()) {
+    if (!image_ && sections_.empty() && detail::ShardImage::fits(real_)) {
+      image_ = std::make_unique<detail::ShardImage>(real_);
+    }
+    if (image_) {
+      image_->take(real_);
+    } else if (sections_.empty()) {
       // Note [Quantised state in checkpoints]: a state section's length and dtype are its own.
       state_ = detail::state_sections(real_);
       const bool device = !layout.buckets.empty() && real_.owned_param_slice(0).is_cuda();
@@ -58,7 +67,7 @@ class SnapshotAccess final : public ShardAccess {
         sections_.push_back(at::empty({state_.maps[s].size()}, options.dtype(state_.dtypes[s])));
       }
     }
-    for (size_t b = 0; b < layout.buckets.size(); ++b) {
+    for (size_t b = 0; !image_ && b < layout.buckets.size(); ++b) {
       const int bucket = static_cast<int>(b);
       slice(0, bucket).copy_(real_.owned_param_slice(bucket));
       for (int k = 1; k < sections; ++k) {
@@ -75,11 +84,18 @@ class SnapshotAccess final : public ShardAccess {
     for (int g = 0; g < real_.group_count(); ++g) rules_.push_back(real_.group_rule(g));
     scaler_ = real_.loss_scaler_state();
   }
+  // The state's bytes (an image's header and padding, under 64 bytes a section, not counted).
   int64_t bytes() const {
     int64_t n = 0;
     for (const auto& t : sections_) n += static_cast<int64_t>(t.nbytes());
+    if (image_) {
+      for (const auto& s : image_->sections()) {
+        n += s.entries * static_cast<int64_t>(c10::elementSize(s.dtype));
+      }
+    }
     return n;
   }
+  const detail::ShardImage* shard_image() const override { return image_.get(); }
 
   const detail::FlatLayout& layout() const override { return real_.layout(); }
   const ZeroOptions& zero_options() const override { return real_.zero_options(); }
@@ -111,6 +127,7 @@ class SnapshotAccess final : public ShardAccess {
 
  private:
   at::Tensor slice(int section, int bucket) {
+    if (image_) return image_->slice(section, bucket);
     const auto& bl = real_.layout().buckets[static_cast<size_t>(bucket)];
     if (section == 0) return sections_[0].narrow(0, bl.shard_offset, bl.shard);
     const auto [first, count] = state_.slice(real_.layout(), section - 1, bucket);
@@ -123,6 +140,7 @@ class SnapshotAccess final : public ShardAccess {
 
   ShardAccess& real_;
   CommunicatorPtr comm_, world_;
+  std::unique_ptr<detail::ShardImage> image_;  // Note [Shard images]; or:
   std::vector<at::Tensor> sections_;  // param, then each state buffer: shard coordinates
   detail::StateSections state_;       // where each state section's bucket slices are
   std::vector<std::vector<int64_t>> shapes_;
@@ -206,6 +224,7 @@ void AsyncCheckpoint::save_checkpoint_async(const std::string& base, const Train
   s.thread = std::thread([&s, base, trainer = copied(trainer), saved, grid] {
     const auto start = std::chrono::steady_clock::now();
 #ifdef __linux__
+    pthread_setname_np(pthread_self(), "ckpt-writer");  // for profilers (perf --comm ckpt-writer)
     // Linux's nice value is per thread: the step's threads keep theirs (best effort: a refused
     // change leaves the writer at the training's priority).
     if (s.options.writer_niceness != 0) {

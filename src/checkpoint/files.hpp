@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/format.hpp"
+
 namespace shardopt::detail {
 
 struct Paths {
@@ -36,12 +38,17 @@ std::string errno_text();
 // and the dynamic linker may bind our calls to that copy rather than libstdc++'s.
 void remove_tree(const std::filesystem::path& path, std::error_code& ec);
 
-// Note [Block checksums]: besides the whole file's CRC-32, a shard file carries one CRC-32 per
-// block of kBlockBytes (the last block shorter), in its manifest entry, so that a reader of a few
-// byte ranges (a load into another layout reads only what overlaps its slice: Note [Placement in
-// the manifest], src/checkpoint/placement.hpp) verifies every block it reads without reading the
-// rest of the file. 4 KiB keeps the extra bytes per range small and the table at 0.2% of the file.
+// Note [Block checksums]: besides the whole file's checksum, a shard file carries one per block of
+// kBlockBytes (the last block shorter), in its manifest entry, so that a reader of a few byte
+// ranges (a load into another layout reads only what overlaps its slice: Note [Placement in the
+// manifest], src/checkpoint/placement.hpp) verifies every block it reads without reading the rest
+// of the file. 4 KiB keeps the extra bytes per range small and the table at 0.2% of the file.
+// They are CRC-32C from format version 2 (zlib's CRC-32 before: ShardChecksum in format.hpp); the
+// file's is combined from its blocks', so the bytes are read once.
 inline constexpr int64_t kBlockBytes = 4096;
+
+// The checksum `kind` of [data, data + n).
+uint32_t checksum_of(ShardChecksum kind, const void* data, int64_t n);
 
 // Note [Direct shard writes]
 // A shard file is large (a rank's whole state) and written once; through the page cache, write()
@@ -50,12 +57,14 @@ inline constexpr int64_t kBlockBytes = 4096;
 // asynchronous save takes from the training's cores. With `direct`, the writer opens the file
 // O_DIRECT and stages the bytes in one reused, page-aligned buffer of kDirectStaging bytes (a copy
 // within the cache), written out whole, so the disk reads them by DMA; the last partial page is
-// written zero-padded and the file truncated to its length before the fsync. Where the filesystem
-// refuses O_DIRECT (tmpfs, some network filesystems) the writer goes through the page cache.
+// written zero-padded and the file truncated to its length before the fsync. Bytes that are
+// already page-aligned in memory skip the staging copy: write_blocks() hands them to write() as
+// they are (an asynchronous save's snapshot: Note [Shard images]). Where the filesystem refuses
+// O_DIRECT (tmpfs, some network filesystems) the writer goes through the page cache.
 inline constexpr size_t kDirectStaging = size_t{8} << 20;
 
-// Writes a file sequentially, computing its CRC-32 and block checksums on the way; sync() makes it
-// durable. `direct`: Note [Direct shard writes].
+// Writes a file sequentially, computing its CRC-32C and block CRC-32Cs on the way (Note [Block
+// checksums]); sync() makes it durable. `direct`: Note [Direct shard writes].
 class FileWriter {
  public:
   explicit FileWriter(std::filesystem::path path, bool direct = false);
@@ -64,13 +73,17 @@ class FileWriter {
   FileWriter& operator=(const FileWriter&) = delete;
 
   void write(const void* data, size_t bytes);
+  // Whole blocks whose CRC-32Cs are known (`block_crcs`: one per kBlockBytes; Note [Shard images]),
+  // at a block boundary of the file: written straight from `data` when it is page-aligned (O_DIRECT
+  // too), else as write() would, without reading them to checksum them.
+  void write_blocks(const void* data, size_t bytes, const uint32_t* block_crcs);
   void pad_to(int64_t alignment);
   void write_tensor(const at::Tensor& t);
   void sync_and_close();
   int64_t bytes() const { return bytes_; }
   bool direct() const { return staging_ != nullptr; }  // O_DIRECT was granted
-  uint32_t crc() const;
-  // The CRC-32 of every kBlockBytes block written so far (the last one possibly partial), as
+  uint32_t crc() const;  // CRC-32C
+  // The CRC-32C of every kBlockBytes block written so far (the last one possibly partial), as
   // hexadecimal text: 8 characters a block.
   std::string block_crcs_text() const;
 
@@ -78,6 +91,7 @@ class FileWriter {
   // Writes `bytes` from `data` to the file descriptor, retrying short writes.
   void write_out(const unsigned char* data, size_t bytes);
   void flush_staging(size_t bytes);
+  void put(const unsigned char* p, size_t bytes);
 
   std::filesystem::path path_;
   int fd_ = -1;
@@ -87,9 +101,10 @@ class FileWriter {
   };
   std::unique_ptr<unsigned char, FreeAligned> staging_;  // direct: page-aligned, kDirectStaging
   size_t staged_ = 0;                                     // bytes in staging_
-  uLong crc_ = crc32_z(0L, Z_NULL, 0);  // of the finished blocks (combined from theirs)
+  uint32_t crc_ = 0;  // CRC-32C of the finished blocks (combined from theirs)
   std::vector<uint32_t> blocks_;  // finished blocks
-  uLong block_crc_ = crc32_z(0L, Z_NULL, 0);  // of the block being written
+  uint32_t block_crc_ = 0;  // of the block being written
+  void add_blocks(size_t first);  // folds blocks_[first, end) into crc_
 };
 
 void fsync_dir(const std::filesystem::path& dir);
@@ -98,7 +113,7 @@ void fsync_dir(const std::filesystem::path& dir);
 at::Tensor read_bytes(const std::filesystem::path& path, const std::string& what);
 
 std::string crc_text(uint32_t crc);
-uint32_t crc_of(const at::Tensor& bytes);
+uint32_t crc_of(const at::Tensor& bytes);  // zlib's CRC-32 (manifests, version-1 shard files)
 
 // Reads `bytes` bytes at `offset` of the open file `fd` (named `path` in errors) into `dst`.
 void read_at(int fd, const std::filesystem::path& path, int64_t offset, int64_t bytes, void* dst);

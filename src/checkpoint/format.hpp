@@ -38,6 +38,19 @@ inline constexpr const char* kModulePrefix = "module/";
 inline constexpr char kMagic[8] = {'S', 'H', 'A', 'R', 'D', 'O', 'P', 'T'};
 inline constexpr int64_t kAlign = 64;
 
+// The checksums of a shard file's manifest entry (the file's and its blocks': Note [Block
+// checksums] in files.hpp): zlib's CRC-32 under "crc32" in format version 1, CRC-32C (Note
+// [CRC-32C] in crc32c.hpp) under "crc32c" from version 2, which the save's snapshot copy computes
+// in the same pass (Note [Shard images] in shard_image.hpp).
+enum class ShardChecksum { Crc32, Crc32c };
+inline constexpr int kCrc32FormatVersion = 1;  // the last version with CRC-32 shard checksums
+inline const char* checksum_key(ShardChecksum c) {
+  return c == ShardChecksum::Crc32 ? "crc32" : "crc32c";
+}
+inline const char* checksum_name(ShardChecksum c) {
+  return c == ShardChecksum::Crc32 ? "CRC-32" : "CRC-32C";
+}
+
 // JSON text; invalid UTF-8 is replaced rather than thrown on.
 std::string dump(const json& j, int indent = -1);
 

@@ -176,24 +176,31 @@ void detail::save_grid(ShardAccess& a, Communicator& world, const ParallelGroups
   const fs::path save_dir = fs::path(base) / save_name(number);
 
   // 2. Every position writes its folder (collective over its data-parallel ranks).
+  const std::string own_folder = grid_folder_name(groups.tp_rank, tp, groups.pp_rank, pp);
+  std::string own_crc;  // the manifest_crc32 of the folder this rank wrote the manifest of, if any
   agree(world, timeout, what, nothing, [&] {
-    const fs::path folder = save_dir / grid_folder_name(groups.tp_rank, tp, groups.pp_rank, pp);
+    const fs::path folder = save_dir / own_folder;
     std::error_code ec;
     fs::create_directories(folder.parent_path(), ec);
     SHARDOPT_CHECK(!ec, Checkpoint, "checkpoint: cannot create {}: {}",
                    folder.parent_path().string(), ec.message());
-    save_folder(a, folder.string(), trainer, options);
+    save_folder(a, folder.string(), trainer, options, &own_crc);
     if (grid.after_folder_written) grid.after_folder_written(world.rank());
     return json();
   });
 
-  // 3. World rank 0 checks every folder and commits them with one record, then prunes.
+  // 3. World rank 0 checks every folder (reading back the manifests other ranks wrote: all ranks
+  // must see one filesystem) and commits them with one record, then prunes.
   agree(world, timeout, what, nothing, [&] {
     if (world.rank() != 0) return json();
     json folders = json::array();
     for (int p = 0; p < pp; ++p) {
       for (int t = 0; t < tp; ++t) {
         const std::string name = grid_folder_name(t, tp, p, pp);
+        if (name == own_folder && !own_crc.empty()) {  // written here, of this step: not read back
+          folders.push_back({{"path", name}, {"manifest_crc32", own_crc}});
+          continue;
+        }
         const Manifest m = read_manifest((save_dir / name).string());
         SHARDOPT_CHECK(m.step == a.step_count(), Checkpoint,
                        "checkpoint: {} holds step {}, the save is of step {}", m.path.string(),

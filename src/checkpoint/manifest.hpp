@@ -33,8 +33,9 @@ struct ShardFile {
   std::string path;
   int64_t bytes = 0;
   uint32_t crc = 0;
+  ShardChecksum checksum = ShardChecksum::Crc32c;  // of crc and block_crcs: the format version's
   std::map<std::string, Section> sections;
-  // Note [Block checksums] (files.hpp): the CRC-32 of every block_bytes block; empty in manifests
+  // Note [Block checksums] (files.hpp): the checksum of every block_bytes block; empty in manifests
   // written before blocks were recorded (their readers read the whole file).
   int64_t block_bytes = 0;
   std::vector<uint32_t> block_crcs;

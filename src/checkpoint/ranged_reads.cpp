@@ -116,13 +116,12 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
     read_bytes_total += end - begin;
     for (int64_t b = first; b <= last; ++b) {
       const int64_t lo = b * B - begin, n = std::min(B, f.bytes - b * B);
-      const uint32_t crc = static_cast<uint32_t>(crc32_z(
-          crc32_z(0L, Z_NULL, 0), reinterpret_cast<const unsigned char*>(buffer.data() + lo),
-          static_cast<size_t>(n)));
+      const uint32_t crc = checksum_of(f.checksum, buffer.data() + lo, n);
       SHARDOPT_CHECK(crc == f.block_crcs[b], Checkpoint,
-                     "checkpoint: checksum mismatch in shard file {}, bytes [{}, {}): CRC-32 is "
-                     "{}, the manifest says {}; the file is corrupt",
-                     path.string(), b * B, b * B + n, crc_text(crc), crc_text(f.block_crcs[b]));
+                     "checkpoint: checksum mismatch in shard file {}, bytes [{}, {}): {} is {}, "
+                     "the manifest says {}; the file is corrupt",
+                     path.string(), b * B, b * B + n, checksum_name(f.checksum), crc_text(crc),
+                     crc_text(f.block_crcs[b]));
     }
     // Copy what lies in [begin, end); a read reaching past it continues in the next run.
     for (size_t k = next; k < reads.size() && (reads[k].bytes == 0 || reads[k].offset < end); ++k) {

@@ -19,6 +19,7 @@
 #include "checkpoint/format.hpp"
 #include "checkpoint/manifest.hpp"
 #include "checkpoint/saving.hpp"
+#include "checkpoint/shard_image.hpp"
 #include "checkpoint/staging.hpp"
 #include "comm/agreement.hpp"
 #include "shardopt/detail/shard_access.hpp"
@@ -33,10 +34,10 @@ using namespace detail;  // NOLINT(google-build-using-namespace)
 
 namespace {
 
-// Writes this rank's shard file into `tmp`; returns its manifest entry.
 // Never publish NaN/Inf over the last good checkpoint: every slice a rank writes is checked first
-// (one extra read of the shard; saves are rare), and agree() makes every rank fail together,
-// leaving the previous checkpoint in place. The error names the first parameter affected.
+// (one extra read of the shard; saves are rare; an asynchronous save's copy checks it in its
+// pass, see Note [Shard images]), and agree() makes every rank fail together, leaving the
+// previous checkpoint in place. The error names the first parameter affected.
 // Whether every element of `slice` is finite: the fused kernel where it takes the dtype (one read,
 // no allocation: Note [Exact non-finite check]), else ATen.
 bool all_finite(const at::Tensor& slice) {
@@ -77,32 +78,85 @@ void check_finite(ShardAccess& a, int bucket, const at::Tensor& slice, const std
                 section, name, rank);
 }
 
+// This rank's part of parameter i's element sums (Note [Element checksums]): the values and each
+// state section, read from the owned slices (`slices_of(bucket)`: its param and state slices).
+std::vector<uint64_t> element_sums_of(
+    ShardAccess& a, int i, const StateSections& state, size_t sections,
+    const std::function<const std::vector<at::Tensor>&(int)>& slices_of) {
+  const auto& layout = a.layout();
+  const int rank = a.comm()->rank();
+  const TensorPlacement place = placement_of_param(a, i);
+  std::vector<uint64_t> sums(sections, 0);
+  for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
+    const BucketLayout& bl = layout.buckets[lp->bucket];
+    const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
+    if (mine.empty()) continue;
+    const auto& s = slices_of(lp->bucket);
+    const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
+    const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
+    const int elem0 = static_cast<int>(s[0].element_size());
+    sums[0] += element_sum(place, param_begin, mine.size(),
+                           static_cast<const char*>(s[0].data_ptr()) + first * elem0, elem0)
+                   .sum;
+    for (size_t k = 1; k < s.size(); ++k) {
+      const SectionMap& map = state.maps[k - 1];
+      const int64_t pos = bl.shard_offset + first;  // shard coordinates
+      const auto [entry, count] = map.entries(pos, mine.size(), layout.slots[i].numel);
+      if (count == 0) continue;
+      const int64_t base = map.before(bl.shard_offset);  // the bucket slice's first entry
+      const int elem = static_cast<int>(s[k].element_size());
+      sums[k] += section_sum(map.index(), place, param_begin, mine.size(), layout.slots[i].numel,
+                             static_cast<const char*>(s[k].data_ptr()) + (entry - base) * elem,
+                             elem)
+                     .sum;
+    }
+  }
+  return sums;
+}
+
+// Writes this rank's shard file into `tmp`; returns its manifest entry.
 json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::string>& names,
                  const std::map<std::string, at::Tensor>& tensors) {
   const auto& layout = a.layout();
   const int rank = a.comm()->rank(), world = a.comm()->size();
   const std::string file = shard_file_name(rank, world);
+  // An asynchronous save's snapshot is the file's first bytes, checksummed and checked by its copy
+  // (Note [Shard images]).
+  const ShardImage* image = nullptr;
+  if (const auto* source = dynamic_cast<const ShardImageSource*>(&a)) image = source->shard_image();
   FileWriter w(tmp / file, /*direct=*/true);  // Note [Direct shard writes]
-  char header[kAlign] = {};
-  std::memcpy(header, kMagic, sizeof(kMagic));
-  const uint32_t fields[3] = {static_cast<uint32_t>(kCheckpointFormatVersion),
-                              static_cast<uint32_t>(rank), static_cast<uint32_t>(world)};
-  std::memcpy(header + 8, fields, sizeof(fields));
-  w.write(header, sizeof(header));
   json sections = json::array();
   // Note [Quantised state in checkpoints]: a state section may hold other entries than elements.
   const StateSections state = state_sections(a);
-  auto shard_section = [&](const std::string& name, const std::function<at::Tensor(int)>& slice,
-                           at::ScalarType dtype, int64_t entries, bool elementwise) {
-    w.pad_to(kAlign);
-    const int64_t offset = w.bytes();
+  const int buckets = static_cast<int>(layout.buckets.size());
+  if (image == nullptr) {
+    const auto header = shard_header(rank, world);
+    w.write(header.data(), header.size());
+  }
+  auto slice_of = [&](size_t k, int b) {
+    return k == 0 ? a.owned_param_slice(b) : a.owned_state_slice(static_cast<int>(k) - 1, b);
+  };
+  for (size_t k = 0; k <= names.size(); ++k) {
+    const std::string name = k == 0 ? std::string("param") : "state/" + names[k - 1];
+    const at::ScalarType dtype = k == 0 ? a.master_dtype() : state.dtypes[k - 1];
+    const int64_t entries = k == 0 ? layout.shard_numel : state.maps[k - 1].size();
+    const bool elementwise = k == 0 || state.maps[k - 1].index().elementwise();
+    if (image == nullptr) w.pad_to(kAlign);
+    const int64_t offset = image ? image->sections().at(k).offset : w.bytes();
+    SHARDOPT_INTERNAL_ASSERT(!image || (image->sections()[k].name == name &&
+                                        image->sections()[k].entries == entries),
+                             "section {} of the snapshot's image is {} [{}]", name,
+                             image ? image->sections()[k].name : "", entries);
     int64_t written = 0;
-    for (int b = 0; b < static_cast<int>(layout.buckets.size()); ++b) {
-      const at::Tensor t = slice(b);
+    for (int b = 0; b < buckets; ++b) {
+      const at::Tensor t = slice_of(k, b);
       SHARDOPT_INTERNAL_ASSERT(t.scalar_type() == dtype, "section {} of bucket {} is {}, not {}",
                                name, b, dtype_name(t.scalar_type()), dtype_name(dtype));
-      check_finite(a, b, t, name == "param" ? "value" : name, elementwise);
-      w.write_tensor(t);
+      // Never publish NaN/Inf over the last good checkpoint (the image's copy checked it).
+      if (!image || !image->checked_finite(static_cast<int>(k), b)) {
+        check_finite(a, b, t, k == 0 ? "value" : name, elementwise);
+      }
+      if (!image) w.write_tensor(t);
       written += t.numel();
     }
     SHARDOPT_INTERNAL_ASSERT(written == entries, "section {} has {} entries, its map says {}",
@@ -111,13 +165,11 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
                         {"offset", offset},
                         {"dtype", dtype_name(dtype)},
                         {"shape", json::array({entries})}});
-  };
-  shard_section("param", [&](int b) { return a.owned_param_slice(b); }, a.master_dtype(),
-                layout.shard_numel, true);
-  for (size_t k = 0; k < names.size(); ++k) {
-    shard_section(
-        "state/" + names[k], [&](int b) { return a.owned_state_slice(static_cast<int>(k), b); },
-        state.dtypes[k], state.maps[k].size(), state.maps[k].index().elementwise());
+  }
+  if (image) {  // whole blocks straight from the image, the partial last one through w
+    const int64_t whole = image->bytes() / kBlockBytes * kBlockBytes;
+    w.write_blocks(image->data(), static_cast<size_t>(whole), image->block_crcs().data());
+    w.write(image->data() + whole, static_cast<size_t>(image->bytes() - whole));
   }
   for (const auto& [key, t] : tensors) {
     w.pad_to(kAlign);
@@ -135,50 +187,25 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
   auto slices_of = [&](int b) -> const std::vector<at::Tensor>& {
     auto it = on_cpu.find(b);
     if (it != on_cpu.end()) return it->second;
-    std::vector<at::Tensor> s{a.owned_param_slice(b).to(at::kCPU).contiguous()};
-    for (size_t k = 0; k < names.size(); ++k) {
-      s.push_back(a.owned_state_slice(static_cast<int>(k), b).to(at::kCPU).contiguous());
+    std::vector<at::Tensor> s;
+    for (size_t k = 0; k <= names.size(); ++k) {
+      s.push_back(slice_of(k, b).to(at::kCPU).contiguous());
     }
     return on_cpu.emplace(b, std::move(s)).first->second;
   };
   for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
-    const TensorPlacement place = placement_of_param(a, i);
-    std::vector<uint64_t> sums(names.size() + 1, 0);
-    for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
-      const BucketLayout& bl = layout.buckets[lp->bucket];
-      const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
-      if (mine.empty()) continue;
-      const auto& s = slices_of(lp->bucket);
-      const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
-      const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
-      const int elem0 = static_cast<int>(s[0].element_size());
-      sums[0] += element_sum(place, param_begin, mine.size(),
-                             static_cast<const char*>(s[0].data_ptr()) + first * elem0, elem0)
-                     .sum;
-      for (size_t k = 1; k < s.size(); ++k) {
-        const SectionMap& map = state.maps[k - 1];
-        const int64_t pos = bl.shard_offset + first;  // shard coordinates
-        const auto [entry, count] = map.entries(pos, mine.size(), layout.slots[i].numel);
-        if (count == 0) continue;
-        const int64_t base = map.before(bl.shard_offset);  // the bucket slice's first entry
-        const int elem = static_cast<int>(s[k].element_size());
-        sums[k] += section_sum(map.index(), place, param_begin, mine.size(),
-                               layout.slots[i].numel,
-                               static_cast<const char*>(s[k].data_ptr()) + (entry - base) * elem,
-                               elem)
-                       .sum;
-      }
-    }
+    const std::vector<uint64_t> sums = element_sums_of(a, i, state, names.size() + 1, slices_of);
     json hex = json::array();
     for (const uint64_t v : sums) hex.push_back(fmt::format("{:016x}", v));
     element_sums[a.param_name(i)] = hex;
   }
+  const ShardChecksum checksum = ShardChecksum::Crc32c;  // Note [Block checksums]
   return {{"rank", rank},
           {"element_sums", element_sums},
           {"path", file},
           {"bytes", w.bytes()},
-          {"crc32", crc_text(w.crc())},
-          {"blocks", {{"bytes", kBlockBytes}, {"crc32", w.block_crcs_text()}}},
+          {checksum_key(checksum), crc_text(w.crc())},
+          {"blocks", {{"bytes", kBlockBytes}, {checksum_key(checksum), w.block_crcs_text()}}},
           {"sections", sections}};
 }
 
@@ -230,7 +257,7 @@ std::map<std::string, at::Tensor> stage_module_state(
 
 // The save by the ranks the layout is sharded over (all, or one shard group).
 static void save_by_group(ShardAccess& a, const std::string& dir, const TrainerState& trainer,
-                          const SaveOptions& options) {
+                          const SaveOptions& options, std::string* manifest_crc) {
   Communicator& comm = *a.comm();
   const Duration timeout = a.zero_options().timeout;
   const int rank = comm.rank();
@@ -302,6 +329,7 @@ static void save_by_group(ShardAccess& a, const std::string& dir, const TrainerS
         }
         fsync_dir(paths.tmp);
         publish(paths);
+        if (manifest_crc) *manifest_crc = manifest.at("manifest_crc32").get<std::string>();
         return json();
       },
       [&] {
@@ -319,7 +347,7 @@ void save_checkpoint(DistributedOptimizer& optimizer, const std::string& dir,
 }
 
 void detail::save_folder(ShardAccess& a, const std::string& dir, const TrainerState& given,
-                         const SaveOptions& options) {
+                         const SaveOptions& options, std::string* manifest_crc) {
   // The module state travels as world rank 0's trainer tensors "module/<name>".
   TrainerState trainer = given;
   if (a.world_comm()->rank() == 0) {
@@ -327,13 +355,13 @@ void detail::save_folder(ShardAccess& a, const std::string& dir, const TrainerSt
       trainer.tensors[std::string(kModulePrefix) + name] = t.detach();
     }
   }
-  if (a.replicas() == 1) return save_by_group(a, dir, trainer, options);
+  if (a.replicas() == 1) return save_by_group(a, dir, trainer, options, manifest_crc);
   std::string failure;
   ErrorKind kind = ErrorKind::Checkpoint;
   std::exception_ptr mine;
   if (a.replica() == 0) {
     try {
-      save_by_group(a, dir, trainer, options);
+      save_by_group(a, dir, trainer, options, manifest_crc);
     } catch (const Error& e) {
       failure = e.what(), kind = e.kind(), mine = std::current_exception();
     } catch (const std::exception& e) {

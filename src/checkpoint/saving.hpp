@@ -10,9 +10,11 @@
 
 namespace shardopt::detail {
 
-// save_checkpoint's body: one folder, collective over a.world_comm().
+// save_checkpoint's body: one folder, collective over a.world_comm(). `manifest_crc`, when given,
+// receives the manifest's "manifest_crc32" on the rank that wrote and published it (unchanged on
+// the others): the grid commit takes it instead of reading that manifest back.
 void save_folder(ShardAccess& a, const std::string& dir, const TrainerState& trainer,
-                 const SaveOptions& options);
+                 const SaveOptions& options, std::string* manifest_crc = nullptr);
 
 // save_grid_checkpoint's body: collective over `world` (groups gives the grid and this rank's
 // position; its communicators are not used).

@@ -1,4 +1,4 @@
-// Slot files of in-memory snapshots (snapshot_slot.hpp) and their CRC-32C.
+// Slot files of in-memory snapshots (snapshot_slot.hpp); their CRC-32C is crc32c.cpp's.
 #include "checkpoint/snapshot_slot.hpp"
 
 #include <fcntl.h>
@@ -11,10 +11,6 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-#endif
-
 #include "shardopt/error.hpp"
 
 namespace shardopt::detail {
@@ -22,171 +18,6 @@ namespace shardopt::detail {
 namespace {
 
 constexpr char kSlotMagic[8] = {'S', 'H', 'S', 'N', 'A', 'P', '0', '1'};
-
-struct Table {
-  uint32_t v[256];
-  Table() {
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-      v[i] = c;
-    }
-  }
-};
-
-uint32_t crc_bytes_portable(uint32_t c, const uint8_t* p, int64_t n) {
-  static const Table table;
-  for (int64_t i = 0; i < n; ++i) c = table.v[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-  return c;
-}
-
-void quarters_portable(const uint8_t* p, int64_t q, int64_t n, uint32_t c[4]) {
-  for (int k = 0; k < 4; ++k) {
-    const int64_t len = k < 3 ? q : n - 3 * q;
-    c[k] = crc_bytes_portable(c[k], p + k * q, len);
-  }
-}
-
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) void quarters_sse42(const uint8_t* p, int64_t q, int64_t n,
-                                                      uint32_t c[4]) {
-  uint64_t s[4] = {c[0], c[1], c[2], c[3]};
-  const uint8_t* at[4] = {p, p + q, p + 2 * q, p + 3 * q};
-  int64_t i = 0;
-  for (; i + 8 <= q; i += 8) {  // four streams: the instruction's latency hidden
-    for (int k = 0; k < 4; ++k) {
-      uint64_t w;
-      std::memcpy(&w, at[k] + i, 8);
-      s[k] = _mm_crc32_u64(s[k], w);
-    }
-  }
-  for (int k = 0; k < 4; ++k) {
-    const int64_t len = k < 3 ? q : n - 3 * q;
-    auto c32 = static_cast<uint32_t>(s[k]);
-    int64_t j = i;
-    for (; j + 8 <= len; j += 8) {
-      uint64_t w;
-      std::memcpy(&w, at[k] + j, 8);
-      c32 = static_cast<uint32_t>(_mm_crc32_u64(c32, w));
-    }
-    for (; j < len; ++j) c32 = _mm_crc32_u8(c32, at[k][j]);
-    c[k] = c32;
-  }
-}
-#endif
-
-void quarters(const uint8_t* p, int64_t n, uint32_t c[4]) {
-  const int64_t q = n / 4 / 8 * 8;
-#if defined(__x86_64__)
-  if (__builtin_cpu_supports("sse4.2")) return quarters_sse42(p, q, n, c);
-#endif
-  quarters_portable(p, q, n, c);
-}
-
-// ---- CRC-32C of pieces, combined (zlib's crc32_combine, for the Castagnoli polynomial) ----
-
-constexpr uint32_t kPoly = 0x82F63B78u;  // reflected
-
-// a * b modulo the polynomial, bit-reflected (x^0 is the top bit).
-uint32_t multmodp(uint32_t a, uint32_t b) {
-  uint32_t m = 1u << 31, p = 0;
-  for (;;) {
-    if (a & m) {
-      p ^= b;
-      if ((a & (m - 1)) == 0) break;
-    }
-    m >>= 1;
-    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
-  }
-  return p;
-}
-
-// x^(2^k) modulo the polynomial, k = 0..31.
-struct PowersOfX {
-  uint32_t v[32];
-  PowersOfX() {
-    uint32_t p = 1u << 30;  // x^1
-    v[0] = p;
-    for (int k = 1; k < 32; ++k) v[k] = p = multmodp(p, p);
-  }
-};
-
-// x^(8 n) modulo the polynomial: multiplying a CRC register by it feeds it n zero bytes.
-uint32_t x8n(int64_t n) {
-  static const PowersOfX powers;
-  uint32_t p = 1u << 31;  // x^0
-  for (unsigned k = 3; n != 0; n >>= 1, ++k) {
-    if (n & 1) p = multmodp(powers.v[k & 31], p);
-  }
-  return p;
-}
-
-// The register over A then B, from A's register and B's register from 0.
-uint32_t combine(uint32_t a, uint32_t b_from_zero, int64_t b_bytes) {
-  return multmodp(x8n(b_bytes), a) ^ b_from_zero;
-}
-
-// Copies n bytes while computing their CRC register from 0: four lanes of kLane bytes at a time
-// keep the CRC instruction's latency hidden, so the pass runs at the memory's speed.
-constexpr int64_t kLane = 16 << 10;
-
-uint32_t copy_crc_portable(uint8_t* dst, const uint8_t* src, int64_t n) {
-  std::memcpy(dst, src, static_cast<size_t>(n));
-  return crc_bytes_portable(0, dst, n);
-}
-
-#if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t copy_crc_sse42(uint8_t* dst, const uint8_t* src,
-                                                          int64_t n) {
-  static const uint32_t lane_shift = x8n(kLane);
-  uint32_t crc = 0;
-  int64_t i = 0;
-  for (; i + 4 * kLane <= n; i += 4 * kLane) {
-    uint64_t s[4] = {0, 0, 0, 0};
-    const uint8_t* from = src + i;
-    uint8_t* to = dst + i;
-    for (int64_t j = 0; j < kLane; j += 8) {
-      for (int k = 0; k < 4; ++k) {
-        uint64_t w;
-        std::memcpy(&w, from + k * kLane + j, 8);
-        s[k] = _mm_crc32_u64(s[k], w);
-        std::memcpy(to + k * kLane + j, &w, 8);
-      }
-    }
-    for (int k = 0; k < 4; ++k) crc = multmodp(lane_shift, crc) ^ static_cast<uint32_t>(s[k]);
-  }
-  uint64_t c = crc;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, src + i, 8);
-    c = _mm_crc32_u64(c, w);
-    std::memcpy(dst + i, &w, 8);
-  }
-  auto c32 = static_cast<uint32_t>(c);
-  for (; i < n; ++i) {
-    dst[i] = src[i];
-    c32 = _mm_crc32_u8(c32, src[i]);
-  }
-  return c32;
-}
-#endif
-
-uint32_t copy_crc(uint8_t* dst, const uint8_t* src, int64_t n) {
-#if defined(__x86_64__)
-  if (__builtin_cpu_supports("sse4.2")) return copy_crc_sse42(dst, src, n);
-#endif
-  return copy_crc_portable(dst, src, n);
-}
-
-// The CRC register over [p, p + n) from 0 (gaps between pieces: rare, small).
-uint32_t crc_from_zero(const uint8_t* p, int64_t n) {
-  uint32_t c[4] = {0, 0, 0, 0};
-  if (n < 64) return crc_bytes_portable(0, p, n);
-  const int64_t q = n / 4 / 8 * 8;
-  quarters(p, n, c);
-  const int64_t last = n - 3 * q;
-  return combine(combine(combine(c[0], c[1], q), c[2], q), c[3], last);
-}
 
 void put64(uint8_t* at, int64_t v) { std::memcpy(at, &v, 8); }
 int64_t get64(const uint8_t* at) {
@@ -207,16 +38,6 @@ uint32_t get32(const uint8_t* at) {
 
 }  // namespace
 
-std::array<uint32_t, 4> crc32c_quarters(const void* data, int64_t n) {
-  uint32_t c[4] = {~0u, ~0u, ~0u, ~0u};
-  quarters(static_cast<const uint8_t*>(data), n, c);
-  return {~c[0], ~c[1], ~c[2], ~c[3]};
-}
-
-uint32_t crc32c(const void* data, int64_t n) {
-  return ~crc_bytes_portable(~0u, static_cast<const uint8_t*>(data), n);
-}
-
 PayloadChecksum::PayloadChecksum(uint8_t* payload, int64_t payload_bytes)
     : payload_(payload), n_(payload_bytes), q_(payload_bytes / 4 / 8 * 8) {}
 
@@ -228,7 +49,7 @@ void PayloadChecksum::copy(int64_t at, const void* src, int64_t n) {
     const int64_t quarter = std::min<int64_t>(q_ > 0 ? at / q_ : 3, 3);
     const int64_t end = quarter < 3 ? (quarter + 1) * q_ : n_;
     const int64_t len = std::min(n, end - at);
-    pieces_.push_back({at, len, copy_crc(payload_ + at, from, len)});
+    pieces_.push_back({at, len, crc32c_copy_register(payload_ + at, from, len)});
     at += len;
     from += len;
     n -= len;
@@ -245,14 +66,16 @@ std::array<uint32_t, 4> PayloadChecksum::finish() {
     uint32_t reg = ~0u;
     int64_t at = begin;
     auto gap = [&](int64_t upto) {  // bytes no piece wrote: read from the payload
-      if (upto > at) reg = combine(reg, crc_from_zero(payload_ + at, upto - at), upto - at);
+      if (upto > at) {
+        reg = crc32c_combine(reg, crc32c_register(payload_ + at, upto - at), upto - at);
+      }
       at = std::max(at, upto);
     };
     for (; next < pieces_.size() && pieces_[next].at < end; ++next) {
       const Piece& p = pieces_[next];
       SHARDOPT_INTERNAL_ASSERT(p.at >= at, "snapshot: payload pieces overlap at byte {}", p.at);
       gap(p.at);
-      reg = combine(reg, p.crc, p.n);
+      reg = crc32c_combine(reg, p.crc, p.n);
       at = p.at + p.n;
     }
     gap(end);

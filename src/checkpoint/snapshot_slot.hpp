@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/crc32c.hpp"
+
 namespace shardopt::detail {
 
 struct SlotPrefix {
@@ -30,11 +32,8 @@ struct SlotPrefix {
 };
 inline constexpr int64_t kSlotPrefixBytes = 64;
 
-// CRC-32C (Castagnoli) of each quarter of [data, data + n) (the last takes the remainder): four
-// independent streams keep the SSE4.2 instruction busy (about 20 GB/s a core, where a table-driven
-// CRC-32 manages 1); the same values from the portable loop where SSE4.2 is missing.
-std::array<uint32_t, 4> crc32c_quarters(const void* data, int64_t n);
-uint32_t crc32c(const void* data, int64_t n);
+// The payload's and the tail's checksums: CRC-32C (Note [CRC-32C] in crc32c.hpp), the payload's
+// per quarter (crc32c_quarters).
 
 // The payload's quarters' CRC-32C (crc32c_quarters' four values) computed while the payload is
 // written in pieces, in any order: copy() copies a piece and checksums it in the same pass, from

@@ -5,9 +5,9 @@
 // load_checkpoint into the tiny model (fuzz_model.hpp) at the stage and rule the flags pick. Each
 // returns or throws shardopt::Error of a documented kind (Checkpoint; Mismatch for a load);
 // anything else, a crash or a sanitizer report is a finding. Flags: 0x01 sets each listed file's
-// "bytes" and "crc32" (and the manifest's own checksum) to the truth before reading, so that
-// mutated files reach past the checksums; 0x06 stage; 0x18 rule (fuzz_rule); 0x80 restore the
-// module state. Replayed over corpus/checkpoint_dir by CTest with the ordinary build.
+// "bytes" and "crc32" or "crc32c" (and the manifest's own checksum) to the truth before reading,
+// so that mutated files reach past the checksums; 0x06 stage; 0x18 rule (fuzz_rule); 0x80 restore
+// the module state. Replayed over corpus/checkpoint_dir by CTest with the ordinary build.
 #include <ATen/ATen.h>
 
 #include <cstddef>
@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
 #include "fuzz/fuzz_files.hpp"
 #include "fuzz/fuzz_model.hpp"
@@ -45,7 +46,13 @@ void fix_checksums(std::map<std::string, std::string>& files) {
       const auto file = files.find(f["path"].get<std::string>());
       if (file == files.end()) continue;
       f["bytes"] = file->second.size();
-      f["crc32"] = crc_text(file->second);
+      if (f.contains("crc32c")) {  // format version 2 (Note [Block checksums])
+        f["crc32c"] = shardopt::detail::crc_text(shardopt::detail::checksum_of(
+            shardopt::detail::ShardChecksum::Crc32c, file->second.data(),
+            static_cast<int64_t>(file->second.size())));
+      } else {
+        f["crc32"] = crc_text(file->second);
+      }
     }
     if (j.contains("manifest_crc32")) {  // Note [Manifest checksum] in manifest.cpp
       j.erase("manifest_crc32");

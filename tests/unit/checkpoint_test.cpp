@@ -201,7 +201,7 @@ TEST_F(Checkpoint, ManifestNamesEveryParameterAndFile) {
   EXPECT_EQ(f.at("path"), "shard-00000-of-00001.bin");
   EXPECT_EQ(f.at("bytes").get<int64_t>(),
             static_cast<int64_t>(fs::file_size(tmp / "ckpt/" + f.at("path").get<std::string>())));
-  EXPECT_EQ(f.at("crc32").get<std::string>().size(), 8u);
+  EXPECT_EQ(f.at("crc32c").get<std::string>().size(), 8u);
   for (const auto& p : m.at("parameters")) {
     int64_t covered = 0;
     for (const auto& piece : p.at("pieces")) covered += piece.at(3).get<int64_t>();
@@ -353,7 +353,7 @@ TEST_F(CheckpointErrors, UnknownFormatVersionAndBadJson) {
   m["format_version"] = 99;
   std::ofstream(path) << m.dump();
   expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
-               {path, "unknown format version 99", "reads version 1"});
+               {path, "unknown format version 99", "reads versions 1 and 2"});
   std::ofstream(path) << "{not json";
   expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint, {path, "not valid JSON"});
 }

@@ -26,6 +26,7 @@
 #include "shardopt/error.hpp"
 #include "support/checkpoint_model.hpp"
 #include "support/expect_error.hpp"
+#include "support/temp_dir.hpp"
 
 namespace shardopt {
 namespace {
@@ -35,23 +36,8 @@ using test::ckpt_rule;
 using test::ckpt_train;
 using test::CkptNet;
 
-// A fresh directory under TMPDIR, removed with the test.
-class TempDir {
- public:
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-ckpt-XXXXXX";
-    path_ = mkdtemp(templ.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    detail::remove_tree(path_, ec);  // Note [No std::filesystem::remove_all]
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+struct TempDir : test::TempDir {
+  TempDir() : test::TempDir("shardopt-ckpt") {}
 };
 
 ZeroOptions zero(int stage) {

@@ -26,6 +26,7 @@
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
 #include "support/expect_error.hpp"
+#include "support/temp_dir.hpp"
 
 namespace shardopt {
 namespace {
@@ -51,22 +52,8 @@ void write_file(const fs::path& path, const std::string& bytes) {
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
-class TempDir {
- public:
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string templ = std::string(tmp ? tmp : "/tmp") + "/shardopt-image-XXXXXX";
-    path_ = mkdtemp(templ.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    detail::remove_tree(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
+struct TempDir : test::TempDir {
+  TempDir() : test::TempDir("shardopt-image") {}
 };
 
 // The textbook bit-at-a-time CRC-32C, the reference for the fast paths.

@@ -426,6 +426,9 @@ class ThreadCommunicator final : public Communicator {
       last = ++slot->arrived == size();
       if (last) world_->slots.erase(sequence);
     }
+    // A rank waiting in this slot may be waiting on this one; now another may be the one missing
+    // (one that has ended: its wait must throw, not sleep to the timeout).
+    if (!last) world_->job->changed.notify_all();
     if (last) complete(*slot, compute);
     return std::make_shared<SlotWork>(description, timeout(), world_, slot, output);
   }

@@ -544,12 +544,6 @@ bool GradientReducer::written_after_reduced(int bucket) const {
 }
 
 int64_t GradientReducer::grad_bytes() const {
-  // Direct: autograd's tensors between backward and step, counted as the flat buffer they replace
-  // (the estimator's figure; it differs by the padding only).
-  if (direct_) {
-    return flat_.layout().padded_numel *
-           static_cast<int64_t>(flat_.model_options().dtype().itemsize());
-  }
   if (grad_flat_.defined()) return static_cast<int64_t>(grad_flat_.nbytes());
   return static_cast<int64_t>(grad_reduced_.nbytes());
 }

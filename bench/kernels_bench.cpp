@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels/adam8bit.hpp"
+#include "kernels/finite.hpp"
 #include "kernels/fused.hpp"
 #include "triad.hpp"
 
@@ -167,6 +168,18 @@ void BM_AdamStreams(benchmark::State& state) {
   set_counters(state, shardopt::bench::kAdamStreamsBytes);
 }
 
+// The non-finite check (kernels/finite.hpp) over the gradient: one read stream, 4 B per value;
+// its bound is the read rate, and the one-process loop pays it once per gradient (issue 56).
+void BM_CheckFinite(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  Data& d = data();
+  const k::CheckSegment s{k::ValueKind::Float32, d.g.data_ptr(), g_numel};
+  for (auto _ : state) {
+    if (k::check_finite(s).non_finite) state.SkipWithError("the benchmark's gradient holds a non-finite value");
+  }
+  set_counters(state, 4);
+}
+
 // The kernel's compute ceiling: 32K parameters (4 x 128 KiB) stay in L2, one thread.
 constexpr int64_t kInCacheNumel = 32768;
 void BM_FusedAdamWInCache(benchmark::State& state) {
@@ -225,6 +238,7 @@ void register_benchmarks() {
               ->Args({t, 0, 1})
               ->ArgNames({"threads", "isa", "bf16"}));
     setup(benchmark::RegisterBenchmark("torch_adamw", BM_TorchAdamW)->Arg(t)->ArgName("threads"));
+    setup(benchmark::RegisterBenchmark("check_finite", BM_CheckFinite)->Arg(t)->ArgName("threads"));
     setup(benchmark::RegisterBenchmark("fused_adamw8bit", BM_FusedAdamW8bit)
               ->Args({t, 0})
               ->ArgNames({"threads", "isa"}));

@@ -108,7 +108,7 @@ TEST_P(FiniteIsa, ScalingEqualsTorchMulAndSquaresEqualReference) {
 }
 
 TEST_P(FiniteIsa, ThreadedCheckEqualsOnePass) {
-  const int64_t n = 5 * kChunkNumel + 123;
+  const int64_t n = 9 * kChunkNumel + 123;  // side-by-side groups, single chunks, a tail
   at::Tensor t = at::randn({n});
   const int threads = at::get_num_threads();
   at::set_num_threads(2);
@@ -117,10 +117,19 @@ TEST_P(FiniteIsa, ThreadedCheckEqualsOnePass) {
   const auto one = raw::check_finite(isa(), {ValueKind::Float32, t.data_ptr(), n}, o);
   const auto all = check_finite({ValueKind::Float32, t.data_ptr(), n}, o, isa());
   EXPECT_FALSE(all.non_finite);
+  double ref = 0;
+  for (int64_t i = 0; i < n; ++i) ref += static_cast<double>(t.data_ptr<float>()[i]) * t.data_ptr<float>()[i];
+  EXPECT_NEAR(all.sum_sq, ref, 1e-12 * ref);
   EXPECT_NEAR(all.sum_sq, one.sum_sq, 1e-12 * one.sum_sq);
-  EXPECT_EQ(check_finite({ValueKind::Float32, t.data_ptr(), n}, o, isa()).sum_sq, all.sum_sq)
-      << "the chunks' sums are added in a fixed order";
-  for (int64_t pos : {int64_t{0}, kChunkNumel - 1, 3 * kChunkNumel, n - 1}) {
+  // The chunks' sums are added in chunk order: the same bits at any thread count.
+  for (int threads_now : {1, 3}) {
+    at::set_num_threads(threads_now);
+    EXPECT_EQ(check_finite({ValueKind::Float32, t.data_ptr(), n}, o, isa()).sum_sq, all.sum_sq)
+        << threads_now << " threads";
+  }
+  at::set_num_threads(2);
+  for (int64_t pos : {int64_t{0}, kChunkNumel - 1, 3 * kChunkNumel, 6 * kChunkNumel + 5,
+                      8 * kChunkNumel, n - 1}) {
     at::Tensor u = t.clone();
     u[pos] = std::numeric_limits<float>::infinity();
     EXPECT_TRUE(check_finite({ValueKind::Float32, u.data_ptr(), n}, {}, isa()).non_finite) << pos;

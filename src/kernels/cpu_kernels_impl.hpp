@@ -82,24 +82,15 @@ inline void stage_out(T* dst, const T* buf, int64_t r) {
 }
 
 // Note [Prefetching the streams]
-// A step streams every state once and is bound by memory, not arithmetic: at one thread the
-// core's own hardware prefetchers keep too few lines in flight (they restart at each 4 KiB page)
-// to reach the memory's bandwidth. Asking for each read stream's line kPrefetchBytes ahead, once
-// per 64-byte line, keeps more in flight: AdamW at 110M parameters, one thread, AVX-512, AMD EPYC
-// (Zen 5) went from 53.5 to 48.8 ms (bench/log/2026-11-27-kernels-prefetching-the-streams.md); 1 KiB and
-// 4 KiB ahead were no better than none there. Prefetches never fault, so the lines past a
-// segment's end cost nothing but a wasted request (they are usually the next chunk's).
-constexpr int64_t kLineFloats = 16;        // one 64-byte line of floats
-constexpr int64_t kPrefetchFloats = 512;  // 2 KiB ahead of each stream
-// The address is formed as an integer: near a segment's end it lies past the array, where
-// pointer arithmetic would be undefined.
-template <class... P>
-inline void prefetch_ahead(int64_t i, const P*... streams) {
-  (__builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(streams + i) +
-                                                    kPrefetchFloats * sizeof(float)),
-                      0, 3),
-   ...);
-}
+// A step streams every state once and is bound by memory. The loops leave prefetching to the
+// hardware. Software prefetches 2 KiB ahead of each read stream were tried (2026-11-27): on a
+// quiet Zen 5 they took AdamW at 110M parameters, one thread, from 53.5 to 48.8 ms. On the Zen 4
+// of 2026-11-28 they gained nothing on a quiet core, and cost 13-20% while the other core streamed
+// too, which is how ranks share a host: bench/prefetch_distance.cpp, one thread 87 ms without and
+// 103-105 ms with 1-4 KiB ahead, two threads 70 vs 76-87 ms; our kernel against torch's on the
+// same tensors, 85-92 ms without and 104-110 ms with, torch 85-91 ms
+// (bench/log/2026-11-28-kernels-without-prefetch.md). Rerun bench/prefetch_distance.cpp on a new
+// CPU before adding them back.
 
 // ---- Adam / AdamW ---------------------------------------------------------------------------
 // torch 1.13, per element: [AdamW] p *= 1-lr*wd | [Adam] g = g + wd*p (fma);
@@ -136,19 +127,12 @@ void adam_loop(const AdamCoeffs& c, const AdamSegment& s) {
   constexpr int W = V::kWidth;
   constexpr bool kHasLow = kLow != LowPrecision::None;
   const int64_t n = s.numel;
-  static_assert(kLineFloats % W == 0, "a line holds whole vectors");
-  const auto vec_at = [&](int64_t i) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {  // Note [Prefetching the streams]
     adam_vec<V, kDecay, kAmsgrad, kLow>(c, s.param + i, s.grad + i, s.exp_avg + i, s.exp_avg_sq + i,
                                         kAmsgrad ? s.max_exp_avg_sq + i : nullptr,
                                         kHasLow ? s.low.data + i : nullptr);
-  };
-  int64_t i = 0;
-  for (; i + kLineFloats <= n; i += kLineFloats) {  // Note [Prefetching the streams]
-    prefetch_ahead(i, s.param, s.grad, s.exp_avg, s.exp_avg_sq);
-    if constexpr (kAmsgrad) prefetch_ahead(i, s.max_exp_avg_sq);
-    for (int64_t j = 0; j < kLineFloats; j += W) vec_at(i + j);
   }
-  for (; i + W <= n; i += W) vec_at(i);
   const int64_t r = n - i;
   if constexpr (W > 1) {
     if (r > 0) {
@@ -231,19 +215,12 @@ void sgd_loop(const SgdCoeffs& c, const SgdSegment& s) {
   constexpr int W = V::kWidth;
   constexpr bool kHasLow = kLow != LowPrecision::None;
   const int64_t n = s.numel;
-  static_assert(kLineFloats % W == 0, "a line holds whole vectors");
-  const auto vec_at = [&](int64_t i) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {  // Note [Prefetching the streams]
     sgd_vec<V, kMomentum, kLow>(c, s.param + i, s.grad + i,
                                 kMomentum ? s.momentum_buffer + i : nullptr,
                                 kHasLow ? s.low.data + i : nullptr);
-  };
-  int64_t i = 0;
-  for (; i + kLineFloats <= n; i += kLineFloats) {  // Note [Prefetching the streams]
-    prefetch_ahead(i, s.param, s.grad);
-    if constexpr (kMomentum) prefetch_ahead(i, s.momentum_buffer);
-    for (int64_t j = 0; j < kLineFloats; j += W) vec_at(i + j);
   }
-  for (; i + W <= n; i += W) vec_at(i);
   const int64_t r = n - i;
   if constexpr (W > 1) {
     if (r > 0) {

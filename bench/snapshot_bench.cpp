@@ -36,6 +36,7 @@
 #include <fmt/format.h>
 
 #include "bert_bench.hpp"
+#include "checkpoint/snapshot_slot.hpp"  // Note [Huge pages for the slots]
 #include "shardopt/estimate.hpp"
 #include "shardopt/job.hpp"
 #include "shardopt/shardopt.hpp"
@@ -140,9 +141,12 @@ int main(int argc, char** argv) {
     snaps.wait();
     if (lead) {
       fmt::print("# {} ranks ({}), stage {}, BERT-{} fp32, batch {} x seq {}, {} thread(s) per "
-                 "rank, ranks per host {} (buddy: rank {}); slots {:.1f} MiB per rank\n",
+                 "rank, ranks per host {} (buddy: rank {}); slots {:.1f} MiB per rank in {} "
+                 "({})\n",
                  comm->size(), comm->backend(), stage, preset, batch, seq, threads, per_host,
-                 snaps.buddy(), static_cast<double>(snaps.host_bytes()) / (1 << 20));
+                 snaps.buddy(), static_cast<double>(snaps.host_bytes()) / (1 << 20), dir,
+                 shardopt::detail::tmpfs_without_huge_pages(dir) ? "tmpfs without huge pages"
+                                                                 : "not a tmpfs without huge pages");
       fmt::print("round  memcpy_s  quiet_step_s  snapshot_step_s  blocking_s  background_s  "
                  "| cpu per step (process, main thread) quiet / with  memcpy_cpu_s  "
                  "blocking_cpu_s  background_cpu_s  its_comm_cpu_s\n");

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cctype>
 #include <cstring>
 #include <chrono>
@@ -298,6 +299,16 @@ MemorySnapshots::MemorySnapshots(DistributedOptimizer& optimizer, const Communic
       s.copy[k] = std::make_unique<SlotFile>(
           (s.dir / fmt::format("copy-of-rank{}.slot{}", s.holder, k)).string());
     }
+  }
+  // Said once, by rank 0, where it costs (a buddy, 64 MiB up): Note [Huge pages for the slots].
+  static std::atomic<bool> said{false};
+  if (s.rank == 0 && s.buddy >= 0 && payload_bytes(s.a) >= (int64_t{64} << 20) &&
+      detail::tmpfs_without_huge_pages(s.dir.string()) && !said.exchange(true)) {
+    fmt::print(stderr,
+               "shardopt: snapshot: {} is on a tmpfs without huge pages; the buddy exchange takes "
+               "about 1.7x the CPU there (mount a tmpfs with -o huge=within_size for the slots; "
+               "docs/recovery.md)\n",
+               s.dir.string());
   }
   s.world = world->split(0, s.rank);
   // Numbers keep rising over restarts, so that an older commit never outranks a newer one.

@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "shardopt/error.hpp"
@@ -202,6 +205,29 @@ std::string SlotFile::read_tail(const SlotPrefix& p) const {
   }
   ::close(fd);
   return tail;
+}
+
+bool tmpfs_without_huge_pages(const std::string& path, std::istream& mounts) {
+  std::string line, best_point, best_type, best_options;
+  while (std::getline(mounts, line)) {
+    std::istringstream fields(line);
+    std::string device, point, type, options;
+    if (!(fields >> device >> point >> type >> options)) continue;
+    const bool under = path == point || point == "/" ||
+                       (path.compare(0, point.size(), point) == 0 && path[point.size()] == '/');
+    if (under && point.size() >= best_point.size()) {
+      best_point = point, best_type = type, best_options = "," + options + ",";
+    }
+  }
+  return best_type == "tmpfs" && best_options.find(",huge=always,") == std::string::npos &&
+         best_options.find(",huge=within_size,") == std::string::npos;
+}
+
+bool tmpfs_without_huge_pages(const std::string& dir) {
+  std::error_code ec;
+  const std::string path = std::filesystem::canonical(dir, ec).string();
+  std::ifstream mounts("/proc/mounts");
+  return !ec && mounts && tmpfs_without_huge_pages(path, mounts);
 }
 
 }  // namespace shardopt::detail

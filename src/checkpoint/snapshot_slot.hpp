@@ -14,6 +14,7 @@
 
 #include <array>
 #include <cstdint>
+#include <istream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -96,5 +97,20 @@ class SlotFile {
   uint8_t* base_ = nullptr;
   int64_t payload_bytes_ = -1;
 };
+
+// Note [Huge pages for the slots]
+// The buddy exchange is a message between two processes, which MPI's shared-memory transport copies
+// once (CMA: process_vm_readv), pinning the source's pages one by one. On a tmpfs with 4 KiB pages
+// that costs about 1.7x the CPU of the same copy from huge pages: BERT-base at N = 2, 630 MiB per
+// snapshot, 0.09-0.16 s against 0.05-0.09 s, and K = 1 cost 1.12-1.15x the step against
+// 1.06-1.09x (bench/log/2026-11-28-snapshot-huge-pages.md). tmpfs takes huge pages from its mount
+// option (huge=within_size or always): fallocate, which reserves the slots' memory, has no mapping
+// for madvise to steer. /dev/shm is usually mounted without it, so the library says so once.
+//
+// Whether `dir` lies on a tmpfs mounted without huge pages (/proc/mounts, longest mount point
+// that is a prefix of the directory's canonical path); false when it cannot tell. The second form
+// reads `mounts` (the format of /proc/mounts) for a canonical `path`.
+bool tmpfs_without_huge_pages(const std::string& dir);
+bool tmpfs_without_huge_pages(const std::string& path, std::istream& mounts);
 
 }  // namespace shardopt::detail

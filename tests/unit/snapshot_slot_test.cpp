@@ -1,12 +1,14 @@
 // The checksum of an in-memory snapshot's payload written in pieces (checkpoint/snapshot_slot.hpp):
 // PayloadChecksum must give crc32c_quarters' values for any order of pieces, with gaps, pieces
-// across the quarters' bounds and lengths that are not multiples of 8.
+// across the quarters' bounds and lengths that are not multiples of 8; and which slot directories
+// are on a tmpfs without huge pages (Note [Huge pages for the slots]).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <vector>
 
 #include "checkpoint/snapshot_slot.hpp"
@@ -69,6 +71,32 @@ TEST(PayloadChecksum, ChangesWithAnyByte) {
     again.copy(0, flipped.data(), n);
     EXPECT_NE(again.finish(), clean) << "byte " << at;
   }
+}
+
+// The mount that holds a directory is the longest mount point on its path; only tmpfs without
+// huge=within_size or huge=always is reported.
+TEST(SlotDirectory, TmpfsWithoutHugePagesByTheLongestMountPoint) {
+  const std::string mounts =
+      "/dev/vda / ext4 rw,relatime 0 0\n"
+      "tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0\n"
+      "tmpfs /dev/shm/huge tmpfs rw,relatime,huge=within_size 0 0\n"
+      "tmpfs /mnt/always tmpfs rw,size=1g,huge=always,mode=755 0 0\n"
+      "tmpfs /mnt/never tmpfs rw,huge=never 0 0\n"
+      "proc /proc proc rw 0 0\n";
+  const auto without = [&](const std::string& path) {
+    std::istringstream in(mounts);
+    return shardopt::detail::tmpfs_without_huge_pages(path, in);
+  };
+  EXPECT_TRUE(without("/dev/shm"));
+  EXPECT_TRUE(without("/dev/shm/job"));
+  EXPECT_FALSE(without("/dev/shm/huge"));
+  EXPECT_FALSE(without("/dev/shm/huge/job"));
+  EXPECT_TRUE(without("/dev/shm/hugepages")) << "a name that only starts like a mount point";
+  EXPECT_FALSE(without("/mnt/always/job"));
+  EXPECT_TRUE(without("/mnt/never/job"));
+  EXPECT_FALSE(without("/tmp/job")) << "ext4";
+  EXPECT_FALSE(without("/proc/self"));
+  EXPECT_FALSE(shardopt::detail::tmpfs_without_huge_pages("/no/such/directory"));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "comm/polite_waits.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/threads.hpp"
@@ -272,6 +273,41 @@ TEST(ThreadEngineCommTest, EveryOperationMatchesTheMpiEngine) {
       EXPECT_TRUE(at::allclose(threads[i], mpi[i], 1e-6, 1e-6)) << "result " << i;
     }
   }
+  EXPECT_TRUE(test::all_ranks(!HasFailure()));
+}
+
+// Note [Polite waits]: collectives issued under a PoliteWaits scope (an asynchronous checkpoint's
+// writer) run as non-blocking MPI calls polled with sleeps; they must give bitwise what the
+// blocking calls give, every operation and dtype, and the scope must end with its thread's
+// previous choice.
+TEST(PoliteWaitsCommTest, SameResultsAsTheBlockingCalls) {
+  auto world = test::world();
+  if (world->backend() != "mpi") GTEST_SKIP() << "the MPI engine's polite waits";
+  const std::vector<at::Tensor> blocking = every_operation(*world);
+  std::vector<at::Tensor> polite;
+  {
+    detail::PoliteWaits scope;
+    EXPECT_TRUE(detail::polite_waits_here());
+    {
+      detail::PoliteWaits nested;
+    }
+    EXPECT_TRUE(detail::polite_waits_here());
+    polite = every_operation(*world);
+    world->barrier();
+  }
+  EXPECT_FALSE(detail::polite_waits_here());
+  ASSERT_EQ(polite.size(), blocking.size());
+  for (size_t i = 0; i < blocking.size(); ++i) {
+    EXPECT_TRUE(polite[i].equal(blocking[i])) << "result " << i;
+  }
+  // Large enough that reduce_scatter's exchange takes more than one piece of polling.
+  at::Tensor big = at::full({3 << 20}, float(world->rank() + 1));
+  {
+    detail::PoliteWaits scope;
+    world->all_reduce(big, ReduceOp::Sum);
+  }
+  const float sum = float(world->size() * (world->size() + 1) / 2);
+  EXPECT_TRUE(big.eq(sum).all().item<bool>());
   EXPECT_TRUE(test::all_ranks(!HasFailure()));
 }
 

@@ -36,9 +36,14 @@ struct ShardFile {
   ShardChecksum checksum = ShardChecksum::Crc32c;  // of crc and block_crcs: the format version's
   std::map<std::string, Section> sections;
   // Note [Block checksums] (files.hpp): the checksum of every block_bytes block; empty in manifests
-  // written before blocks were recorded (their readers read the whole file).
+  // written before blocks were recorded (their readers read the whole file), and from format
+  // version 3, whose files carry them (Note [Block tables]): block_count of them at
+  // block_table_offset (-1: none), whose CRC-32C is block_table_crc.
   int64_t block_bytes = 0;
   std::vector<uint32_t> block_crcs;
+  int64_t block_count = 0;
+  int64_t block_table_offset = -1;
+  uint32_t block_table_crc = 0;
 };
 
 struct ManifestParam {

@@ -180,6 +180,14 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
                         {"dtype", dtype_name(t.scalar_type())},
                         {"shape", t.sizes().vec()}});
   }
+  // Note [Block tables]: the blocks' checksums after the last whole block, in binary; the manifest
+  // keeps where the table is and its own checksum.
+  w.pad_to(kBlockBytes);
+  const int64_t table_offset = w.bytes();
+  const std::vector<uint32_t> table = w.block_crcs();
+  const auto table_bytes = static_cast<int64_t>(table.size() * sizeof(uint32_t));
+  const uint32_t table_crc = checksum_of(ShardChecksum::Crc32c, table.data(), table_bytes);
+  w.write(table.data(), static_cast<size_t>(table_bytes));
   w.sync_and_close();
   // Note [Element checksums]: this rank's part of every parameter's sums.
   json element_sums = json::object();
@@ -205,7 +213,11 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
           {"path", file},
           {"bytes", w.bytes()},
           {checksum_key(checksum), crc_text(w.crc())},
-          {"blocks", {{"bytes", kBlockBytes}, {checksum_key(checksum), w.block_crcs_text()}}},
+          {"blocks",
+           {{"bytes", kBlockBytes},
+            {"count", table.size()},
+            {"table_offset", table_offset},
+            {kBlockTableCrc, crc_text(table_crc)}}},
           {"sections", sections}};
 }
 

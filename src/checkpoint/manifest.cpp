@@ -217,6 +217,8 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                    kCheckpointFormatVersion);
     // Note [Block tables]: the block checksums in the shard files rather than in the manifest.
     const bool block_tables = format_version >= kBlockTableFormatVersion;
+    m.element_hash = format_version >= kMultiplyHashFormatVersion ? ElementHash::Multiply
+                                                                   : ElementHash::Mix64;
     const ShardChecksum checksum = format_version == kCrc32FormatVersion ? ShardChecksum::Crc32
                                                                          : ShardChecksum::Crc32c;
     if (m.j.contains(kManifestCrc)) {  // Note [Manifest checksum]

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/placement.hpp"
 #include "shardopt/detail/shard_access.hpp"
@@ -79,6 +80,8 @@ struct Manifest {
   std::filesystem::path dir;
   std::filesystem::path path;
   json j;
+  // The hash of the parameters' element sums: the format version's (Note [Element checksums]).
+  ElementHash element_hash = ElementHash::Multiply;
   int world = 0;
   int stage = 0;
   at::ScalarType dtype = at::kFloat;

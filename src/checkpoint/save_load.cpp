@@ -78,6 +78,11 @@ void check_finite(ShardAccess& a, int bucket, const at::Tensor& slice, const std
                 section, name, rank);
 }
 
+// The element sums' hash of the format this build writes (kCheckpointFormatVersion).
+constexpr ElementHash kSavedHash = kCheckpointFormatVersion >= kMultiplyHashFormatVersion
+                                       ? ElementHash::Multiply
+                                       : ElementHash::Mix64;
+
 // This rank's part of parameter i's element sums (Note [Element checksums]): the values and each
 // state section, read from the owned slices (`slices_of(bucket)`: its param and state slices).
 std::vector<uint64_t> element_sums_of(
@@ -95,7 +100,7 @@ std::vector<uint64_t> element_sums_of(
     const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
     const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
     const int elem0 = static_cast<int>(s[0].element_size());
-    sums[0] += element_sum(place, param_begin, mine.size(),
+    sums[0] += element_sum(kSavedHash, place, param_begin, mine.size(),
                            static_cast<const char*>(s[0].data_ptr()) + first * elem0, elem0)
                    .sum;
     for (size_t k = 1; k < s.size(); ++k) {
@@ -105,7 +110,8 @@ std::vector<uint64_t> element_sums_of(
       if (count == 0) continue;
       const int64_t base = map.before(bl.shard_offset);  // the bucket slice's first entry
       const int elem = static_cast<int>(s[k].element_size());
-      sums[k] += section_sum(map.index(), place, param_begin, mine.size(), layout.slots[i].numel,
+      sums[k] += section_sum(kSavedHash, map.index(), place, param_begin, mine.size(),
+                             layout.slots[i].numel,
                              static_cast<const char*>(s[k].data_ptr()) + (entry - base) * elem,
                              elem)
                      .sum;

@@ -499,7 +499,7 @@ class MpiCommunicator final : public Communicator {
 
   // Pairwise exchange: in step k, send the chunk owned by rank+k and receive our chunk from
   // rank-k, then fold it in. Each rank sends and receives (N-1)/N of the input: the minimum.
-  // Note [Polite waits] (comm/polite_waits.hpp): completes `n` requests by polling, sleeping
+  // Completes `n` requests by polling (Note [Polite waits] in comm/polite_waits.hpp), sleeping
   // between polls (20 us, doubling to 1 ms) so that the waiting thread leaves its core.
   static void wait_politely(MPI_Request* requests, int n, const char* context) {
     constexpr std::chrono::microseconds kFirst{20}, kLongest{1000};

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/crc32c.hpp"
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
 #include "shardopt/async_checkpoint.hpp"
@@ -278,12 +279,14 @@ void write_manifest(const fs::path& folder, json m) {
 }
 
 // Rewrites a version-3 checkpoint as version 2 wrote it (Note [Block tables]): each shard file
-// ends with its last section (no padding, no block table), and its manifest entry lists the
-// blocks' CRC-32C as text.
+// ends with its last section (no padding, no block table), its manifest entry lists the blocks'
+// CRC-32C as text, and the element sums hash with ElementHash::Mix64 (Note [Element checksums];
+// unsplit parameters: the tests' own).
 void as_version_2(const fs::path& folder) {
   json m = json::parse(read_file(folder / "manifest.json"));
   ASSERT_EQ(m.at("format_version"), 3);
   m["format_version"] = 2;
+  std::vector<std::string> files;
   for (auto& f : m["files"]) {
     const fs::path path = folder / f.at("path").get<std::string>();
     std::string bytes = read_file(path);
@@ -300,6 +303,7 @@ void as_version_2(const fs::path& folder) {
     const uint32_t version = 2;
     std::memcpy(bytes.data() + 8, &version, sizeof(version));  // the header's version field
     write_file(path, bytes);
+    files.push_back(bytes);
     f["bytes"] = end;
     f["crc32c"] = detail::crc_text(detail::crc32c(bytes.data(), static_cast<int64_t>(end)));
     std::string blocks;
@@ -308,6 +312,35 @@ void as_version_2(const fs::path& folder) {
       blocks += detail::crc_text(detail::crc32c(bytes.data() + at, static_cast<int64_t>(n)));
     }
     f["blocks"] = {{"bytes", detail::kBlockBytes}, {"crc32c", blocks}};
+  }
+  std::vector<std::string> sections{"param"};
+  for (const auto& n : m.at("optimizer").at("state")) {
+    sections.push_back("state/" + n.get<std::string>());
+  }
+  for (auto& p : m["parameters"]) {
+    if (!p.contains("sums")) continue;
+    ASSERT_TRUE(p.at("split").is_null()) << "a split parameter's sums are not recomputed here";
+    std::vector<uint64_t> sums(sections.size(), 0);
+    for (const auto& piece : p.at("pieces")) {
+      const auto rank = piece.at(0).get<size_t>();
+      const auto shard_begin = piece.at(1).get<int64_t>();
+      const auto param_begin = piece.at(2).get<int64_t>(), numel = piece.at(3).get<int64_t>();
+      for (size_t k = 0; k < sections.size(); ++k) {
+        for (const auto& sec : m["files"][rank].at("sections")) {
+          if (sec.at("name") != sections[k]) continue;
+          const int elem = static_cast<int>(c10::elementSize(
+              detail::dtype_from_name(sec.at("dtype").get<std::string>(), "test")));
+          const char* data =
+              files[rank].data() + sec.at("offset").get<int64_t>() + shard_begin * elem;
+          sums[k] += detail::element_sum(detail::ElementHash::Mix64, detail::TensorPlacement{},
+                                         param_begin, numel, data, elem)
+                         .sum;
+        }
+      }
+    }
+    json hex = json::array();
+    for (const uint64_t v : sums) hex.push_back(fmt::format("{:016x}", v));
+    p["sums"] = hex;
   }
   write_manifest(folder, m);
 }

@@ -58,7 +58,10 @@ __attribute__((target("avx512f"))) uint64_t consecutive_u32_multiply_avx512(
     uint64_t begin, int64_t numel, const unsigned char* bytes) {
   // Lane l holds index (begin + j + l) times each constant: set once, then advanced by adds.
   alignas(64) uint64_t sa[8], sb[8];
-  for (uint64_t l = 0; l < 8; ++l) sa[l] = (begin + l) * kMultiplyA, sb[l] = (begin + l) * kMultiplyB;
+  for (uint64_t l = 0; l < 8; ++l) {
+    sa[l] = (begin + l) * kMultiplyA;
+    sb[l] = (begin + l) * kMultiplyB;
+  }
   __m512i wa = _mm512_load_si512(sa), wb = _mm512_load_si512(sb);
   const __m512i da = _mm512_set1_epi64(static_cast<int64_t>(8 * kMultiplyA));
   const __m512i db = _mm512_set1_epi64(static_cast<int64_t>(8 * kMultiplyB));

@@ -17,17 +17,18 @@
 // The hash is ElementHash::Multiply from format version 3 (kMultiplyHashFormatVersion) and
 // ElementHash::Mix64 before; the loader uses the one its checkpoint's version names. Mix64 is
 // splitmix64's finaliser over the index and the bits: three 64-bit multiplies an element, which
-// bound the asynchronous save's writer (82% of its CPU once the manifest's JSON was gone: perf, BERT-
-// base), and AVX-512 has no fast 64-bit multiply. Multiply is (bits ^ a(i)) * b(i) mod 2^64 with
-// a(i) the top 32 bits of i * 0x9E3779B97F4A7C15 and b(i) those of i * 0xD6E8FEB86659FD93, made
-// odd (both products mod 2^64: Weyl sequences, which a loop over consecutive indices advances by
-// an add). For 4-byte elements that is one 32 x 32 -> 64-bit multiply (vpmuludq, 8 a cycle) and
-// adds, shifts and logic, which keep up with the rate memory delivers the elements (the writer's
-// sums: 0.07 -> 0.05 s per 660 MB shard under load, a plain read 0.04-0.05 s). It keeps the
-// guarantees above, one of them outright: a changed element changes its term by d * b(i), with
-// d = (x' ^ a) - (x ^ a) nonzero and |d| < 2^64 and b(i) odd, so nonzero mod 2^64: a single flipped
-// bit or changed element is always caught (Mix64: with probability 1 - 2^-64). An element moved to
-// another index meets other a and b; two errors cancel only where their terms do mod 2^64.
+// bound the asynchronous save's writer (82% of its CPU once the manifest's JSON was gone: perf,
+// BERT-base), and AVX-512 has no fast 64-bit multiply. Multiply is (bits ^ a(i)) * b(i) mod 2^64,
+// with a(i) the top 32 bits of i * 0x9E3779B97F4A7C15 and b(i) those of i * 0xD6E8FEB86659FD93,
+// made odd (both products mod 2^64: Weyl sequences, which a loop over consecutive indices advances
+// by an add). For 4-byte elements that is one 32 x 32 -> 64-bit multiply (vpmuludq: 8 products an
+// instruction) with adds, shifts and logic, which keep up with the rate memory delivers the
+// elements (the writer's sums: 0.07 -> 0.05 s per 660 MB shard under load, a plain read of it
+// 0.04-0.05 s). It keeps the guarantees above, one of them outright: a changed element changes its
+// term by d * b(i), with d = (x' ^ a) - (x ^ a) nonzero, |d| < 2^64 and b(i) odd, so nonzero mod
+// 2^64: a single flipped bit or changed element is always caught (Mix64: with probability
+// 1 - 2^-64). An element moved to another index meets other a and b; two errors cancel only where
+// their terms do mod 2^64.
 #pragma once
 
 #include <cstdint>

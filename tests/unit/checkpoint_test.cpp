@@ -674,7 +674,8 @@ TEST(ElementSums, MultiplyHashCatchesChangedMovedAndSwappedElements) {
     EXPECT_NE(multiply_hash(i, x), multiply_hash(i, flipped)) << i << " " << x;
     const uint64_t j = i + 1 + gen() % 1000, y = gen() >> (trial % 33);
     if (x != y) {
-      EXPECT_NE(multiply_hash(i, x) + multiply_hash(j, y), multiply_hash(i, y) + multiply_hash(j, x))
+      EXPECT_NE(multiply_hash(i, x) + multiply_hash(j, y),
+                multiply_hash(i, y) + multiply_hash(j, x))
           << "swap " << i << " " << j;
     }
     EXPECT_NE(multiply_hash(i, x), multiply_hash(i + 1, x)) << "moved " << i;

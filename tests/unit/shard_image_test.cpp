@@ -295,8 +295,8 @@ void as_version_2(const fs::path& folder) {
       int64_t numel = 1;
       for (const auto d : s.at("shape")) numel *= d.get<int64_t>();
       const auto dtype = detail::dtype_from_name(s.at("dtype").get<std::string>(), "test");
-      end = std::max(end, static_cast<size_t>(s.at("offset").get<int64_t>() +
-                                              numel * static_cast<int64_t>(c10::elementSize(dtype))));
+      const auto elem = static_cast<int64_t>(c10::elementSize(dtype));
+      end = std::max(end, static_cast<size_t>(s.at("offset").get<int64_t>() + numel * elem));
     }
     ASSERT_LE(end, f.at("blocks").at("table_offset").get<size_t>());
     bytes.resize(end);

@@ -311,5 +311,35 @@ TEST(PoliteWaitsCommTest, SameResultsAsTheBlockingCalls) {
   EXPECT_TRUE(test::all_ranks(!HasFailure()));
 }
 
+// A polite wait keeps the deadline: the waiting ranks get the Timeout naming the operation, and
+// the late rank's call then completes the polled one (Note [MPI timeouts]).
+TEST(PoliteWaitsCommTest, MissingRankTimesOutThenCompletes) {
+  auto world = test::world();
+  if (world->backend() != "mpi" || world->size() == 1) GTEST_SKIP() << "MPI, a second rank";
+  InitOptions init;
+  init.backend = "mpi";
+  auto late = init_from_env(init);  // a second duplicate of MPI_COMM_WORLD
+  at::Tensor t = at::ones({16});
+  bool ok = true;
+  detail::PoliteWaits polite;
+  if (world->rank() != 0) {
+    auto work = late->all_reduce(t, ReduceOp::Sum, true);
+    try {
+      work->wait(std::chrono::milliseconds(300));
+      ok = false;
+    } catch (const Error& e) {
+      ok = e.kind() == ErrorKind::Timeout &&
+           std::string(e.what()).find("all_reduce") != std::string::npos;
+    }
+    world->barrier();  // tells rank 0 we have timed out
+    work->wait();
+  } else {
+    world->barrier();
+    late->all_reduce(t, ReduceOp::Sum);
+  }
+  ok = ok && t.eq(float(world->size())).all().item<bool>();
+  EXPECT_TRUE(test::all_ranks(ok));
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -90,11 +90,13 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
   // where it lies); read and checked before any block is verified against it.
   std::vector<uint32_t> table;
   int64_t covered = f.bytes;
+  int64_t read_bytes_total = 0;
   if (f.block_table_offset >= 0) {
     covered = f.block_table_offset;
     table.resize(static_cast<size_t>(f.block_count));
     const auto table_bytes = static_cast<int64_t>(table.size() * sizeof(uint32_t));
     read_at(fd.fd, path, covered, table_bytes, table.data());
+    read_bytes_total += table_bytes;
     const uint32_t crc = checksum_of(ShardChecksum::Crc32c, table.data(), table_bytes);
     SHARDOPT_CHECK(crc == f.block_table_crc, Checkpoint,
                    "checkpoint: checksum mismatch in the block table of shard file {} (bytes [{}, "
@@ -114,7 +116,6 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
                    "table starts at byte {})",
                    r.offset, r.offset + r.bytes, path.string(), covered);
   }
-  int64_t read_bytes_total = 0;
   std::vector<char> buffer;
   // Reads stay sorted by offset: a read a run finishes only partly continues at the run's end,
   // where no later read starts before it. Finished reads have no bytes left and are skipped.

@@ -39,10 +39,12 @@ std::string errno_text();
 void remove_tree(const std::filesystem::path& path, std::error_code& ec);
 
 // Note [Block checksums]: besides the whole file's checksum, a shard file carries one per block of
-// kBlockBytes (the last block shorter), in its manifest entry, so that a reader of a few byte
-// ranges (a load into another layout reads only what overlaps its slice: Note [Placement in the
-// manifest], src/checkpoint/placement.hpp) verifies every block it reads without reading the rest
-// of the file. 4 KiB keeps the extra bytes per range small and the table at 0.2% of the file.
+// kBlockBytes (the last block shorter; in its manifest entry up to format version 2, in a table at
+// the file's end from version 3: Note [Block tables]), so that a reader of a few byte ranges (a
+// load into another layout reads only what overlaps its slice: Note [Placement in the manifest],
+// src/checkpoint/placement.hpp) verifies every block it reads without reading the rest of the
+// file. 4 KiB keeps the extra bytes per range small and the table at 0.1% of the file (0.2% as
+// the manifest's hexadecimal text).
 // They are CRC-32C from format version 2 (zlib's CRC-32 before: ShardChecksum in format.hpp); the
 // file's is combined from its blocks', so the bytes are read once.
 inline constexpr int64_t kBlockBytes = 4096;

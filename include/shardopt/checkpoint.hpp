@@ -33,9 +33,10 @@
 
 namespace shardopt {
 
-/// Format of the manifest and shard files this build writes. It reads this version and version 1
-/// (whose shard files carry zlib's CRC-32 where version 2 has CRC-32C: docs/checkpoints.md).
-inline constexpr int kCheckpointFormatVersion = 2;
+/// Format of the manifest and shard files this build writes. It reads versions 1 to this one
+/// (version 1's shard files carry zlib's CRC-32 where later ones have CRC-32C; version 3's end
+/// with their block checksums, which versions 1 and 2 list in the manifest: docs/checkpoints.md).
+inline constexpr int kCheckpointFormatVersion = 3;
 
 /// The trainer's own state, stored in the same atomic checkpoint: `json` (a JSON object as text)
 /// from rank 0, and per-rank tensors (e.g. the torch CPU generator state), saved by every rank.

@@ -26,6 +26,7 @@
 #include "checkpoint/saving.hpp"
 #include "checkpoint/shard_image.hpp"
 #include "checkpoint/staging.hpp"
+#include "comm/polite_waits.hpp"
 #include "shardopt/async_checkpoint.hpp"
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/error.hpp"
@@ -234,6 +235,9 @@ void AsyncCheckpoint::save_checkpoint_async(const std::string& base, const Train
       if (errno == 0) setpriority(PRIO_PROCESS, tid, std::min(19, now + s.options.writer_niceness));
     }
 #endif
+    // The writer waits for the other ranks for much of the save (world rank 0's manifest and
+    // commit): its collectives must not spin on a core the steps need (Note [Polite waits]).
+    detail::PoliteWaits polite;
     try {
       detail::save_grid(*s.snapshot, *s.world, s.groups, base, trainer, saved, grid);
     } catch (...) {

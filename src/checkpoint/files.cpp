@@ -187,19 +187,16 @@ uint32_t FileWriter::crc() const {
   return partial == 0 ? crc_ : crc32c_combine(crc_, block_crc_, partial);
 }
 
-std::string FileWriter::block_crcs_text() const {
-  static constexpr char kHex[] = "0123456789abcdef";  // crc_text's digits, without a call each
-  const bool partial = bytes_ % kBlockBytes != 0;
-  std::string out(8 * (blocks_.size() + (partial ? 1 : 0)), '0');
-  for (size_t b = 0; b < out.size() / 8; ++b) {
-    const uint32_t c = b < blocks_.size() ? blocks_[b] : block_crc_;
-    for (size_t d = 0; d < 8; ++d) out[8 * b + d] = kHex[(c >> (28 - 4 * d)) & 15];
-  }
+std::vector<uint32_t> FileWriter::block_crcs() const {
+  std::vector<uint32_t> out = blocks_;
+  if (bytes_ % kBlockBytes != 0) out.push_back(block_crc_);
   return out;
 }
 
 void FileWriter::pad_to(int64_t alignment) {
-  static const char zeros[kAlign] = {};
+  static const char zeros[kBlockBytes] = {};
+  SHARDOPT_INTERNAL_ASSERT(alignment > 0 && alignment <= kBlockBytes,
+                           "checkpoint: padding to {} bytes", alignment);
   const int64_t pad = (alignment - bytes_ % alignment) % alignment;
   if (pad > 0) write(zeros, static_cast<size_t>(pad));
 }

@@ -44,6 +44,12 @@ inline constexpr int64_t kAlign = 64;
 // in the same pass (Note [Shard images] in shard_image.hpp).
 enum class ShardChecksum { Crc32, Crc32c };
 inline constexpr int kCrc32FormatVersion = 1;  // the last version with CRC-32 shard checksums
+// The first version whose shard files end with their block checksums (Note [Block tables] in
+// files.hpp); versions 1 and 2 list them in the manifest as text.
+inline constexpr int kBlockTableFormatVersion = 3;
+// The first version whose element sums hash with ElementHash::Multiply (Note [Element checksums]
+// in element_sums.hpp); versions 1 and 2 with ElementHash::Mix64.
+inline constexpr int kMultiplyHashFormatVersion = 3;
 inline const char* checksum_key(ShardChecksum c) {
   return c == ShardChecksum::Crc32 ? "crc32" : "crc32c";
 }

@@ -123,10 +123,19 @@ struct SavedSums {
   std::vector<std::vector<uint64_t>> sums;  // by index: values, then each state buffer
   std::vector<int64_t> numel;               // unsplit elements
   bool complete = true;                     // false: a manifest written before the sums
+  ElementHash hash = ElementHash::Multiply;  // the save's (its format version's)
 };
 
 SavedSums saved_sums(const SavedGrid& g) {
   SavedSums out;
+  out.hash = g.folders.at(0).element_hash;
+  for (const Manifest& m : g.folders) {
+    SHARDOPT_CHECK(m.element_hash == out.hash, Checkpoint,
+                   "checkpoint: {} and {} hash their element sums differently (format versions "
+                   "{} and {}): the folders of one save are of one version",
+                   g.folders[0].path.string(), m.path.string(),
+                   g.folders[0].j.at("format_version").dump(), m.j.at("format_version").dump());
+  }
   for (int p = 0; p < g.pp; ++p) {
     for (const ManifestParam& mp : g.at(p, 0).params) {
       if (out.index.count(mp.name) > 0) continue;
@@ -327,13 +336,13 @@ TrainerState load_grid_checkpoint(DistributedOptimizer& optimizer, const Paralle
               const int size = static_cast<int>(t.element_size());
               ElementSum e;
               if (k == 0) {
-                e = element_sum(to, param_begin, mine.size(),
+                e = element_sum(sums.hash, to, param_begin, mine.size(),
                                 static_cast<const char*>(t.data_ptr()) + dst * size, size);
               } else {
                 const SectionMap& map = staging.sections.maps[k - 1];
                 const auto [entry, count] = map.entries(dst, mine.size(), param_numel);
                 if (count == 0) continue;
-                e = section_sum(map.index(), to, param_begin, mine.size(), param_numel,
+                e = section_sum(sums.hash, map.index(), to, param_begin, mine.size(), param_numel,
                                 static_cast<const char*>(t.data_ptr()) + entry * size, size);
               }
               acc[gi * sections + k] =

@@ -208,13 +208,17 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                    "\"{}\")",
                    m.path.string(), kFormat);
     const int format_version = integer<int>(m.j.at("format_version"));
-    SHARDOPT_CHECK(format_version == kCheckpointFormatVersion ||
-                       format_version == kCrc32FormatVersion,
+    SHARDOPT_CHECK(format_version >= kCrc32FormatVersion &&
+                       format_version <= kCheckpointFormatVersion,
                    Checkpoint,
                    "checkpoint: {} has unknown format version {}; this build (shardopt {}) reads "
-                   "versions {} and {}",
+                   "versions {} to {}",
                    m.path.string(), format_version, version(), kCrc32FormatVersion,
                    kCheckpointFormatVersion);
+    // Note [Block tables]: the block checksums in the shard files rather than in the manifest.
+    const bool block_tables = format_version >= kBlockTableFormatVersion;
+    m.element_hash = format_version >= kMultiplyHashFormatVersion ? ElementHash::Multiply
+                                                                   : ElementHash::Mix64;
     const ShardChecksum checksum = format_version == kCrc32FormatVersion ? ShardChecksum::Crc32
                                                                          : ShardChecksum::Crc32c;
     if (m.j.contains(kManifestCrc)) {  // Note [Manifest checksum]
@@ -320,7 +324,28 @@ Manifest parse_manifest(const std::string& text, const std::string& dir_text) {
                          shape_text(param->second.shape));
         }
       }
-      if (const auto blocks = f.find("blocks"); blocks != f.end()) {  // Note [Block checksums]
+      const auto blocks = f.find("blocks");  // Note [Block checksums]
+      if (blocks != f.end() && block_tables) {  // Note [Block tables]
+        sf.block_bytes = integer<int64_t>(blocks->at("bytes"));
+        sf.block_count = integer<int64_t>(blocks->at("count"));
+        sf.block_table_offset = integer<int64_t>(blocks->at("table_offset"));
+        const std::string crc = blocks->at(kBlockTableCrc).get<std::string>();
+        size_t used = 0;
+        sf.block_table_crc = static_cast<uint32_t>(std::stoul(crc, &used, 16));
+        const std::string where = fmt::format("{}: the block table of {}", m.path.string(),
+                                              sf.path);
+        SHARDOPT_CHECK(
+            sf.block_bytes > 0 && sf.block_count >= 0 && sf.block_table_offset >= kAlign &&
+                sf.block_table_offset % sf.block_bytes == 0 &&
+                sf.block_count == sf.block_table_offset / sf.block_bytes &&
+                checked_add(sf.block_table_offset, checked_mul(sf.block_count, 4, where), where) <=
+                    sf.bytes &&
+                used == crc.size() && crc.size() == 8,
+            Checkpoint,
+            "checkpoint: {} is malformed: {} checksums of {}-byte blocks at byte {} (checksum "
+            "'{}') do not fit a {}-byte file after the blocks they cover",
+            where, sf.block_count, sf.block_bytes, sf.block_table_offset, crc, sf.bytes);
+      } else if (blocks != f.end()) {
         sf.block_bytes = integer<int64_t>(blocks->at("bytes"));
         const std::string text = blocks->at(checksum_key(checksum)).get<std::string>();
         // Their count against the file's size is checked where they are used (read_ranges), after

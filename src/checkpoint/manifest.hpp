@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/placement.hpp"
 #include "shardopt/detail/shard_access.hpp"
@@ -36,9 +37,14 @@ struct ShardFile {
   ShardChecksum checksum = ShardChecksum::Crc32c;  // of crc and block_crcs: the format version's
   std::map<std::string, Section> sections;
   // Note [Block checksums] (files.hpp): the checksum of every block_bytes block; empty in manifests
-  // written before blocks were recorded (their readers read the whole file).
+  // written before blocks were recorded (their readers read the whole file), and from format
+  // version 3, whose files carry them (Note [Block tables]): block_count of them at
+  // block_table_offset (-1: none), whose CRC-32C is block_table_crc.
   int64_t block_bytes = 0;
   std::vector<uint32_t> block_crcs;
+  int64_t block_count = 0;
+  int64_t block_table_offset = -1;
+  uint32_t block_table_crc = 0;
 };
 
 struct ManifestParam {
@@ -74,6 +80,8 @@ struct Manifest {
   std::filesystem::path dir;
   std::filesystem::path path;
   json j;
+  // The hash of the parameters' element sums: the format version's (Note [Element checksums]).
+  ElementHash element_hash = ElementHash::Multiply;
   int world = 0;
   int stage = 0;
   at::ScalarType dtype = at::kFloat;

@@ -73,7 +73,7 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
     }
     return total;
   }
-  if (f.block_crcs.empty()) {  // an older manifest: the whole file, as load_shard reads it
+  if (f.block_crcs.empty() && f.block_table_offset < 0) {  // the whole file, as load_shard reads it
     const LoadedShard whole = load_shard(m, f.rank);
     const auto* bytes = static_cast<const char*>(whole.bytes.data_ptr());
     for (const RangeRead& r : reads) std::memcpy(r.dst, bytes + r.offset, r.bytes);
@@ -86,12 +86,36 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
   SHARDOPT_CHECK(fd.fd >= 0, Checkpoint, "checkpoint: shard file {} cannot be read: {}",
                  path.string(), errno_text());
   const int64_t B = f.block_bytes;
-  const int64_t blocks = static_cast<int64_t>(f.block_crcs.size());
-  SHARDOPT_CHECK(blocks == (f.bytes + B - 1) / B, Checkpoint,
+  // Note [Block tables]: the file's own table covers the bytes before it (parse_manifest checked
+  // where it lies); read and checked before any block is verified against it.
+  std::vector<uint32_t> table;
+  int64_t covered = f.bytes;
+  int64_t read_bytes_total = 0;
+  if (f.block_table_offset >= 0) {
+    covered = f.block_table_offset;
+    table.resize(static_cast<size_t>(f.block_count));
+    const auto table_bytes = static_cast<int64_t>(table.size() * sizeof(uint32_t));
+    read_at(fd.fd, path, covered, table_bytes, table.data());
+    read_bytes_total += table_bytes;
+    const uint32_t crc = checksum_of(ShardChecksum::Crc32c, table.data(), table_bytes);
+    SHARDOPT_CHECK(crc == f.block_table_crc, Checkpoint,
+                   "checkpoint: checksum mismatch in the block table of shard file {} (bytes [{}, "
+                   "{})): CRC-32C is {}, the manifest says {}; the file is corrupt",
+                   path.string(), covered, covered + table_bytes, crc_text(crc),
+                   crc_text(f.block_table_crc));
+  }
+  const std::vector<uint32_t>& block_crcs = f.block_table_offset >= 0 ? table : f.block_crcs;
+  const int64_t blocks = static_cast<int64_t>(block_crcs.size());
+  SHARDOPT_CHECK(blocks == (covered + B - 1) / B, Checkpoint,
                  "checkpoint: {}: the {} block checksums of {} do not fit its {} bytes in {}-byte "
                  "blocks",
-                 m.path.string(), blocks, f.path, f.bytes, B);
-  int64_t read_bytes_total = 0;
+                 m.path.string(), blocks, f.path, covered, B);
+  for (const RangeRead& r : reads) {
+    SHARDOPT_CHECK(r.offset + r.bytes <= covered, Checkpoint,
+                   "checkpoint: bytes [{}, {}) of {} lie past its checksummed blocks (its block "
+                   "table starts at byte {})",
+                   r.offset, r.offset + r.bytes, path.string(), covered);
+  }
   std::vector<char> buffer;
   // Reads stay sorted by offset: a read a run finishes only partly continues at the run's end,
   // where no later read starts before it. Finished reads have no bytes left and are skipped.
@@ -110,18 +134,19 @@ int64_t read_ranges(const Manifest& m, const ShardFile& f, std::vector<RangeRead
       last = std::max(last, (reads[k].offset + reads[k].bytes - 1) / B);
     }
     last = std::min({last, first + kBlocksPerRead - 1, blocks - 1});
-    const int64_t begin = first * B, end = std::min((last + 1) * B, f.bytes);
+    const int64_t begin = first * B, end = std::min((last + 1) * B, covered);
     buffer.resize(static_cast<size_t>(end - begin));
     read_at(fd.fd, path, begin, end - begin, buffer.data());
     read_bytes_total += end - begin;
     for (int64_t b = first; b <= last; ++b) {
-      const int64_t lo = b * B - begin, n = std::min(B, f.bytes - b * B);
+      const int64_t lo = b * B - begin, n = std::min(B, covered - b * B);
       const uint32_t crc = checksum_of(f.checksum, buffer.data() + lo, n);
-      SHARDOPT_CHECK(crc == f.block_crcs[b], Checkpoint,
+      SHARDOPT_CHECK(crc == block_crcs[b], Checkpoint,
                      "checkpoint: checksum mismatch in shard file {}, bytes [{}, {}): {} is {}, "
-                     "the manifest says {}; the file is corrupt",
+                     "the {} says {}; the file is corrupt",
                      path.string(), b * B, b * B + n, checksum_name(f.checksum), crc_text(crc),
-                     crc_text(f.block_crcs[b]));
+                     f.block_table_offset >= 0 ? "block table" : "manifest",
+                     crc_text(block_crcs[b]));
     }
     // Copy what lies in [begin, end); a read reaching past it continues in the next run.
     for (size_t k = next; k < reads.size() && (reads[k].bytes == 0 || reads[k].offset < end); ++k) {

@@ -1,4 +1,4 @@
-// Reading byte ranges of a shard file, each block it touches verified against the manifest's block
+// Reading byte ranges of a shard file, each block it touches verified against its block
 // checksums (Note [Block checksums] in files.hpp), and counted. Internal to src/checkpoint/.
 #pragma once
 

@@ -78,6 +78,11 @@ void check_finite(ShardAccess& a, int bucket, const at::Tensor& slice, const std
                 section, name, rank);
 }
 
+// The element sums' hash of the format this build writes (kCheckpointFormatVersion).
+constexpr ElementHash kSavedHash = kCheckpointFormatVersion >= kMultiplyHashFormatVersion
+                                       ? ElementHash::Multiply
+                                       : ElementHash::Mix64;
+
 // This rank's part of parameter i's element sums (Note [Element checksums]): the values and each
 // state section, read from the owned slices (`slices_of(bucket)`: its param and state slices).
 std::vector<uint64_t> element_sums_of(
@@ -95,7 +100,7 @@ std::vector<uint64_t> element_sums_of(
     const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
     const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
     const int elem0 = static_cast<int>(s[0].element_size());
-    sums[0] += element_sum(place, param_begin, mine.size(),
+    sums[0] += element_sum(kSavedHash, place, param_begin, mine.size(),
                            static_cast<const char*>(s[0].data_ptr()) + first * elem0, elem0)
                    .sum;
     for (size_t k = 1; k < s.size(); ++k) {
@@ -105,7 +110,8 @@ std::vector<uint64_t> element_sums_of(
       if (count == 0) continue;
       const int64_t base = map.before(bl.shard_offset);  // the bucket slice's first entry
       const int elem = static_cast<int>(s[k].element_size());
-      sums[k] += section_sum(map.index(), place, param_begin, mine.size(), layout.slots[i].numel,
+      sums[k] += section_sum(kSavedHash, map.index(), place, param_begin, mine.size(),
+                             layout.slots[i].numel,
                              static_cast<const char*>(s[k].data_ptr()) + (entry - base) * elem,
                              elem)
                      .sum;
@@ -180,6 +186,14 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
                         {"dtype", dtype_name(t.scalar_type())},
                         {"shape", t.sizes().vec()}});
   }
+  // Note [Block tables]: the blocks' checksums after the last whole block, in binary; the manifest
+  // keeps where the table is and its own checksum.
+  w.pad_to(kBlockBytes);
+  const int64_t table_offset = w.bytes();
+  const std::vector<uint32_t> table = w.block_crcs();
+  const auto table_bytes = static_cast<int64_t>(table.size() * sizeof(uint32_t));
+  const uint32_t table_crc = checksum_of(ShardChecksum::Crc32c, table.data(), table_bytes);
+  w.write(table.data(), static_cast<size_t>(table_bytes));
   w.sync_and_close();
   // Note [Element checksums]: this rank's part of every parameter's sums.
   json element_sums = json::object();
@@ -205,7 +219,11 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
           {"path", file},
           {"bytes", w.bytes()},
           {checksum_key(checksum), crc_text(w.crc())},
-          {"blocks", {{"bytes", kBlockBytes}, {checksum_key(checksum), w.block_crcs_text()}}},
+          {"blocks",
+           {{"bytes", kBlockBytes},
+            {"count", table.size()},
+            {"table_offset", table_offset},
+            {kBlockTableCrc, crc_text(table_crc)}}},
           {"sections", sections}};
 }
 

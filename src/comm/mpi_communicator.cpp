@@ -11,7 +11,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <condition_variable>
 #include <cstdio>
@@ -28,6 +30,7 @@
 #include <vector>
 
 #include "comm/engines.hpp"
+#include "comm/polite_waits.hpp"
 #include "shardopt/error.hpp"
 
 #define SHARDOPT_MPI_CHECK(call, context)                                                      \
@@ -184,31 +187,55 @@ class MpiCommunicator final : public Communicator {
  protected:
   WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op) override {
     return submit(fmt::format("all_reduce({}, {}) on mpi", describe(t), to_string(op)),
-                  [this, t, op] { all_reduce_now(t.view(-1), op); });
+                  [this, t, op, polite = detail::polite_waits_here()] {
+                    all_reduce_now(t.view(-1), op, polite);
+                  });
   }
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op) override {
     return submit(fmt::format("reduce_scatter({} -> {}, {}) on mpi", describe(in), describe(out),
                               to_string(op)),
-                  [this, in, out, op] { reduce_scatter_now(in.view(-1), out.view(-1), op); });
+                  [this, in, out, op, polite = detail::polite_waits_here()] {
+                    reduce_scatter_now(in.view(-1), out.view(-1), op, polite);
+                  });
   }
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
     return submit(fmt::format("all_gather({} -> {}) on mpi", describe(in), describe(out)),
-                  [this, in, out] { all_gather_now(in.view(-1), out.view(-1)); });
+                  [this, in, out, polite = detail::polite_waits_here()] {
+                    all_gather_now(in.view(-1), out.view(-1), polite);
+                  });
   }
   WorkPtr do_broadcast(const at::Tensor& t, int root) override {
-    return submit(fmt::format("broadcast({}, root {}) on mpi", describe(t), root), [this, t, root] {
+    const bool polite = detail::polite_waits_here();
+    return submit(fmt::format("broadcast({}, root {}) on mpi", describe(t), root),
+                  [this, t, root, polite] {
       // Pieces of at most 1 GiB keep the count inside MPI's int.
       constexpr int64_t kPiece = int64_t{1} << 30;
       auto* base = static_cast<char*>(t.data_ptr());
       for (int64_t off = 0; off < static_cast<int64_t>(t.nbytes()); off += kPiece) {
         const int64_t n = std::min<int64_t>(kPiece, t.nbytes() - off);
-        SHARDOPT_MPI_CHECK(MPI_Bcast(base + off, static_cast<int>(n), MPI_BYTE, root, comm_),
-                           "broadcast");
+        if (!polite) {
+          SHARDOPT_MPI_CHECK(MPI_Bcast(base + off, static_cast<int>(n), MPI_BYTE, root, comm_),
+                             "broadcast");
+          continue;
+        }
+        MPI_Request request = MPI_REQUEST_NULL;
+        SHARDOPT_MPI_CHECK(
+            MPI_Ibcast(base + off, static_cast<int>(n), MPI_BYTE, root, comm_, &request),
+            "broadcast");
+        wait_politely(&request, 1, "broadcast");
       }
     });
   }
   void do_barrier() override {
-    submit("barrier on mpi", [this] { SHARDOPT_MPI_CHECK(MPI_Barrier(comm_), "barrier"); })->wait();
+    submit("barrier on mpi", [this, polite = detail::polite_waits_here()] {
+      if (!polite) {
+        SHARDOPT_MPI_CHECK(MPI_Barrier(comm_), "barrier");
+        return;
+      }
+      MPI_Request request = MPI_REQUEST_NULL;
+      SHARDOPT_MPI_CHECK(MPI_Ibarrier(comm_, &request), "barrier");
+      wait_politely(&request, 1, "barrier");
+    })->wait();
   }
   // Each message is posted (MPI_Isend/MPI_Irecv) on the worker in submission order and completes
   // there too (poll_p2p), so MPI is entered by one thread only, as MPI_THREAD_SERIALIZED allows.
@@ -472,7 +499,22 @@ class MpiCommunicator final : public Communicator {
 
   // Pairwise exchange: in step k, send the chunk owned by rank+k and receive our chunk from
   // rank-k, then fold it in. Each rank sends and receives (N-1)/N of the input: the minimum.
-  void reduce_scatter_now(const at::Tensor& in, const at::Tensor& out, ReduceOp op) {
+  // Completes `n` requests by polling (Note [Polite waits] in comm/polite_waits.hpp), sleeping
+  // between polls (20 us, doubling to 1 ms) so that the waiting thread leaves its core.
+  static void wait_politely(MPI_Request* requests, int n, const char* context) {
+    constexpr std::chrono::microseconds kFirst{20}, kLongest{1000};
+    std::chrono::microseconds pause = kFirst;
+    for (;;) {
+      int done = 0;
+      SHARDOPT_MPI_CHECK(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE), context);
+      if (done) return;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, kLongest);
+    }
+  }
+
+  void reduce_scatter_now(const at::Tensor& in, const at::Tensor& out, ReduceOp op,
+                          bool polite) {
     const int64_t shard = out.numel();
     const int64_t bytes = static_cast<int64_t>(out.nbytes());
     const int r = rank(), n = size();
@@ -491,26 +533,46 @@ class MpiCommunicator final : public Communicator {
       at::Tensor recv = tmp.narrow(0, 0, len);
       for (int k = 1; k < n; ++k) {
         const int dst = (r + k) % n, src = (r - k + n) % n;
-        SHARDOPT_MPI_CHECK(MPI_Sendrecv(base + (dst * shard + off) * elem, static_cast<int>(len),
-                                        type, dst, 0, recv.data_ptr(), static_cast<int>(len), type,
-                                        src, 0, comm_, MPI_STATUS_IGNORE),
-                           "reduce_scatter");
+        if (polite) {
+          MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+          SHARDOPT_MPI_CHECK(MPI_Irecv(recv.data_ptr(), static_cast<int>(len), type, src, 0, comm_,
+                                       &requests[0]),
+                             "reduce_scatter");
+          SHARDOPT_MPI_CHECK(MPI_Isend(base + (dst * shard + off) * elem, static_cast<int>(len),
+                                       type, dst, 0, comm_, &requests[1]),
+                             "reduce_scatter");
+          wait_politely(requests, 2, "reduce_scatter");
+        } else {
+          SHARDOPT_MPI_CHECK(MPI_Sendrecv(base + (dst * shard + off) * elem,
+                                          static_cast<int>(len), type, dst, 0, recv.data_ptr(),
+                                          static_cast<int>(len), type, src, 0, comm_,
+                                          MPI_STATUS_IGNORE),
+                             "reduce_scatter");
+        }
         combine(acc, recv, op);
       }
     }
   }
 
-  void all_gather_now(const at::Tensor& in, const at::Tensor& out) {
+  void all_gather_now(const at::Tensor& in, const at::Tensor& out, bool polite) {
     const int count = mpi_count(in.numel(), "all_gather");
     const MPI_Datatype type = mpi_type(in.scalar_type());
     auto* own = static_cast<char*>(out.data_ptr()) + rank() * in.nbytes();
     const void* send = in.data_ptr() == own ? MPI_IN_PLACE : in.data_ptr();
-    SHARDOPT_MPI_CHECK(MPI_Allgather(send, count, type, out.data_ptr(), count, type, comm_),
-                       "all_gather");
+    if (!polite) {
+      SHARDOPT_MPI_CHECK(MPI_Allgather(send, count, type, out.data_ptr(), count, type, comm_),
+                         "all_gather");
+      return;
+    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    SHARDOPT_MPI_CHECK(
+        MPI_Iallgather(send, count, type, out.data_ptr(), count, type, comm_, &request),
+        "all_gather");
+    wait_politely(&request, 1, "all_gather");
   }
 
   // Reduce-scatter then all-gather in place, on a padded copy when the length does not divide.
-  void all_reduce_now(const at::Tensor& t, ReduceOp op) {
+  void all_reduce_now(const at::Tensor& t, ReduceOp op, bool polite) {
     const int n = size();
     if (n == 1) return;
     const int64_t shard = (t.numel() + n - 1) / n;
@@ -524,8 +586,8 @@ class MpiCommunicator final : public Communicator {
       work.narrow(0, t.numel(), shard * n - t.numel()).zero_();
     }
     at::Tensor own = work.narrow(0, rank() * shard, shard);
-    reduce_scatter_now(work, own, op);
-    all_gather_now(own, work);
+    reduce_scatter_now(work, own, op, polite);
+    all_gather_now(own, work, polite);
     if (!work.is_same(t)) t.copy_(work.narrow(0, 0, t.numel()));
   }
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "comm/polite_waits.hpp"
 #include "shardopt/comm.hpp"
 #include "shardopt/error.hpp"
 #include "shardopt/threads.hpp"
@@ -273,6 +274,71 @@ TEST(ThreadEngineCommTest, EveryOperationMatchesTheMpiEngine) {
     }
   }
   EXPECT_TRUE(test::all_ranks(!HasFailure()));
+}
+
+// Note [Polite waits]: collectives issued under a PoliteWaits scope (an asynchronous checkpoint's
+// writer) run as non-blocking MPI calls polled with sleeps; they must give bitwise what the
+// blocking calls give, every operation and dtype, and the scope must end with its thread's
+// previous choice.
+TEST(PoliteWaitsCommTest, SameResultsAsTheBlockingCalls) {
+  auto world = test::world();
+  if (world->backend() != "mpi") GTEST_SKIP() << "the MPI engine's polite waits";
+  const std::vector<at::Tensor> blocking = every_operation(*world);
+  std::vector<at::Tensor> polite;
+  {
+    detail::PoliteWaits scope;
+    EXPECT_TRUE(detail::polite_waits_here());
+    {
+      detail::PoliteWaits nested;
+    }
+    EXPECT_TRUE(detail::polite_waits_here());
+    polite = every_operation(*world);
+    world->barrier();
+  }
+  EXPECT_FALSE(detail::polite_waits_here());
+  ASSERT_EQ(polite.size(), blocking.size());
+  for (size_t i = 0; i < blocking.size(); ++i) {
+    EXPECT_TRUE(polite[i].equal(blocking[i])) << "result " << i;
+  }
+  // Large enough that reduce_scatter's exchange takes more than one piece of polling.
+  at::Tensor big = at::full({3 << 20}, float(world->rank() + 1));
+  {
+    detail::PoliteWaits scope;
+    world->all_reduce(big, ReduceOp::Sum);
+  }
+  const float sum = float(world->size() * (world->size() + 1) / 2);
+  EXPECT_TRUE(big.eq(sum).all().item<bool>());
+  EXPECT_TRUE(test::all_ranks(!HasFailure()));
+}
+
+// A polite wait keeps the deadline: the waiting ranks get the Timeout naming the operation, and
+// the late rank's call then completes the polled one (Note [MPI timeouts]).
+TEST(PoliteWaitsCommTest, MissingRankTimesOutThenCompletes) {
+  auto world = test::world();
+  if (world->backend() != "mpi" || world->size() == 1) GTEST_SKIP() << "MPI, a second rank";
+  InitOptions init;
+  init.backend = "mpi";
+  auto late = init_from_env(init);  // a second duplicate of MPI_COMM_WORLD
+  at::Tensor t = at::ones({16});
+  bool ok = true;
+  detail::PoliteWaits polite;
+  if (world->rank() != 0) {
+    auto work = late->all_reduce(t, ReduceOp::Sum, true);
+    try {
+      work->wait(std::chrono::milliseconds(300));
+      ok = false;
+    } catch (const Error& e) {
+      ok = e.kind() == ErrorKind::Timeout &&
+           std::string(e.what()).find("all_reduce") != std::string::npos;
+    }
+    world->barrier();  // tells rank 0 we have timed out
+    work->wait();
+  } else {
+    world->barrier();
+    late->all_reduce(t, ReduceOp::Sum);
+  }
+  ok = ok && t.eq(float(world->size())).all().item<bool>();
+  EXPECT_TRUE(test::all_ranks(ok));
 }
 
 }  // namespace

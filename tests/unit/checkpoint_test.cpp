@@ -339,7 +339,7 @@ TEST_F(CheckpointErrors, UnknownFormatVersionAndBadJson) {
   m["format_version"] = 99;
   std::ofstream(path) << m.dump();
   expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint,
-               {path, "unknown format version 99", "reads versions 1 and 2"});
+               {path, "unknown format version 99", "reads versions 1 to 3"});
   std::ofstream(path) << "{not json";
   expect_error([&] { load_into_fresh(dir); }, ErrorKind::Checkpoint, {path, "not valid JSON"});
 }
@@ -642,22 +642,43 @@ TEST(RemoveTree, RemovesATreeButNotWhatALinkPointsTo) {
 }
 
 // Note [Element checksums]: the vectorised loop over consecutive 4-byte elements sums what the
-// element-by-element hash sums, whatever the start and the tail.
+// element-by-element hash sums, whatever the start and the tail, for either hash.
 TEST(ElementSums, VectorisedLoopEqualsTheHashOfEachElement) {
   std::vector<uint32_t> bits(1000);
   std::mt19937 gen(3);
   for (auto& b : bits) b = static_cast<uint32_t>(gen());
-  for (const uint64_t begin : {uint64_t{0}, uint64_t{5}, uint64_t{1} << 40}) {
-    for (const int64_t numel : {0, 1, 7, 8, 9, 63, 1000}) {
-      uint64_t expected = 0;
-      for (int64_t j = 0; j < numel; ++j) {
-        expected += detail::element_hash(begin + static_cast<uint64_t>(j), bits[j]);
+  for (const auto hash : {detail::ElementHash::Mix64, detail::ElementHash::Multiply}) {
+    for (const uint64_t begin : {uint64_t{0}, uint64_t{5}, uint64_t{1} << 40, ~uint64_t{0} - 20}) {
+      for (const int64_t numel : {0, 1, 7, 8, 9, 63, 1000}) {
+        uint64_t expected = 0;
+        for (int64_t j = 0; j < numel; ++j) {
+          expected += detail::element_hash(hash, begin + static_cast<uint64_t>(j), bits[j]);
+        }
+        EXPECT_EQ(detail::consecutive_element_sum_u32(
+                      hash, begin, numel, reinterpret_cast<const unsigned char*>(bits.data())),
+                  expected)
+            << "begin " << begin << ", " << numel << " elements";
       }
-      EXPECT_EQ(detail::consecutive_element_sum_u32(
-                    begin, numel, reinterpret_cast<const unsigned char*>(bits.data())),
-                expected)
-          << "begin " << begin << ", " << numel << " elements";
     }
+  }
+}
+
+// ElementHash::Multiply catches any single changed element outright (its multiplier is odd), and a
+// swap of two elements or an element read at the index next to its own, here every time.
+TEST(ElementSums, MultiplyHashCatchesChangedMovedAndSwappedElements) {
+  using detail::multiply_hash;
+  std::mt19937_64 gen(5);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const uint64_t i = gen() >> (trial % 64), x = gen() >> (trial % 33);
+    const uint64_t flipped = x ^ (uint64_t{1} << (trial % 64));
+    EXPECT_NE(multiply_hash(i, x), multiply_hash(i, flipped)) << i << " " << x;
+    const uint64_t j = i + 1 + gen() % 1000, y = gen() >> (trial % 33);
+    if (x != y) {
+      EXPECT_NE(multiply_hash(i, x) + multiply_hash(j, y),
+                multiply_hash(i, y) + multiply_hash(j, x))
+          << "swap " << i << " " << j;
+    }
+    EXPECT_NE(multiply_hash(i, x), multiply_hash(i + 1, x)) << "moved " << i;
   }
 }
 
@@ -680,7 +701,7 @@ TEST(FileWriter, DirectAndBufferedWriteTheSameFile) {
       at += take;
     }
     w.sync_and_close();
-    return std::make_tuple(w.direct(), w.crc(), w.block_crcs_text());
+    return std::make_tuple(w.direct(), w.crc(), w.block_crcs());
   };
   const auto read = [](const fs::path& path) {
     std::ifstream in(path, std::ios::binary);

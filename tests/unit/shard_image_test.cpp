@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -19,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/crc32c.hpp"
+#include "checkpoint/element_sums.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
 #include "shardopt/async_checkpoint.hpp"
@@ -112,7 +115,7 @@ TEST(FileWriter, KnownBlocksWriteWhatWriteWrites) {
     detail::FileWriter w(path);
     w.write(bytes.data(), bytes.size());
     w.sync_and_close();
-    return std::make_pair(w.crc(), w.block_crcs_text());
+    return std::make_pair(w.crc(), w.block_crcs());
   };
   // The middle 2500 blocks (10 MiB: more than the staging buffer) from page-aligned memory or not.
   void* raw = nullptr;
@@ -129,7 +132,7 @@ TEST(FileWriter, KnownBlocksWriteWhatWriteWrites) {
     w.write_blocks(from, static_cast<size_t>(kB * 2500), crcs.data());
     w.write(bytes.data() + kB * 2503, bytes.size() - static_cast<size_t>(kB * 2503));
     w.sync_and_close();
-    return std::make_tuple(w.direct(), w.crc(), w.block_crcs_text());
+    return std::make_tuple(w.direct(), w.crc(), w.block_crcs());
   };
   const auto want = plain(dir.path() / "plain.bin");
   std::vector<fs::path> places{dir.path()};
@@ -215,7 +218,7 @@ TEST(AsyncCheckpoint, ImageWritesTheSynchronousFiles) {
       const fs::path a = committed_folder(sync), b = committed_folder(async);
       const json ma = json::parse(read_file(a / "manifest.json"));
       const json mb = json::parse(read_file(b / "manifest.json"));
-      EXPECT_EQ(ma.at("format_version"), 2);
+      EXPECT_EQ(ma.at("format_version"), kCheckpointFormatVersion);
       EXPECT_TRUE(ma.at("files")[0].contains("crc32c"));
       EXPECT_EQ(ma, mb) << "stage " << stage;
       const std::string file = ma.at("files")[0].at("path").get<std::string>();
@@ -267,6 +270,81 @@ uint32_t crc32(const void* data, size_t n) {
   return detail::checksum_of(detail::ShardChecksum::Crc32, data, static_cast<int64_t>(n));
 }
 
+// The manifest's own checksum (Note [Manifest checksum]) after an edit.
+void write_manifest(const fs::path& folder, json m) {
+  m.erase("manifest_crc32");
+  const std::string text = detail::dump(m);
+  m["manifest_crc32"] = detail::crc_text(crc32(text.data(), text.size()));
+  write_file(folder / "manifest.json", detail::dump(m, 1));
+}
+
+// Rewrites a version-3 checkpoint as version 2 wrote it (Note [Block tables]): each shard file
+// ends with its last section (no padding, no block table), its manifest entry lists the blocks'
+// CRC-32C as text, and the element sums hash with ElementHash::Mix64 (Note [Element checksums];
+// unsplit parameters: the tests' own).
+void as_version_2(const fs::path& folder) {
+  json m = json::parse(read_file(folder / "manifest.json"));
+  ASSERT_EQ(m.at("format_version"), 3);
+  m["format_version"] = 2;
+  std::vector<std::string> files;
+  for (auto& f : m["files"]) {
+    const fs::path path = folder / f.at("path").get<std::string>();
+    std::string bytes = read_file(path);
+    size_t end = 0;
+    for (const auto& s : f.at("sections")) {
+      int64_t numel = 1;
+      for (const auto d : s.at("shape")) numel *= d.get<int64_t>();
+      const auto dtype = detail::dtype_from_name(s.at("dtype").get<std::string>(), "test");
+      const auto elem = static_cast<int64_t>(c10::elementSize(dtype));
+      end = std::max(end, static_cast<size_t>(s.at("offset").get<int64_t>() + numel * elem));
+    }
+    ASSERT_LE(end, f.at("blocks").at("table_offset").get<size_t>());
+    bytes.resize(end);
+    const uint32_t version = 2;
+    std::memcpy(bytes.data() + 8, &version, sizeof(version));  // the header's version field
+    write_file(path, bytes);
+    files.push_back(bytes);
+    f["bytes"] = end;
+    f["crc32c"] = detail::crc_text(detail::crc32c(bytes.data(), static_cast<int64_t>(end)));
+    std::string blocks;
+    for (size_t at = 0; at < end; at += detail::kBlockBytes) {
+      const size_t n = std::min(end - at, static_cast<size_t>(detail::kBlockBytes));
+      blocks += detail::crc_text(detail::crc32c(bytes.data() + at, static_cast<int64_t>(n)));
+    }
+    f["blocks"] = {{"bytes", detail::kBlockBytes}, {"crc32c", blocks}};
+  }
+  std::vector<std::string> sections{"param"};
+  for (const auto& n : m.at("optimizer").at("state")) {
+    sections.push_back("state/" + n.get<std::string>());
+  }
+  for (auto& p : m["parameters"]) {
+    if (!p.contains("sums")) continue;
+    ASSERT_TRUE(p.at("split").is_null()) << "a split parameter's sums are not recomputed here";
+    std::vector<uint64_t> sums(sections.size(), 0);
+    for (const auto& piece : p.at("pieces")) {
+      const auto rank = piece.at(0).get<size_t>();
+      const auto shard_begin = piece.at(1).get<int64_t>();
+      const auto param_begin = piece.at(2).get<int64_t>(), numel = piece.at(3).get<int64_t>();
+      for (size_t k = 0; k < sections.size(); ++k) {
+        for (const auto& sec : m["files"][rank].at("sections")) {
+          if (sec.at("name") != sections[k]) continue;
+          const int elem = static_cast<int>(c10::elementSize(
+              detail::dtype_from_name(sec.at("dtype").get<std::string>(), "test")));
+          const char* data =
+              files[rank].data() + sec.at("offset").get<int64_t>() + shard_begin * elem;
+          sums[k] += detail::element_sum(detail::ElementHash::Mix64, detail::TensorPlacement{},
+                                         param_begin, numel, data, elem)
+                         .sum;
+        }
+      }
+    }
+    json hex = json::array();
+    for (const uint64_t v : sums) hex.push_back(fmt::format("{:016x}", v));
+    p["sums"] = hex;
+  }
+  write_manifest(folder, m);
+}
+
 // Rewrites a version-2 checkpoint's manifest as version 1 wrote it: zlib's CRC-32 under "crc32"
 // for each file and its blocks.
 void as_version_1(const fs::path& folder) {
@@ -284,10 +362,7 @@ void as_version_1(const fs::path& folder) {
     f["blocks"].erase("crc32c");
     f["blocks"]["crc32"] = blocks;
   }
-  m.erase("manifest_crc32");
-  const std::string text = detail::dump(m);
-  m["manifest_crc32"] = detail::crc_text(crc32(text.data(), text.size()));
-  write_file(folder / "manifest.json", detail::dump(m, 1));
+  write_manifest(folder, m);
 }
 
 // Flips one byte of the shard file in `folder`, at `at` bytes into its "param" section.
@@ -313,19 +388,22 @@ void drop_element_sums(const fs::path& folder) {
   write_file(folder / "manifest.json", detail::dump(m, 1));
 }
 
-// Version 1 (zlib's CRC-32) still loads, whole (load_checkpoint) and by ranges (the grid load),
-// and a flipped byte is caught by the checksum of its version: the file's, or the block's.
+// Versions 1 (zlib's CRC-32) and 2 (block checksums in the manifest) still load, whole
+// (load_checkpoint) and by ranges (the grid load), and a flipped byte is caught by the checksum
+// of its version: the file's, or the block's.
 TEST(CheckpointFormat, VersionOneLoadsAndEitherChecksumCatchesAFlippedByte) {
   auto comm = make_single_communicator();
   const ParallelGroups g = make_parallel_groups(comm, ParallelLayout{1, 1, 1});
-  for (const bool v1 : {false, true}) {
+  for (const int version : {3, 2, 1}) {
+    const bool v1 = version == 1;
     TempDir dir;
     BigNet net;
     auto opt = big_optimizer(net, g, 2, AdamW(0.01));
     const std::string ckpt = dir / "ckpt";
     opt->save_checkpoint(ckpt);
+    if (version <= 2) as_version_2(ckpt);
     if (v1) as_version_1(ckpt);
-    EXPECT_EQ(read_checkpoint_info(ckpt).format_version, v1 ? 1 : 2);
+    EXPECT_EQ(read_checkpoint_info(ckpt).format_version, version);
     {
       BigNet fresh;
       auto other = big_optimizer(fresh, g, 1, AdamW(0.01));
@@ -365,8 +443,48 @@ TEST(CheckpointFormat, VersionOneLoadsAndEitherChecksumCatchesAFlippedByte) {
       BigNet fresh;
       auto other = big_optimizer(fresh, g, 3, AdamW(0.01));
       expect_error([&] { load_grid_checkpoint(*other, g, ranged); }, ErrorKind::Checkpoint,
-                   {"checksum mismatch in shard file", "bytes [", name});
+                   {"checksum mismatch in shard file", "bytes [", name,
+                    version == 3 ? "the block table says" : "the manifest says"});
     }
+  }
+}
+
+// Note [Block tables]: a ranged read checks the file's block table against the manifest before it
+// trusts a block to it, and the manifest's record of the table must fit the file.
+TEST(CheckpointFormat, VersionThreeChecksItsBlockTable) {
+  auto comm = make_single_communicator();
+  const ParallelGroups g = make_parallel_groups(comm, ParallelLayout{1, 1, 1});
+  TempDir dir;
+  BigNet net;
+  auto opt = big_optimizer(net, g, 2, AdamW(0.01));
+  const fs::path ckpt = dir / "ckpt";
+  opt->save_checkpoint(ckpt.string());
+  drop_element_sums(ckpt);  // so that the grid load verifies the blocks it reads
+  const json m = json::parse(read_file(ckpt / "manifest.json"));
+  const json& f = m.at("files")[0];
+  const int64_t table = f.at("blocks").at("table_offset").get<int64_t>();
+  EXPECT_EQ(table % detail::kBlockBytes, 0);
+  EXPECT_EQ(table + 4 * f.at("blocks").at("count").get<int64_t>(), f.at("bytes").get<int64_t>());
+  const fs::path bad = dir / "bad";
+  fs::copy(ckpt, bad);
+  {
+    const fs::path path = bad / f.at("path").get<std::string>();
+    std::string bytes = read_file(path);
+    bytes[static_cast<size_t>(table + 5)] ^= 0x01;
+    write_file(path, bytes);
+    BigNet fresh;
+    auto other = big_optimizer(fresh, g, 3, AdamW(0.01));
+    expect_error([&] { load_grid_checkpoint(*other, g, bad.string()); }, ErrorKind::Checkpoint,
+                 {"checksum mismatch in the block table of shard file", "corrupt"});
+  }
+  const fs::path moved = dir / "moved";
+  fs::copy(ckpt, moved);
+  {
+    json edited = m;
+    edited["files"][0]["blocks"]["table_offset"] = table - detail::kBlockBytes;
+    write_manifest(moved, edited);
+    expect_error([&] { read_checkpoint_info(moved.string()); }, ErrorKind::Checkpoint,
+                 {"the block table of", "is malformed"});
   }
 }
 

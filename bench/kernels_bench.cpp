@@ -6,8 +6,9 @@
 //   build/bench/kernels_bench --benchmark_repetitions=5 [--numel=100000000]
 //
 // 8-bit AdamW (src/kernels/adam8bit.hpp) against the fp32 fused AdamW, interleaved:
-//   build/bench/kernels_bench --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
+//   build/bench/kernels_bench --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true
 //     --benchmark_filter='fused_adamw(8bit)?/threads:[0-9]+/isa:0(/bf16:0)?/real_time'
+//   (one command line)
 // and their compute ceilings (in L2, 1 thread): --benchmark_filter='fused_adamw(8bit)?_in_l2/isa:3'
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -115,6 +115,13 @@ void check_shard_size(const Manifest& m, int rank);
 // Rank `rank`'s shard file, checked against the manifest (size, CRC-32, header).
 LoadedShard load_shard(const Manifest& m, int rank);
 
+// Note [Manifest checksum]: the manifest's own CRC-32, over its compact dump without the
+// "manifest_crc32" field (nlohmann's objects are sorted, so the dump is canonical and survives a
+// parse). An edit that keeps valid JSON (a piece offset changed by one) is caught on load.
+// Manifests written before the field existed carry none and are read as before.
+constexpr const char* kManifestCrc = "manifest_crc32";
+uint32_t manifest_crc(json j);
+
 // The manifest of a save: `names` are the state buffers, `files` every rank's shard entry,
 // `module` SaveOptions' module state names and aliases (null: none).
 json build_manifest(ShardAccess& a, const std::vector<std::string>& names, const json& trainer,

@@ -1,8 +1,6 @@
 // The MPI engine. Collectives run in submission order on one worker thread, so async calls overlap
-// the caller's compute. Reductions are our own (pairwise Sendrecv into a persistent scratch buffer
-// plus an ATen add): OpenMPI 4.1's MPI_Reduce_scatter_block allocates per call and reached ~1 GB/s
-// here, the pairwise exchange ~4 GB/s (docs/design.md). Each chunk is reduced by exactly one rank and
-// then gathered, so all_reduce gives bitwise-identical results on every rank.
+// the caller's compute; their algorithms (our own reductions, polite waits) are in
+// comm/mpi_collectives.cpp.
 #include "shardopt/mpi.hpp"
 
 #if defined(__SANITIZE_ADDRESS__)  // GCC's -fsanitize=address (scripts/test.sh --sanitize)
@@ -30,43 +28,14 @@
 #include <vector>
 
 #include "comm/engines.hpp"
+#include "comm/mpi_collectives.hpp"
 #include "comm/polite_waits.hpp"
 #include "shardopt/error.hpp"
-
-#define SHARDOPT_MPI_CHECK(call, context)                                                      \
-  do {                                                                                         \
-    const int shardopt_mpi_rc = (call);                                                        \
-    if (shardopt_mpi_rc != MPI_SUCCESS) {                                                      \
-      char shardopt_mpi_msg[MPI_MAX_ERROR_STRING];                                             \
-      int shardopt_mpi_len = 0;                                                                \
-      MPI_Error_string(shardopt_mpi_rc, shardopt_mpi_msg, &shardopt_mpi_len);                  \
-      SHARDOPT_FAIL(Communication, "comm.mpi: {} failed in {}: {}", #call, context,            \
-                    std::string(shardopt_mpi_msg, shardopt_mpi_len));                          \
-    }                                                                                          \
-  } while (false)
 
 namespace shardopt {
 namespace {
 
-// MPI only moves bytes here; reductions are done by ATen, so 16-bit floats travel as uint16.
-MPI_Datatype mpi_type(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return MPI_FLOAT;
-    case at::kDouble: return MPI_DOUBLE;
-    case at::kHalf: case at::kBFloat16: return MPI_UINT16_T;
-    case at::kInt: return MPI_INT32_T;
-    case at::kLong: return MPI_INT64_T;
-    case at::kByte: return MPI_UINT8_T;
-    default: SHARDOPT_FAIL(InvalidArgument, "comm.mpi: no MPI type for {}", c10::toString(t));
-  }
-}
-
-int mpi_count(int64_t numel, const char* op) {
-  SHARDOPT_CHECK(numel <= INT_MAX, InvalidArgument,
-                 "comm.mpi: {} of {} elements per rank exceeds MPI's int count ({}); use smaller "
-                 "buckets", op, numel, INT_MAX);
-  return static_cast<int>(numel);
-}
+using detail::mpi_count;
 
 struct Shared {
   std::atomic<bool> timed_out{false};
@@ -133,7 +102,7 @@ class MpiWork final : public Work {
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, int rank, int size, bool threaded)
-      : Communicator(rank, size), comm_(comm), threaded_(threaded) {
+      : Communicator(rank, size), comm_(comm), threaded_(threaded), collectives_(comm, rank, size) {
     // Point-to-point messages match any tag from their source (the tag carries the dtype), so
     // they get a communicator of their own that the collectives' Sendrecv never touches.
     SHARDOPT_MPI_CHECK(MPI_Comm_dup(comm_, &p2p_comm_), "make_mpi_communicator");
@@ -188,53 +157,31 @@ class MpiCommunicator final : public Communicator {
   WorkPtr do_all_reduce(const at::Tensor& t, ReduceOp op) override {
     return submit(fmt::format("all_reduce({}, {}) on mpi", describe(t), to_string(op)),
                   [this, t, op, polite = detail::polite_waits_here()] {
-                    all_reduce_now(t.view(-1), op, polite);
+                    collectives_.all_reduce(t.view(-1), op, polite);
                   });
   }
   WorkPtr do_reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op) override {
     return submit(fmt::format("reduce_scatter({} -> {}, {}) on mpi", describe(in), describe(out),
                               to_string(op)),
                   [this, in, out, op, polite = detail::polite_waits_here()] {
-                    reduce_scatter_now(in.view(-1), out.view(-1), op, polite);
+                    collectives_.reduce_scatter(in.view(-1), out.view(-1), op, polite);
                   });
   }
   WorkPtr do_all_gather(const at::Tensor& in, const at::Tensor& out) override {
     return submit(fmt::format("all_gather({} -> {}) on mpi", describe(in), describe(out)),
                   [this, in, out, polite = detail::polite_waits_here()] {
-                    all_gather_now(in.view(-1), out.view(-1), polite);
+                    collectives_.all_gather(in.view(-1), out.view(-1), polite);
                   });
   }
   WorkPtr do_broadcast(const at::Tensor& t, int root) override {
-    const bool polite = detail::polite_waits_here();
     return submit(fmt::format("broadcast({}, root {}) on mpi", describe(t), root),
-                  [this, t, root, polite] {
-      // Pieces of at most 1 GiB keep the count inside MPI's int.
-      constexpr int64_t kPiece = int64_t{1} << 30;
-      auto* base = static_cast<char*>(t.data_ptr());
-      for (int64_t off = 0; off < static_cast<int64_t>(t.nbytes()); off += kPiece) {
-        const int64_t n = std::min<int64_t>(kPiece, t.nbytes() - off);
-        if (!polite) {
-          SHARDOPT_MPI_CHECK(MPI_Bcast(base + off, static_cast<int>(n), MPI_BYTE, root, comm_),
-                             "broadcast");
-          continue;
-        }
-        MPI_Request request = MPI_REQUEST_NULL;
-        SHARDOPT_MPI_CHECK(
-            MPI_Ibcast(base + off, static_cast<int>(n), MPI_BYTE, root, comm_, &request),
-            "broadcast");
-        wait_politely(&request, 1, "broadcast");
-      }
-    });
+                  [this, t, root, polite = detail::polite_waits_here()] {
+                    collectives_.broadcast(t, root, polite);
+                  });
   }
   void do_barrier() override {
     submit("barrier on mpi", [this, polite = detail::polite_waits_here()] {
-      if (!polite) {
-        SHARDOPT_MPI_CHECK(MPI_Barrier(comm_), "barrier");
-        return;
-      }
-      MPI_Request request = MPI_REQUEST_NULL;
-      SHARDOPT_MPI_CHECK(MPI_Ibarrier(comm_, &request), "barrier");
-      wait_politely(&request, 1, "barrier");
+      collectives_.barrier(polite);
     })->wait();
   }
   // Each message is posted (MPI_Isend/MPI_Irecv) on the worker in submission order and completes
@@ -478,119 +425,6 @@ class MpiCommunicator final : public Communicator {
     pending_.clear();
   }
 
-  // Typed view of the persistent scratch buffer; grows once, never shrinks.
-  at::Tensor scratch(int64_t numel, at::ScalarType dtype) {
-    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    if (!scratch_.defined() || scratch_.numel() < bytes) {
-      scratch_ = at::empty({bytes}, at::kByte);
-      scratch_.zero_();  // pre-fault once rather than on the first reduction
-    }
-    return at::from_blob(scratch_.data_ptr(), {numel}, at::TensorOptions().dtype(dtype));
-  }
-
-  static void combine(const at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
-    switch (op) {
-      case ReduceOp::Sum: acc.add_(other); break;
-      case ReduceOp::Max: at::maximum_out(const_cast<at::Tensor&>(acc), acc, other); break;
-      case ReduceOp::Min: at::minimum_out(const_cast<at::Tensor&>(acc), acc, other); break;
-      case ReduceOp::Avg: SHARDOPT_INTERNAL_ASSERT(false, "Avg reaches the MPI engine as Sum");
-    }
-  }
-
-  // Pairwise exchange: in step k, send the chunk owned by rank+k and receive our chunk from
-  // rank-k, then fold it in. Each rank sends and receives (N-1)/N of the input: the minimum.
-  // Completes `n` requests by polling (Note [Polite waits] in comm/polite_waits.hpp), sleeping
-  // between polls (20 us, doubling to 1 ms) so that the waiting thread leaves its core.
-  static void wait_politely(MPI_Request* requests, int n, const char* context) {
-    constexpr std::chrono::microseconds kFirst{20}, kLongest{1000};
-    std::chrono::microseconds pause = kFirst;
-    for (;;) {
-      int done = 0;
-      SHARDOPT_MPI_CHECK(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE), context);
-      if (done) return;
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, kLongest);
-    }
-  }
-
-  void reduce_scatter_now(const at::Tensor& in, const at::Tensor& out, ReduceOp op,
-                          bool polite) {
-    const int64_t shard = out.numel();
-    const int64_t bytes = static_cast<int64_t>(out.nbytes());
-    const int r = rank(), n = size();
-    auto* base = static_cast<char*>(in.data_ptr());
-    if (out.data_ptr() != base + r * bytes) std::memcpy(out.data_ptr(), base + r * bytes, bytes);
-    if (n == 1 || shard == 0) return;
-    // Pieces bound the scratch buffer and keep counts inside MPI's int.
-    constexpr int64_t kPieceBytes = int64_t{64} << 20;
-    const int64_t elem = static_cast<int64_t>(out.element_size());
-    const int64_t piece = std::max<int64_t>(1, kPieceBytes / elem);
-    const MPI_Datatype type = mpi_type(out.scalar_type());
-    at::Tensor tmp = scratch(std::min(piece, shard), out.scalar_type());
-    for (int64_t off = 0; off < shard; off += piece) {
-      const int64_t len = std::min(piece, shard - off);
-      at::Tensor acc = out.narrow(0, off, len);
-      at::Tensor recv = tmp.narrow(0, 0, len);
-      for (int k = 1; k < n; ++k) {
-        const int dst = (r + k) % n, src = (r - k + n) % n;
-        if (polite) {
-          MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-          SHARDOPT_MPI_CHECK(MPI_Irecv(recv.data_ptr(), static_cast<int>(len), type, src, 0, comm_,
-                                       &requests[0]),
-                             "reduce_scatter");
-          SHARDOPT_MPI_CHECK(MPI_Isend(base + (dst * shard + off) * elem, static_cast<int>(len),
-                                       type, dst, 0, comm_, &requests[1]),
-                             "reduce_scatter");
-          wait_politely(requests, 2, "reduce_scatter");
-        } else {
-          SHARDOPT_MPI_CHECK(MPI_Sendrecv(base + (dst * shard + off) * elem,
-                                          static_cast<int>(len), type, dst, 0, recv.data_ptr(),
-                                          static_cast<int>(len), type, src, 0, comm_,
-                                          MPI_STATUS_IGNORE),
-                             "reduce_scatter");
-        }
-        combine(acc, recv, op);
-      }
-    }
-  }
-
-  void all_gather_now(const at::Tensor& in, const at::Tensor& out, bool polite) {
-    const int count = mpi_count(in.numel(), "all_gather");
-    const MPI_Datatype type = mpi_type(in.scalar_type());
-    auto* own = static_cast<char*>(out.data_ptr()) + rank() * in.nbytes();
-    const void* send = in.data_ptr() == own ? MPI_IN_PLACE : in.data_ptr();
-    if (!polite) {
-      SHARDOPT_MPI_CHECK(MPI_Allgather(send, count, type, out.data_ptr(), count, type, comm_),
-                         "all_gather");
-      return;
-    }
-    MPI_Request request = MPI_REQUEST_NULL;
-    SHARDOPT_MPI_CHECK(
-        MPI_Iallgather(send, count, type, out.data_ptr(), count, type, comm_, &request),
-        "all_gather");
-    wait_politely(&request, 1, "all_gather");
-  }
-
-  // Reduce-scatter then all-gather in place, on a padded copy when the length does not divide.
-  void all_reduce_now(const at::Tensor& t, ReduceOp op, bool polite) {
-    const int n = size();
-    if (n == 1) return;
-    const int64_t shard = (t.numel() + n - 1) / n;
-    at::Tensor work = t;
-    if (shard * n != t.numel()) {
-      if (!padded_.defined() || padded_.numel() < shard * n * t.element_size()) {
-        padded_ = at::empty({shard * n * t.element_size()}, at::kByte);
-      }
-      work = at::from_blob(padded_.data_ptr(), {shard * n}, at::TensorOptions().dtype(t.dtype()));
-      work.narrow(0, 0, t.numel()).copy_(t);
-      work.narrow(0, t.numel(), shard * n - t.numel()).zero_();
-    }
-    at::Tensor own = work.narrow(0, rank() * shard, shard);
-    reduce_scatter_now(work, own, op, polite);
-    all_gather_now(own, work, polite);
-    if (!work.is_same(t)) t.copy_(work.narrow(0, 0, t.numel()));
-  }
-
   MPI_Comm comm_;
   MPI_Comm p2p_comm_ = MPI_COMM_NULL;
   bool threaded_;
@@ -610,8 +444,7 @@ class MpiCommunicator final : public Communicator {
   std::deque<Task> queue_;
   bool stopping_ = false;
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
-  at::Tensor scratch_;  // worker-only
-  at::Tensor padded_;   // worker-only
+  detail::MpiCollectives collectives_;  // worker-only (the caller's without one)
 };
 
 // Finalises MPI at exit when shardopt initialised it.

@@ -1,6 +1,6 @@
 // Polite waits: collectives issued from a thread that runs beside the training wait without
 // taking a core. Internal; the asynchronous checkpoint's writer uses it (src/checkpoint/
-// async_save.cpp), the MPI engine honours it (src/comm/mpi_communicator.cpp).
+// async_save.cpp), the MPI engine honours it (src/comm/mpi_collectives.cpp).
 #pragma once
 
 namespace shardopt::detail {

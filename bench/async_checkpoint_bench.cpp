@@ -4,7 +4,8 @@
 //   - blocking time per save (inside save_checkpoint_async) vs one memcpy of the rank's state (the
 //     owned slices of the master parameters and of every optimizer state buffer, into a buffer
 //     allocated once, as the snapshot is);
-//   - the step that runs while the save writes vs the steps with no save in flight;
+//   - the steps that run while the save writes (each started before it finished) vs the steps
+//     with no save in flight, and the CPU of each step's thread and of the process's others;
 //   - the background write (the world's checkpoint bytes over the slowest rank's background time)
 //     vs `dd conv=fsync` of as many bytes into the same folder, run by rank 0 alone.
 //
@@ -42,6 +43,28 @@ namespace fs = std::filesystem;
 using shardopt::bench::Clock;
 using shardopt::bench::median;
 double since(Clock::time_point t0) { return shardopt::bench::seconds_since(t0); }
+
+double cpu_seconds(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// A step's wall time, the CPU its own thread took, and the CPU every other thread of the process
+// took meanwhile (the writer, MPI's and torch's threads): where a slower step's time went.
+struct StepTimes {
+  double wall = 0, own_cpu = 0, others_cpu = 0;
+};
+template <typename Step>
+StepTimes timed(Step&& step) {
+  const double own0 = cpu_seconds(CLOCK_THREAD_CPUTIME_ID);
+  const double all0 = cpu_seconds(CLOCK_PROCESS_CPUTIME_ID);
+  StepTimes t;
+  t.wall = step();
+  t.own_cpu = cpu_seconds(CLOCK_THREAD_CPUTIME_ID) - own0;
+  t.others_cpu = cpu_seconds(CLOCK_PROCESS_CPUTIME_ID) - all0 - t.own_cpu;
+  return t;
+}
 
 // Seconds dd takes to write `bytes` into `dir` with conv=fsync (8 MiB blocks); the file removed.
 double dd_seconds(const fs::path& dir, int64_t bytes) {
@@ -111,22 +134,31 @@ int main(int argc, char** argv) {
                  comm->size(), comm->backend(), stage, preset, batch, seq, threads, niceness,
                  static_cast<double>(saver.snapshot_bytes()) / (1 << 20), first_blocking);
       fmt::print("round  memcpy_s  blocking_s  quiet_step_s  writing_step_s  background_s  "
-                 "bytes  dd_s  write_MBps  dd_MBps  writer_cpu_s\n");
+                 "bytes  dd_s  write_MBps  dd_MBps  writer_cpu_s  step_cpu_s(quiet/writing)  "
+                 "others_cpu_s(quiet/writing)\n");
     }
     std::vector<double> memcpys, blockings, quiet, writing, rates, dd_rates;
     for (int round = 0; round < rounds; ++round) {
       comm->barrier();
       const double copy_s = shardopt::bench::memcpy_state(access, copy_buffer);
-      std::vector<double> q;
-      for (int s = 0; s < quiet_steps; ++s) q.push_back(step());
+      std::vector<double> q, q_own, q_others;
+      for (int s = 0; s < quiet_steps; ++s) {
+        const StepTimes t = timed(step);
+        q.push_back(t.wall);
+        q_own.push_back(t.own_cpu);
+        q_others.push_back(t.others_cpu);
+      }
       comm->barrier();
       saver.save_checkpoint_async(base.string());
       const double blocking = saver.last_timing().blocking_s;
       // Steps until the save has finished on every rank (the step's end after it: one more at
       // most); each rank's flag reaches every rank through an all-reduce.
       std::vector<double> w;
+      StepTimes first_writing;
       for (;;) {
-        w.push_back(step());
+        const StepTimes t = timed(step);
+        if (w.empty()) first_writing = t;
+        w.push_back(t.wall);
         auto done = torch::tensor({saver.last_timing().background_s > 0 ? 0.0f : 1.0f});
         comm->all_reduce(done, shardopt::ReduceOp::Sum)->wait();
         if (done.item<float>() == 0) break;
@@ -148,17 +180,18 @@ int main(int argc, char** argv) {
       memcpys.push_back(copy_s);
       blockings.push_back(blocking);
       for (double x : q) quiet.push_back(x);
-      // The first step after the save ran with the write in flight from its start.
-      writing.push_back(w.front());
+      // Every step here started with the write in flight (a paced write spans several).
+      for (double x : w) writing.push_back(x);
       if (lead) {
         const double rate = static_cast<double>(bytes) / background / 1e6;
         const double dd_rate = static_cast<double>(bytes) / dd / 1e6;
         rates.push_back(rate);
         dd_rates.push_back(dd_rate);
         fmt::print("{:5d}  {:8.4f}  {:10.4f}  {:12.3f}  {:14.3f}  {:12.3f}  {}  {:.3f}  {:10.1f}  "
-                   "{:7.1f}  {:12.3f}  (steps while writing: {})\n",
-                   round, copy_s, blocking, median(q), w.front(), background, bytes, dd, rate,
-                   dd_rate, writer_cpu, w.size());
+                   "{:7.1f}  {:12.3f}  {:.3f}/{:.3f}  {:.3f}/{:.3f}  (steps while writing: {})\n",
+                   round, copy_s, blocking, median(q), median(w), background, bytes, dd, rate,
+                   dd_rate, writer_cpu, median(q_own), first_writing.own_cpu, median(q_others),
+                   first_writing.others_cpu, w.size());
         std::fflush(stdout);
       }
     }

@@ -17,6 +17,7 @@
 #include "checkpoint/element_sums.hpp"
 #include "checkpoint/format.hpp"
 #include "checkpoint/placement.hpp"
+#include "shardopt/checkpoint.hpp"  // kCheckpointFormatVersion
 #include "shardopt/detail/shard_access.hpp"
 #include "shardopt/detail/shard_plan.hpp"
 #include "shardopt/precision.hpp"
@@ -71,6 +72,11 @@ std::pair<int, int> split_place_of_param(const ShardAccess& a, int index);
 // This rank's copy of parameter `index`: its local shape and split record (Note [Placement in the
 // manifest]).
 TensorPlacement placement_of_param(const ShardAccess& a, int index);
+
+// The element sums' hash of the format this build writes (Note [Element checksums]).
+inline constexpr ElementHash kSavedElementHash =
+    kCheckpointFormatVersion >= kMultiplyHashFormatVersion ? ElementHash::Multiply
+                                                           : ElementHash::Mix64;
 
 // The split of parameter `index` as a manifest records it: {dim, full_size, padded_size}, or
 // empty where it is not split (or split trivially: one rank holding all of it, no padding).

@@ -78,21 +78,24 @@ void check_finite(ShardAccess& a, int bucket, const at::Tensor& slice, const std
                 section, name, rank);
 }
 
-// The element sums' hash of the format this build writes (kCheckpointFormatVersion).
-constexpr ElementHash kSavedHash = kCheckpointFormatVersion >= kMultiplyHashFormatVersion
-                                       ? ElementHash::Multiply
-                                       : ElementHash::Mix64;
-
 // This rank's part of parameter i's element sums (Note [Element checksums]): the values and each
-// state section, read from the owned slices (`slices_of(bucket)`: its param and state slices).
+// state section, read from the owned slices (`slices_of(bucket)`: its param and state slices),
+// except the sections an asynchronous save's image summed in its copy (Note [Shard images]).
 std::vector<uint64_t> element_sums_of(
     ShardAccess& a, int i, const StateSections& state, size_t sections,
-    const std::function<const std::vector<at::Tensor>&(int)>& slices_of) {
+    const std::function<const std::vector<at::Tensor>&(int)>& slices_of, const ShardImage* image) {
   const auto& layout = a.layout();
   const int rank = a.comm()->rank();
   const TensorPlacement place = placement_of_param(a, i);
   std::vector<uint64_t> sums(sections, 0);
-  for (const ParamPiece* lp = layout.pieces_begin(i); lp != layout.pieces_end(i); ++lp) {
+  std::vector<bool> from_image(sections, false);
+  bool left = false;  // a section to read
+  for (size_t k = 0; k < sections; ++k) {
+    from_image[k] = image != nullptr && image->summed(static_cast<int>(k));
+    if (from_image[k]) sums[k] = image->element_sum(i, static_cast<int>(k));
+    left = left || !from_image[k];
+  }
+  for (const ParamPiece* lp = layout.pieces_begin(i); left && lp != layout.pieces_end(i); ++lp) {
     const BucketLayout& bl = layout.buckets[lp->bucket];
     const ShardRange mine = intersect({lp->offset, lp->offset + lp->numel}, bl.owned(rank));
     if (mine.empty()) continue;
@@ -100,17 +103,20 @@ std::vector<uint64_t> element_sums_of(
     const int64_t first = mine.begin - rank * bl.shard;  // in the bucket's owned slice
     const int64_t param_begin = mine.begin - lp->offset + lp->param_offset;
     const int elem0 = static_cast<int>(s[0].element_size());
-    sums[0] += element_sum(kSavedHash, place, param_begin, mine.size(),
-                           static_cast<const char*>(s[0].data_ptr()) + first * elem0, elem0)
-                   .sum;
+    if (!from_image[0]) {
+      sums[0] += element_sum(kSavedElementHash, place, param_begin, mine.size(),
+                             static_cast<const char*>(s[0].data_ptr()) + first * elem0, elem0)
+                     .sum;
+    }
     for (size_t k = 1; k < s.size(); ++k) {
+      if (from_image[k]) continue;
       const SectionMap& map = state.maps[k - 1];
       const int64_t pos = bl.shard_offset + first;  // shard coordinates
       const auto [entry, count] = map.entries(pos, mine.size(), layout.slots[i].numel);
       if (count == 0) continue;
       const int64_t base = map.before(bl.shard_offset);  // the bucket slice's first entry
       const int elem = static_cast<int>(s[k].element_size());
-      sums[k] += section_sum(kSavedHash, map.index(), place, param_begin, mine.size(),
+      sums[k] += section_sum(kSavedElementHash, map.index(), place, param_begin, mine.size(),
                              layout.slots[i].numel,
                              static_cast<const char*>(s[k].data_ptr()) + (entry - base) * elem,
                              elem)
@@ -208,7 +214,8 @@ json write_shard(ShardAccess& a, const fs::path& tmp, const std::vector<std::str
     return on_cpu.emplace(b, std::move(s)).first->second;
   };
   for (int i = 0; i < static_cast<int>(layout.slots.size()); ++i) {
-    const std::vector<uint64_t> sums = element_sums_of(a, i, state, names.size() + 1, slices_of);
+    const std::vector<uint64_t> sums =
+        element_sums_of(a, i, state, names.size() + 1, slices_of, image);
     json hex = json::array();
     for (const uint64_t v : sums) hex.push_back(fmt::format("{:016x}", v));
     element_sums[a.param_name(i)] = hex;

@@ -1,7 +1,7 @@
 // Shard files' CRC-32C (Notes [CRC-32C], [Block checksums]) and the asynchronous save's shard
-// image (Note [Shard images]): the checksums of pieces and blocks, FileWriter's known blocks, the
-// image writing exactly the synchronous save's files, version-1 checkpoints (zlib's CRC-32) still
-// loading, and a corrupted byte caught by either checksum.
+// image (Note [Shard images]): the checksums of pieces and blocks, the image's one-pass copy,
+// FileWriter's known blocks, the image writing exactly the synchronous save's files, version-1
+// checkpoints (zlib's CRC-32) still loading, and a corrupted byte caught by either checksum.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -24,6 +24,7 @@
 #include "checkpoint/element_sums.hpp"
 #include "checkpoint/files.hpp"
 #include "checkpoint/format.hpp"
+#include "checkpoint/image_copy.hpp"
 #include "shardopt/async_checkpoint.hpp"
 #include "shardopt/checkpoint.hpp"
 #include "shardopt/detail/shard_access.hpp"
@@ -100,6 +101,51 @@ TEST(Crc32c, PiecesBlocksAndShiftsAgreeWithTheReference) {
       const uint32_t want = crc32c_reference(bytes.data() + 5 + b * kB, kB);
       EXPECT_EQ(copied[static_cast<size_t>(b)], want) << "block " << b;
       EXPECT_EQ(alone[static_cast<size_t>(b)], want) << "block " << b;
+    }
+  }
+}
+
+// The image's one-pass copy (image_copy.hpp) gives what the separate passes give: the bytes, each
+// block's CRC-32C, the sum of ElementHash::Multiply over consecutive indices (from 0 and from
+// beyond 2^32), and a NaN or an infinity in any block, first or last, of four or one at a time.
+TEST(ImageCopy, OnePassEqualsTheSeparatePasses) {
+  constexpr int64_t kB = detail::kBlockBytes;
+  const auto bytes = random_bytes(static_cast<size_t>(kB * 9 + 8), 5);
+  void* raw = nullptr;
+  ASSERT_EQ(::posix_memalign(&raw, 64, static_cast<size_t>(kB * 9)), 0);
+  std::unique_ptr<uint8_t, decltype(&std::free)> image(static_cast<uint8_t*>(raw), &std::free);
+  for (const int64_t blocks : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{9}}) {
+    for (const uint64_t index : {uint64_t{0}, uint64_t{77}, (uint64_t{1} << 32) + 5}) {
+      // Finite values from the random bits (exponent below all-ones), 4 bytes past alignment.
+      std::vector<uint8_t> src(bytes.begin(), bytes.begin() + blocks * kB + 4);
+      for (int64_t j = 0; j < blocks * kB / 4; ++j) src[static_cast<size_t>(4 * j + 7)] &= 0x3F;
+      const uint8_t* from = src.data() + 4;
+      std::vector<uint32_t> crcs(static_cast<size_t>(blocks));
+      const detail::SummedCopy c = detail::copy_blocks_summed(image.get(), from, blocks,
+                                                              crcs.data(), index);
+      EXPECT_EQ(std::memcmp(image.get(), from, static_cast<size_t>(blocks * kB)), 0);
+      for (int64_t b = 0; b < blocks; ++b) {
+        EXPECT_EQ(crcs[static_cast<size_t>(b)], crc32c_reference(from + b * kB, kB)) << b;
+      }
+      uint64_t sum = 0;
+      for (int64_t j = 0; j < blocks * kB / 4; ++j) {
+        uint32_t x;
+        std::memcpy(&x, from + 4 * j, 4);
+        sum += detail::multiply_hash(index + static_cast<uint64_t>(j), x);
+      }
+      EXPECT_EQ(c.sum, sum) << blocks << " blocks from " << index;
+      EXPECT_FALSE(c.non_finite);
+      for (const float bad : {std::numeric_limits<float>::quiet_NaN(),
+                              -std::numeric_limits<float>::infinity()}) {
+        for (const int64_t at : {int64_t{0}, blocks * kB / 4 - 1}) {
+          std::vector<uint8_t> with = src;
+          std::memcpy(with.data() + 4 + 4 * at, &bad, 4);
+          EXPECT_TRUE(detail::copy_blocks_summed(image.get(), with.data() + 4, blocks,
+                                                 crcs.data(), index)
+                          .non_finite)
+              << blocks << " blocks, element " << at;
+        }
+      }
     }
   }
 }
@@ -197,12 +243,14 @@ std::unique_ptr<DistributedOptimizer> big_optimizer(BigNet& net, const ParallelG
 // The asynchronous save's image (Note [Shard images]), its block checksums and non-finite check
 // computed by the snapshot's copy, writes the synchronous save's files byte for byte
 // (manifests equal, every checksum and element sum included), at every stage and for a rule with
-// three state buffers.
+// three state buffers and one whose state is not element-wise (8-bit AdamW: codes, block maxima
+// and packed moments, Note [Quantised state in checkpoints]), which the writer sums itself.
 TEST(AsyncCheckpoint, ImageWritesTheSynchronousFiles) {
   TempDir dir;
   auto comm = make_single_communicator();
   const ParallelGroups g = make_parallel_groups(comm, ParallelLayout{1, 1, 1});
-  const std::vector<Rule> rules{AdamW(0.01).weight_decay(0.05), Adam(0.01).amsgrad(true)};
+  const std::vector<Rule> rules{AdamW(0.01).weight_decay(0.05), Adam(0.01).amsgrad(true),
+                                AdamW8bit(0.01)};
   for (const int stage : {0, 2, 3}) {
     for (size_t r = 0; r < rules.size(); ++r) {
       const Rule& rule = rules[r];

@@ -11,7 +11,7 @@
 //     layout]), in one page-aligned buffer, zeroed once, so that padding is zeros as on disk;
 //   - it walks each bucket's slice of each section as runs: every parameter's piece, and the
 //     padding between. A run's whole 4 KiB blocks of 4-byte elements at consecutive indices (an
-//     unsplit parameter) go through copy_blocks_summed (image_copy.hpp): four blocks at a time,
+//     unsplit parameter) go through copy_blocks_summed (image_copy.hpp): three blocks at a time,
 //     one load of each 64 bytes feeding the non-temporal store, the block's CRC-32C stream (Note
 //     [CRC-32C]), the non-finite check (Note [Exact non-finite check]) and the element sums'
 //     hash (Note [Element checksums]), whose arithmetic hides under the memory's time;

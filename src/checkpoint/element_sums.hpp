@@ -24,7 +24,8 @@
 // by an add). For 4-byte elements that is one 32 x 32 -> 64-bit multiply (vpmuludq: 8 products an
 // instruction) with adds, shifts and logic, which keep up with the rate memory delivers the
 // elements (the writer's sums: 0.07 -> 0.05 s per 660 MB shard under load, a plain read of it
-// 0.04-0.05 s). It keeps the guarantees above, one of them outright: a changed element changes its
+// 0.04-0.05 s); an asynchronous save's copy now computes them from the loads its store uses
+// (copy_blocks_summed, Note [Shard images]). It keeps the guarantees above, one of them outright: a changed element changes its
 // term by d * b(i), with d = (x' ^ a) - (x ^ a) nonzero, |d| < 2^64 and b(i) odd, so nonzero mod
 // 2^64: a single flipped bit or changed element is always caught (Mix64: with probability
 // 1 - 2^-64). An element moved to another index meets other a and b; two errors cancel only where

@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
       memcpys.push_back(copy_s);
       blockings.push_back(blocking);
       for (double x : q) quiet.push_back(x);
-      // Every step here started with the write in flight (a paced write spans several).
+      // Every step here started with the write in flight (a slow disk's write spans several).
       for (double x : w) writing.push_back(x);
       if (lead) {
         const double rate = static_cast<double>(bytes) / background / 1e6;

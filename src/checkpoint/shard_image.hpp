@@ -21,10 +21,10 @@
 //     the buffer once the copy is done.
 // The element sums of every element-wise section then come from the copy (summed(k)); those of
 // 8-bit AdamW's block and packed sections (Note [Quantised state in checkpoints]) the writer still
-// computes. On BERT-base's 660 MB shard that pass takes about one memcpy (0.07-0.08 s, both ranks
-// copying; the image in transparent huge pages: O_DIRECT pins its pages for every write), and the
-// writer's CPU per save falls from 0.04-0.05 s to 0.01 s (bench/log/2026-11-28-async-checkpoints-
-// one-pass.md). The writer hands the whole blocks to write() straight from the buffer, O_DIRECT
+// computes. On BERT-base's 660 MB shard that pass blocks the step for 0.047-0.05 s, 0.85-0.89x one
+// memcpy with both ranks copying (the image in transparent huge pages: O_DIRECT pins its pages for
+// every write), and the writer's CPU per save falls from 0.04-0.05 s to 0.01 s (the bench log
+// 2026-11-28-async-checkpoints-one-pass.md). The writer hands the whole blocks to write() straight from the buffer, O_DIRECT
 // (Note [Direct shard writes]: the disk reads the snapshot by DMA, no staging copy), and appends
 // the last partial block and the trainer tensors through FileWriter. Only where the optimizer's
 // slices are not contiguous host tensors of the section's dtype (a GPU's state) does the snapshot
